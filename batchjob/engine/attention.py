@@ -1,0 +1,140 @@
+"""Paged attention plugged into unmodified Hugging Face models through ``AttentionInterface``.
+
+The model runs one packed sequence of ``T`` tokens (batch dimension 1) holding chunks of several requests.
+Each attention layer calls :func:`paged_attention` with the new tokens' query, key and value. We write the new
+K/V into the paged cache, then let each request's queries attend to that request's cached keys, with a
+bottom-right causal alignment (the first query of a chunk sees every earlier cached key of its request).
+
+Everything that describes the batch travels in one private keyword argument, ``batchjob_meta``, built once
+per step by the model runner and shared by all layers. The registered name has no mask function, so the
+model skips building its own mask.
+
+Two groups keep the reference implementation fast on CPU: requests with a single query token (decoding)
+are attended in one batched call over keys padded to the longest of them; requests with a chunk of several
+tokens (prefill) get one call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_NAME = "batchjob_paged"
+META_KWARG = "batchjob_meta"
+
+
+@dataclass
+class PrefillChunk:
+    """A request computing ``q_len`` tokens at positions ``[ctx_len - q_len, ctx_len)`` of its sequence."""
+
+    q_start: int  # first row of the packed sequence
+    q_len: int
+    ctx_len: int  # keys it attends to, its new tokens included
+    key_slots: (
+        torch.Tensor | None
+    )  # [ctx_len] int64 flat cache slots; None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    kv_caches: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # per layer: K, V [num_blocks, block_size, kv_heads, dim]
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    decode_rows: torch.Tensor | None = None  # [Rd] int64: packed rows of single-token requests
+    decode_key_slots: torch.Tensor | None = None  # [Rd, Lmax] int64 (padding points at a valid slot)
+    decode_ctx_lens: torch.Tensor | None = None  # [Rd] int64
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)  # (kind, window) -> bool mask, built on first use per step
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[Rd, 1, 1, Lmax] bool: key j is visible to the request's single query (at position ctx_len - 1)."""
+        key = ("decode", window)
+        if key not in self._masks:
+            assert self.decode_key_slots is not None and self.decode_ctx_lens is not None
+            lmax = self.decode_key_slots.shape[1]
+            kpos = torch.arange(lmax, device=self.decode_ctx_lens.device)[None, :]
+            lens = self.decode_ctx_lens[:, None]
+            mask = kpos < lens
+            if window is not None:
+                mask &= kpos > lens - 1 - window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """[q_len, ctx_len] bool for prefill chunk ``i``, bottom-right causal; None means plain causal."""
+        chunk = self.prefills[i]
+        if window is None and chunk.q_len == chunk.ctx_len:
+            return None
+        key = ("prefill", i, window)
+        if key not in self._masks:
+            device = self.slot_mapping.device
+            qpos = torch.arange(chunk.ctx_len - chunk.q_len, chunk.ctx_len, device=device)[:, None]
+            kpos = torch.arange(chunk.ctx_len, device=device)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def _sdpa(q, k, v, mask, scale, is_causal=False):
+    # q [B, H, Lq, D]; k, v [B, KVH, Lk, D]
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, KVH, T, D]
+    value: torch.Tensor,  # [1, KVH, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata = kwargs[META_KWARG]
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    k_new = key[0].transpose(0, 1)  # [T, KVH, D]
+    v_new = value[0].transpose(0, 1)
+    flat_k.index_copy_(0, meta.slot_mapping, k_new.to(flat_k.dtype))
+    flat_v.index_copy_(0, meta.slot_mapping, v_new.to(flat_v.dtype))
+
+    q = query[0]  # [H, T, D]
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
+
+    if meta.decode_rows is not None:
+        rows = meta.decode_rows
+        qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)  # [Rd, H, 1, D]
+        slots = meta.decode_key_slots
+        kd = flat_k[slots].permute(0, 2, 1, 3)  # [Rd, KVH, Lmax, D]
+        vd = flat_v[slots].permute(0, 2, 1, 3)
+        od = _sdpa(qd, kd, vd, meta.decode_mask(sliding_window), scaling)  # [Rd, H, 1, D]
+        out[rows] = od.squeeze(2)
+
+    for i, chunk in enumerate(meta.prefills):
+        s, e = chunk.q_start, chunk.q_start + chunk.q_len
+        qp = q[:, s:e].unsqueeze(0)  # [1, H, q, D]
+        if chunk.key_slots is None:
+            kp, vp = key[:, :, s:e], value[:, :, s:e]
+        else:
+            kp = flat_k[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            vp = flat_v[chunk.key_slots].transpose(0, 1).unsqueeze(0)
+        mask = meta.prefill_mask(i, sliding_window)
+        op = _sdpa(qp, kp, vp, mask, scaling, is_causal=mask is None and chunk.q_len > 1)
+        out[s:e] = op[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention)

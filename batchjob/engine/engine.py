@@ -1,0 +1,352 @@
+"""The engine: requests in, one scheduling iteration per ``step()``, finished requests out.
+
+``Engine.step()`` does exactly three things: schedule, execute one forward, update the requests with the
+sampled tokens (and free the ones that finished). Loops, progress, files and checkpoints live outside it;
+the engine knows token ids, KV blocks, the model and the device, and nothing about rows or jobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
+from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
+from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.request import Request, RequestStatus
+from batchjob.engine.sampler import sample
+from batchjob.engine.scheduler import Scheduler
+from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    text: str
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+
+
+@dataclass
+class RequestState:
+    """What a checkpoint needs to resume an unfinished request: no KV, it is recomputed."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of every request added
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputation included)
+    generated_tokens: int = 0
+    batched_tokens: int = 0  # all tokens run through the model
+    running_sum: int = 0  # sum over steps of running requests (for mean occupancy)
+    kv_blocks_used_sum: int = 0  # sum over steps of blocks in use (for mean KV utilization)
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    max_num_seqs: int = 1
+    num_blocks: int = 1
+
+    @property
+    def mean_batch_occupancy(self) -> float:
+        return self.running_sum / self.steps / self.max_num_seqs if self.steps else 0.0
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.kv_blocks_used_sum / self.steps / self.num_blocks if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["mean_batch_occupancy"] = self.mean_batch_occupancy
+        d["kv_utilization"] = self.kv_utilization
+        return d
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The ids HF ``generate`` stops on: the generation config's, else the model config's or tokenizer's."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+
+
+def _max_model_len(config) -> int:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig, model_id: str = "") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_id = model_id
+        self.device = config.device
+        self.dtype = config.dtype
+        self.max_model_len = _max_model_len(model.config)
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+        shape = KVShape.from_config(model.config)
+        num_blocks = config.num_blocks or self._auto_num_blocks(shape)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        kv = allocate_kv_cache(shape, num_blocks, config.block_size, config.dtype, config.device)
+        self.runner = ModelRunner(model, kv, config.block_size, config.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
+        self._requests: dict[str, Request] = {}
+        self._failed: list[Request] = []  # rejected at admission; reported by the next step()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_gb: float | None = None,
+    ) -> Engine:
+        """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine."""
+        from batchjob.models import load_model_and_tokenizer
+
+        dev = resolve_device(device)
+        config = EngineConfig(
+            device=dev,
+            dtype=resolve_dtype(dtype, dev),
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_gb=kv_memory_gb,
+        )
+        hf_model, tokenizer, resolved = load_model_and_tokenizer(model, config.dtype, dev)
+        return cls(hf_model, tokenizer, config, model_id=resolved)
+
+    def _auto_num_blocks(self, shape: KVShape) -> int:
+        per_block = shape.bytes_per_block(self.config.block_size, self.dtype)
+        # Never more than every seat filled to the full context: beyond that blocks could not be used.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
+        if self.config.kv_memory_gb is not None:
+            budget = self.config.kv_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * 0.8
+        else:
+            budget = 2 * 2**30
+        return max(1, min(useful, int(budget // per_block)))
+
+    # -- the incremental API the job runner drives ---------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        output_ids: Sequence[int] | None = None,
+        *,
+        key: int | None = None,
+    ) -> None:
+        """Queue a request. ``output_ids`` resumes one that already generated tokens in an earlier run.
+
+        ``key`` feeds the seeded sampler; by default it is derived from ``request_id``. A request that cannot
+        run (empty, too long, unknown token ids, larger than the whole KV pool) does not raise: it finishes
+        with ``finish_reason="error"`` at the next step.
+        """
+        if request_id in self._requests:
+            raise ConfigError(f"request id {request_id!r} is already in the engine")
+        if params.seed is None and not params.greedy:
+            params = params.replace(seed=random.getrandbits(63))
+        prompt = [int(t) for t in prompt_ids]
+        output = [int(t) for t in output_ids] if output_ids else []
+        req = Request(request_id, prompt + output, len(prompt), params, time.monotonic())
+        if key is not None:
+            req.key = key
+        self._requests[request_id] = req
+        self.stats.prompt_tokens += len(prompt)
+        error = self._check(req)
+        if error is not None:
+            req.error = error
+            self._failed.append(req)
+        elif output and self._stop_status(req, output[-1]) is not None:
+            self._failed.append(req)  # already complete: report it as finished at the next step
+        else:
+            self.scheduler.add(req)
+
+    def _check(self, req: Request) -> str | None:
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "empty prompt: no tokens"
+        if req.num_tokens >= self.max_model_len:
+            return f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} tokens"
+        bad = [t for t in req.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+        longest = min(n + req.params.max_new_tokens, self.max_model_len)
+        need = self.block_manager.blocks_for(longest)
+        if need > self.block_manager.num_blocks:
+            return (
+                f"request needs {need} KV blocks of {self.config.block_size} tokens for {longest} tokens, "
+                f"but the pool has {self.block_manager.num_blocks}; raise num_blocks or kv_memory_gb"
+            )
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def snapshot(self) -> list[RequestState]:
+        return [
+            RequestState(r.request_id, r.prompt_ids, r.output_ids, r.params)
+            for r in self._requests.values()
+            if not r.is_finished
+        ]
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and req not in self._failed:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        elif req is not None:
+            self._failed.remove(req)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute one forward, update. Returns the requests that finished in this step."""
+        t0 = time.perf_counter()
+        finished: list[Request] = []
+        for req in self._failed:
+            status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, req.token_ids[-1])
+            req.status = status or RequestStatus.FINISHED_LENGTH
+            finished.append(req)
+        self._failed.clear()
+
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if not plan.is_empty:
+            logits, sampling = self.runner.execute(plan)
+            for req, n in zip(plan.requests, plan.num_tokens, strict=True):
+                prompt_part = max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
+                self.stats.computed_prompt_tokens += prompt_part
+                req.num_computed_tokens += n
+            if sampling:
+                tokens = sample(
+                    logits,
+                    [r.params for r in sampling],
+                    [r.key for r in sampling],
+                    [r.num_output_tokens for r in sampling],
+                )
+                now = time.monotonic()
+                for req, tok in zip(sampling, tokens, strict=True):
+                    req.token_ids.append(tok)
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    status = self._stop_status(req, tok)
+                    if status is not None:
+                        self.scheduler.finish(req, status)
+                        finished.append(req)
+                self.stats.generated_tokens += len(tokens)
+            self.stats.steps += 1
+            self.stats.batched_tokens += plan.total_tokens
+            self.stats.running_sum += len(plan.requests)
+            self.stats.kv_blocks_used_sum += self.block_manager.num_used_blocks
+        self.stats.forward_seconds = self.runner.forward_seconds
+        outputs = [self._output(req) for req in finished]
+        for req in finished:
+            del self._requests[req.request_id]
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.params
+        if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                req.stop_text_pos = min(hits)
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        output = req.output_ids
+        text = self.tokenizer.decode(output, skip_special_tokens=True) if output else ""
+        if req.stop_text_pos is not None:
+            text = text[: req.stop_text_pos]
+        req.finish_time = time.monotonic()
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_ids=req.prompt_ids,
+            token_ids=output,
+            text=text,
+            finish_reason=req.status.finish_reason or "error",
+            error=req.error,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finish_time=req.finish_time,
+        )
+
+    # -- convenience ---------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A seeded request's draws are keyed by its prompt, so it samples the same tokens alone or in a crowd.
+        """
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if self.has_unfinished():
+            raise ConfigError("generate() needs an idle engine; it has unfinished requests")
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            tokens = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+            digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
+            rid = f"generate-{i}"
+            self.add_request(rid, tokens, p, key=int.from_bytes(digest, "little") & 0x7FFFFFFF)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[rid] for rid in ids]

@@ -1,0 +1,84 @@
+"""A request: prompt and output token ids, and one counter catching up with them.
+
+There are no prefill and decode phases. A request is behind by ``num_tokens - num_computed_tokens``: a new
+prompt is far behind, a decoding request is one token behind, and a preempted request is reset to zero and
+recomputes everything (its generated tokens included) the next time it is scheduled.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+from batchjob.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; finished states sort last, so ``status >= FINISHED_STOPPED`` means done."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ERROR = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def request_key(request_id: str) -> int:
+    """A stable 31-bit integer for a request id: the sampler mixes it with the seed and the position."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt ids followed by generated ids
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None
+    stop_text_pos: int | None = None  # where a matched stop string starts in the decoded output text
+    key: int = 0  # request_key(request_id), cached
+
+    def __post_init__(self) -> None:
+        self.key = request_key(self.request_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

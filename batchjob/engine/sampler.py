@@ -1,0 +1,78 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise.
+
+The random draw for a request's token at output position ``p`` is a pure function of (seed, request key,
+p): we hash those with the vocabulary index into uniform noise and take a Gumbel-max draw. So a request
+samples the same tokens alone or in any crowd, after a preemption and after a restart, on CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchjob.sampling import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash on int64 tensors holding 32-bit values (products stay below 2**63)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(
+    seeds: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """[R, vocab] float32 in (0, 1), determined by each row's (seed, key, position) and the column."""
+    h = _mix32(seeds & _M32)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    h = _mix32(h ^ keys)
+    h = _mix32(h ^ positions)  # [R]
+    cols = (torch.arange(vocab, device=h.device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    x = _mix32(_mix32(h[:, None] ^ cols[None, :]))
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(
+    logits: torch.Tensor,  # [R, V], any float dtype
+    params: list[SamplingParams],
+    keys: list[int],
+    positions: list[int],  # output position of the token being drawn
+) -> list[int]:
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+
+    device = logits.device
+    out = logits.argmax(dim=-1)
+    rows = torch.tensor([i for i, g in enumerate(greedy) if not g], device=device)
+    sp = [params[i] for i in rows.tolist()]
+    x = logits.index_select(0, rows).float()
+    x = x / torch.tensor([p.temperature for p in sp], device=device)[:, None]
+
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in sp):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        vocab = x.shape[-1]
+        rank = torch.arange(vocab, device=device)[None, :]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sp], device=device)[:, None]
+        drop = rank >= top_k
+        top_p = torch.tensor([p.top_p for p in sp], device=device)[:, None]
+        probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+        drop |= before > top_p
+        drop[:, 0] = False
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+    if any(p.min_p > 0.0 for p in sp):
+        probs = x.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in sp], device=device)[:, None]
+        x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+    seeds = torch.tensor([p.seed or 0 for p in sp], dtype=torch.int64, device=device)
+    k = torch.tensor([keys[i] for i in rows.tolist()], dtype=torch.int64, device=device)
+    pos = torch.tensor([positions[i] for i in rows.tolist()], dtype=torch.int64, device=device)
+    u = uniform_noise(seeds, k, pos, x.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    out[rows] = (x + gumbel).argmax(dim=-1)
+    return out.tolist()

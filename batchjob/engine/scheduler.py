@@ -1,0 +1,108 @@
+"""Iteration-level scheduling: which requests run in the next forward, and how many tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``) and a cap on running requests (``max_num_seqs``).
+Running requests go first, in admission order: one that is decoding takes one token, one still working
+through its prompt takes a chunk of what is left of the budget. Then waiting requests are admitted in queue
+order while budget, seats and blocks last. Prompt chunks and decode tokens share one forward.
+
+When a running request needs a block and none is free, the most recently admitted running request is
+preempted: its blocks are freed, its counter reset, and it goes back to the front of the queue to recompute
+later. A step that preempted admits nothing new, so the pool does not thrash. Pure Python: the output is a
+plain plan, and no tensor is touched here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one forward: ``requests[i]`` computes its next ``num_tokens[i]`` tokens."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            while not bm.allocate(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.requests.append(req)
+                out.num_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # ``req`` itself was the last one and had to go
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not bm.allocate(req, req.num_computed_tokens + n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.requests.append(req)
+                out.num_tokens.append(n)
+                budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take a finished request out (running or waiting) and free its blocks at once."""
+        assert status.is_finished
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
