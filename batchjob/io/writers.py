@@ -1,0 +1,104 @@
+"""Result rows to Parquet parts, with one explicit schema for every part, committed atomically.
+
+The schema is the input's columns (fixed when the job starts) followed by the result columns. A value that
+does not fit its input column's type (JSONL rows disagree with each other all the time) is coerced: text
+columns store it as JSON text, other columns store null. An input column whose name clashes with a result
+column is written as ``input_<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjob.io.atomic import replace_file
+
+RESULT_FIELDS = [
+    pa.field("generated_text", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_generated_tokens", pa.int64()),
+    pa.field("error", pa.string()),
+]
+RESULT_NAMES = [f.name for f in RESULT_FIELDS]
+
+
+def output_name(column: str) -> str:
+    """The output name of an input column."""
+    return f"input_{column}" if column in RESULT_NAMES else column
+
+
+def output_schema(input_schema: pa.Schema) -> pa.Schema:
+    fields = [pa.field(output_name(f.name), f.type) for f in input_schema]
+    return pa.schema(fields + RESULT_FIELDS, metadata=input_schema.metadata)
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _coerce(values: list[Any], type_: pa.DataType) -> pa.Array:
+    """An array of ``type_`` from ``values``, coercing (or nulling) the ones that do not fit."""
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_):
+        return pa.array([None if v is None else _to_text(v) for v in values], type=type_)
+    try:
+        return pa.array(values, type=type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+        out = []
+        for v in values:
+            try:
+                pa.array([v], type=type_)
+                out.append(v)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+                out.append(None)
+        return pa.array(out, type=type_)
+
+
+def build_table(rows: list[dict[str, Any]], input_schema: pa.Schema) -> pa.Table:
+    """A table with the output schema from result rows (input values and result fields in one dict)."""
+    schema = output_schema(input_schema)
+    columns = []
+    for field in input_schema:
+        values = [(r.get("values") or {}).get(field.name) for r in rows]
+        columns.append(_coerce(values, field.type))
+    for field in RESULT_FIELDS:
+        columns.append(pa.array([r.get(field.name) for r in rows], type=field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class PartWriter:
+    """Writes numbered parts ``part-NNNNNN.parquet`` into the output folder, atomically."""
+
+    def __init__(self, out_dir: Path, input_schema: pa.Schema) -> None:
+        self.out_dir = out_dir
+        self.input_schema = input_schema
+
+    @staticmethod
+    def part_name(seq: int) -> str:
+        return f"part-{seq:06d}.parquet"
+
+    def write(self, seq: int, rows: list[dict[str, Any]]) -> str:
+        """Write rows as part ``seq`` (temporary name, fsync, rename); returns the part's file name."""
+        table = build_table(rows, self.input_schema)
+        name = self.part_name(seq)
+        tmp = self.out_dir / f".{name}.tmp"
+        pq.write_table(table, tmp, compression="zstd")
+        replace_file(tmp, self.out_dir / name)
+        return name
+
+    def remove_orphans(self, committed: set[str]) -> list[str]:
+        """Delete parts and temporary files the manifest does not list (left by a crash). Returns them."""
+        removed = []
+        for entry in os.listdir(self.out_dir):
+            orphan_part = entry.startswith("part-") and entry.endswith(".parquet") and entry not in committed
+            if orphan_part or (entry.startswith(".part-") and entry.endswith(".tmp")):
+                (self.out_dir / entry).unlink()
+                removed.append(entry)
+        return removed

@@ -1,0 +1,107 @@
+"""The manifest: the append-only list of committed parts. A part it does not list does not exist.
+
+One JSON line per part, each with a checksum of its own content, appended and fsynced after the part file
+was renamed into place. A crash during an append leaves a torn last line: that part was never committed, so
+the line is cut off (and the part deleted as an orphan). A bad line anywhere else means the file was damaged:
+that raises StateError, because a manifest we cannot trust cannot tell what is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from batchjob.errors import StateError
+from batchjob.job.intervals import IntervalSet
+
+
+@dataclass
+class PartRecord:
+    name: str
+    rows: int
+    errors: int
+    prompt_tokens: int
+    generated_tokens: int
+    ordinals: list[list[int]] = field(default_factory=list)  # half-open ranges of input row ordinals
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+class Manifest:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.parts: list[PartRecord] = []
+        self.done = IntervalSet()
+        if path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        *lines, tail = self.path.read_bytes().split(b"\n")
+        good = 0  # bytes of trusted lines
+        for i, raw in enumerate(lines):
+            record = self._parse(raw)
+            if record is None:
+                if i == len(lines) - 1 and not tail:
+                    break  # a bad last line: torn like a tail without its newline
+                raise StateError(
+                    f"manifest {self.path} line {i + 1} is corrupt; the job's state cannot be trusted"
+                )
+            self._remember(record)
+            good += len(raw) + 1
+        else:
+            if not tail:
+                return
+        # torn by a crash mid-append: that part was never committed
+        print(f"batchjob: dropping the torn last line of {self.path} (a crash mid-commit)", file=sys.stderr)
+        with open(self.path, "rb+") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
+
+    @staticmethod
+    def _parse(raw: bytes) -> PartRecord | None:
+        try:
+            doc = json.loads(raw)
+            body = doc["part"]
+            return PartRecord(**body) if doc.get("sha") == _digest(body) else None
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def _remember(self, record: PartRecord) -> None:
+        self.parts.append(record)
+        for a, b in record.ordinals:
+            self.done.add_range(a, b)
+
+    def append(self, record: PartRecord) -> None:
+        body = asdict(record)
+        line = json.dumps({"part": body, "sha": _digest(body)}, separators=(",", ":")) + "\n"
+        with open(self.path, "ab") as f:
+            f.write(line.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        self._remember(record)
+
+    @property
+    def names(self) -> set[str]:
+        return {p.name for p in self.parts}
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def errors(self) -> int:
+        return sum(p.errors for p in self.parts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.prompt_tokens for p in self.parts)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(p.generated_tokens for p in self.parts)

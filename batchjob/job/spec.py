@@ -1,0 +1,191 @@
+"""A job's specification: every option of ``batchjob run`` in one validated dataclass, and TOML job files.
+
+A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``); options given
+on the command line override it. Relative ``input`` and ``output`` paths in a job file are relative to the
+job file's folder, so a job file works from any working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass
+class JobSpec:
+    """What to run. Defaults here are the command line's defaults (temperature 0: greedy, reproducible)."""
+
+    input: list[str] = field(default_factory=list)
+    output: str | None = None
+    # prompt construction: at most one of prompt_column, messages_column, template
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    template: str | None = None
+    system: str | None = None
+    chat: bool | None = None  # None: chat when the tokenizer has a chat template
+    id_column: str | None = None
+    # model
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    device: str = "auto"
+    # sampling
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    # engine
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int = 16
+    kv_memory_gb: float | None = None
+    num_blocks: int | None = None
+    # state
+    checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
+    max_errors: int | None = None  # stop (exit 1) once this many rows have failed
+
+    def __post_init__(self) -> None:
+        if isinstance(self.input, str):
+            self.input = [self.input]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.input = [str(p) for p in self.input]
+        self.stop = list(self.stop or [])
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        for name in ("temperature", "top_p", "min_p", "kv_memory_gb", "checkpoint_interval"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
+        if len(modes) > 1:
+            raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {self.dtype!r}")
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value!r}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ConfigError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
+        if not self.checkpoint_interval > 0:
+            raise ConfigError(f"checkpoint_interval must be > 0 seconds, got {self.checkpoint_interval!r}")
+        if self.max_errors is not None and self.max_errors < 1:
+            raise ConfigError(f"max_errors must be >= 1, got {self.max_errors!r}")
+        self.sampling_params(0)  # validates the sampling options
+
+    def sampling_params(self, job_seed: int) -> SamplingParams:
+        """The sampling params of every request; ``job_seed`` stands in when no ``seed`` was given."""
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed if self.seed is not None else job_seed,
+            stop=self.stop or None,
+        )
+
+    def require_io(self) -> None:
+        if not self.input:
+            raise ConfigError("no input: give --input PATH (or input = ... in the job file)")
+        if not self.output:
+            raise ConfigError("no output: give --output DIR (or output = ... in the job file)")
+
+    def prompt_fingerprint(self) -> dict[str, Any]:
+        keys = ("prompt_column", "messages_column", "template", "system", "chat", "id_column")
+        return {k: getattr(self, k) for k in keys}
+
+    def sampling_fingerprint(self) -> dict[str, Any]:
+        keys = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+        return {k: getattr(self, k) for k in keys}
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    text = str(annotation)
+    if value is None:
+        if "None" in text:
+            return
+        raise ConfigError(f"{name} must be given, got nothing")
+    if text.startswith("list"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
+        return
+    base = text.split(" | ")[0]
+    ok = _TYPES.get(base, (object,))
+    if isinstance(value, bool) and base != "bool" or not isinstance(value, ok):
+        raise ConfigError(f"{name} must be {'a' if base != 'int' else 'an'} {base}, got {value!r}")
+
+
+FIELD_NAMES = {f.name for f in dataclasses.fields(JobSpec)}
+
+
+def load_job_file(path: str | Path) -> dict[str, Any]:
+    """The fields of a TOML job file, keys normalized to underscores, paths made relative to its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"job file {path} is not valid TOML: {e}") from e
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELD_NAMES:
+            raise ConfigError(
+                f"job file {path}: unknown field {key!r} (known: {', '.join(sorted(FIELD_NAMES))})"
+            )
+        out[name] = value
+    base = path.parent
+
+    def rel(p: Any) -> Any:
+        if isinstance(p, str) and "://" not in p and not Path(p).expanduser().is_absolute():
+            return str(base / p)
+        return p
+
+    if "input" in out:
+        out["input"] = [rel(p) for p in out["input"]] if isinstance(out["input"], list) else rel(out["input"])
+    if "output" in out:
+        out["output"] = rel(out["output"])
+    if isinstance(out.get("model"), str) and out["model"].startswith(("./", "../")):
+        out["model"] = rel(out["model"])
+    return out
+
+
+def make_spec(job_file: str | Path | None = None, **overrides: Any) -> JobSpec:
+    """A spec from a job file (optional) with ``overrides`` (the command line's given options) on top."""
+    fields = load_job_file(job_file) if job_file is not None else {}
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return JobSpec(**fields)
+    except TypeError as e:  # pragma: no cover - unknown keys are caught above
+        raise ConfigError(str(e)) from e

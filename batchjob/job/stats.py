@@ -1,0 +1,113 @@
+"""Run statistics: token counts, throughput, per-request latencies and batch occupancy, in bounded memory.
+
+Latencies are kept in a fixed-size reservoir sample (exact percentiles up to 10,000 requests, a uniform
+sample beyond), and the occupancy timeline is halved whenever it grows past its cap, so a stats object is
+the same size after a thousand rows or a billion.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+_RESERVOIR = 10_000
+_TIMELINE = 512
+
+
+class Reservoir:
+    def __init__(self, size: int = _RESERVOIR, seed: int = 0) -> None:
+        self.size = size
+        self.seen = 0
+        self.values: list[float] = []
+        self._rng = random.Random(seed)
+
+    def add(self, x: float) -> None:
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(x)
+        else:
+            j = self._rng.randrange(self.seen)
+            if j < self.size:
+                self.values[j] = x
+
+    def summary(self) -> dict[str, float | int | None]:
+        v = sorted(self.values)
+
+        def pct(p: float) -> float | None:
+            return round(v[min(len(v) - 1, int(p * len(v)))], 6) if v else None
+
+        return {"count": self.seen, "median": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+class RunStats:
+    """What one process run measured; job totals come from the manifest."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.start = time.monotonic()
+        self.max_num_seqs = max_num_seqs
+        self.rows = 0
+        self.errors = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.queue_wait = Reservoir(seed=1)
+        self.ttft = Reservoir(seed=2)
+        self.latency = Reservoir(seed=3)
+        self.occupancy: list[list[float]] = []  # [seconds since start, running / max_num_seqs]
+        self._occ_every = 1
+        self._occ_steps = 0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def row(self, prompt_tokens: int, generated_tokens: int, error: bool) -> None:
+        self.rows += 1
+        self.errors += int(error)
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated_tokens
+
+    def request(self, out: Any, first_run: float | None) -> None:
+        """Timings of a finished engine request (monotonic seconds from when it was added).
+
+        ``first_run``: when the runner first saw it running (None: it finished in its first step).
+        """
+        scheduled = getattr(out, "first_scheduled_time", None) or first_run or out.first_token_time
+        if scheduled is not None:
+            self.queue_wait.add(max(0.0, scheduled - out.arrival_time))
+        if out.first_token_time is not None:
+            self.ttft.add(max(0.0, out.first_token_time - out.arrival_time))
+        self.latency.add(max(0.0, out.finish_time - out.arrival_time))
+
+    def step(self, running: int) -> None:
+        self._occ_steps += 1
+        if self._occ_steps % self._occ_every:
+            return
+        self.occupancy.append([round(self.elapsed, 3), round(running / self.max_num_seqs, 4)])
+        if len(self.occupancy) >= _TIMELINE:
+            self.occupancy = self.occupancy[::2]
+            self._occ_every *= 2
+
+    def to_json(self, engine_stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        elapsed = max(self.elapsed, 1e-9)
+        occ = [o for _, o in self.occupancy]
+        return {
+            "elapsed_s": round(elapsed, 3),
+            "rows": self.rows,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "rows_per_s": round(self.rows / elapsed, 3),
+            "generated_tokens_per_s": round(self.generated_tokens / elapsed, 3),
+            "total_tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / elapsed, 3),
+            "preemptions": (engine_stats or {}).get("preemptions", 0),
+            "queue_wait_s": self.queue_wait.summary(),
+            "ttft_s": self.ttft.summary(),
+            "latency_s": self.latency.summary(),
+            "batch_occupancy": {
+                "max_num_seqs": self.max_num_seqs,
+                "mean": round(sum(occ) / len(occ), 4) if occ else None,
+                "timeline": self.occupancy,
+            },
+            "engine": engine_stats or {},
+        }
