@@ -1,0 +1,218 @@
+"""The engine against Hugging Face: packed logits, greedy token-for-token equality, seeded sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine.scheduler import SchedulerOutput
+
+pytestmark = pytest.mark.timeout(300)
+
+FAMILIES = ["llama", "qwen2", "gpt2"]
+
+
+def _hf(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+
+
+def _hf_greedy(hf, prompt: list[int], max_new_tokens: int, ignore_eos: bool) -> list[int]:
+    kwargs = {"eos_token_id": None, "pad_token_id": 0} if ignore_eos else {}
+    if ignore_eos:
+        hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(rng: random.Random, lengths, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_equal_unpacked(tiny_model_dirs, family):
+    """One packed forward of several requests' chunks gives each request the logits it gets alone."""
+    folder = tiny_model_dirs[family]
+    engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu", block_size=4)
+    hf = _hf(folder)
+    rng = random.Random(1)
+    prompts = _prompts(rng, [9, 1, 23, 5], engine.vocab_size)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=4, temperature=0))
+    # First a partial chunk of request 2, so its second chunk attends to cached keys.
+    reqs = list(engine.scheduler.waiting)
+    assert engine.block_manager.allocate(reqs[2], 10)
+    engine.runner.execute(SchedulerOutput([reqs[2]], [10]))
+    reqs[2].num_computed_tokens = 10
+    for r in reqs:
+        assert engine.block_manager.allocate(r, r.num_tokens)
+    counts = [r.num_tokens - r.num_computed_tokens for r in reqs]
+    input_ids, position_ids, meta, sample_rows, _ = engine.runner._prepare(SchedulerOutput(reqs, counts))
+    with torch.inference_mode():
+        packed = engine.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, batchjob_meta=meta
+        ).logits[0]
+        offset = 0
+        for r, n in zip(reqs, counts, strict=True):
+            alone = hf(torch.tensor([r.token_ids])).logits[0, -n:]
+            torch.testing.assert_close(packed[offset : offset + n], alone, rtol=1e-9, atol=1e-9)
+            offset += n
+    assert offset == packed.shape[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("block_size", "budget"), [(4, 7), (16, 64), (16, 512)])
+def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget):
+    folder = tiny_model_dirs[family]
+    engine = Engine.from_pretrained(
+        str(folder), dtype="float64", device="cpu", block_size=block_size,
+        max_num_batched_tokens=budget, max_num_seqs=5,
+    )
+    hf = _hf(folder)
+    rng = random.Random(block_size * 1000 + budget)
+    prompts = _prompts(rng, [1, 2, 7, 16, 17, 33, 120, 300], engine.vocab_size)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.finish_reason == "length" and out.error is None
+        assert out.token_ids == _hf_greedy(hf, p, 12, ignore_eos=True), f"prompt of {len(p)} tokens"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_greedy_stops_at_eos_like_hf(tiny_model_dir):
+    """With EOS active, each request stops where HF generate stops (EOS token included)."""
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", block_size=4)
+    hf = _hf(tiny_model_dir)
+    rng = random.Random(7)
+    prompts = _prompts(rng, [3, 8, 15, 40, 64, 100], engine.vocab_size)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    # A random model rarely says its real EOS; declare as EOS a token that some answers produce.
+    counts: dict[int, int] = {}
+    for out in free:
+        for t in set(out.token_ids[1:]):
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=lambda t: (0 < counts[t] < len(prompts), counts[t]))
+    engine.eos_token_ids = {eos}
+    hf.generation_config.eos_token_id = eos
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0))
+    reasons = set()
+    for p, out in zip(prompts, outs, strict=True):
+        ref = _hf_greedy(hf, p, 30, ignore_eos=False)
+        assert out.token_ids == ref
+        assert out.finish_reason == ("stop" if ref[-1] == eos else "length")
+        reasons.add(out.finish_reason)
+    assert reasons == {"stop", "length"}
+
+
+def test_preemption_keeps_outputs_exact(tiny_model_dir):
+    """A KV pool far too small forces preemptions; outputs stay equal to HF generate."""
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir), dtype="float64", device="cpu", block_size=4, num_blocks=24,
+        max_num_batched_tokens=32, max_num_seqs=8,
+    )
+    hf = _hf(tiny_model_dir)
+    rng = random.Random(3)
+    prompts = _prompts(rng, [20, 30, 25, 12, 40, 18], engine.vocab_size)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    assert engine.stats.preemptions > 0
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(hf, p, 20, ignore_eos=True)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert all(c == 0 for c in engine.block_manager.ref_counts)
+
+
+def test_seeded_sampling_same_alone_and_in_a_crowd(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", block_size=4, max_num_batched_tokens=16)
+    rng = random.Random(5)
+    target = _prompts(rng, [11], engine.vocab_size)[0]
+    crowd = _prompts(rng, [5, 30, 2, 17], engine.vocab_size)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = engine.generate([target], params)[0].token_ids
+    mixed = engine.generate(crowd[:2] + [target] + crowd[2:], params)[2].token_ids
+    assert alone == mixed
+    other_seed = engine.generate([target], params.replace(seed=99))[0].token_ids
+    assert other_seed != alone  # the seed matters
+    unseeded = {tuple(engine.generate([target], params.replace(seed=None))[0].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1  # no seed: fresh randomness
+
+
+def test_finish_reasons_and_stops(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu")
+    prompt = _prompts(random.Random(2), [10], engine.vocab_size)[0]
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    # stop_token_ids: stop at the 5th generated token
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    out = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_tok])
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+    # stop strings: the text is cut before the stop string
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    out = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.find(stop)]
+    assert stop not in out.text
+
+
+def test_bad_requests_fail_alone(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", block_size=4, num_blocks=16)
+    good = [5, 6, 7]
+    outs = engine.generate(
+        [good, [], [5] * 2000, [engine.vocab_size + 5], [5] * 70, good],
+        SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+    )
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
+    assert "empty" in outs[1].error
+    assert "context" in outs[2].error
+    assert "vocabulary" in outs[3].error
+    assert "KV blocks" in outs[4].error
+    assert outs[0].token_ids == outs[5].token_ids
+
+
+def test_resume_from_output_ids_is_exact(tiny_model_dir):
+    """A request re-added with the tokens it had generated ends as an uninterrupted one does."""
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", block_size=4)
+    prompt = _prompts(random.Random(9), [13], engine.vocab_size)[0]
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    engine.add_request("row-1", prompt, params)
+    while engine.has_unfinished():
+        done = engine.step()
+    full = done[0].token_ids
+    engine.add_request("row-1", prompt, params)
+    for _ in range(8):
+        engine.step()
+    (state,) = engine.snapshot()
+    partial = state.output_ids
+    assert 0 < len(partial) < 20 and full[: len(partial)] == partial
+    engine.abort("row-1")
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.add_request("row-1", state.prompt_ids, state.params, output_ids=partial)
+    while engine.has_unfinished():
+        done = engine.step()
+    assert done[0].token_ids == full
+
+
+def test_default_model_knows_paris():
+    engine = Engine.from_pretrained(device="cpu")
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))[0]
+    assert "Paris" in out.text

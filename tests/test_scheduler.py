@@ -1,0 +1,83 @@
+"""Scheduler and block manager in pure Python: plans are checked without running a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.request import Request, RequestStatus
+from batchjob.engine.scheduler import Scheduler
+from batchjob.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(n)), n, SamplingParams(max_new_tokens=8, temperature=0), 0.0)
+
+
+def _run(plan):
+    """Pretend the forward ran: advance counters, and append a token to requests that reached the end."""
+    for req, n in zip(plan.requests, plan.num_tokens, strict=True):
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(1)
+
+
+def test_block_manager_allocates_and_frees():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    r = _req("a", 5)
+    assert bm.allocate(r, 5) and len(r.block_ids) == 2
+    assert bm.allocate(r, 8) and len(r.block_ids) == 2  # still fits
+    assert not bm.allocate(r, 17)  # needs 5 blocks, only 4 exist
+    assert len(r.block_ids) == 2 and bm.num_free_blocks == 2  # a failed allocation takes nothing
+    bm.free(r)
+    assert r.block_ids == [] and bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=10, max_num_seqs=4)
+    a, b = _req("a", 3), _req("b", 25)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["a", "b"] and plan.num_tokens == [3, 7]
+    _run(plan)
+    plan = sched.schedule()  # a decodes (1 token), b continues its prompt with the rest of the budget
+    assert plan.num_tokens == [1, 9]
+    _run(plan)
+    plan = sched.schedule()
+    assert plan.num_tokens == [1, 9]
+    _run(plan)
+    plan = sched.schedule()
+    assert plan.num_tokens == [1, 1]  # b's prompt is done: both decode
+
+
+def test_max_num_seqs_caps_running_and_finished_make_room():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
+    reqs = [_req(str(i), 3) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["0", "1"]
+    _run(plan)
+    sched.finish(reqs[0], RequestStatus.FINISHED_STOPPED)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["1", "2"] and plan.num_tokens == [1, 3]
+
+
+def test_preempts_latest_admitted_and_admits_nothing_that_step():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_batched_tokens=100, max_num_seqs=4)
+    a, b, c = _req("a", 8), _req("b", 7), _req("c", 2)
+    for r in (a, b, c):
+        sched.add(r)
+    plan = sched.schedule()  # a: 2 blocks, b: 2 blocks, c must wait (no blocks left)
+    assert [r.request_id for r in plan.requests] == ["a", "b"]
+    _run(plan)
+    plan = sched.schedule()  # a needs a 3rd block: b (admitted last) is preempted
+    assert [r.request_id for r in plan.requests] == ["a"]
+    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert b.num_computed_tokens == 0 and b.block_ids == [] and b.status == RequestStatus.WAITING
+    assert list(sched.waiting)[:2] == [b, c]  # b goes back to the front, c was not admitted
+    assert bm.num_free_blocks == 1
