@@ -116,12 +116,16 @@ def paged_attention(
 
     if meta.decode_rows is not None:
         rows = meta.decode_rows
-        qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)  # [Rd, H, 1, D]
+        num_heads = q.shape[0]
+        # One query per request: fold each KV head's group of query heads into the query axis, so the
+        # cached keys are attended without being repeated for grouped-query attention.
+        qd = q.index_select(1, rows).transpose(0, 1)  # [Rd, H, D]
+        qd = qd.reshape(len(rows), num_kv_heads, num_heads // num_kv_heads, head_dim)
         slots = meta.decode_key_slots
-        kd = flat_k[slots].permute(0, 2, 1, 3)  # [Rd, KVH, Lmax, D]
-        vd = flat_v[slots].permute(0, 2, 1, 3)
-        od = _sdpa(qd, kd, vd, meta.decode_mask(sliding_window), scaling)  # [Rd, H, 1, D]
-        out[rows] = od.squeeze(2)
+        kd = flat_k[slots].transpose(1, 2)  # [Rd, KVH, Lmax, D]
+        vd = flat_v[slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scaling)
+        out[rows] = od.reshape(len(rows), num_heads, head_dim)
 
     for i, chunk in enumerate(meta.prefills):
         s, e = chunk.q_start, chunk.q_start + chunk.q_len
