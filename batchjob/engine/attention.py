@@ -16,6 +16,7 @@ tokens (prefill) get one call each.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,8 @@ class AttentionMetadata:
     decode_key_slots: torch.Tensor | None = None  # [Rd, Lmax] int64 (padding points at a valid slot)
     decode_ctx_lens: torch.Tensor | None = None  # [Rd] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # flash-attn path (CUDA): cu_seqlens_q, cu_seqlens_k, block_table (int32), max_seqlen_q, max_seqlen_k
+    flash: tuple | None = None
     _masks: dict = field(default_factory=dict)  # (kind, window) -> bool mask, built on first use per step
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -81,6 +84,39 @@ class AttentionMetadata:
         return self._masks[key]
 
 
+@functools.cache
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling, sliding_window):
+    """flash-attn's varlen kernel reading K/V straight from the paged cache through the block table.
+
+    Its causal mask is aligned bottom-right when a request has fewer queries than keys, as ours is.
+    """
+    from flash_attn import flash_attn_varlen_func
+
+    cu_q, cu_k, block_table, max_q, max_k = meta.flash
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+    return flash_attn_varlen_func(
+        q,
+        k_cache,
+        v_cache,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=window,
+        block_table=block_table,
+    )
+
+
 def _sdpa(q, k, v, mask, scale, is_causal=False):
     # q [B, H, Lq, D]; k, v [B, KVH, Lk, D]
     if k.shape[1] != q.shape[1]:
@@ -111,6 +147,10 @@ def paged_attention(
     flat_k.index_copy_(0, meta.slot_mapping, k_new.to(flat_k.dtype))
     flat_v.index_copy_(0, meta.slot_mapping, v_new.to(flat_v.dtype))
 
+    if meta.flash is not None:
+        out = _flash_attention(query[0].transpose(0, 1), k_cache, v_cache, meta, scaling, sliding_window)
+        return out.unsqueeze(0), None
+
     q = query[0]  # [H, T, D]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
 
@@ -124,7 +164,9 @@ def paged_attention(
         slots = meta.decode_key_slots
         kd = flat_k[slots].transpose(1, 2)  # [Rd, KVH, Lmax, D]
         vd = flat_v[slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scaling)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scaling
+        )
         out[rows] = od.reshape(len(rows), num_heads, head_dim)
 
     for i, chunk in enumerate(meta.prefills):

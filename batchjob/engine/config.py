@@ -51,7 +51,7 @@ class EngineConfig:
     dtype: torch.dtype
     max_num_batched_tokens: int | None = None  # tokens per forward; None: a default for the device
     max_num_seqs: int | None = None  # running requests at once; None: a default for the device
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: 256 for flash-attn on CUDA, else 16
     num_blocks: int | None = None  # None: size the pool from kv_memory_gb (or free memory on CUDA)
     kv_memory_gb: float | None = None  # KV pool budget; None: a default for the device
 
@@ -61,6 +61,10 @@ class EngineConfig:
             self.max_num_batched_tokens = 8192 if cuda else 512
         if self.max_num_seqs is None:
             self.max_num_seqs = 256 if cuda else 64
+        if self.block_size is None:
+            from batchjob.engine.attention import flash_attn_available
+
+            self.block_size = 256 if cuda and flash_attn_available() else 16
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -130,7 +130,7 @@ class Engine:
         device: str | torch.device = "auto",
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         kv_memory_gb: float | None = None,
     ) -> Engine:

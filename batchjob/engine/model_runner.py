@@ -2,8 +2,9 @@
 
 All scheduled tokens of all requests form one sequence of length T (batch dimension 1) with per-token
 ``position_ids``; the paged attention hook reads the batch layout from one metadata object built here once
-per step. Logits are computed only for the rows that sample: the last token of each request whose chunk
-reaches the end of its known tokens.
+per step. Every index array of the step is packed into one host buffer and moved to the device with a single
+copy. Logits are computed only for the rows that sample: the last token of each request whose chunk reaches
+the end of its known tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +15,35 @@ import numpy as np
 import torch
 
 from batchjob.engine import attention
-from batchjob.engine.attention import AttentionMetadata, PrefillChunk
+from batchjob.engine.attention import AttentionMetadata, PrefillChunk, flash_attn_available
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
+
+
+class _Packer:
+    """Collects int64 arrays, sends them to the device in one copy, hands back device views."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, a: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        handle = (self._size, a.shape)
+        self._parts.append(a.ravel())
+        self._size += a.size
+        return handle
+
+    def send(self, device: torch.device) -> torch.Tensor:
+        buf = torch.from_numpy(np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64))
+        if device.type == "cuda":
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        return buf
+
+    @staticmethod
+    def view(buf: torch.Tensor, handle: tuple[int, tuple[int, ...]]) -> torch.Tensor:
+        start, shape = handle
+        return buf[start : start + int(np.prod(shape, dtype=np.int64))].view(shape)
 
 
 class ModelRunner:
@@ -25,6 +52,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        # flash-attn's paged varlen kernel needs pages of a multiple of 256 tokens.
+        self.use_flash = device.type == "cuda" and flash_attn_available() and block_size % 256 == 0
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         model.set_attn_implementation(attention.ATTN_NAME)
 
@@ -52,30 +81,52 @@ class ModelRunner:
         sample_mask = np.array([e == r.num_tokens for r, e in zip(reqs, ends.tolist(), strict=True)])
         sample_rows = offsets[1:][sample_mask] - 1
 
-        dev = self.device
-        meta = AttentionMetadata(kv_caches=self.kv_caches, slot_mapping=torch.from_numpy(slots).to(dev))
+        pk = _Packer()
+        h_ids, h_pos, h_slots, h_sample = (
+            pk.add(np.array(ids)),
+            pk.add(positions),
+            pk.add(slots),
+            pk.add(sample_rows),
+        )
+        h_decode = None
+        h_prefill: list[tuple[int, int, int, tuple | None]] = []
+        h_flash = None
+        if self.use_flash:
+            cu_q = offsets
+            cu_k = np.concatenate([[0], np.cumsum(ends)])
+            h_flash = (pk.add(cu_q), pk.add(cu_k), pk.add(table), int(n.max()), int(ends.max()))
+        else:
+            decode = np.flatnonzero(n == 1)
+            if decode.size:
+                lens = ends[decode]
+                kpos = np.arange(int(lens.max()), dtype=np.int64)
+                key_slots = table[decode][:, kpos // bs] * bs + kpos % bs  # padding reads real (masked) slots
+                h_decode = (pk.add(offsets[decode]), pk.add(key_slots), pk.add(lens))
+            for i in np.flatnonzero(n > 1).tolist():
+                ctx = int(ends[i])
+                h_slots_i = None
+                if starts[i] > 0:
+                    kpos = np.arange(ctx, dtype=np.int64)
+                    h_slots_i = pk.add(table[i, kpos // bs] * bs + kpos % bs)
+                h_prefill.append((int(offsets[i]), int(n[i]), ctx, h_slots_i))
 
-        decode = np.flatnonzero(n == 1)
-        if decode.size:
-            lens = ends[decode]
-            lmax = int(lens.max())
-            kpos = np.arange(lmax, dtype=np.int64)
-            tab = table[decode]
-            key_slots = tab[:, kpos // bs] * bs + kpos % bs  # padding reads real (masked) slots
-            meta.decode_rows = torch.from_numpy(offsets[decode]).to(dev)
-            meta.decode_key_slots = torch.from_numpy(key_slots).to(dev)
-            meta.decode_ctx_lens = torch.from_numpy(lens).to(dev)
-        for i in np.flatnonzero(n > 1).tolist():
-            ctx = int(ends[i])
-            key_slots = None
-            if starts[i] > 0:
-                kpos = np.arange(ctx, dtype=np.int64)
-                key_slots = torch.from_numpy(table[i, kpos // bs] * bs + kpos % bs).to(dev)
-            meta.prefills.append(PrefillChunk(int(offsets[i]), int(n[i]), ctx, key_slots))
-
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)[None]
-        position_ids = torch.from_numpy(positions).to(dev)[None]
-        return input_ids, position_ids, meta, torch.from_numpy(sample_rows).to(dev), sample_mask
+        buf = pk.send(self.device)
+        v = pk.view
+        meta = AttentionMetadata(kv_caches=self.kv_caches, slot_mapping=v(buf, h_slots))
+        if h_decode is not None:
+            meta.decode_rows, meta.decode_key_slots, meta.decode_ctx_lens = (v(buf, h) for h in h_decode)
+        for q_start, q_len, ctx, h in h_prefill:
+            meta.prefills.append(PrefillChunk(q_start, q_len, ctx, None if h is None else v(buf, h)))
+        if h_flash is not None:
+            cu_q, cu_k, tab, max_q, max_k = h_flash
+            meta.flash = (
+                v(buf, cu_q).to(torch.int32),
+                v(buf, cu_k).to(torch.int32),
+                v(buf, tab).to(torch.int32),
+                max_q,
+                max_k,
+            )
+        return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample), sample_mask
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
