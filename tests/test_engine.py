@@ -75,8 +75,12 @@ def test_packed_logits_equal_unpacked(tiny_model_dirs, family):
 def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget):
     folder = tiny_model_dirs[family]
     engine = Engine.from_pretrained(
-        str(folder), dtype="float64", device="cpu", block_size=block_size,
-        max_num_batched_tokens=budget, max_num_seqs=5,
+        str(folder),
+        dtype="float64",
+        device="cpu",
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=5,
     )
     hf = _hf(folder)
     rng = random.Random(block_size * 1000 + budget)
@@ -117,8 +121,13 @@ def test_greedy_stops_at_eos_like_hf(tiny_model_dir):
 def test_preemption_keeps_outputs_exact(tiny_model_dir):
     """A KV pool far too small forces preemptions; outputs stay equal to HF generate."""
     engine = Engine.from_pretrained(
-        str(tiny_model_dir), dtype="float64", device="cpu", block_size=4, num_blocks=24,
-        max_num_batched_tokens=32, max_num_seqs=8,
+        str(tiny_model_dir),
+        dtype="float64",
+        device="cpu",
+        block_size=4,
+        num_blocks=24,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
     )
     hf = _hf(tiny_model_dir)
     rng = random.Random(3)
@@ -131,12 +140,67 @@ def test_preemption_keeps_outputs_exact(tiny_model_dir):
     assert all(c == 0 for c in engine.block_manager.ref_counts)
 
 
+@pytest.mark.parametrize("num_blocks", [None, 40])
+def test_shared_prefix_is_computed_once_and_outputs_are_exact(tiny_model_dir, num_blocks):
+    rng = random.Random(11)
+    hf = _hf(tiny_model_dir)
+    results = {}
+    for caching in (True, False):
+        engine = Engine.from_pretrained(
+            str(tiny_model_dir),
+            dtype="float64",
+            device="cpu",
+            block_size=4,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=48,
+            max_num_seqs=4,
+            enable_prefix_caching=caching,
+        )
+        if caching:
+            instruction = _prompts(rng, [61], engine.vocab_size)[0]
+            prompts = [instruction + p for p in _prompts(rng, [3, 9, 1, 14, 6, 20], engine.vocab_size)]
+            prompts.append(instruction[:30])
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+        results[caching] = ([o.token_ids for o in outs], engine.stats)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert all(c == 0 for c in engine.block_manager.ref_counts)
+    (cached_out, on), (plain_out, off) = results[True], results[False]
+    assert cached_out == plain_out
+    for p, toks in zip(prompts, cached_out, strict=True):
+        assert toks == _hf_greedy(hf, p, 10, ignore_eos=True)
+    assert off.cached_prompt_tokens == 0
+    assert on.cached_prompt_tokens >= 4 * 60  # later rows found the instruction's 15 full blocks
+    assert on.computed_prompt_tokens + on.cached_prompt_tokens >= on.prompt_tokens
+    assert on.computed_prompt_tokens < off.computed_prompt_tokens - 200
+    if num_blocks is not None:
+        assert on.preemptions > 0 or off.preemptions > 0
+
+
+def test_static_batching_gives_the_same_outputs(tiny_model_dir):
+    prompts = _prompts(random.Random(4), [5, 40, 9, 22, 3], 400)
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (3, 12, 7, 1, 9)]
+    outs = {}
+    for static in (False, True):
+        engine = Engine.from_pretrained(
+            str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=2, static_batching=static
+        )
+        outs[static] = [o.token_ids for o in engine.generate(prompts, params)]
+        steps = engine.stats.steps
+        outs[(static, "steps")] = steps
+    assert outs[True] == outs[False]
+    assert outs[(True, "steps")] > outs[(False, "steps")]  # the static batch waits for its longest request
+
+
 def test_seeded_sampling_same_alone_and_in_a_crowd(tiny_model_dir):
-    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", block_size=4, max_num_batched_tokens=16)
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir), device="cpu", block_size=4, max_num_batched_tokens=16
+    )
     rng = random.Random(5)
     target = _prompts(rng, [11], engine.vocab_size)[0]
     crowd = _prompts(rng, [5, 30, 2, 17], engine.vocab_size)
-    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, seed=1234, ignore_eos=True
+    )
     alone = engine.generate([target], params)[0].token_ids
     mixed = engine.generate(crowd[:2] + [target] + crowd[2:], params)[2].token_ids
     assert alone == mixed
@@ -212,7 +276,9 @@ def test_resume_from_output_ids_is_exact(tiny_model_dir):
 def test_default_model_knows_paris():
     engine = Engine.from_pretrained(device="cpu")
     prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
     out = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))[0]
     assert "Paris" in out.text

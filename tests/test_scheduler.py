@@ -81,3 +81,47 @@ def test_preempts_latest_admitted_and_admits_nothing_that_step():
     assert b.num_computed_tokens == 0 and b.block_ids == [] and b.status == RequestStatus.WAITING
     assert list(sched.waiting)[:2] == [b, c]  # b goes back to the front, c was not admitted
     assert bm.num_free_blocks == 1
+
+
+def test_prefix_cache_shares_full_blocks_and_evicts_lru():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = _req("a", 10)  # blocks: [0..3] [4..7] [8, 9]
+    a.num_computed_tokens = 0
+    assert bm.match_prefix(a) == 0 and bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.register_full_blocks(a)  # two full blocks become findable
+    b = _req("b", 9)  # same first 8 tokens, one more
+    assert bm.match_prefix(b) == 8 and b.block_ids == a.block_ids[:2]
+    assert [bm.ref_counts[x] for x in b.block_ids] == [2, 2]
+    c = _req("c", 8)  # exactly two blocks: the last token must still be computed, so only one is taken
+    assert bm.match_prefix(c) == 4
+    d = Request("d", [9, 9, 9, 9, 9], 5, SamplingParams(), 0.0)  # different tokens: no hit
+    assert bm.match_prefix(d) == 0
+    for r in (a, b, c):
+        bm.free(r)
+    assert bm.ref_counts == [0] * 6 and bm.num_free_blocks == 6
+    e = _req("e", 9)  # released blocks are still cached
+    assert bm.match_prefix(e) == 8
+    bm.free(e)
+    # Taking every block overwrites them: the cache forgets what it held.
+    f = Request("f", [7] * 24, 24, SamplingParams(), 0.0)
+    assert bm.allocate(f, 24)
+    bm.free(f)
+    assert bm.match_prefix(_req("g", 9)) == 0
+
+
+def test_static_batching_admits_nothing_until_the_batch_finished():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2, static=True)
+    reqs = [_req(str(i), 3) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["0", "1"]
+    _run(plan)
+    sched.finish(reqs[0], RequestStatus.FINISHED_STOPPED)
+    plan = sched.schedule()  # a seat is free, but the batch is not done
+    assert [r.request_id for r in plan.requests] == ["1"]
+    _run(plan)
+    sched.finish(reqs[1], RequestStatus.FINISHED_STOPPED)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["2", "3"]

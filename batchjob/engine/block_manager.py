@@ -1,24 +1,40 @@
-"""The pool of KV blocks: a free list and reference counts. Pure Python; it never touches a tensor.
+"""The pool of KV blocks: free list, reference counts and the prefix cache. Pure Python, no tensors.
 
 A block holds ``block_size`` consecutive tokens of one sequence. A request owns the blocks listed in its
-``block_ids``, in order: token ``p`` of the request lives in slot ``block_ids[p // block_size] * block_size +
-p % block_size`` of the flat cache.
+``block_ids``, in order: token ``p`` lives in slot ``block_ids[p // block_size] * block_size + p %
+block_size`` of the flat cache.
+
+Prefix caching: once a block is full and computed, it is registered under a chained digest of every token
+up to its end (so equal digests mean equal prefixes), with its own tokens kept to check a hit. A later
+request whose prompt starts with the same tokens takes those blocks (the ref count goes up) instead of
+computing them. A released block keeps its contents and stays findable until it is reused: the free list is
+least-recently-released first, so the blocks of a popular prefix survive longest.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from batchjob.engine.request import Request
 
 
+def block_digest(parent: bytes, tokens: list[int]) -> bytes:
+    """Digest of a full block given its parent's digest: it identifies the whole prefix."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # prefix digest -> block holding it
+        self._block_key: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -41,17 +57,71 @@ class BlockManager:
         if missing > len(self._free):
             return False
         for _ in range(missing):
-            block = self._free.popleft()
+            block, _ = self._free.popitem(last=False)
             assert self.ref_counts[block] == 0, f"free block {block} has ref count {self.ref_counts[block]}"
+            key = self._block_key[block]
+            if key is not None:  # evict its cached contents: the block is about to be overwritten
+                del self._cached[key[0]]
+                self._block_key[block] = None
             self.ref_counts[block] = 1
             req.block_ids.append(block)
         return True
 
     def free(self, req: Request) -> None:
-        """Release every block of ``req``; blocks whose count drops to zero return to the free list."""
+        """Release every block of ``req``; blocks whose count drops to zero return to the free list.
+
+        The tail is released first, so it is reused before the (more shareable) head of the prefix.
+        """
         for block in reversed(req.block_ids):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed more often than taken"
             if self.ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
         req.block_ids = []
+        req.num_registered_blocks = 0
+
+    # -- prefix cache ------------------------------------------------------------------------------
+
+    def _digests(self, req: Request, num_full: int) -> list[bytes]:
+        """Chained digests of the first ``num_full`` full blocks of ``req`` (memoized on the request)."""
+        bs, toks, digests = self.block_size, req.token_ids, req.block_digests
+        while len(digests) < num_full:
+            i = len(digests)
+            digests.append(block_digest(digests[-1] if digests else b"", toks[i * bs : (i + 1) * bs]))
+        return digests[:num_full]
+
+    def match_prefix(self, req: Request) -> int:
+        """Take the cached blocks that hold a prefix of ``req`` (a new request, no blocks yet).
+
+        Returns the number of tokens they hold. At least one token is left to compute, so the request
+        still gets the logits of its last token.
+        """
+        assert not req.block_ids
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        for i, digest in enumerate(self._digests(req, (req.num_tokens - 1) // bs)):
+            block = self._cached.get(digest)
+            if block is None or self._block_key[block][1] != tuple(req.token_ids[i * bs : (i + 1) * bs]):
+                break
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+            req.block_ids.append(block)
+        return len(req.block_ids) * bs
+
+    def register_full_blocks(self, req: Request) -> None:
+        """Make the full, computed blocks of ``req`` findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if num_full <= req.num_registered_blocks:
+            return
+        digests = self._digests(req, num_full)
+        for i in range(req.num_registered_blocks, num_full):
+            block = req.block_ids[i]
+            if self._block_key[block] is None and digests[i] not in self._cached:
+                self._cached[digests[i]] = block
+                self._block_key[block] = (digests[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
+        req.num_registered_blocks = num_full

@@ -54,6 +54,8 @@ class EngineConfig:
     block_size: int | None = None  # tokens per KV block; None: 256 for flash-attn on CUDA, else 16
     num_blocks: int | None = None  # None: size the pool from kv_memory_gb (or free memory on CUDA)
     kv_memory_gb: float | None = None  # KV pool budget; None: a default for the device
+    enable_prefix_caching: bool = True  # share computed blocks of equal prefixes between requests
+    static_batching: bool = False  # the baseline: admit a batch, then nothing until all of it finished
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"

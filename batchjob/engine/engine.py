@@ -113,10 +113,15 @@ class Engine:
 
         shape = KVShape.from_config(model.config)
         num_blocks = config.num_blocks or self._auto_num_blocks(shape)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv = allocate_kv_cache(shape, num_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(model, kv, config.block_size, config.device)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            static=config.static_batching,
+        )
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
@@ -133,6 +138,8 @@ class Engine:
         block_size: int | None = None,
         num_blocks: int | None = None,
         kv_memory_gb: float | None = None,
+        enable_prefix_caching: bool = True,
+        static_batching: bool = False,
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine."""
         from batchjob.models import load_model_and_tokenizer
@@ -146,6 +153,8 @@ class Engine:
             block_size=block_size,
             num_blocks=num_blocks,
             kv_memory_gb=kv_memory_gb,
+            enable_prefix_caching=enable_prefix_caching,
+            static_batching=static_batching,
         )
         hf_model, tokenizer, resolved = load_model_and_tokenizer(model, config.dtype, dev)
         return cls(hf_model, tokenizer, config, model_id=resolved)
@@ -251,12 +260,14 @@ class Engine:
 
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
         if not plan.is_empty:
             logits, sampling = self.runner.execute(plan)
             for req, n in zip(plan.requests, plan.num_tokens, strict=True):
                 prompt_part = max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
                 self.stats.computed_prompt_tokens += prompt_part
                 req.num_computed_tokens += n
+                self.block_manager.register_full_blocks(req)
             if sampling:
                 tokens = sample(
                     logits,

@@ -59,6 +59,8 @@ class Request:
     error: str | None = None
     stop_text_pos: int | None = None  # where a matched stop string starts in the decoded output text
     key: int = 0  # request_key(request_id), cached
+    block_digests: list[bytes] = field(default_factory=list)  # prefix-cache digests of its full blocks
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

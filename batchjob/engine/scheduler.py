@@ -38,13 +38,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        static: bool = False,
+    ) -> None:
         self.block_manager = block_manager
+        # Static batching, the baseline that continuous batching replaces: once a batch has filled (or the
+        # queue ran dry, or blocks ran out), nothing is admitted until every request of it has finished.
+        self.static = static
+        self._admitting = True
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -76,18 +87,28 @@ class Scheduler:
                 continue
             break  # ``req`` itself was the last one and had to go
 
-        if not out.preempted:
+        if self.static and not self.running:
+            self._admitting = True
+        if not out.preempted and self._admitting:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not bm.allocate(req, req.num_computed_tokens + n):
+                cached = bm.match_prefix(req)
+                req.num_computed_tokens = cached
+                n = min(req.num_tokens - cached, budget)
+                if not bm.allocate(req, cached + n):
+                    bm.free(req)
+                    req.num_computed_tokens = 0
+                    self._admitting = not self.static
                     break
+                self.num_cached_tokens += min(cached, req.num_prompt_tokens)
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.requests.append(req)
                 out.num_tokens.append(n)
                 budget -= n
+            if self.static and (not self.waiting or len(self.running) >= self.max_num_seqs):
+                self._admitting = False
         return out
 
     def _preempt(self, req: Request) -> None:
