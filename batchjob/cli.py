@@ -230,3 +230,6 @@ def status(dir: str) -> None:
             f"{stats.get('preemptions', 0)} preemptions"
         )
     click.echo(f"parts: {len(manifest.parts)}; stats: {state.stats_file}")
+
+
+from batchjob import bench as _bench  # noqa: E402,F401  (registers "batchjob bench")
