@@ -1,0 +1,131 @@
+"""The command line: every mistake exits 2 with a one-line message and no traceback; run, status, validate."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.dataset as ds
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture()
+def data(tmp_path):
+    path = tmp_path / "in.jsonl"
+    with open(path, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"id": f"x{i}", "review": f"great product {i}", "n": i}) + "\n")
+    return path
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_run_status_validate_and_job_file(data, tiny_model_dir, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(f'input = "in.jsonl"\noutput = "out"\nmodel = "{tiny_model_dir}"\ntemplate = "Review: {{review}}"\n'
+                   'max-new-tokens = 3\nid_column = "id"\n')
+    code, text = invoke("validate", job)
+    assert code == 0 and "ok:" in text and "starts a new job" in text
+    code, text = invoke("run", job, "--max-new-tokens", "5")  # the command line overrides the job file
+    assert code == 0, text
+    table = ds.dataset(tmp_path / "out", format="parquet").to_table()
+    assert table.column_names == ["id", "review", "n", "generated_text", "finish_reason", "num_prompt_tokens",
+                                  "num_generated_tokens", "error"]
+    assert sorted(table.column("id").to_pylist()) == [f"x{i}" for i in range(6)]
+    assert max(table.column("num_generated_tokens").to_pylist()) <= 5
+    code, text = invoke("status", tmp_path / "out")
+    assert code == 0 and "complete" in text and "rows: 6 of 6" in text
+    stats = json.loads((tmp_path / "out" / "_batchjob" / "stats.json").read_text())["body"]
+    assert stats["rows"] == 6 and stats["latency_s"]["count"] == 6 and stats["batch_occupancy"]["timeline"]
+    code, text = invoke("run", job, "--max-new-tokens", "5")
+    assert code == 0 and "already complete" in text
+    code, text = invoke("run", job)  # max_new_tokens 3 now: a different job
+    assert code == 2 and "max_new_tokens: was 5, now 3" in text
+
+
+def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join('{"text": null}\n' if i % 2 else '{"text": "ok"}\n' for i in range(40)))
+    code, text = invoke("run", "--input", path, "--output", tmp_path / "o", "--model", tiny_model_dir,
+                        "--max-new-tokens", "2", "--max-errors", "3")
+    assert code == 1 and "--max-errors 3" in text and "Traceback" not in text
+    assert (tmp_path / "o" / "_batchjob" / "manifest.jsonl").exists()
+    code, text = invoke("run", "--input", path, "--output", tmp_path / "o", "--model", tiny_model_dir,
+                        "--max-new-tokens", "2", "--max-errors", "100")
+    assert code == 0, text
+    table = ds.dataset(tmp_path / "o", format="parquet").to_table()
+    assert table.num_rows == 40 and table.column("error").null_count == 20
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--input", "{tmp}/missing.jsonl"], "does not exist"),
+        (["--output", "{data}"], "is a file"),
+        (["--prompt-column", "nope"], "no such column"),
+        (["--template", "Hi {nope}"], "no such column"),
+        (["--messages-column", "nope"], "no such column"),
+        (["--id-column", "nope"], "no such column"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-k", "-2"], "top_k"),
+        (["--min-p", "1.5"], "min_p"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--max-new-tokens", "many"], "not a valid integer"),
+        (["--seed", "-1"], "seed"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--block-size", "0"], "block_size"),
+        (["--kv-memory-gb", "0"], "kv_memory_gb"),
+        (["--checkpoint-interval", "0"], "checkpoint_interval"),
+        (["--max-errors", "0"], "max_errors"),
+        (["--dtype", "int8"], "int8"),
+        (["--device", "tpu"], "device"),
+        (["--model", "{tmp}/no-such-model"], "not found"),
+        (["--prompt-column", "review", "--template", "{review}"], "only one of"),
+        (["--no-such-option"], "No such option"),
+    ],
+)
+def test_command_line_mistakes_exit_2_without_traceback(args, message, data, tiny_model_dir, tmp_path):
+    base = {"--input": str(data), "--output": str(tmp_path / "out"), "--model": str(tiny_model_dir),
+            "--template": "{review}"}
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{data}", str(data)) for a in args]
+    for key in ("--input", "--output", "--model", "--template"):
+        if key in args or (key == "--template" and {"--prompt-column", "--messages-column"} & set(args)):
+            base.pop(key, None)
+    full = ["run", *[x for kv in base.items() for x in kv], *args]
+    code, text = invoke(*full)
+    assert code == 2, text
+    assert message in text and "Traceback" not in text
+    assert not (tmp_path / "out" / "part-000000.parquet").exists()
+
+
+def test_no_prompt_column_names_the_columns(data, tiny_model_dir, tmp_path):
+    code, text = invoke("run", "--input", data, "--output", tmp_path / "o", "--model", tiny_model_dir)
+    assert code == 2 and "columns: id, review, n" in text
+
+
+def test_output_folder_with_other_files_is_refused(data, tiny_model_dir, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "mine.txt").write_text("keep me")
+    code, text = invoke("run", "--input", data, "--output", tmp_path / "o", "--model", tiny_model_dir,
+                        "--template", "{review}")
+    assert code == 2 and "already holds other files" in text
+
+
+def test_status_and_validate_errors(tmp_path):
+    code, text = invoke("status", tmp_path)
+    assert code == 2 and "holds no batchjob job" in text
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_new_tokens = \n")
+    code, text = invoke("validate", bad)
+    assert code == 2 and "not valid TOML" in text
+    bad.write_text("max_new_tokenz = 3\n")
+    code, text = invoke("validate", bad)
+    assert code == 2 and "unknown field 'max_new_tokenz'" in text

@@ -1,0 +1,108 @@
+"""Job pieces: intervals, manifest, checksummed state, prompts, and a job over dirty Parquet."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.errors import ConfigError, StateError
+from batchjob.io.atomic import read_json, write_json
+from batchjob.job import make_spec, run_job
+from batchjob.job.intervals import IntervalSet
+from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.prompts import PromptBuilder, plan_prompts
+from batchjob.job.spec import JobSpec, load_job_file
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_interval_set():
+    s = IntervalSet()
+    for x in [5, 3, 4, 10, 0, 1, 2, 11]:
+        s.add(x)
+    assert s.ranges() == [[0, 6], [10, 12]] and len(s) == 8
+    assert 4 in s and 6 not in s and 11 in s and 12 not in s
+    assert s.covers(1, 6) and not s.covers(5, 11)
+
+
+def test_manifest_torn_tail_is_dropped_but_corruption_raises(tmp_path):
+    m = Manifest(tmp_path / "m.jsonl")
+    m.append(PartRecord("part-000000.parquet", 2, 0, 5, 6, [[0, 2]]))
+    m.append(PartRecord("part-000001.parquet", 1, 1, 1, 0, [[2, 3]]))
+    raw = (tmp_path / "m.jsonl").read_bytes()
+    (tmp_path / "m.jsonl").write_bytes(raw[:-10])  # a crash mid-append
+    m2 = Manifest(tmp_path / "m.jsonl")
+    assert m2.names == {"part-000000.parquet"} and m2.done.ranges() == [[0, 2]]
+    lines = raw.split(b"\n")
+    (tmp_path / "m.jsonl").write_bytes(lines[0].replace(b'"rows":2', b'"rows":3') + b"\n" + lines[1] + b"\n")
+    with pytest.raises(StateError, match="line 1 is corrupt"):
+        Manifest(tmp_path / "m.jsonl")
+
+
+def test_checksummed_json(tmp_path):
+    write_json(tmp_path / "s.json", {"a": 1})
+    assert read_json(tmp_path / "s.json") == {"a": 1}
+    (tmp_path / "s.json").write_text((tmp_path / "s.json").read_text().replace('"a": 1', '"a": 2'))
+    with pytest.raises(StateError, match="checksum"):
+        read_json(tmp_path / "s.json")
+    (tmp_path / "s.json").write_text('{"checksum": "ab", "bo')
+    with pytest.raises(StateError, match="torn"):
+        read_json(tmp_path / "s.json")
+
+
+def test_job_file_fields_and_paths(tmp_path):
+    (tmp_path / "j.toml").write_text('input = ["a.jsonl", "/abs/b.jsonl"]\nmax-new-tokens = 7\nstop = "x"\n')
+    fields = load_job_file(tmp_path / "j.toml")
+    assert fields["input"] == [str(tmp_path / "a.jsonl"), "/abs/b.jsonl"] and fields["max_new_tokens"] == 7
+    spec = make_spec(tmp_path / "j.toml", max_new_tokens=9)
+    assert spec.max_new_tokens == 9 and spec.stop == ["x"]
+    with pytest.raises(ConfigError, match="max_new_tokens must be an int"):
+        JobSpec(max_new_tokens="7")
+
+
+def test_prompts(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec = JobSpec(messages_column="m", system="Be brief.")
+    plan = plan_prompts(spec, ["m"], True)
+    b = PromptBuilder(plan, tok, max_model_len=64)
+    text, err = b.text({"m": [{"role": "user", "content": "hi"}]})
+    assert err is None and text.startswith("<|im_start|>system\nBe brief.") and text.endswith("assistant\n")
+    assert b.text({"m": '[{"role": "user", "content": "hi"}]'})[0] == text  # JSON text works too
+    assert "not a non-empty list" in b.build({"m": [{"role": "user"}]})[1]
+    assert "is null" in b.build({"m": None})[1]
+    assert "does not fit" in b.build({"m": [{"role": "user", "content": "great " * 200}]})[1]
+    plain = PromptBuilder(plan_prompts(JobSpec(chat=False), ["text"], True), tok, 64)
+    assert plain.text({"text": "hello"}) == ("hello", None)
+    assert "not text" in plain.build({"text": 5})[1] and "empty" in plain.build({"text": "  "})[1]
+    assert "missing" in plain.build({"other": "x"})[1]
+    with pytest.raises(ConfigError, match="no chat template"):
+        plan_prompts(JobSpec(chat=True), ["text"], False)
+
+
+def test_dirty_parquet_job_every_row_once(tmp_path, tiny_model_dir):
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"k": [1, 2, 3, 4], "prompt": ["good one", None, "", "great " * 2000]}), d / "a.parquet")
+    pq.write_table(pa.table({"k": [5], "prompt": ["fine"], "more": [1.5]}), d / "b.parquet")
+    (d / "c.parquet").write_bytes(b"garbage")
+    result = run_job(make_spec(input=[str(d)], output=str(tmp_path / "o"), model=str(tiny_model_dir),
+                               max_new_tokens=3, chat=False))
+    assert result.status == "complete"
+    rows = sorted(ds.dataset(tmp_path / "o", format="parquet").to_table().to_pylist(), key=lambda r: r["k"] or 99)
+    assert [r["k"] for r in rows] == [1, 2, 3, 4, 5, None]
+    assert rows[0]["error"] is None and rows[0]["num_generated_tokens"] >= 1
+    assert "null" in rows[1]["error"] and "empty" in rows[2]["error"] and "context" in rows[3]["error"]
+    assert rows[4]["error"] is None and "c.parquet" in rows[5]["error"]
+    # a damaged state file is reported, never trusted
+    job = tmp_path / "o" / "_batchjob" / "job.json"
+    job.write_text(job.read_text()[:50])
+    with pytest.raises(StateError, match="job.json"):
+        run_job(make_spec(input=[str(d)], output=str(tmp_path / "o"), model=str(tiny_model_dir), max_new_tokens=3,
+                          chat=False))
+    assert json.loads((tmp_path / "o" / "_batchjob" / "stats.json").read_text())["body"]["job"]["rows_done"] == 6
