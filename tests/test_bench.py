@@ -1,0 +1,101 @@
+"""``batchjob bench`` on a tiny model: three engines, ratios, the JSON file, and bad options exiting 2."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from batchjob.bench import log_uniform_lengths, synthetic_workload
+from batchjob.cli import main
+
+SMALL = ["--num-requests", "3", "--prompt-len", "8,24", "--output-len", "2,5", "--device", "cpu"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(tiny_model_dir), *SMALL, "--static-batch-size", "2"]
+    args += ["--hf-cb-max-batch-tokens", "32,64", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for label in ("ours max_num_batched_tokens=", "static batch_size=2", "hf-cb max_batch_tokens=32"):
+        assert label in text
+    assert "hf-cb max_batch_tokens=64" in text
+    assert "ratio ours/hf-cb" in text and "ratio ours/static" in text
+    assert "our time:" in text and "forward" in text
+    assert "agreement: ours == static greedy tokens on" in text
+
+    body = json.loads(out.read_text())
+    assert body["workload"]["num_requests"] == 3
+    assert body["workload"]["seed"] == 0
+    names = [r["name"] for r in body["results"]]
+    assert names == ["ours", "static", "hf-cb", "hf-cb"]
+    total_out = body["workload"]["output_tokens"]
+    for r in body["results"]:
+        assert r["error"] is None
+        assert r["output_tokens"] == total_out  # every engine did the same work
+        assert r["wall_s"] > 0 and r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > 0
+    ours = body["results"][0]["extra"]
+    assert 0 < ours["forward_seconds"] <= ours["step_seconds"]
+    assert 0 <= ours["overhead_fraction"] < 1
+    assert set(body["ratios"]) == {"ours/hf-cb", "ours/static"}
+    # Greedy in fp32 on a tiny model with a sharpened head: every engine picks the same tokens.
+    assert body["agreement"]["static"] == {"equal": 3, "total": 3}
+    assert body["agreement"]["hf-cb"] == {"equal": 3, "total": 3}
+
+
+@pytest.mark.timeout(60)
+def test_bench_dataset_and_subset_of_baselines(tiny_model_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    rows = [{"text": "The quick brown fox."}, {"other": 1}, "not a dict", {"prompt": "Paris is the capital"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    args = ["bench", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-len", "3"]
+    result = CliRunner().invoke(main, [*args, "--baselines", "ours,static", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert f"2 requests ({data})" in result.output
+    assert "hf-cb" not in result.output
+    assert "ratio ours/static" in result.output
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt-len", "50,10"], "--prompt-len"),
+        (["--output-len", "x"], "--output-len"),
+        (["--baselines", "ours,vllm"], "--baselines"),
+        (["--hf-cb-max-batch-tokens", "0"], "--hf-cb-max-batch-tokens"),
+        (["--num-requests", "0"], "--num-requests"),
+        (["--static-batch-size", "-1"], "--static-batch-size"),
+        (["--dtype", "int8"], "--dtype"),
+    ],
+)
+def test_bad_option_exits_2(extra, message):
+    result = CliRunner().invoke(main, ["bench", *extra])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(60)
+def test_bad_model_or_context_exits_2(tiny_model_dir, tmp_path):
+    result = CliRunner().invoke(main, ["bench", "--model", str(tmp_path / "missing"), "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "missing" in result.output and "Traceback" not in result.output
+    too_long = ["bench", "--model", str(tiny_model_dir), "--prompt-len", "900,1000", "--device", "cpu"]
+    result = CliRunner().invoke(main, too_long)
+    assert result.exit_code == 2, result.output
+    assert "context of 1024 tokens" in result.output
+
+
+def test_synthetic_workload_is_seeded_and_skewed_short():
+    a = synthetic_workload(1000, 50, (24, 600), (8, 100), seed=3)
+    b = synthetic_workload(1000, 50, (24, 600), (8, 100), seed=3)
+    assert a.prompts == b.prompts and a.max_new_tokens == b.max_new_tokens
+    assert all(24 <= len(p) <= 600 for p in a.prompts)
+    assert all(8 <= n <= 100 for n in a.max_new_tokens)
+    lengths = log_uniform_lengths(random.Random(0), 2000, 24, 600)
+    assert sorted(lengths)[1000] < (24 + 600) / 2  # the median sits well below the midpoint
