@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from batchjob import Engine, SamplingParams
 from batchjob.engine.scheduler import SchedulerOutput
+from tests.tiny_models import make_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,6 +92,19 @@ def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget):
         assert out.finish_reason == "length" and out.error is None
         assert out.token_ids == _hf_greedy(hf, p, 12, ignore_eos=True), f"prompt of {len(p)} tokens"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sliding_window_equals_hf_generate(tmp_path):
+    """Mistral with a 6-token window: prompts and chunks much longer than the window."""
+    folder = make_model(tmp_path / "mistral", "mistral")
+    engine = Engine.from_pretrained(
+        str(folder), dtype="float64", device="cpu", block_size=4, max_num_batched_tokens=9, max_num_seqs=3
+    )
+    hf = _hf(folder)
+    prompts = _prompts(random.Random(8), [2, 5, 19, 44], engine.vocab_size)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(hf, p, 10, ignore_eos=True)
 
 
 def test_greedy_stops_at_eos_like_hf(tiny_model_dir):

@@ -51,8 +51,8 @@ def make_tokenizer(folder: Path, vocab_size: int = 512):
 
 
 def make_model(folder: Path, family: str = "llama", *, seed: int = 0, vocab_size: int = 512, **overrides):
-    """Build a tiny random ``family`` model (llama | qwen2 | gpt2), save it with a tokenizer to ``folder``."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+    """Build a tiny random ``family`` model (llama | qwen2 | mistral | gpt2), save it with a tokenizer to ``folder``."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -82,6 +82,17 @@ def make_model(folder: Path, family: str = "llama", *, seed: int = 0, vocab_size
             num_attention_heads=4,
             num_key_value_heads=1,
             max_position_embeddings=1024,
+            **common,
+        )
+    elif family == "mistral":  # a sliding attention window shorter than the prompts
+        cfg = MistralConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            sliding_window=6,
             **common,
         )
     elif family == "gpt2":

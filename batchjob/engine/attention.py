@@ -34,9 +34,47 @@ class PrefillChunk:
     q_start: int  # first row of the packed sequence
     q_len: int
     ctx_len: int  # keys it attends to, its new tokens included
-    key_slots: (
-        torch.Tensor | None
-    )  # [ctx_len] int64 flat cache slots; None when the chunk is the whole context
+    blocks: torch.Tensor | None  # [num_blocks] int64 its KV blocks; None when the chunk is the whole context
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[q_len, ctx_len] bool, bottom-right causal; None means plain causal (no cached keys)."""
+        if window is None and self.q_len == self.ctx_len:
+            return None
+        if window not in self._masks:
+            device = self.blocks.device if self.blocks is not None else None
+            qpos = torch.arange(self.ctx_len - self.q_len, self.ctx_len, device=device)[:, None]
+            kpos = torch.arange(self.ctx_len, device=device)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            self._masks[window] = mask
+        return self._masks[window]
+
+
+@dataclass
+class DecodeGroup:
+    """Requests with one query token each and similar context lengths, attended in one batched call.
+
+    Keys are gathered a whole block at a time (contiguous copies) and padded to the group's longest
+    request; sorting by length before grouping keeps the padding small.
+    """
+
+    rows: torch.Tensor  # [G] int64 packed rows of the requests' query tokens
+    block_table: torch.Tensor  # [G, max_blocks] int64 (padding repeats a valid block, masked out)
+    ctx_lens: torch.Tensor  # [G] int64
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """[G, 1, 1, max_blocks * block_size] bool: key j is visible to the query at position ctx_len - 1."""
+        if window not in self._masks:
+            kpos = torch.arange(self.block_table.shape[1] * block_size, device=self.ctx_lens.device)[None, :]
+            lens = self.ctx_lens[:, None]
+            mask = kpos < lens
+            if window is not None:
+                mask &= kpos > lens - 1 - window
+            self._masks[window] = mask[:, None, None, :]
+        return self._masks[window]
 
 
 @dataclass
@@ -45,43 +83,10 @@ class AttentionMetadata:
         tuple[torch.Tensor, torch.Tensor]
     ]  # per layer: K, V [num_blocks, block_size, kv_heads, dim]
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
-    decode_rows: torch.Tensor | None = None  # [Rd] int64: packed rows of single-token requests
-    decode_key_slots: torch.Tensor | None = None  # [Rd, Lmax] int64 (padding points at a valid slot)
-    decode_ctx_lens: torch.Tensor | None = None  # [Rd] int64
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # flash-attn path (CUDA): cu_seqlens_q, cu_seqlens_k, block_table (int32), max_seqlen_q, max_seqlen_k
     flash: tuple | None = None
-    _masks: dict = field(default_factory=dict)  # (kind, window) -> bool mask, built on first use per step
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[Rd, 1, 1, Lmax] bool: key j is visible to the request's single query (at position ctx_len - 1)."""
-        key = ("decode", window)
-        if key not in self._masks:
-            assert self.decode_key_slots is not None and self.decode_ctx_lens is not None
-            lmax = self.decode_key_slots.shape[1]
-            kpos = torch.arange(lmax, device=self.decode_ctx_lens.device)[None, :]
-            lens = self.decode_ctx_lens[:, None]
-            mask = kpos < lens
-            if window is not None:
-                mask &= kpos > lens - 1 - window
-            self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
-
-    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
-        """[q_len, ctx_len] bool for prefill chunk ``i``, bottom-right causal; None means plain causal."""
-        chunk = self.prefills[i]
-        if window is None and chunk.q_len == chunk.ctx_len:
-            return None
-        key = ("prefill", i, window)
-        if key not in self._masks:
-            device = self.slot_mapping.device
-            qpos = torch.arange(chunk.ctx_len - chunk.q_len, chunk.ctx_len, device=device)[:, None]
-            kpos = torch.arange(chunk.ctx_len, device=device)[None, :]
-            mask = kpos <= qpos
-            if window is not None:
-                mask &= kpos > qpos - window
-            self._masks[key] = mask
-        return self._masks[key]
 
 
 @functools.cache
@@ -154,30 +159,30 @@ def paged_attention(
     q = query[0]  # [H, T, D]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
 
-    if meta.decode_rows is not None:
-        rows = meta.decode_rows
-        num_heads = q.shape[0]
+    num_heads, block_size = q.shape[0], k_cache.shape[1]
+    for group in meta.decode_groups:
+        g = group.rows.shape[0]
         # One query per request: fold each KV head's group of query heads into the query axis, so the
         # cached keys are attended without being repeated for grouped-query attention.
-        qd = q.index_select(1, rows).transpose(0, 1)  # [Rd, H, D]
-        qd = qd.reshape(len(rows), num_kv_heads, num_heads // num_kv_heads, head_dim)
-        slots = meta.decode_key_slots
-        kd = flat_k[slots].transpose(1, 2)  # [Rd, KVH, Lmax, D]
-        vd = flat_v[slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scaling
-        )
-        out[rows] = od.reshape(len(rows), num_heads, head_dim)
+        qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]
+        qd = qd.reshape(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        blocks = group.block_table.reshape(-1)
+        kd = k_cache.index_select(0, blocks).view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache.index_select(0, blocks).view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
+        mask = group.mask(sliding_window, block_size)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scaling)
+        out[group.rows] = od.reshape(g, num_heads, head_dim)
 
-    for i, chunk in enumerate(meta.prefills):
+    for chunk in meta.prefills:
         s, e = chunk.q_start, chunk.q_start + chunk.q_len
         qp = q[:, s:e].unsqueeze(0)  # [1, H, q, D]
-        if chunk.key_slots is None:
+        if chunk.blocks is None:
             kp, vp = key[:, :, s:e], value[:, :, s:e]
         else:
-            kp = flat_k[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            vp = flat_v[chunk.key_slots].transpose(0, 1).unsqueeze(0)
-        mask = meta.prefill_mask(i, sliding_window)
+            kp = k_cache.index_select(0, chunk.blocks).view(-1, num_kv_heads, head_dim)[: chunk.ctx_len]
+            vp = v_cache.index_select(0, chunk.blocks).view(-1, num_kv_heads, head_dim)[: chunk.ctx_len]
+            kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        mask = chunk.mask(sliding_window)
         op = _sdpa(qp, kp, vp, mask, scaling, is_causal=mask is None and chunk.q_len > 1)
         out[s:e] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None

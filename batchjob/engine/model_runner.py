@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from batchjob.engine import attention
-from batchjob.engine.attention import AttentionMetadata, PrefillChunk, flash_attn_available
+from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_available
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 
@@ -44,6 +44,28 @@ class _Packer:
     def view(buf: torch.Tensor, handle: tuple[int, tuple[int, ...]]) -> torch.Tensor:
         start, shape = handle
         return buf[start : start + int(np.prod(shape, dtype=np.int64))].view(shape)
+
+
+def _decode_groups(rows: np.ndarray, ctx_lens: np.ndarray, block_size: int) -> list[np.ndarray]:
+    """Split single-token requests into groups of similar length, so padding to the longest wastes little.
+
+    Sorted by length, a group grows while padding all of it to its longest member costs at most a quarter
+    more blocks than it holds (small groups are always allowed to grow: each call has a fixed cost).
+    """
+    if rows.size == 0:
+        return []
+    blocks = -(-ctx_lens[rows] // block_size)
+    order = np.argsort(blocks, kind="stable")
+    groups: list[np.ndarray] = []
+    start, total = 0, 0
+    for j, idx in enumerate(order.tolist()):
+        size = j - start + 1
+        total += int(blocks[idx])
+        if size > 8 and int(blocks[idx]) * size > 1.25 * total:
+            groups.append(rows[order[start:j]])
+            start, total = j, int(blocks[idx])
+    groups.append(rows[order[start:]])
+    return groups
 
 
 class ModelRunner:
@@ -88,7 +110,7 @@ class ModelRunner:
             pk.add(slots),
             pk.add(sample_rows),
         )
-        h_decode = None
+        h_decode: list[tuple] = []
         h_prefill: list[tuple[int, int, int, tuple | None]] = []
         h_flash = None
         if self.use_flash:
@@ -96,25 +118,20 @@ class ModelRunner:
             cu_k = np.concatenate([[0], np.cumsum(ends)])
             h_flash = (pk.add(cu_q), pk.add(cu_k), pk.add(table), int(n.max()), int(ends.max()))
         else:
-            decode = np.flatnonzero(n == 1)
-            if decode.size:
-                lens = ends[decode]
-                kpos = np.arange(int(lens.max()), dtype=np.int64)
-                key_slots = table[decode][:, kpos // bs] * bs + kpos % bs  # padding reads real (masked) slots
-                h_decode = (pk.add(offsets[decode]), pk.add(key_slots), pk.add(lens))
+            for rows in _decode_groups(np.flatnonzero(n == 1), ends, bs):
+                nblk = -(-ends[rows] // bs)
+                h_decode.append(
+                    (pk.add(offsets[rows]), pk.add(table[rows, : int(nblk.max())]), pk.add(ends[rows]))
+                )
             for i in np.flatnonzero(n > 1).tolist():
                 ctx = int(ends[i])
-                h_slots_i = None
-                if starts[i] > 0:
-                    kpos = np.arange(ctx, dtype=np.int64)
-                    h_slots_i = pk.add(table[i, kpos // bs] * bs + kpos % bs)
-                h_prefill.append((int(offsets[i]), int(n[i]), ctx, h_slots_i))
+                h_blocks = pk.add(table[i, : -(-ctx // bs)]) if starts[i] > 0 else None
+                h_prefill.append((int(offsets[i]), int(n[i]), ctx, h_blocks))
 
         buf = pk.send(self.device)
         v = pk.view
         meta = AttentionMetadata(kv_caches=self.kv_caches, slot_mapping=v(buf, h_slots))
-        if h_decode is not None:
-            meta.decode_rows, meta.decode_key_slots, meta.decode_ctx_lens = (v(buf, h) for h in h_decode)
+        meta.decode_groups = [DecodeGroup(*(v(buf, h) for h in hs)) for hs in h_decode]
         for q_start, q_len, ctx, h in h_prefill:
             meta.prefills.append(PrefillChunk(q_start, q_len, ctx, None if h is None else v(buf, h)))
         if h_flash is not None:
