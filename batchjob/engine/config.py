@@ -54,6 +54,7 @@ class EngineConfig:
     block_size: int | None = None  # tokens per KV block; None: 256 for flash-attn on CUDA, else 16
     num_blocks: int | None = None  # None: size the pool from kv_memory_gb (or free memory on CUDA)
     kv_memory_gb: float | None = None  # KV pool budget; None: a default for the device
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     enable_prefix_caching: bool = True  # share computed blocks of equal prefixes between requests
     static_batching: bool = False  # the baseline: admit a batch, then nothing until all of it finished
 
@@ -73,5 +74,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ConfigError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ConfigError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")

@@ -22,9 +22,11 @@ from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.request import Request, RequestStatus
 from batchjob.engine.sampler import sample
-from batchjob.engine.scheduler import Scheduler
+from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
+
+CPU_KV_MEMORY_GB = 2.0  # default KV pool on CPU; --kv-memory-gb changes it
 
 
 @dataclass
@@ -138,6 +140,7 @@ class Engine:
         block_size: int | None = None,
         num_blocks: int | None = None,
         kv_memory_gb: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         static_batching: bool = False,
     ) -> Engine:
@@ -153,6 +156,7 @@ class Engine:
             block_size=block_size,
             num_blocks=num_blocks,
             kv_memory_gb=kv_memory_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             static_batching=static_batching,
         )
@@ -160,17 +164,42 @@ class Engine:
         return cls(hf_model, tokenizer, config, model_id=resolved)
 
     def _auto_num_blocks(self, shape: KVShape) -> int:
+        """Size the KV pool: explicit ``kv_memory_gb``; on CUDA, what is left of ``gpu_memory_utilization``
+        after the weights and a warm-up forward at the full token budget; on CPU a fixed budget."""
         per_block = shape.bytes_per_block(self.config.block_size, self.dtype)
         # Never more than every seat filled to the full context: beyond that blocks could not be used.
         useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
         if self.config.kv_memory_gb is not None:
             budget = self.config.kv_memory_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * 0.8
+            _, total = torch.cuda.mem_get_info(self.device)
+            peak = self._profile_peak_memory(shape)
+            budget = total * self.config.gpu_memory_utilization - peak
+            if budget < per_block:
+                raise ConfigError(
+                    f"no GPU memory left for the KV cache: the model and a forward of "
+                    f"{self.config.max_num_batched_tokens} tokens peak at {peak / 2**30:.1f} GiB of "
+                    f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization"
+                )
         else:
-            budget = 2 * 2**30
+            budget = CPU_KV_MEMORY_GB * 2**30
         return max(1, min(useful, int(budget // per_block)))
+
+    def _profile_peak_memory(self, shape: KVShape) -> int:
+        """Peak CUDA memory of the weights plus one forward at the full token budget (a dummy prompt)."""
+        bs = self.config.block_size
+        n = max(1, min(self.config.max_num_batched_tokens, self.max_model_len - 1))
+        kv = allocate_kv_cache(shape, -(-n // bs), bs, self.dtype, self.device)
+        runner = ModelRunner(self.model, kv, bs, self.device)
+        req = Request("warmup", [0] * n, n, SamplingParams(max_new_tokens=1, temperature=0), 0.0)
+        req.block_ids = list(range(-(-n // bs)))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute(SchedulerOutput([req], [n]))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+        del kv, runner
+        torch.cuda.empty_cache()
+        return peak - kv_bytes
 
     # -- the incremental API the job runner drives ---------------------------------------------------
 
