@@ -8,7 +8,7 @@ import random
 import pytest
 from click.testing import CliRunner
 
-from batchjob.bench import log_uniform_lengths, synthetic_workload
+from batchjob.bench.workload import log_uniform_lengths, synthetic_workload
 from batchjob.cli import main
 
 SMALL = ["--num-requests", "3", "--prompt-len", "8,24", "--output-len", "2,5", "--device", "cpu"]

@@ -1,0 +1,318 @@
+"""The ``batchjob bench`` command: options, the order of the runs, and the report (text and JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static
+from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
+from batchjob.cli import _errors, main
+from batchjob.errors import ConfigError
+from batchjob.job.spec import DTYPE_CHOICES
+
+BASELINES = ("ours", "hf-cb", "static")
+
+
+# -- options ---------------------------------------------------------------------------------------------
+
+
+class LengthRange(click.ParamType):
+    """``MIN,MAX`` (or ``N`` for a fixed length), integers with 1 <= MIN <= MAX."""
+
+    name = "MIN,MAX"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        parts = str(value).split(",")
+        try:
+            nums = [int(p) for p in parts]
+        except ValueError:
+            self.fail(f"expected MIN,MAX integers, got {value!r}", param, ctx)
+        if len(nums) == 1:
+            nums = nums * 2
+        if len(nums) != 2 or not 1 <= nums[0] <= nums[1]:
+            self.fail(f"expected MIN,MAX with 1 <= MIN <= MAX, got {value!r}", param, ctx)
+        return nums[0], nums[1]
+
+
+class TokenBudgets(click.ParamType):
+    """A comma list of token budgets for transformers' continuous batching; ``auto`` is its own default."""
+
+    name = "N[,N...]"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> list[int | None]:
+        if isinstance(value, list):
+            return value
+        out: list[int | None] = []
+        for part in str(value).split(","):
+            part = part.strip()
+            if part == "auto":
+                out.append(None)
+                continue
+            try:
+                n = int(part)
+            except ValueError:
+                self.fail(f"expected integers or 'auto', got {part!r}", param, ctx)
+            if n < 1:
+                self.fail(f"token budgets must be >= 1, got {n}", param, ctx)
+            out.append(n)
+        return list(dict.fromkeys(out))
+
+
+class Baselines(click.ParamType):
+    name = "LIST"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
+        if isinstance(value, list):
+            return value
+        names = [p.strip() for p in str(value).split(",") if p.strip()]
+        bad = [n for n in names if n not in BASELINES]
+        if bad or not names:
+            self.fail(f"choose from {','.join(BASELINES)}; got {value!r}", param, ctx)
+        return [n for n in BASELINES if n in names]
+
+
+def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise click.BadParameter(f"must be >= 1, got {value}")
+    return value
+
+
+# -- the report ------------------------------------------------------------------------------------------
+
+
+def _best(results: Sequence[Result], name: str) -> Result | None:
+    ok = [r for r in results if r.name == name and r.error is None]
+    return max(ok, key=lambda r: r.output_tps) if ok else None
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    """Ratios ours/theirs (output tokens/s), against each baseline's best setting, and the agreement counts."""
+    ours = _best(results, "ours")
+    summary: dict[str, Any] = {"ratios": {}, "best": {}, "agreement": {}}
+    for name in ("hf-cb", "static"):
+        best = _best(results, name)
+        if best is None:
+            continue
+        summary["best"][name] = best.label
+        if ours is not None:
+            summary["ratios"][f"ours/{name}"] = ours.output_tps / best.output_tps if best.output_tps else None
+            summary["agreement"][name] = agreement(ours, best)
+    return summary
+
+
+def format_report(work: Workload, results: list[Result], summary: dict[str, Any], header: str) -> str:
+    width = max([len("engine"), *(len(r.label) for r in results)])
+    lines = [
+        header,
+        f"workload: {len(work.prompts)} requests ({work.source}), {work.prompt_tokens} prompt tokens, "
+        f"{work.output_tokens} output tokens; greedy, EOS ignored",
+        "",
+        f"{'engine':<{width}}  {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12}",
+    ]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.label:<{width}}  failed: {r.error}")
+        else:
+            lines.append(f"{r.label:<{width}}  {r.wall_s:>8.2f} {r.output_tps:>10.1f} {r.total_tps:>12.1f}")
+    lines.append("")
+    for key, ratio in summary["ratios"].items():
+        other = summary["best"][key.split("/")[1]]
+        lines.append(f"ratio {key} (output tok/s, vs {other}): {ratio:.2f}x")
+    ours = _best(results, "ours")
+    if ours is not None:
+        x = ours.extra
+        other_in_step = x["step_seconds"] - x["forward_seconds"]
+        outside = ours.wall_s - x["step_seconds"]
+        lines.append(
+            f"our time: {ours.wall_s:.2f} s wall = forward {x['forward_seconds']:.2f} s "
+            f"({100 * x['forward_seconds'] / ours.wall_s:.1f}%) + other {x['overhead_seconds']:.2f} s "
+            f"({100 * x['overhead_fraction']:.1f}%: {other_in_step:.2f} s in step() outside the forward, "
+            f"{outside:.2f} s outside step()); {x['steps']} steps, {x['batched_tokens']} batched tokens, "
+            f"{x['preemptions']} preemptions"
+        )
+    for name, agree in summary["agreement"].items():
+        lines.append(
+            f"agreement: ours == {name} greedy tokens on {agree['equal']}/{agree['total']} requests "
+            "(token-exact; fp rounding may flip a few)"
+        )
+    return "\n".join(lines)
+
+
+# -- the command -----------------------------------------------------------------------------------------
+
+
+@main.command("bench")
+@click.option("--model", default=None, help="Local model folder or hub id (default: embedded SmolLM2-135M).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default="auto",
+    show_default=True,
+    help="Weights dtype (auto: float32 on CPU, bfloat16 on CUDA).",
+)
+@click.option("--num-requests", type=int, default=64, show_default=True, callback=_positive)
+@click.option(
+    "--prompt-len",
+    type=LengthRange(),
+    default="24,600",
+    show_default=True,
+    help="Synthetic prompt lengths in tokens, log-uniform (mostly short).",
+)
+@click.option(
+    "--output-len",
+    type=LengthRange(),
+    default="8,100",
+    show_default=True,
+    help="Tokens to generate, uniform.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@click.option(
+    "--dataset",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL or Parquet file with a 'prompt' or 'text' column: its first --num-requests rows are the prompts.",
+)
+@click.option(
+    "--static-batch-size",
+    type=int,
+    default=8,
+    show_default=True,
+    callback=_positive,
+    help="Batch size of static generate.",
+)
+@click.option(
+    "--hf-cb-max-batch-tokens",
+    type=TokenBudgets(),
+    default="256",
+    show_default=True,
+    help="Token budget(s) for transformers' continuous batching, e.g. 128,256,512 or auto; the best is compared.",
+)
+@click.option(
+    "--baselines",
+    type=Baselines(),
+    default=",".join(BASELINES),
+    show_default=True,
+    help="Which engines to run.",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
+)
+@click.option("--max-num-batched-tokens", type=int, callback=_positive, help="Our engine's tokens per step.")
+@click.option("--max-num-seqs", type=int, callback=_positive, help="Our engine's running requests at once.")
+@_errors
+def bench(
+    model: str | None,
+    device: str,
+    dtype: str,
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    dataset: Path | None,
+    static_batch_size: int,
+    hf_cb_max_batch_tokens: list[int | None],
+    baselines: list[str],
+    json_path: Path | None,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
+) -> None:
+    """Benchmark our engine against transformers' continuous batching and static generate, in one process.
+
+    Every engine runs the same token-id prompts with the same per-request output lengths (greedy, EOS
+    ignored), after a short warm-up. Prints output and total tokens/s, ratios ours/theirs, where our time
+    goes, and how many greedy outputs agree token for token.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from batchjob import Engine
+
+    def progress(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        progress("loading our engine ...")
+        engine = Engine.from_pretrained(
+            model,
+            dtype=dtype,
+            device=device,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        vocab_size = int(engine.vocab_size)
+        longest = engine.max_model_len
+        if dataset is not None:
+            work = dataset_workload(
+                dataset, engine.tokenizer, num_requests, output_len, seed, longest - output_len[1]
+            )
+        else:
+            if prompt_len[1] + output_len[1] > longest:
+                raise ConfigError(
+                    f"--prompt-len max {prompt_len[1]} + --output-len max {output_len[1]} exceeds the model's "
+                    f"context of {longest} tokens"
+                )
+            work = synthetic_workload(vocab_size, num_requests, prompt_len, output_len, seed)
+
+        results: list[Result] = []
+        runs: list[tuple[str, Callable[[], Result]]] = []
+        if "ours" in baselines:
+            runs.append(("ours", lambda: run_ours(engine, work, vocab_size)))
+        hf_model = None
+        if "static" in baselines or "hf-cb" in baselines:
+            # A separate, unmodified copy: the engine's model has our paged attention plugged in.
+            hf_model = AutoModelForCausalLM.from_pretrained(engine.model_id, dtype=engine.dtype)
+            hf_model.to(engine.device).eval()
+        pad_id = engine.tokenizer.pad_token_id
+        pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
+        if "static" in baselines:
+            runs.append(("static", lambda: run_static(hf_model, work, static_batch_size, pad_id, vocab_size)))
+        if "hf-cb" in baselines:  # last: it switches the model's attention implementation while it runs
+            for budget in hf_cb_max_batch_tokens:
+                runs.append(
+                    (
+                        f"hf-cb max_batch_tokens={budget or 'auto'}",
+                        lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size),
+                    )
+                )
+        for label, fn in runs:
+            progress(f"running {label} ...")
+            with torch.inference_mode():
+                results.append(fn())
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+    summary = summarize(results)
+    header = (
+        f"batchjob bench: model {Path(engine.model_id).name}, device {engine.device}, "
+        f"dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}"
+    )
+    click.echo(format_report(work, results, summary, header))
+    if json_path is not None:
+        body = {
+            "command": " ".join(["batchjob", *sys.argv[1:]]) if sys.argv else "batchjob bench",
+            "model": engine.model_id,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+            "workload": work.describe() | {"seed": seed},
+            "results": [r.as_dict() for r in results],
+            **summary,
+        }
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        click.echo(f"results written to {json_path}")

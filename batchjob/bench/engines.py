@@ -1,0 +1,176 @@
+"""Timing one workload through each engine: ours, transformers' continuous batching, static ``generate``.
+
+Each runner warms its engine up on two short requests, then times the workload from the first submission to
+the last result. All are greedy with EOS ignored and honour each request's own ``max_new_tokens``, so every
+engine does the same work; a runner returns the generated ids so the report can compare them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from batchjob.bench.workload import Workload
+
+_WARMUP_PROMPT_LEN = 16
+_WARMUP_OUTPUT_LEN = 4
+
+
+@dataclass
+class Result:
+    name: str  # "ours", "hf-cb", "static"
+    settings: dict[str, Any]
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int  # the tokens asked for: the same work for every engine
+    outputs: list[list[int]] = field(repr=False)  # generated ids per request, in workload order
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name + "".join(f" {k}={v}" for k, v in self.settings.items())
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
+        d["output_tokens_per_s"] = self.output_tps
+        d["total_tokens_per_s"] = self.total_tps
+        return d
+
+
+def _warmup_workload(vocab_size: int) -> Workload:
+    rng = random.Random(12345)
+    prompts = [[rng.randrange(vocab_size) for _ in range(_WARMUP_PROMPT_LEN + i)] for i in range(2)]
+    return Workload(prompts, [_WARMUP_OUTPUT_LEN] * 2, "warmup")
+
+
+def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
+    from batchjob.sampling import SamplingParams
+
+    def params(w: Workload) -> list[SamplingParams]:
+        return [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in w.max_new_tokens]
+
+    warm = _warmup_workload(vocab_size)
+    engine.generate(warm.prompts, params(warm))
+    before = engine.stats.as_dict()
+    start = time.perf_counter()
+    outs = engine.generate(work.prompts, params(work))
+    wall = time.perf_counter() - start
+    after = engine.stats.as_dict()
+    diff = {k: after[k] - before[k] for k in ("forward_seconds", "step_seconds", "steps", "batched_tokens")}
+    diff["preemptions"] = after["preemptions"] - before["preemptions"]
+    diff["overhead_seconds"] = wall - diff["forward_seconds"]
+    diff["overhead_fraction"] = diff["overhead_seconds"] / wall if wall > 0 else 0.0
+    settings = {
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "max_num_seqs": engine.config.max_num_seqs,
+    }
+    failed = [o for o in outs if o.finish_reason == "error"]
+    error = f"{len(failed)} request(s) failed, e.g. {failed[0].error}" if failed else None
+    outputs = [o.token_ids for o in outs]
+    return Result("ours", settings, wall, work.prompt_tokens, work.output_tokens, outputs, diff, error)
+
+
+def run_static(model: Any, work: Workload, batch_size: int, pad_id: int, vocab_size: int) -> Result:
+    """Plain ``generate`` on left-padded batches in workload order; each batch runs to its longest output."""
+    import torch
+    from transformers import GenerationConfig
+
+    device = model.device
+
+    def run(w: Workload) -> tuple[list[list[int]], int]:
+        outputs: list[list[int]] = []
+        generated = 0
+        for lo in range(0, len(w.prompts), batch_size):
+            prompts, wants = w.prompts[lo : lo + batch_size], w.max_new_tokens[lo : lo + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+            # eos_token_id=[] (not None, which would fall back to the model's EOS): never stop early.
+            config = GenerationConfig(
+                do_sample=False, max_new_tokens=max(wants), eos_token_id=[], pad_token_id=pad_id
+            )
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            new = out[:, width:].tolist()
+            generated += len(prompts) * max(wants)
+            outputs.extend(row[:n] for row, n in zip(new, wants, strict=True))
+        return outputs, generated
+
+    warm = _warmup_workload(vocab_size)
+    run(warm)
+    start = time.perf_counter()
+    outputs, generated = run(work)
+    wall = time.perf_counter() - start
+    return Result(
+        "static",
+        {"batch_size": batch_size},
+        wall,
+        work.prompt_tokens,
+        work.output_tokens,
+        outputs,
+        {"generated_tokens_including_padding_waste": generated},
+    )
+
+
+def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int | None, vocab_size: int) -> Result:
+    """transformers' continuous batching: a manager with per-request ``max_new_tokens`` and EOS disabled."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(work.max_new_tokens), eos_token_id=-1)
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    # The hints generate_batch() would give: they size the block table and the requests per batch.
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in work.prompts),
+        max_generated_length=max(work.max_new_tokens),
+        num_requests=len(work.prompts),
+    )
+    manager = model.init_continuous_batching(
+        generation_config=gen_config, continuous_batching_config=cb_config, workload_hints=hints
+    )
+    settings = {"max_batch_tokens": "auto" if max_batch_tokens is None else max_batch_tokens}
+
+    def run(w: Workload, tag: str) -> tuple[dict[str, list[int]], str | None]:
+        ids = [f"{tag}-{i}" for i in range(len(w.prompts))]
+        for rid, prompt, n in zip(ids, w.prompts, w.max_new_tokens, strict=True):
+            # eos_token_id=-1 matches no token: EOS is ignored; max_new_tokens is this request's own.
+            manager.add_request(prompt, request_id=rid, max_new_tokens=n, eos_token_id=-1)
+        done: dict[str, list[int]] = {}
+        while len(done) < len(ids):
+            res = manager.get_result(timeout=1)
+            if res is None:
+                if not manager.is_running():
+                    return done, "transformers' generation thread stopped"
+                continue
+            if res.is_finished():
+                if res.error is not None:
+                    return done, f"request {res.request_id}: {res.error}"
+                done[res.request_id] = list(res.generated_tokens)
+        return done, None
+
+    manager.start()
+    try:
+        run(_warmup_workload(vocab_size), "warmup")
+        start = time.perf_counter()
+        done, error = run(work, "bench")
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    outputs = [done.get(f"bench-{i}", []) for i in range(len(work.prompts))]
+    return Result("hf-cb", settings, wall, work.prompt_tokens, work.output_tokens, outputs, error=error)
+
+
+def agreement(ours: Result, other: Result) -> dict[str, int]:
+    equal = sum(a == b for a, b in zip(ours.outputs, other.outputs, strict=True))
+    return {"equal": equal, "total": len(ours.outputs)}
