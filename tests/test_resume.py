@@ -24,18 +24,50 @@ N_ROWS = 300
 def reviews(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "reviews.jsonl"
     rng = random.Random(0)
-    words = ["great", "terrible", "fine", "broke", "love", "quality", "price", "arrived", "quickly", "slow", "cheap", "sturdy"]
+    words = [
+        "great",
+        "terrible",
+        "fine",
+        "broke",
+        "love",
+        "quality",
+        "price",
+        "arrived",
+        "quickly",
+        "slow",
+        "cheap",
+        "sturdy",
+    ]
     with open(path, "w") as f:
         for i in range(N_ROWS):
-            f.write(json.dumps({"rid": f"r{i}", "review": " ".join(rng.choices(words, k=rng.randint(3, 30)))}) + "\n")
+            f.write(
+                json.dumps({"rid": f"r{i}", "review": " ".join(rng.choices(words, k=rng.randint(3, 30)))})
+                + "\n"
+            )
         f.write("{torn json\n")
     return path
 
 
 def job_args(reviews, out, model, *extra):
-    return ["--input", str(reviews), "--output", str(out), "--model", str(model), "--template",
-            "Review: {review}\nSentiment:", "--id-column", "rid", "--max-new-tokens", "12", "--max-num-seqs", "8",
-            "--checkpoint-interval", "0.2", *extra]
+    return [
+        "--input",
+        str(reviews),
+        "--output",
+        str(out),
+        "--model",
+        str(model),
+        "--template",
+        "Review: {review}\nSentiment:",
+        "--id-column",
+        "rid",
+        "--max-new-tokens",
+        "12",
+        "--max-num-seqs",
+        "8",
+        "--checkpoint-interval",
+        "0.2",
+        *extra,
+    ]
 
 
 def results(out):
@@ -45,8 +77,13 @@ def results(out):
 
 def launch(args):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", "batchjob", "run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchjob", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def wait_started(out, proc, timeout=120):
@@ -58,10 +95,19 @@ def wait_started(out, proc, timeout=120):
 
 
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--seed", "7"]], ids=["greedy", "seeded"])
-def test_sigkill_any_number_of_times_then_resume_equals_uninterrupted(reviews, tiny_model_dir, tmp_path, sampling):
+def test_sigkill_any_number_of_times_then_resume_equals_uninterrupted(
+    reviews, tiny_model_dir, tmp_path, sampling
+):
     ref = tmp_path / "ref"
-    spec = dict(input=[str(reviews)], output=str(ref), model=str(tiny_model_dir), template="Review: {review}\nSentiment:",
-                id_column="rid", max_new_tokens=12, max_num_seqs=8)
+    spec = dict(
+        input=[str(reviews)],
+        output=str(ref),
+        model=str(tiny_model_dir),
+        template="Review: {review}\nSentiment:",
+        id_column="rid",
+        max_new_tokens=12,
+        max_num_seqs=8,
+    )
     if sampling:
         spec.update(temperature=1.0, seed=7)
     assert run_job(make_spec(**spec)).status == "complete"
@@ -95,15 +141,29 @@ def test_sigkill_any_number_of_times_then_resume_equals_uninterrupted(reviews, t
 
 
 def test_sigterm_saves_state_exits_75_and_resumes_exactly(reviews, tiny_model_dir, tmp_path):
-    args = ["--temperature", "0.8", "--seed", "3", "--checkpoint-interval", "60"]
+    args = ["--temperature", "0.8", "--seed", "3", "--checkpoint-interval", "0.3"]
     ref = tmp_path / "ref"
-    assert run_job(make_spec(input=[str(reviews)], output=str(ref), model=str(tiny_model_dir),
-                             template="Review: {review}\nSentiment:", id_column="rid", max_new_tokens=12,
-                             temperature=0.8, seed=3)).status == "complete"
+    assert (
+        run_job(
+            make_spec(
+                input=[str(reviews)],
+                output=str(ref),
+                model=str(tiny_model_dir),
+                template="Review: {review}\nSentiment:",
+                id_column="rid",
+                max_new_tokens=12,
+                temperature=0.8,
+                seed=3,
+            )
+        ).status
+        == "complete"
+    )
     out = tmp_path / "out"
     proc = launch(job_args(reviews, out, tiny_model_dir, *args))
     wait_started(out, proc)
-    time.sleep(0.4)
+    while not (out / "_batchjob" / "manifest.jsonl").exists():  # the first rows are committed
+        assert proc.poll() is None
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     text = proc.communicate(timeout=60)[0]
     assert proc.returncode == 75, text
