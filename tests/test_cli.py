@@ -29,15 +29,25 @@ def invoke(*args):
 
 def test_run_status_validate_and_job_file(data, tiny_model_dir, tmp_path):
     job = tmp_path / "job.toml"
-    job.write_text(f'input = "in.jsonl"\noutput = "out"\nmodel = "{tiny_model_dir}"\ntemplate = "Review: {{review}}"\n'
-                   'max-new-tokens = 3\nid_column = "id"\n')
+    job.write_text(
+        f'input = "in.jsonl"\noutput = "out"\nmodel = "{tiny_model_dir}"\ntemplate = "Review: {{review}}"\n'
+        'max-new-tokens = 3\nid_column = "id"\n'
+    )
     code, text = invoke("validate", job)
     assert code == 0 and "ok:" in text and "starts a new job" in text
     code, text = invoke("run", job, "--max-new-tokens", "5")  # the command line overrides the job file
     assert code == 0, text
     table = ds.dataset(tmp_path / "out", format="parquet").to_table()
-    assert table.column_names == ["id", "review", "n", "generated_text", "finish_reason", "num_prompt_tokens",
-                                  "num_generated_tokens", "error"]
+    assert table.column_names == [
+        "id",
+        "review",
+        "n",
+        "generated_text",
+        "finish_reason",
+        "num_prompt_tokens",
+        "num_generated_tokens",
+        "error",
+    ]
     assert sorted(table.column("id").to_pylist()) == [f"x{i}" for i in range(6)]
     assert max(table.column("num_generated_tokens").to_pylist()) <= 5
     code, text = invoke("status", tmp_path / "out")
@@ -53,12 +63,34 @@ def test_run_status_validate_and_job_file(data, tiny_model_dir, tmp_path):
 def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join('{"text": null}\n' if i % 2 else '{"text": "ok"}\n' for i in range(40)))
-    code, text = invoke("run", "--input", path, "--output", tmp_path / "o", "--model", tiny_model_dir,
-                        "--max-new-tokens", "2", "--max-errors", "3")
+    code, text = invoke(
+        "run",
+        "--input",
+        path,
+        "--output",
+        tmp_path / "o",
+        "--model",
+        tiny_model_dir,
+        "--max-new-tokens",
+        "2",
+        "--max-errors",
+        "3",
+    )
     assert code == 1 and "--max-errors 3" in text and "Traceback" not in text
     assert (tmp_path / "o" / "_batchjob" / "manifest.jsonl").exists()
-    code, text = invoke("run", "--input", path, "--output", tmp_path / "o", "--model", tiny_model_dir,
-                        "--max-new-tokens", "2", "--max-errors", "100")
+    code, text = invoke(
+        "run",
+        "--input",
+        path,
+        "--output",
+        tmp_path / "o",
+        "--model",
+        tiny_model_dir,
+        "--max-new-tokens",
+        "2",
+        "--max-errors",
+        "100",
+    )
     assert code == 0, text
     table = ds.dataset(tmp_path / "o", format="parquet").to_table()
     assert table.num_rows == 40 and table.column("error").null_count == 20
@@ -93,8 +125,12 @@ def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
     ],
 )
 def test_command_line_mistakes_exit_2_without_traceback(args, message, data, tiny_model_dir, tmp_path):
-    base = {"--input": str(data), "--output": str(tmp_path / "out"), "--model": str(tiny_model_dir),
-            "--template": "{review}"}
+    base = {
+        "--input": str(data),
+        "--output": str(tmp_path / "out"),
+        "--model": str(tiny_model_dir),
+        "--template": "{review}",
+    }
     args = [a.replace("{tmp}", str(tmp_path)).replace("{data}", str(data)) for a in args]
     for key in ("--input", "--output", "--model", "--template"):
         if key in args or (key == "--template" and {"--prompt-column", "--messages-column"} & set(args)):
@@ -114,8 +150,17 @@ def test_no_prompt_column_names_the_columns(data, tiny_model_dir, tmp_path):
 def test_output_folder_with_other_files_is_refused(data, tiny_model_dir, tmp_path):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "mine.txt").write_text("keep me")
-    code, text = invoke("run", "--input", data, "--output", tmp_path / "o", "--model", tiny_model_dir,
-                        "--template", "{review}")
+    code, text = invoke(
+        "run",
+        "--input",
+        data,
+        "--output",
+        tmp_path / "o",
+        "--model",
+        tiny_model_dir,
+        "--template",
+        "{review}",
+    )
     assert code == 2 and "already holds other files" in text
 
 

@@ -40,7 +40,9 @@ def test_discover_file_dir_glob_and_names(tmp_path):
     # the output folder inside an input folder is never read back
     (tmp_path / "d" / "out").mkdir()
     write_jsonl(tmp_path / "d" / "out" / "c.jsonl", [{"text": "z"}])
-    assert "out/c.jsonl" not in [s.name for s in discover([str(tmp_path / "d")], exclude=tmp_path / "d" / "out")]
+    assert "out/c.jsonl" not in [
+        s.name for s in discover([str(tmp_path / "d")], exclude=tmp_path / "d" / "out")
+    ]
 
 
 def test_discover_errors(tmp_path):
@@ -64,7 +66,9 @@ def test_dirty_jsonl_becomes_error_rows_with_file_and_line(tmp_path):
         f.write(b'{"text": "last", "extra": [1, {"a": 2}]}')  # no final newline
     rows = list(iter_rows(discover([str(path)])))
     assert [r.ordinal for r in rows] == [0, 1, 2, 3, 4]
-    assert rows[0].values == {"text": "good"} and rows[0].error is None and rows[0].derived_id == "dirty.jsonl:0"
+    assert (
+        rows[0].values == {"text": "good"} and rows[0].error is None and rows[0].derived_id == "dirty.jsonl:0"
+    )
     assert "line 2" in rows[1].error and "bad JSON" in rows[1].error
     assert "line 4" in rows[2].error and "UTF-8" in rows[2].error
     assert "line 5" in rows[3].error and "not a JSON object" in rows[3].error
@@ -97,7 +101,9 @@ def test_parquet_and_hf_folder_and_skip(tmp_path):
     assert [count_rows(s) for s in sources] == [3000, 2]
     rows = list(iter_rows(sources))
     assert len(rows) == 3002 and rows[2999].values == {"text": "t2999", "n": 2999}
-    assert rows[3001].values == {"text": "h1"} and rows[3001].ordinal == 3001 and rows[3001].derived_id == "hf:1"
+    assert (
+        rows[3001].values == {"text": "h1"} and rows[3001].ordinal == 3001 and rows[3001].derived_id == "hf:1"
+    )
     done = IntervalSet([(0, 2500), (3000, 3001)])
     gen = iter_rows(sources, skip=done.__contains__, covered=done.covers)
     left = list(gen)
@@ -117,17 +123,25 @@ def test_corrupt_parquet_file_is_an_error_row(tmp_path):
 
 
 def test_jsonl_schema_inference_and_writer_coercion(tmp_path):
-    path = write_jsonl(tmp_path / "m.jsonl", [
-        {"a": 1, "b": "x", "c": 1, "d": [1, 2], "e": True},
-        {"a": 2, "b": 5, "c": 2.5, "d": {"k": "v"}, "e": None},
-    ])
+    path = write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {"a": 1, "b": "x", "c": 1, "d": [1, 2], "e": True},
+            {"a": 2, "b": 5, "c": 2.5, "d": {"k": "v"}, "e": None},
+        ],
+    )
     schema = input_schema(discover([str(path)])[0])
     assert schema.types == [pa.int64(), pa.string(), pa.float64(), pa.string(), pa.bool_()]
     rows = [
         {"values": {"a": "not an int", "b": {"nested": 1}, "c": 3, "d": [3], "e": "yes", "zzz": 1}},
         {"values": None, "generated_text": None, "finish_reason": "error", "error": "bad"},
-        {"values": {"a": 2**70}, "generated_text": "ok", "finish_reason": "stop", "num_prompt_tokens": 3,
-         "num_generated_tokens": 1},
+        {
+            "values": {"a": 2**70},
+            "generated_text": "ok",
+            "finish_reason": "stop",
+            "num_prompt_tokens": 3,
+            "num_generated_tokens": 1,
+        },
     ]
     table = build_table(rows, schema)
     assert table.schema == output_schema(schema)
@@ -142,8 +156,18 @@ def test_result_name_clash_and_part_writer(tmp_path):
     schema = pa.schema([("error", pa.string()), ("text", pa.string())])
     assert output_schema(schema).names[:2] == ["input_error", "text"]
     writer = PartWriter(tmp_path, schema)
-    name = writer.write(0, [{"values": {"error": "e", "text": "t"}, "generated_text": "g", "finish_reason": "stop",
-                             "num_prompt_tokens": 1, "num_generated_tokens": 2}])
+    name = writer.write(
+        0,
+        [
+            {
+                "values": {"error": "e", "text": "t"},
+                "generated_text": "g",
+                "finish_reason": "stop",
+                "num_prompt_tokens": 1,
+                "num_generated_tokens": 2,
+            }
+        ],
+    )
     assert pq.read_table(tmp_path / name).to_pylist()[0]["input_error"] == "e"
     (tmp_path / "part-000009.parquet").write_bytes(b"orphan")
     (tmp_path / ".part-000010.parquet.tmp").write_bytes(b"torn")

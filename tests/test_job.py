@@ -88,13 +88,24 @@ def test_prompts(tiny_model_dir):
 def test_dirty_parquet_job_every_row_once(tmp_path, tiny_model_dir):
     d = tmp_path / "in"
     d.mkdir()
-    pq.write_table(pa.table({"k": [1, 2, 3, 4], "prompt": ["good one", None, "", "great " * 2000]}), d / "a.parquet")
+    pq.write_table(
+        pa.table({"k": [1, 2, 3, 4], "prompt": ["good one", None, "", "great " * 2000]}), d / "a.parquet"
+    )
     pq.write_table(pa.table({"k": [5], "prompt": ["fine"], "more": [1.5]}), d / "b.parquet")
     (d / "c.parquet").write_bytes(b"garbage")
-    result = run_job(make_spec(input=[str(d)], output=str(tmp_path / "o"), model=str(tiny_model_dir),
-                               max_new_tokens=3, chat=False))
+    result = run_job(
+        make_spec(
+            input=[str(d)],
+            output=str(tmp_path / "o"),
+            model=str(tiny_model_dir),
+            max_new_tokens=3,
+            chat=False,
+        )
+    )
     assert result.status == "complete"
-    rows = sorted(ds.dataset(tmp_path / "o", format="parquet").to_table().to_pylist(), key=lambda r: r["k"] or 99)
+    rows = sorted(
+        ds.dataset(tmp_path / "o", format="parquet").to_table().to_pylist(), key=lambda r: r["k"] or 99
+    )
     assert [r["k"] for r in rows] == [1, 2, 3, 4, 5, None]
     assert rows[0]["error"] is None and rows[0]["num_generated_tokens"] >= 1
     assert "null" in rows[1]["error"] and "empty" in rows[2]["error"] and "context" in rows[3]["error"]
@@ -103,6 +114,15 @@ def test_dirty_parquet_job_every_row_once(tmp_path, tiny_model_dir):
     job = tmp_path / "o" / "_batchjob" / "job.json"
     job.write_text(job.read_text()[:50])
     with pytest.raises(StateError, match="job.json"):
-        run_job(make_spec(input=[str(d)], output=str(tmp_path / "o"), model=str(tiny_model_dir), max_new_tokens=3,
-                          chat=False))
-    assert json.loads((tmp_path / "o" / "_batchjob" / "stats.json").read_text())["body"]["job"]["rows_done"] == 6
+        run_job(
+            make_spec(
+                input=[str(d)],
+                output=str(tmp_path / "o"),
+                model=str(tiny_model_dir),
+                max_new_tokens=3,
+                chat=False,
+            )
+        )
+    assert (
+        json.loads((tmp_path / "o" / "_batchjob" / "stats.json").read_text())["body"]["job"]["rows_done"] == 6
+    )
