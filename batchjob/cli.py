@@ -106,6 +106,28 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--kv-memory-gb", type=float, help="KV cache budget in GiB (default: per device)."),
         click.option("--num-blocks", type=int, help="KV cache size in blocks (overrides --kv-memory-gb)."),
         click.option(
+            "--gpu-memory-utilization",
+            type=float,
+            help="CUDA: share of GPU memory for weights, activations and KV (default: 0.9).",
+        ),
+        click.option(
+            "--prefix-caching/--no-prefix-caching",
+            default=None,
+            help="Share the KV of equal prompt prefixes between rows (default: on).",
+        ),
+        click.option(
+            "--admission",
+            type=click.Choice(["fcfs", "longest-first", "shortest-first", "static"]),
+            help="Order rows enter the engine: input order, longest or shortest prompt first within "
+            "--lookahead rows, or static batches (a baseline) (default: fcfs).",
+        ),
+        click.option(
+            "--lookahead",
+            type=int,
+            metavar="ROWS",
+            help="Rows read ahead for longest-first / shortest-first (default: 512).",
+        ),
+        click.option(
             "--checkpoint-interval",
             type=float,
             metavar="SECONDS",

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,10 @@ class _Loop:
         self.params = self.spec.sampling_params(prep.info.job_seed)
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.window = max(8, 2 * self.max_num_seqs)
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, _Pending] = {}  # rows prepared or in the engine, by id
+        self.ready: deque[tuple[str, list[int], list[int] | None]] = (
+            deque()
+        )  # prepared, not yet in the engine
         self.buffer: list[dict[str, Any]] = []
         self.buffer_ordinals = IntervalSet()
         self.stats = RunStats(self.max_num_seqs)
@@ -204,6 +208,12 @@ class _Loop:
                     "output_ids": list(snap.output_ids),
                 }
             )
+        for row_id, ids, output_ids in self.ready:  # restored from the last checkpoint, not yet re-added
+            if output_ids:
+                ordinal = self.pending[row_id].row.ordinal
+                requests.append(
+                    {"ordinal": ordinal, "id": row_id, "prompt_ids": ids, "output_ids": output_ids}
+                )
         self.state.save_inflight(requests)
         self.write_stats()
 
@@ -247,8 +257,26 @@ class _Loop:
         output_ids = None
         if saved is not None and saved.get("id") == row_id and saved.get("prompt_ids") == ids:
             output_ids = saved.get("output_ids") or None
-        self.engine.add_request(row_id, ids, self.params, output_ids=output_ids)
+        self.ready.append((row_id, ids, output_ids))
         self.pending[row_id] = _Pending(row, row_id, len(ids))
+
+    def _read_ahead(self) -> int:
+        """How many prepared rows to hold: a lookahead window to sort, or just what the engine can take."""
+        if self.spec.admission in ("longest-first", "shortest-first"):
+            return self.spec.lookahead
+        return max(0, self.window - self.engine.num_unfinished)
+
+    def _feed(self) -> None:
+        """Move prepared rows into the engine while it has room, in the order ``--admission`` asks for."""
+        while self.ready and self.engine.num_unfinished < self.window:
+            if self.spec.admission in ("longest-first", "shortest-first"):
+                pick = max if self.spec.admission == "longest-first" else min
+                i = pick(range(len(self.ready)), key=lambda j: len(self.ready[j][1]))
+                row_id, ids, output_ids = self.ready[i]
+                del self.ready[i]
+            else:
+                row_id, ids, output_ids = self.ready.popleft()
+            self.engine.add_request(row_id, ids, self.params, output_ids=output_ids)
 
     def _finished(self, out: Any) -> None:
         p = self.pending.pop(out.request_id)
@@ -292,12 +320,13 @@ class _Loop:
         last_checkpoint = time.monotonic()
         try:
             while True:
-                while not reader_done and self.engine.num_unfinished < self.window:
+                while not reader_done and len(self.ready) < self._read_ahead():
                     try:
                         self._admit(next(reader), inflight)
                     except StopIteration as stop:
                         reader_done = True
                         info.total_rows = stop.value
+                self._feed()
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._finished(out)
@@ -356,6 +385,9 @@ def load_engine(spec: JobSpec) -> Any:
         block_size=spec.block_size,
         num_blocks=spec.num_blocks,
         kv_memory_gb=spec.kv_memory_gb,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        enable_prefix_caching=spec.prefix_caching,
+        static_batching=spec.admission == "static",
     )
 
 

@@ -27,6 +27,9 @@ DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+ADMISSION_CHOICES = ("fcfs", "longest-first", "shortest-first", "static")
+
+
 @dataclass
 class JobSpec:
     """What to run. Defaults here are the command line's defaults (temperature 0: greedy, reproducible)."""
@@ -58,6 +61,10 @@ class JobSpec:
     block_size: int = 16
     kv_memory_gb: float | None = None
     num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    prefix_caching: bool = True
+    admission: str = "fcfs"  # fcfs | longest-first | shortest-first | static
+    lookahead: int = 512  # rows read ahead to choose from (longest-first, shortest-first)
     # state
     checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
     max_errors: int | None = None  # stop (exit 1) once this many rows have failed
@@ -88,6 +95,16 @@ class JobSpec:
                 raise ConfigError(f"{name} must be >= 1, got {value!r}")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ConfigError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.admission not in ADMISSION_CHOICES:
+            raise ConfigError(
+                f"admission must be one of {', '.join(ADMISSION_CHOICES)}; got {self.admission!r}"
+            )
+        if self.lookahead < 1:
+            raise ConfigError(f"lookahead must be >= 1 rows, got {self.lookahead!r}")
         if not self.checkpoint_interval > 0:
             raise ConfigError(f"checkpoint_interval must be > 0 seconds, got {self.checkpoint_interval!r}")
         if self.max_errors is not None and self.max_errors < 1:
