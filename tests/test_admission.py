@@ -8,6 +8,7 @@ import random
 import pyarrow.dataset as ds
 import pytest
 
+from batchjob.io.atomic import read_json
 from batchjob.job import make_spec, run_job
 
 pytestmark = pytest.mark.timeout(240)
@@ -15,7 +16,23 @@ pytestmark = pytest.mark.timeout(240)
 
 def _rows(n: int) -> list[dict]:
     rng = random.Random(0)
-    words = "the quick brown fox jumps over a lazy dog and then some more words follow".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "and",
+        "then",
+        "some",
+        "more",
+        "words",
+        "follow",
+    ]
     return [{"id": f"r{i}", "text": " ".join(rng.choices(words, k=rng.randint(1, 60)))} for i in range(n)]
 
 
@@ -38,7 +55,7 @@ def _run(tmp_path, model, name, **options):
     result = run_job(spec)
     assert result.status == "complete"
     table = ds.dataset(str(out), format="parquet").to_table().to_pylist()
-    stats = json.loads((out / "_batchjob" / "stats.json").read_text())
+    stats = read_json(out / "_batchjob" / "stats.json")
     return {r["id"]: (r["generated_text"], r["num_generated_tokens"]) for r in table}, len(table), stats
 
 
