@@ -17,7 +17,7 @@ SMALL = ["--num-requests", "3", "--prompt-len", "8,24", "--output-len", "2,5", "
 @pytest.mark.timeout(120)
 def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
-    args = ["bench", "--model", str(tiny_model_dir), *SMALL, "--static-batch-size", "2"]
+    args = ["bench", "--model", str(tiny_model_dir), *SMALL, "--static-batch-size", "2", "--threads", "1"]
     args += ["--hf-cb-max-batch-tokens", "32,64", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -32,6 +32,12 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     body = json.loads(out.read_text())
     assert body["workload"]["num_requests"] == 3
     assert body["workload"]["seed"] == 0
+    assert body["options"]["hf_cb_max_batch_tokens"] == [32, 64] and body["options"]["static_batch_size"] == 2
+    assert body["torch_threads"] == 1
+    cb = [r for r in body["results"] if r["name"] == "hf-cb"]
+    assert [r["settings"]["max_batch_tokens"] for r in cb] == [32, 64]
+    assert all(isinstance(r["settings"]["num_blocks"], int) for r in cb)  # sized to the workload
+    assert set(body["versions"]) == {"batchjob", "torch", "transformers"}
     names = [r["name"] for r in body["results"]]
     assert names == ["ours", "static", "hf-cb", "hf-cb"]
     total_out = body["workload"]["output_tokens"]
@@ -70,6 +76,8 @@ def test_bench_dataset_and_subset_of_baselines(tiny_model_dir, tmp_path):
         (["--hf-cb-max-batch-tokens", "0"], "--hf-cb-max-batch-tokens"),
         (["--num-requests", "0"], "--num-requests"),
         (["--static-batch-size", "-1"], "--static-batch-size"),
+        (["--threads", "0"], "--threads"),
+        (["--hf-cb-num-blocks", "lots"], "--hf-cb-num-blocks"),
         (["--dtype", "int8"], "--dtype"),
     ],
 )

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
-import sys
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static
+from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static, workload_num_blocks
 from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
 from batchjob.cli import _errors, main
 from batchjob.errors import ConfigError
@@ -81,6 +82,26 @@ class Baselines(click.ParamType):
         if bad or not names:
             self.fail(f"choose from {','.join(BASELINES)}; got {value!r}", param, ctx)
         return [n for n in BASELINES if n in names]
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): other work on the machine skews timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _num_blocks(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
+    if value in ("workload", "auto"):
+        return None if value == "auto" else value
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected 'workload', 'auto' or an integer, got {value!r}") from None
+    if n < 1:
+        raise click.BadParameter(f"must be >= 1, got {n}")
+    return n
 
 
 def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
@@ -200,6 +221,14 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
     help="Token budget(s) for transformers' continuous batching, e.g. 128,256,512 or auto; the best is compared.",
 )
 @click.option(
+    "--hf-cb-num-blocks",
+    default="workload",
+    show_default=True,
+    callback=_num_blocks,
+    help="Cache blocks (256 tokens each) for transformers' continuous batching: 'workload' (room for every "
+    "request at once), 'auto' (its own sizing: most of free memory) or a number.",
+)
+@click.option(
     "--baselines",
     type=Baselines(),
     default=",".join(BASELINES),
@@ -211,6 +240,12 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
 )
 @click.option("--max-num-batched-tokens", type=int, callback=_positive, help="Our engine's tokens per step.")
 @click.option("--max-num-seqs", type=int, callback=_positive, help="Our engine's running requests at once.")
+@click.option(
+    "--threads",
+    type=int,
+    callback=_positive,
+    help="torch intra-op threads for every engine (default: torch's).",
+)
 @_errors
 def bench(
     model: str | None,
@@ -223,10 +258,12 @@ def bench(
     dataset: Path | None,
     static_batch_size: int,
     hf_cb_max_batch_tokens: list[int | None],
+    hf_cb_num_blocks: int | str | None,
     baselines: list[str],
     json_path: Path | None,
     max_num_batched_tokens: int | None,
     max_num_seqs: int | None,
+    threads: int | None,
 ) -> None:
     """Benchmark our engine against transformers' continuous batching and static generate, in one process.
 
@@ -243,6 +280,11 @@ def bench(
     def progress(msg: str) -> None:
         click.echo(msg, err=True)
 
+    default_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    used_threads = torch.get_num_threads()
+    load_before = _load_average()
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
@@ -282,11 +324,13 @@ def bench(
         if "static" in baselines:
             runs.append(("static", lambda: run_static(hf_model, work, static_batch_size, pad_id, vocab_size)))
         if "hf-cb" in baselines:  # last: it switches the model's attention implementation while it runs
+            cb_blocks = workload_num_blocks(work) if hf_cb_num_blocks == "workload" else hf_cb_num_blocks
+            assert cb_blocks is None or isinstance(cb_blocks, int)
             for budget in hf_cb_max_batch_tokens:
                 runs.append(
                     (
                         f"hf-cb max_batch_tokens={budget or 'auto'}",
-                        lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size),
+                        lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size, cb_blocks),
                     )
                 )
         for label, fn in runs:
@@ -295,20 +339,31 @@ def bench(
                 results.append(fn())
     finally:
         transformers.logging.set_verbosity(verbosity)
+        torch.set_num_threads(default_threads)  # a process-wide setting: leave it as found (tests share it)
 
     summary = summarize(results)
     header = (
         f"batchjob bench: model {Path(engine.model_id).name}, device {engine.device}, "
-        f"dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}"
+        f"dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {used_threads}, "
+        f"load average {load_before} before, {_load_average()} after (a busy machine makes timings noisy)"
     )
     click.echo(format_report(work, results, summary, header))
     if json_path is not None:
         body = {
-            "command": " ".join(["batchjob", *sys.argv[1:]]) if sys.argv else "batchjob bench",
+            "options": {
+                k: (str(v) if isinstance(v, Path) else v)
+                for k, v in click.get_current_context().params.items()
+            },
+            "versions": {
+                "batchjob": importlib.metadata.version("batchjob"),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
             "model": engine.model_id,
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": used_threads,
+            "load_average_before_after": [load_before, _load_average()],
             "workload": work.describe() | {"seed": seed},
             "results": [r.as_dict() for r in results],
             **summary,

@@ -16,6 +16,7 @@ from batchjob.bench.workload import Workload
 
 _WARMUP_PROMPT_LEN = 16
 _WARMUP_OUTPUT_LEN = 4
+HF_CB_PAGE_SIZE = 256  # transformers' default page size (tokens per cache block)
 
 
 @dataclass
@@ -122,13 +123,27 @@ def run_static(model: Any, work: Workload, batch_size: int, pad_id: int, vocab_s
     )
 
 
-def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int | None, vocab_size: int) -> Result:
-    """transformers' continuous batching: a manager with per-request ``max_new_tokens`` and EOS disabled."""
+def workload_num_blocks(work: Workload, page_size: int = HF_CB_PAGE_SIZE) -> int:
+    """Cache blocks (of ``page_size`` tokens) for every request of ``work`` at once, the warm-up's included."""
+    pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.max_new_tokens, strict=True))
+    return pages + 4
+
+
+def run_hf_cb(
+    model: Any, work: Workload, max_batch_tokens: int | None, vocab_size: int, num_blocks: int | None
+) -> Result:
+    """transformers' continuous batching: a manager with per-request ``max_new_tokens`` and EOS disabled.
+
+    ``num_blocks=None`` lets transformers size its cache: on CPU that is ~90% of the machine's RAM, zeroed
+    (seconds per manager, untimed); a workload-sized cache holds every request at once, so nothing is preempted.
+    """
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(work.max_new_tokens), eos_token_id=-1)
-    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    cb_config = ContinuousBatchingConfig(
+        max_batch_tokens=max_batch_tokens, num_blocks=num_blocks, page_size=HF_CB_PAGE_SIZE
+    )
     # The hints generate_batch() would give: they size the block table and the requests per batch.
     hints = WorkloadHints(
         max_prompt_length=max(len(p) for p in work.prompts),
@@ -138,7 +153,10 @@ def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int | None, vocab_si
     manager = model.init_continuous_batching(
         generation_config=gen_config, continuous_batching_config=cb_config, workload_hints=hints
     )
-    settings = {"max_batch_tokens": "auto" if max_batch_tokens is None else max_batch_tokens}
+    settings = {
+        "max_batch_tokens": "auto" if max_batch_tokens is None else max_batch_tokens,
+        "num_blocks": "auto" if num_blocks is None else num_blocks,
+    }
 
     def run(w: Workload, tag: str) -> tuple[dict[str, list[int]], str | None]:
         ids = [f"{tag}-{i}" for i in range(len(w.prompts))]
