@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from batchjob.errors import ModelNotFoundError
 
@@ -107,7 +109,28 @@ def resolve_model(name: str | os.PathLike[str] | None) -> str:
         return str(path)
     if str(name).startswith((".", "/", "~")) or str(name).count("/") > 1:
         raise ModelNotFoundError(f"model {name!r} not found: no such folder")
+    _check_hub_reachable(str(name))
     return str(name)
+
+
+def _check_hub_reachable(repo_id: str) -> None:
+    """Fail fast, rather than after a minute of retries, for a hub id that is neither cached nor reachable."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # in the local Hugging Face cache
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local folder and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+        )
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local folder or cached, and the Hugging Face Hub ({host}) can't be "
+            f"reached: {e}"
+        ) from e
 
 
 def load_model_and_tokenizer(name: str | None, dtype: Any, device: Any) -> tuple[Any, Any, str]:
