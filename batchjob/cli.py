@@ -142,6 +142,80 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def _shard_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option(
+            "--num-shards",
+            type=click.IntRange(min=1),
+            envvar="BATCHJOB_NUM_SHARDS",
+            metavar="N",
+            help="Split the job over N workers sharing --output (env BATCHJOB_NUM_SHARDS). Default: taken "
+            "from Slurm, torchrun or a Kubernetes indexed job, else 1.",
+        ),
+        click.option(
+            "--shard-index",
+            type=click.IntRange(min=0),
+            envvar="BATCHJOB_SHARD_INDEX",
+            metavar="I",
+            help="This worker's shard, 0..N-1 (env BATCHJOB_SHARD_INDEX). These two options win over "
+            "torchrun's RANK/WORLD_SIZE, then SLURM_PROCID/SLURM_NTASKS, then JOB_COMPLETION_INDEX; a Slurm "
+            "array (SLURM_ARRAY_TASK_ID/_COUNT/_MIN) multiplies with them.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _launch_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option(
+            "--devices",
+            metavar="LIST",
+            help="Start one worker process per device, e.g. cuda:0,cuda:1,cuda:2,cuda:3, all on this job "
+            "(exit code: the worst of theirs).",
+        ),
+        click.option(
+            "--ray",
+            "ray_address",
+            is_flag=False,
+            flag_value="",
+            default=None,
+            metavar="[ADDRESS]",
+            help="Run the workers as Ray tasks, one per GPU (else per CPU slot) of the cluster at ADDRESS "
+            "(default: RAY_ADDRESS, else a local instance). Needs batchjob[ray] and a shared --output.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+_NOT_FORWARDED = {"num_shards", "shard_index", "devices", "ray_address", "device"}
+
+
+def _worker_args(ctx: click.Context) -> list[str]:
+    """The command line of ``run`` as given, without the options a launcher sets per worker."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        name = param.name or ""
+        value = ctx.params.get(name)
+        source = ctx.get_parameter_source(name)
+        if name in _NOT_FORWARDED or source in (None, ParameterSource.DEFAULT) or value in (None, ()):
+            continue
+        if isinstance(param, click.Argument):
+            args.append(str(value))
+        elif isinstance(param, click.Option) and param.is_flag and param.secondary_opts:
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif isinstance(param, click.Option) and param.is_flag:
+            if value:
+                args.append(param.opts[0])
+        else:
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                args += [param.opts[0], str(v)]
+    return args
+
+
 def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> Any:
     from batchjob.job.spec import make_spec
 
@@ -161,18 +235,39 @@ def main() -> None:
 
 @main.command(epilog=EXIT_CODES)
 @_job_options
+@_shard_options
+@_launch_options
 @click.pass_context
 @_errors
-def run(ctx: click.Context, job_file: str | None, **options: Any) -> None:
+def run(
+    ctx: click.Context,
+    job_file: str | None,
+    num_shards: int | None,
+    shard_index: int | None,
+    devices: str | None,
+    ray_address: str | None,
+    **options: Any,
+) -> None:
     """Run a job, or resume it: the same command on the same --output continues where it stopped.
 
     Options override the fields of JOB_FILE (TOML, the same names with _ or -; relative paths in it are
     relative to its folder). Temperature defaults to 0 (greedy): labeling jobs want the same answer twice.
+
+    Several workers (--num-shards, a Slurm array, torchrun, --devices, --ray) share one --output: each owns
+    a fixed share of the rows and keeps its own parts and state; `batchjob status DIR` adds them up.
     """
+    import os
+
     from batchjob.job.runner import run_job
+    from batchjob.job.shard import detect_shard
 
     spec = _spec(ctx, job_file, options)
-    result = run_job(spec)
+    if devices is not None or ray_address is not None:
+        ctx.exit(_launch(ctx, spec, num_shards, shard_index, devices, ray_address))
+    shard = detect_shard(os.environ, num_shards, shard_index)
+    if not shard.single:
+        click.echo(f"batchjob: {shard} (from {shard.origin})", err=True)
+    result = run_job(spec, shard=shard)
     if result.status == "already complete":
         click.echo(
             f"job already complete: {result.rows_done} rows ({result.errors} errors) in {result.out_dir}"
@@ -190,16 +285,57 @@ def run(ctx: click.Context, job_file: str | None, **options: Any) -> None:
         ctx.exit(result.exit_code)
 
 
+def _launch(
+    ctx: click.Context,
+    spec: Any,
+    num_shards: int | None,
+    shard_index: int | None,
+    devices: str | None,
+    ray_address: str | None,
+) -> int:
+    import os
+
+    from batchjob.errors import ConfigError
+    from batchjob.job.launch import parse_devices, run_devices, run_ray, saved_num_shards, worst_exit
+    from batchjob.job.runner import prepare
+    from batchjob.job.shard import detect_shard
+
+    if devices is not None and ray_address is not None:
+        raise ConfigError("give --devices or --ray, not both")
+    if ctx.get_parameter_source("device") not in (None, ParameterSource.DEFAULT):
+        raise ConfigError("--device sets one worker's device; with --devices or --ray leave it out")
+    if ray_address is not None:
+        if shard_index is not None:
+            raise ConfigError("--ray starts every shard itself: leave out --shard-index")
+        count = num_shards or saved_num_shards(Path(spec.output or "")) or 1
+        prepare(spec, shard=detect_shard({}, count, 0))  # fail early, once
+        codes = run_ray(spec, ray_address or None, num_shards)
+    else:
+        device_list = parse_devices(devices or "")
+        outer = detect_shard(os.environ, num_shards, shard_index)
+        n = len(device_list)
+        prepare(spec, shard=detect_shard({}, outer.count * n, outer.index * n))  # fail early, once
+        codes = run_devices(device_list, outer, _worker_args(ctx))
+    return worst_exit(codes)
+
+
 @main.command(epilog=EXIT_CODES)
 @_job_options
+@_shard_options
 @click.pass_context
 @_errors
-def validate(ctx: click.Context, job_file: str | None, **options: Any) -> None:
+def validate(
+    ctx: click.Context, job_file: str | None, num_shards: int | None, shard_index: int | None, **options: Any
+) -> None:
     """Check a job (options, inputs, columns, model, saved state) without running it."""
+    import os
+
     from batchjob.job.runner import prepare
+    from batchjob.job.shard import detect_shard
 
     spec = _spec(ctx, job_file, options)
-    prep = prepare(spec)
+    shard = detect_shard(os.environ, num_shards, shard_index)
+    prep = prepare(spec, shard=shard)
     _check_tokenizer(prep)
     state = "resumes the job in" if prep.resumed else "starts a new job in"
     click.echo(
@@ -226,32 +362,44 @@ def _check_tokenizer(prep: Any) -> None:
 @click.argument("dir", type=click.Path())
 @_errors
 def status(dir: str) -> None:
-    """Report a job's progress from its output folder: rows done of total, errors, throughput."""
-    from batchjob.errors import InputError
-    from batchjob.io.atomic import read_json
-    from batchjob.job.manifest import Manifest
-    from batchjob.job.state import StateDir
+    """Report a job's progress from its output folder: rows done of total, errors, throughput.
 
-    state = StateDir(Path(dir))
-    if not state.exists():
-        raise InputError(f"{dir} holds no batchjob job (no {state.job_file})")
-    info = state.load_job()
-    manifest = Manifest(state.manifest_file)
-    stats = read_json(state.stats_file) if state.stats_file.exists() else {}
-    total = info.total_rows or (stats.get("job") or {}).get("rows_total")
-    done = manifest.rows
+    A job split over several workers is added up, with a line per worker.
+    """
+    from batchjob.job.status import job_status
+
+    st = job_status(Path(dir))
+    done, total = st.total("rows_done"), st.rows_total
     pct = f" ({100 * done / total:.1f}%)" if total else ""
-    click.echo(f"{dir}: {'complete' if info.complete else 'incomplete'}")
+    finished = sum(w.state == "complete" for w in st.workers)
+    workers = f" ({finished} of {len(st.workers)} workers complete)" if len(st.workers) > 1 else ""
+    click.echo(f"{dir}: {'complete' if st.complete else 'incomplete'}{workers}")
     click.echo(f"rows: {done} of {total if total is not None else 'unknown'}{pct}")
-    click.echo(f"errors: {manifest.errors}")
-    click.echo(f"tokens: {manifest.prompt_tokens} in, {manifest.generated_tokens} out")
-    if stats:
-        click.echo(
-            f"last run: {stats.get('rows', 0)} rows in {stats.get('elapsed_s', 0):.1f} s, "
-            f"{stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
-            f"{stats.get('preemptions', 0)} preemptions"
-        )
-    click.echo(f"parts: {len(manifest.parts)}; stats: {state.stats_file}")
+    click.echo(f"errors: {st.total('errors')}")
+    click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
+    if len(st.workers) == 1:
+        w = st.workers[0]
+        if w.stats:
+            click.echo(
+                f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
+                f"{w.stats.get('preemptions', 0)} preemptions"
+            )
+        click.echo(f"parts: {w.parts}; stats: {w.stats_file}")
+        return
+    click.echo(
+        f"throughput: {st.rate('generated_tokens_per_s'):.1f} generated tok/s, "
+        f"{st.rate('rows_per_s'):.2f} rows/s (workers' {'current' if 'running' in {w.state for w in st.workers} else 'last'} runs, summed)"
+    )
+    click.echo(f"parts: {st.total('parts')}")
+    for w in st.workers:
+        line = f"  {w.shard}: {w.state}"
+        if w.state != "not started":
+            share = w.rows_total if w.rows_total is not None else "unknown"
+            line += f", {w.rows_done} of {share} rows, {w.errors} errors"
+            if w.stats:
+                line += f", {w.stats.get('generated_tokens_per_s', 0):.1f} tok/s"
+        click.echo(line)
 
 
 from batchjob import bench as _bench  # noqa: E402,F401  (registers "batchjob bench")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +75,20 @@ def build_table(rows: list[dict[str, Any]], input_schema: pa.Schema) -> pa.Table
 
 
 class PartWriter:
-    """Writes numbered parts ``part-NNNNNN.parquet`` into the output folder, atomically."""
+    """Writes numbered parts ``{prefix}NNNNNN.parquet`` into the output folder, atomically.
 
-    def __init__(self, out_dir: Path, input_schema: pa.Schema) -> None:
+    ``prefix``: ``"part-"``, or ``"part-00003-of-00008-"`` for one worker of several sharing the folder; a
+    writer only ever writes or deletes names with its own prefix.
+    """
+
+    def __init__(self, out_dir: Path, input_schema: pa.Schema, prefix: str = "part-") -> None:
         self.out_dir = out_dir
         self.input_schema = input_schema
+        self.prefix = prefix
+        self._own = re.compile(rf"\.?{re.escape(prefix)}\d{{6}}\.parquet(\.tmp)?")
 
-    @staticmethod
-    def part_name(seq: int) -> str:
-        return f"part-{seq:06d}.parquet"
+    def part_name(self, seq: int) -> str:
+        return f"{self.prefix}{seq:06d}.parquet"
 
     def write(self, seq: int, rows: list[dict[str, Any]]) -> str:
         """Write rows as part ``seq`` (temporary name, fsync, rename); returns the part's file name."""
@@ -97,8 +103,8 @@ class PartWriter:
         """Delete parts and temporary files the manifest does not list (left by a crash). Returns them."""
         removed = []
         for entry in os.listdir(self.out_dir):
-            orphan_part = entry.startswith("part-") and entry.endswith(".parquet") and entry not in committed
-            if orphan_part or (entry.startswith(".part-") and entry.endswith(".tmp")):
+            match = self._own.fullmatch(entry)
+            if match and entry not in committed and (entry.startswith(".") == bool(match.group(1))):
                 (self.out_dir / entry).unlink()
                 removed.append(entry)
         return removed

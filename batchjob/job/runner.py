@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from batchjob.io.writers import PartWriter
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, PromptPlan, plan_prompts, resolve_chat
+from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
 from batchjob.job.stats import RunStats
@@ -70,6 +71,7 @@ class Prepared:
     info: JobInfo  # saved (resume) or new
     resumed: bool
     plan: PromptPlan
+    shard: Shard = field(default_factory=Shard)  # this worker's share, chunk_rows as saved with the job
 
 
 def model_identity(model: str | None) -> str:
@@ -97,13 +99,17 @@ def _check_output(out_dir: Path) -> None:
             )
 
 
-def prepare(spec: JobSpec, has_chat_template: bool = True) -> Prepared:
-    """Check the job against its inputs and saved state, without loading the model."""
+def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:
+    """Check the job against its inputs and saved state, without loading the model.
+
+    ``shard``: this worker's share of a job split over several workers (default: the whole job).
+    """
     spec.require_io()
+    shard = shard or Shard()
     out_dir = Path(spec.output)  # type: ignore[arg-type]
     _check_output(out_dir)
     sources = discover(spec.input, exclude=out_dir)
-    state = StateDir(out_dir)
+    state = StateDir(out_dir, shard)
     saved = state.load_job() if state.exists() else None
     schema = saved.schema if saved else input_schema(sources[0])
     plan = plan_prompts(spec, schema.names, has_chat_template)
@@ -112,17 +118,23 @@ def prepare(spec: JobSpec, has_chat_template: bool = True) -> Prepared:
         "inputs": [s.name for s in sources],
         "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},
         "sampling": spec.sampling_fingerprint(),
+        "sharding": {"num_shards": shard.count},
     }
     if saved is not None:
-        changes = fingerprint_changes(saved.fingerprint, fingerprint)
+        changes = fingerprint_changes({"sharding": {"num_shards": 1}} | saved.fingerprint, fingerprint)
         if changes:
             raise JobMismatchError(
                 f"--output {out_dir} holds a different job; changed: {'; '.join(changes)}. "
                 "Use the original options to resume, or a new --output folder"
             )
-        return Prepared(spec, out_dir, state, sources, saved, True, plan)
+        shard = replace(shard, chunk_rows=saved.chunk_rows or shard.chunk_rows)
+        return Prepared(spec, out_dir, state, sources, saved, True, plan, shard)
     info = JobInfo(fingerprint, random.getrandbits(62), schema)
-    return Prepared(spec, out_dir, state, sources, info, False, plan)
+    if not shard.single:
+        counts = [count_rows(s) for s in sources]
+        info.chunk_rows = choose_chunk_rows(None if None in counts else sum(counts), shard.count)  # type: ignore[arg-type]
+        shard = replace(shard, chunk_rows=info.chunk_rows)
+    return Prepared(spec, out_dir, state, sources, info, False, plan, shard)
 
 
 @dataclass
@@ -143,7 +155,7 @@ class _Loop:
         self.builder = builder
         self.state = prep.state
         self.manifest = Manifest(self.state.manifest_file)
-        self.writer = PartWriter(prep.out_dir, prep.info.schema)
+        self.writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard))
         self.params = self.spec.sampling_params(prep.info.job_seed)
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.window = max(8, 2 * self.max_num_seqs)
@@ -221,9 +233,13 @@ class _Loop:
         body = self.stats.to_json(
             self.engine.stats.as_dict() if hasattr(self.engine.stats, "as_dict") else {}
         )
+        stream_total = self.prep.info.total_rows or self.stream_hint
         body["job"] = {
             "rows_done": self.manifest.rows,
-            "rows_total": self.prep.info.total_rows or self.total_hint,
+            "rows_total": self.prep.shard.share(stream_total),  # this worker's share
+            "job_rows_total": stream_total,  # all workers'
+            "shard_index": self.prep.shard.index,
+            "num_shards": self.prep.shard.count,
             "errors": self.manifest.errors,
             "prompt_tokens": self.manifest.prompt_tokens,
             "generated_tokens": self.manifest.generated_tokens,
@@ -305,8 +321,10 @@ class _Loop:
         done = self.manifest.done
         inflight = self.state.load_inflight()
         totals = [count_rows(s) for s in self.prep.sources] if info.total_rows is None else []
-        self.total_hint = info.total_rows or (sum(totals) if totals and None not in totals else None)  # type: ignore[arg-type]
-        reader = iter_rows(self.prep.sources, skip=done.__contains__, covered=done.covers)
+        self.stream_hint = info.total_rows or (sum(totals) if totals and None not in totals else None)  # type: ignore[arg-type]
+        self.total_hint = self.prep.shard.share(self.stream_hint)
+        skip, covered = self.prep.shard.filters(done)
+        reader = iter_rows(self.prep.sources, skip=skip, covered=covered)
         reader_done = False
         errors_before = self.manifest.errors
         self.bar = tqdm(
@@ -367,10 +385,15 @@ class _Loop:
             status,
             self.prep.out_dir,
             self.manifest.rows,
-            self.prep.info.total_rows or self.total_hint,
+            self.prep.shard.share(self.prep.info.total_rows) or self.total_hint,
             self.manifest.errors,
             self.stats.to_json(),
         )
+
+
+def part_prefix(shard: Shard) -> str:
+    """Part file names of one worker: ``part-000012.parquet``, or ``part-00003-of-00008-000012.parquet``."""
+    return "part-" if shard.single else f"part-{shard.index:05d}-of-{shard.count:05d}-"
 
 
 def load_engine(spec: JobSpec) -> Any:
@@ -391,36 +414,40 @@ def load_engine(spec: JobSpec) -> Any:
     )
 
 
-def run_job(spec: JobSpec, engine: Any = None) -> JobResult:
+def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> JobResult:
     """Run (or resume) a job to completion. Returns its result; raises BatchjobError for what the user can fix.
 
     SIGTERM and SIGINT stop it cleanly: finished rows are committed, in-flight requests checkpointed, and the
     result's status is ``"interrupted"`` (the CLI exits 75). ``engine``: an already loaded one to reuse.
+    ``shard``: run only this worker's share of a job split over several workers sharing ``spec.output``.
     """
-    prep = prepare(spec)
+    prep = prepare(spec, shard=shard)
     if prep.info.complete:
         manifest = Manifest(prep.state.manifest_file)
-        return JobResult(
-            "already complete", prep.out_dir, manifest.rows, prep.info.total_rows, manifest.errors
-        )
+        total = prep.shard.share(prep.info.total_rows)
+        return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
-    prep.state.lock()
+    state = prep.state
+    state.lock()
     try:
         if engine is None:
             engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        if not prep.resumed and not state.create_job(prep.info):
+            # another worker of the job created it first: take its seed and chunk size, if it is the same job
+            prep = replace(prepare(spec, shard=shard), state=state)
         plan = plan_prompts(spec, prep.info.schema.names, has_template)
         resolve_chat(spec, has_template)
-        if not prep.resumed:
-            prep.state.save_job(prep.info)
+        if not prep.shard.single:
+            prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
         manifest = Manifest(prep.state.manifest_file)
-        PartWriter(prep.out_dir, prep.info.schema).remove_orphans(manifest.names)
+        PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard)).remove_orphans(manifest.names)
         loop = _Loop(prep, engine, PromptBuilder(plan, engine.tokenizer, engine.max_model_len))
         with _StopOnSignals(loop):
             return loop.run()
     finally:
-        prep.state.unlock()
+        state.unlock()
 
 
 class _StopOnSignals:

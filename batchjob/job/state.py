@@ -6,6 +6,12 @@
 - ``inflight.json``: the unfinished requests at the last checkpoint: row ordinal, id, prompt ids, generated ids.
 - ``stats.json``: see ``stats.py``. ``lock``: held by the running process, so two runs never share a folder.
 
+A job split over several workers (``shard.py``) shares one ``job.json``, created once by whichever worker
+comes first (an exclusive link, so two workers starting together still agree on the job seed and chunk size)
+and never rewritten; each worker keeps the rest in its own folder ``_batchjob/shard-00003-of-00008/``, with
+``progress.json`` holding its row total and whether its share is complete. A one-worker job keeps everything
+directly in ``_batchjob/``.
+
 JSON files are replaced atomically and carry a checksum; a torn or altered one raises StateError.
 """
 
@@ -21,7 +27,8 @@ from typing import Any
 import pyarrow as pa
 
 from batchjob.errors import StateError
-from batchjob.io.atomic import read_json, write_json
+from batchjob.io.atomic import fsync_dir, read_json, write_json
+from batchjob.job.shard import Shard
 
 STATE_DIR = "_batchjob"
 VERSION = 1
@@ -56,8 +63,9 @@ class JobInfo:
     fingerprint: dict[str, Any]
     job_seed: int
     schema: pa.Schema
-    total_rows: int | None = None
-    complete: bool = False
+    total_rows: int | None = None  # of the whole input stream, once known
+    complete: bool = False  # this worker's share is done
+    chunk_rows: int | None = None  # shard assignment unit (shard.py); None for a one-worker job
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +75,7 @@ class JobInfo:
             "schema": base64.b64encode(self.schema.serialize().to_pybytes()).decode(),
             "total_rows": self.total_rows,
             "complete": self.complete,
+            "chunk_rows": self.chunk_rows,
         }
 
     @classmethod
@@ -74,40 +83,64 @@ class JobInfo:
         try:
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["schema"])))
             return cls(
-                d["fingerprint"], int(d["job_seed"]), schema, d.get("total_rows"), bool(d.get("complete"))
+                d["fingerprint"],
+                int(d["job_seed"]),
+                schema,
+                d.get("total_rows"),
+                bool(d.get("complete")),
+                d.get("chunk_rows"),
             )
         except (KeyError, TypeError, ValueError, pa.ArrowInvalid) as e:
             raise StateError(f"state file {path} is not a batchjob job file ({e})") from e
 
 
 class StateDir:
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, shard: Shard | None = None) -> None:
         self.out_dir = out_dir
+        self.shard = shard or Shard()
         self.path = out_dir / STATE_DIR
+        self.work = self.path if self.shard.single else self.path / self.shard.name  # this worker's files
         self._lock_fd: int | None = None
 
     job_file = property(lambda self: self.path / "job.json")
-    manifest_file = property(lambda self: self.path / "manifest.jsonl")
-    inflight_file = property(lambda self: self.path / "inflight.json")
-    stats_file = property(lambda self: self.path / "stats.json")
+    manifest_file = property(lambda self: self.work / "manifest.jsonl")
+    inflight_file = property(lambda self: self.work / "inflight.json")
+    stats_file = property(lambda self: self.work / "stats.json")
+    progress_file = property(lambda self: self.work / "progress.json")
+    lock_file = property(lambda self: self.work / "lock")
 
     def exists(self) -> bool:
         return self.job_file.exists()
 
     def create(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
 
     def lock(self) -> None:
         """Hold the folder's lock for the life of the process (the kernel drops it if we are killed)."""
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
             os.close(fd)
+            who = "" if self.shard.single else f" as {self.shard}"
             raise StateError(
-                f"another batchjob run is writing to {self.out_dir}; wait for it or stop it"
+                f"another batchjob run is writing to {self.out_dir}{who}; wait for it or stop it"
             ) from e
         self._lock_fd = fd
+
+    def locked_by_other(self) -> bool:
+        """Whether a running process holds this worker's lock (for ``status``)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -115,10 +148,33 @@ class StateDir:
             self._lock_fd = None
 
     def load_job(self) -> JobInfo:
-        return JobInfo.from_json(read_json(self.job_file), self.job_file)
+        info = JobInfo.from_json(read_json(self.job_file), self.job_file)
+        if not self.shard.single:
+            progress = read_json(self.progress_file) if self.progress_file.exists() else {}
+            info.total_rows = progress.get("total_rows")
+            info.complete = bool(progress.get("complete"))
+        return info
 
     def save_job(self, info: JobInfo) -> None:
-        write_json(self.job_file, info.to_json())
+        """Save the job's progress: into job.json for one worker, else into this worker's progress.json."""
+        if self.shard.single:
+            write_json(self.job_file, info.to_json())
+        else:
+            write_json(self.progress_file, {"total_rows": info.total_rows, "complete": info.complete})
+
+    def create_job(self, info: JobInfo) -> bool:
+        """Write job.json unless it exists; False when another worker created it first."""
+        shared = JobInfo(info.fingerprint, info.job_seed, info.schema, chunk_rows=info.chunk_rows)
+        tmp = self.path / f".job.json.{os.getpid()}.tmp"
+        write_json(tmp, shared.to_json())
+        try:
+            os.link(tmp, self.job_file)  # atomic and exclusive, even when workers start together
+            fsync_dir(self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
 
     def load_inflight(self) -> dict[int, dict[str, Any]]:
         """The checkpointed unfinished requests by row ordinal (empty when there is no checkpoint)."""

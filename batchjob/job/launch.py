@@ -1,0 +1,181 @@
+"""Starting several workers of one job from one command: a process per device, or a Ray task per GPU/CPU.
+
+Each worker is an ordinary ``run_job`` over one shard (``shard.py``) of the same output folder, so resume and
+``batchjob status`` work the same however the workers were started. The launcher only starts them, passes
+SIGTERM/SIGINT on (each worker then saves its state and exits 75), and returns the worst exit code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import BatchjobError, ConfigError
+from batchjob.job.runner import EXIT_INTERRUPTED
+from batchjob.job.shard import Shard
+from batchjob.job.spec import JobSpec
+
+# worst last: a usage error (2) beats a failure (1), which beats "requeue me" (75), which beats done (0)
+_SEVERITY = {0: 0, 75: 1, 1: 2, 2: 3}
+
+
+def worst_exit(codes: Sequence[int]) -> int:
+    """The exit code that says the most about a set of workers; a worker killed by a signal counts as 1."""
+    mapped = [c if c in _SEVERITY else 1 for c in codes]
+    return max(mapped, key=_SEVERITY.__getitem__, default=0)
+
+
+def parse_devices(value: str) -> list[str]:
+    from batchjob.job.spec import _DEVICE
+
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    if not devices:
+        raise ConfigError("--devices needs a list such as cuda:0,cuda:1")
+    for d in devices:
+        if not _DEVICE.match(d) or d == "auto":
+            raise ConfigError(f"--devices: {d!r} is not a device (cpu, cuda or cuda:N)")
+    return devices
+
+
+class _Forward:
+    """While the workers run, a SIGTERM/SIGINT to the launcher goes to each of them."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs = procs
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Forward:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def run_devices(devices: list[str], outer: Shard, worker_args: list[str]) -> list[int]:
+    """One ``batchjob run`` process per device; returns their exit codes.
+
+    Worker ``p`` on device ``devices[p]`` runs shard ``outer.index * D + p`` of ``outer.count * D``, so
+    ``--devices`` also composes with a Slurm array or explicit shard flags (each array task runs D workers).
+    """
+    n = len(devices)
+    procs: list[subprocess.Popen[bytes]] = []
+    labels = []
+    with _Forward(procs):
+        for pos, device in enumerate(devices):
+            shard = Shard(outer.index * n + pos, outer.count * n)
+            cmd = [sys.executable, "-m", "batchjob", "run", *worker_args, "--device", device]
+            cmd += ["--num-shards", str(shard.count), "--shard-index", str(shard.index)]
+            procs.append(subprocess.Popen(cmd))
+            labels.append(f"{shard} on {device}")
+        codes = [p.wait() for p in procs]
+    for label, code in zip(labels, codes, strict=True):
+        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+        print(f"batchjob: worker {label}: {how}", file=sys.stderr)
+    return codes
+
+
+# -- Ray ---------------------------------------------------------------------------------------------------
+
+
+def _absolute(spec: JobSpec) -> JobSpec:
+    """Paths a Ray worker can open from any working directory (on a shared filesystem)."""
+
+    def local(p: str) -> str:
+        return p if "://" in p else os.path.abspath(p)
+
+    model = spec.model
+    if model and Path(model).exists():
+        model = os.path.abspath(model)
+    return dataclasses.replace(
+        spec, input=[local(p) for p in spec.input], output=local(spec.output or ""), model=model
+    )
+
+
+def _ray_worker(spec: JobSpec, index: int, count: int) -> tuple[int, str]:
+    """The body of one Ray task: this shard of the job, as ``(exit code, one line)``."""
+    from batchjob.job.runner import run_job
+
+    shard = Shard(index, count, "--ray")
+    try:
+        result = run_job(spec, shard=shard)
+    except BatchjobError as e:
+        return e.exit_code, f"{shard}: {e}"
+    return result.exit_code, f"{shard}: {result.status}, {result.rows_done} of {result.rows_total} rows"
+
+
+def saved_num_shards(out_dir: Path) -> int | None:
+    from batchjob.job.state import StateDir
+
+    state = StateDir(out_dir)
+    if not state.exists():
+        return None
+    return int((state.load_job().fingerprint.get("sharding") or {}).get("num_shards", 1))
+
+
+def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[int]:
+    """Run the job as Ray tasks, one per GPU of the cluster (or per CPU slot when it has none).
+
+    ``address``: a Ray cluster (``auto``, ``ray://host:10001``); None starts a local instance unless
+    ``RAY_ADDRESS`` names one. The number of workers: ``num_shards``, else the saved job's (a resumed job
+    keeps its split whatever the cluster's size now), else one per GPU or CPU. A task whose node dies is
+    retried by Ray and resumes its shard from the (shared) output folder.
+    """
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError("--ray needs Ray: pip install 'batchjob[ray]'") from e
+    spec = _absolute(spec)
+    ray.init(address=address or None, log_to_driver=True)
+    try:
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0)) if spec.device != "cpu" else 0
+        count = (
+            num_shards or saved_num_shards(Path(spec.output or "")) or gpus or int(resources.get("CPU", 1))
+        )
+        if gpus:
+            spec = dataclasses.replace(spec, device="cuda")  # Ray sets CUDA_VISIBLE_DEVICES per task
+            task = ray.remote(num_gpus=1, max_retries=3)(_ray_worker)
+        else:
+            task = ray.remote(num_cpus=1, max_retries=3)(_ray_worker)
+        per = f"{'GPU' if gpus else 'CPU slot'}"
+        print(f"batchjob: {count} workers as Ray tasks, one per {per}", file=sys.stderr)
+        refs = [task.remote(spec, i, count) for i in range(count)]
+        stopping: list[int] = []
+
+        def cancel(signum: int, frame: Any) -> None:
+            stopping.append(signum)
+            for ref in refs:
+                ray.cancel(ref)  # a running task gets a KeyboardInterrupt: it saves its state and stops
+
+        previous = {s: signal.signal(s, cancel) for s in (signal.SIGTERM, signal.SIGINT)}
+        codes = []
+        try:
+            for ref in refs:
+                try:
+                    code, line = ray.get(ref)
+                except (ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError) as e:
+                    code, line = (EXIT_INTERRUPTED if stopping else 1), f"{type(e).__name__}: {e}"
+                codes.append(code)
+                print(f"batchjob: {line}", file=sys.stderr)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return codes
+    finally:
+        ray.shutdown()

@@ -1,0 +1,171 @@
+"""Which rows a worker owns: shard assignment, and where a worker learns its shard index and count.
+
+The input stream (all sources in their fixed order) is cut into chunks of ``chunk_rows`` consecutive row
+ordinals, and chunk ``c`` belongs to shard ``c % num_shards``. This needs no row counts (a gzipped JSONL file's
+length is unknown until it is read), is the same on every worker, puts every row in exactly one shard, and
+balances them to within one chunk. ``chunk_rows`` is chosen once, by the worker that creates the job, from the
+row count when it is cheap to know (so that a small job still spreads over every worker), and saved with the
+job: every worker then uses the saved value.
+
+Shard index and count come, in this order of precedence, from:
+
+1. ``--num-shards N --shard-index I`` (or ``BATCHJOB_NUM_SHARDS`` / ``BATCHJOB_SHARD_INDEX``);
+2. torchrun (``RANK``, ``WORLD_SIZE``), else Slurm tasks (``SLURM_PROCID``, ``SLURM_NTASKS`` > 1), else a
+   Kubernetes indexed job (``JOB_COMPLETION_INDEX``, with the count from ``--num-shards`` or
+   ``BATCHJOB_NUM_SHARDS``);
+3. a Slurm array (``SLURM_ARRAY_TASK_ID``, ``SLURM_ARRAY_TASK_COUNT``, ``SLURM_ARRAY_TASK_MIN``) multiplies
+   with 2.: array task ``a`` of ``A``, each with ``T`` tasks, runs shards ``a*T .. a*T+T-1`` of ``A*T``.
+
+Nothing found: one shard, the whole job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from batchjob.errors import ConfigError
+from batchjob.job.intervals import IntervalSet
+
+MAX_CHUNK_ROWS = 1024
+_CHUNKS_PER_SHARD = 16  # a small job still gets this many chunks per shard, for balance
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int = 0
+    count: int = 1
+    origin: str = "default"  # where index and count came from, for messages
+    chunk_rows: int = MAX_CHUNK_ROWS  # set from the saved job before any row is read
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ConfigError(f"num_shards must be >= 1, got {self.count} (from {self.origin})")
+        if not 0 <= self.index < self.count:
+            raise ConfigError(
+                f"shard_index must be in 0..{self.count - 1} for {self.count} shards, got {self.index} "
+                f"(from {self.origin})"
+            )
+        if self.chunk_rows < 1:
+            raise ConfigError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+
+    @property
+    def single(self) -> bool:
+        return self.count == 1
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}-of-{self.count:05d}"
+
+    def __str__(self) -> str:
+        return f"shard {self.index} of {self.count}"
+
+    def owns(self, ordinal: int) -> bool:
+        return self.single or (ordinal // self.chunk_rows) % self.count == self.index
+
+    def share(self, total: int | None) -> int | None:
+        """How many of ``total`` rows this shard owns."""
+        if total is None or self.single:
+            return total
+        k, n = self.chunk_rows, self.count
+        full, rest = divmod(total, k)
+        rows = (full // n + (self.index < full % n)) * k
+        return rows + (rest if full % n == self.index else 0)
+
+    def filters(self, done: IntervalSet) -> tuple[Callable[[int], bool], Callable[[int, int], bool]]:
+        """``(skip, covered)`` for the reader: rows done already or owned by another shard are skipped."""
+        if self.single:
+            return done.__contains__, done.covers
+        k, n, i = self.chunk_rows, self.count, self.index
+
+        def skip(ordinal: int) -> bool:
+            return (ordinal // k) % n != i or ordinal in done
+
+        def covered(a: int, b: int) -> bool:
+            c = a // k
+            c += (i - c) % n  # the first chunk of ours at or after a's
+            while c * k < b:
+                if not done.covers(max(a, c * k), min(b, (c + 1) * k)):
+                    return False
+                c += n
+            return True
+
+        return skip, covered
+
+
+def choose_chunk_rows(total_rows: int | None, num_shards: int) -> int:
+    """Chunk size for a new job: small enough that every shard gets many chunks, at most 1024 rows."""
+    if total_rows is None:
+        return MAX_CHUNK_ROWS
+    return max(1, min(MAX_CHUNK_ROWS, total_rows // (num_shards * _CHUNKS_PER_SHARD)))
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _inner(env: Mapping[str, str], num_shards: int | None) -> Shard | None:
+    """The rank inside one job: torchrun, Slurm tasks or a Kubernetes indexed job."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Shard(_int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun RANK/WORLD_SIZE")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
+        return Shard(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), "SLURM_PROCID/SLURM_NTASKS")
+    if "JOB_COMPLETION_INDEX" in env:
+        if num_shards is None:
+            raise ConfigError(
+                "JOB_COMPLETION_INDEX is set (a Kubernetes indexed job) but not the number of shards: give "
+                "--num-shards N or set BATCHJOB_NUM_SHARDS to the job's completions"
+            )
+        return Shard(_int(env, "JOB_COMPLETION_INDEX"), num_shards, "JOB_COMPLETION_INDEX")
+    return None
+
+
+def _array(env: Mapping[str, str]) -> Shard | None:
+    if "SLURM_ARRAY_TASK_ID" not in env:
+        return None
+    if "SLURM_ARRAY_TASK_COUNT" not in env:
+        raise ConfigError("SLURM_ARRAY_TASK_ID is set but not SLURM_ARRAY_TASK_COUNT; give --num-shards")
+    task, count = _int(env, "SLURM_ARRAY_TASK_ID"), _int(env, "SLURM_ARRAY_TASK_COUNT")
+    low = _int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
+    step = _int(env, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
+    index, off = divmod(task - low, max(step, 1))
+    if off or not 0 <= index < count:
+        raise ConfigError(
+            f"Slurm array task {task} is not one of {count} evenly spaced tasks from {low}: use a range "
+            "such as --array=0-7 (or give --num-shards and --shard-index)"
+        )
+    return Shard(index, count, "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
+
+
+def detect_shard(
+    env: Mapping[str, str], num_shards: int | None = None, shard_index: int | None = None
+) -> Shard:
+    """This worker's shard from the options (which win) or the scheduler's environment variables."""
+    if shard_index is not None:
+        if num_shards is None:
+            raise ConfigError("--shard-index needs --num-shards (the number of workers of the job)")
+        return Shard(shard_index, num_shards, "--num-shards/--shard-index")
+    inner, outer = _inner(env, num_shards), _array(env)
+    found = outer or inner
+    if outer is not None and inner is not None:
+        found = Shard(
+            outer.index * inner.count + inner.index,
+            outer.count * inner.count,
+            f"{outer.origin} x {inner.origin}",
+        )
+    if found is not None:
+        if num_shards is not None and num_shards != found.count:
+            raise ConfigError(
+                f"--num-shards {num_shards} disagrees with {found.origin}, which give {found.count} shards"
+            )
+        return found
+    if num_shards is not None and num_shards != 1:
+        raise ConfigError(
+            f"--num-shards {num_shards} without --shard-index, and no scheduler variables to take the "
+            "index from (SLURM_ARRAY_TASK_ID, SLURM_PROCID, RANK, JOB_COMPLETION_INDEX)"
+        )
+    return Shard()

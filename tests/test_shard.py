@@ -1,0 +1,155 @@
+"""Shard assignment: a balanced partition of every input's rows; the shard taken from each scheduler's env."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.errors import ConfigError
+from batchjob.io.readers import iter_rows
+from batchjob.io.sources import discover
+from batchjob.job.intervals import IntervalSet
+from batchjob.job.shard import MAX_CHUNK_ROWS, Shard, choose_chunk_rows, detect_shard
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture()
+def mixed_inputs(tmp_path):
+    """Two Parquet files (several row groups) and two JSONL files, one gzipped: 3,000 + 1,237 + 500 + 1 rows."""
+    import gzip
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"x": list(range(3000))}), folder / "a.parquet", row_group_size=700)
+    pq.write_table(pa.table({"x": list(range(1237))}), folder / "b.parquet", row_group_size=1000)
+    (folder / "c.jsonl").write_text("".join(json.dumps({"x": i}) + "\n" for i in range(500)))
+    with gzip.open(folder / "d.jsonl.gz", "wt") as f:
+        f.write('{"x": 0}\n')
+    return folder
+
+
+def owned_ordinals(sources, shard, done=None):
+    skip, covered = shard.filters(done or IntervalSet())
+    return [row.ordinal for row in iter_rows(sources, skip=skip, covered=covered)]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 64, MAX_CHUNK_ROWS])
+def test_shards_partition_parquet_and_jsonl_rows_balanced(mixed_inputs, num_shards, chunk_rows):
+    sources = discover([str(mixed_inputs)])
+    assert [s.kind for s in sources] == ["parquet", "parquet", "jsonl", "jsonl"]
+    total = 3000 + 1237 + 500 + 1
+    shares = []
+    for i in range(num_shards):
+        shard = Shard(i, num_shards, chunk_rows=chunk_rows)
+        got = owned_ordinals(sources, shard)
+        assert len(got) == shard.share(total)  # the count the shard expects without reading
+        shares.append(got)
+    everything = sorted(o for share in shares for o in share)
+    assert everything == list(range(total))  # every row exactly once
+    sizes = [len(s) for s in shares]
+    assert max(sizes) - min(sizes) <= chunk_rows
+    # within one source the shards take interleaved row ranges, not whole files
+    if num_shards > 1 and chunk_rows < 1000:
+        owners = {(o // chunk_rows) % num_shards for o in range(3000)}
+        assert len(owners) == num_shards
+
+
+def test_done_rows_and_other_shards_rows_are_skipped_without_reading(mixed_inputs):
+    sources = discover([str(mixed_inputs)])
+    shard = Shard(1, 3, chunk_rows=100)
+    done = IntervalSet([(0, 2000)])
+    skip, covered = shard.filters(done)
+    assert covered(0, 2000) and covered(1900, 2200)  # done, then shard 2's and shard 0's chunks
+    assert not covered(1900, 2300) and not covered(2199, 2201)  # chunk 22 is ours and not done
+    got = owned_ordinals(sources, shard, done)
+    assert got == [o for o in range(2000, 4738) if (o // 100) % 3 == 1]
+
+
+def test_chunk_rows_adapts_to_small_jobs():
+    assert choose_chunk_rows(None, 8) == MAX_CHUNK_ROWS
+    assert choose_chunk_rows(10_000_000, 8) == MAX_CHUNK_ROWS
+    assert choose_chunk_rows(300, 3) == 6  # 50 chunks: every shard gets 16 or 17
+    assert choose_chunk_rows(5, 3) == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "expected"),
+    [
+        ({}, {}, (0, 1)),
+        ({}, {"num_shards": 4, "shard_index": 2}, (2, 4)),
+        (
+            {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_MIN": "0"},
+            {},
+            (5, 8),
+        ),
+        (
+            {"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "10"},
+            {},
+            (2, 4),
+        ),
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "4",
+                "SLURM_ARRAY_TASK_COUNT": "3",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "SLURM_ARRAY_TASK_STEP": "2",
+            },
+            {},
+            (2, 3),
+        ),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, {}, (3, 4)),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, {}, (0, 1)),  # a plain sbatch: one task
+        ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, {}, (5, 16)),
+        # torchrun under srun: torchrun's global rank, not srun's task id
+        ({"RANK": "5", "WORLD_SIZE": "16", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, {}, (5, 16)),
+        ({"JOB_COMPLETION_INDEX": "6"}, {"num_shards": 10}, (6, 10)),
+        # an array of 3 tasks, each with 4 srun tasks: 12 shards
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "2",
+                "SLURM_ARRAY_TASK_COUNT": "3",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "4",
+            },
+            {},
+            (9, 12),
+        ),
+        # explicit flags win over the environment
+        (
+            {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"},
+            {"num_shards": 3, "shard_index": 0},
+            (0, 3),
+        ),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, {"num_shards": 2}, (1, 2)),
+    ],
+)
+def test_detect_shard_from_each_scheduler(env, flags, expected):
+    shard = detect_shard(env, **flags)
+    assert (shard.index, shard.count) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "message"),
+    [
+        ({}, {"shard_index": 1}, "--shard-index needs --num-shards"),
+        ({}, {"num_shards": 3, "shard_index": 3}, "shard_index must be in 0..2"),
+        ({}, {"num_shards": 3}, "without --shard-index"),
+        ({"JOB_COMPLETION_INDEX": "2"}, {}, "BATCHJOB_NUM_SHARDS"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, {}, "RANK='x' is not an integer"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, {"num_shards": 3}, "disagrees with torchrun"),
+        (
+            {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1"},
+            {},
+            "--array",
+        ),
+    ],
+)
+def test_detect_shard_mistakes_name_the_problem(env, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        detect_shard(env, **flags)
