@@ -1,0 +1,173 @@
+"""Several real workers of one job sharing one output folder: by flags, as a Slurm array (env), by --devices.
+
+Each compares the combined output with a single worker's: every id exactly once, the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.dataset as ds
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.job import make_spec, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+N_ROWS = 23  # and one torn line: 24 rows
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "reviews.jsonl"
+    with open(path, "w") as f:
+        for i in range(N_ROWS):
+            f.write(
+                json.dumps({"rid": f"r{i:02d}", "review": f"item {i} was {'good' if i % 3 else 'bad'}"})
+                + "\n"
+            )
+        f.write("{torn json\n")
+    return path
+
+
+def job_args(reviews, out, model, *extra):
+    args = [
+        "--input",
+        reviews,
+        "--output",
+        out,
+        "--model",
+        model,
+        "--template",
+        "Review: {review}\nSentiment:",
+    ]
+    args += ["--id-column", "rid", "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "5"]
+    return [str(a) for a in [*args, "--max-num-seqs", "2", "--checkpoint-interval", "0.1", *extra]]
+
+
+@pytest.fixture(scope="module")
+def expected(reviews, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "out"
+    spec = make_spec(
+        input=[str(reviews)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        template="Review: {review}\nSentiment:",
+        id_column="rid",
+        max_new_tokens=6,
+        temperature=0.9,
+        seed=5,
+    )
+    assert run_job(spec).status == "complete"
+    return results(out)
+
+
+def results(out):
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    return sorted(rows, key=lambda r: (r["rid"] is None, r["rid"] or "", r["error"] or ""))
+
+
+def launch(args, **env):
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchjob", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
+    )
+
+
+def finish(procs, timeout=240):
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text
+    return outputs
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_three_workers_by_flags_equal_one_worker(reviews, tiny_model_dir, tmp_path, expected):
+    out = tmp_path / "out"
+    args = job_args(reviews, out, tiny_model_dir)
+    procs = [launch([*args, "--num-shards", "3", "--shard-index", str(i)]) for i in range(3)]
+    outputs = finish(procs)
+    assert all("Traceback" not in text for text in outputs)
+    got = results(out)
+    assert [r["rid"] for r in got] == [r["rid"] for r in expected]  # every id exactly once
+    assert got == expected
+    parts = sorted(p.name for p in out.glob("*.parquet"))
+    assert {p.split("-of-")[0] for p in parts} == {"part-00000", "part-00001", "part-00002"}
+    assert len(json.loads((out / "_batchjob" / "job.json").read_text())["body"]["fingerprint"]) == 5
+
+    code, text = invoke("status", out)
+    assert code == 0 and "complete (3 of 3 workers complete)" in text, text
+    assert f"rows: {N_ROWS + 1} of {N_ROWS + 1}" in text and "errors: 1" in text
+    assert "shard 0 of 3: complete, 8 of 8 rows" in text and "shard 2 of 3: complete" in text
+    assert "tok/s" in text
+
+    # a worker with other settings is refused before any work, naming the difference
+    code, text = invoke(
+        "run", *job_args(reviews, out, tiny_model_dir, "--num-shards", "2", "--shard-index", "0")
+    )
+    assert code == 2 and "sharding.num_shards: was 3, now 2" in text
+    code, text = invoke(
+        "run",
+        *job_args(reviews, out, tiny_model_dir, "--num-shards", "3", "--shard-index", "1", "--seed", "6"),
+    )
+    assert code == 2 and "sampling.seed: was 5, now 6" in text
+    code, text = invoke(
+        "run", *job_args(reviews, out, tiny_model_dir, "--num-shards", "3", "--shard-index", "1")
+    )
+    assert code == 0 and "already complete" in text
+
+
+def test_slurm_array_with_a_killed_and_restarted_worker(reviews, tiny_model_dir, tmp_path, expected):
+    out = tmp_path / "out"
+    args = job_args(reviews, out, tiny_model_dir)
+
+    def array_task(i, count=3):
+        env = {"SLURM_ARRAY_TASK_ID": str(10 + i), "SLURM_ARRAY_TASK_COUNT": str(count)}
+        return launch(args, SLURM_ARRAY_TASK_MIN="10", SLURM_ARRAY_JOB_ID="77", **env)
+
+    procs = [array_task(i) for i in range(3)]
+    victim = procs[1]
+    mine = out / "_batchjob" / "shard-00001-of-00003"
+    deadline = time.monotonic() + 120
+    while not (mine / "manifest.jsonl").exists():  # it has committed its first rows
+        assert victim.poll() is None, victim.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    finish([procs[0], procs[2]])
+    code, text = invoke("status", out)
+    assert code == 0 and "incomplete (2 of 3 workers complete)" in text and "shard 1 of 3: stopped" in text
+    assert f"of {N_ROWS + 1}" in text
+
+    text = finish([array_task(1)])[0]  # the restarted array task resumes its own share only
+    assert "shard 1 of 3 (from SLURM_ARRAY_TASK_ID" in text
+    assert results(out) == expected
+    code, text = invoke("status", out)
+    assert code == 0 and "complete (3 of 3 workers complete)" in text
+
+
+def test_devices_starts_one_worker_per_device(reviews, tiny_model_dir, tmp_path, expected):
+    out = tmp_path / "out"
+    proc = launch(["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)])
+    text = finish([proc])[0]
+    assert "worker shard 0 of 2 on cpu: exit 0" in text and "worker shard 1 of 2 on cpu: exit 0" in text
+    assert results(out) == expected
+    code, text = invoke("status", out)
+    assert code == 0 and "complete (2 of 2 workers complete)" in text
+    code, text = invoke("run", "--devices", "cpu,tpu", *job_args(reviews, out, tiny_model_dir))
+    assert code == 2 and "'tpu' is not a device" in text
