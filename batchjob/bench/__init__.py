@@ -13,3 +13,4 @@ This package knows workloads and timing; it drives the engine through its public
 from batchjob.bench.command import bench
 
 __all__ = ["bench"]
+from batchjob.bench import scheduling as _scheduling  # noqa: E402,F401  (registers "batchjob bench-scheduling")
