@@ -53,3 +53,55 @@ def test_sampling_follows_the_distribution():
         counts += torch.bincount(torch.tensor(toks), minlength=3)
     freq = counts / counts.sum()
     assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
+    from batchjob.engine.constraints import allocate_bitmask, set_allowed
+    from batchjob.engine.sampler import apply_bitmask
+
+    vocab = 1000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    allowed = {0: [0, 31, 32, 999], 2: list(range(5, 700, 7))}
+    bitmask = allocate_bitmask(2, vocab)
+    set_allowed(bitmask[0], allowed[0])
+    set_allowed(bitmask[1], allowed[2])
+    out = apply_bitmask(logits, bitmask, [0, 2])
+    for row in (1, 3):
+        assert torch.equal(out[row], logits[row])
+    for row, toks in allowed.items():
+        finite = torch.isfinite(out[row]).nonzero()[:, 0].tolist()
+        assert finite == toks
+        assert torch.equal(out[row, toks], logits[row, toks])
+    everything = apply_bitmask(logits, torch.cat([bitmask, bitmask]), [0, 1, 2, 3])
+    assert torch.isfinite(everything[1]).nonzero()[:, 0].tolist() == allowed[2]  # rows [b0, b1, b0, b1]
+
+
+def test_a_masked_row_draws_from_the_allowed_tokens_with_the_same_noise():
+    from batchjob.engine.constraints import allocate_bitmask, set_allowed
+    from batchjob.engine.sampler import apply_bitmask
+
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(2))
+    every = allocate_bitmask(1, 300)
+    set_allowed(every[0], list(range(300)))
+    some = allocate_bitmask(1, 300)
+    set_allowed(some[0], [3, 50, 120])
+    p = [SamplingParams(seed=4)]
+    for pos in range(50):
+        free = sample(logits, p, [7], [pos])
+        assert sample(apply_bitmask(logits, every, [0]), p, [7], [pos]) == free
+        tok = sample(apply_bitmask(logits, some, [0]), p, [7], [pos])[0]
+        assert tok in (3, 50, 120)
+        if free[0] in (3, 50, 120):  # the same Gumbel draw: an allowed winner still wins
+            assert tok == free[0]
+
+
+def test_top_logprobs_are_the_log_softmax_top_k_plus_the_sampled_token():
+    from batchjob.engine.sampler import top_logprobs
+
+    logits = torch.randn(3, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    lp = logits.log_softmax(-1)
+    worst = lp[1].argmin().item()
+    out = top_logprobs(logits, [0, 1], [3, 2], [lp[0].argmax().item(), worst])
+    values, ids = lp[0].topk(3)
+    assert out[0] == list(zip(ids.tolist(), values.tolist(), strict=True))
+    assert len(out[1]) == 3 and out[1][-1] == (worst, lp[1, worst].item())

@@ -8,9 +8,11 @@ the engine knows token ids, KV blocks, the model and the device, and nothing abo
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +20,17 @@ import torch
 
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
+from batchjob.engine.constraints import (
+    ChoiceConstraint,
+    ChoiceTrie,
+    Constraint,
+    GrammarCompiler,
+    fill_bitmask,
+)
 from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
 from batchjob.engine.model_runner import ModelRunner
-from batchjob.engine.request import Request, RequestStatus
-from batchjob.engine.sampler import sample
+from batchjob.engine.request import Request, RequestStatus, request_key
+from batchjob.engine.sampler import apply_bitmask, log_softmax, sample, top_logprobs
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
@@ -40,6 +49,9 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float
+    sample_index: int = 0  # which of the prompt's n samples this is
+    choice_logprobs: dict[str, float] | None = None  # with choices: log P(choice | prompt), each choice
+    logprobs: list[list[tuple[int, float]]] | None = None  # with logprobs=K: per generated token
 
 
 @dataclass
@@ -50,6 +62,7 @@ class RequestState:
     prompt_ids: list[int]
     output_ids: list[int]
     params: SamplingParams
+    sample_index: int = 0  # pass it back to add_request when params.n > 1
 
 
 @dataclass
@@ -127,6 +140,9 @@ class Engine:
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
+        self._grammars: GrammarCompiler | None = None  # built on the first json_schema or regex
+        self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
+        self._mask_pool: ThreadPoolExecutor | None = None  # computes masks while the forward runs
 
     @classmethod
     def from_pretrained(
@@ -211,32 +227,87 @@ class Engine:
         output_ids: Sequence[int] | None = None,
         *,
         key: int | None = None,
+        sample_index: int | None = None,
     ) -> None:
         """Queue a request. ``output_ids`` resumes one that already generated tokens in an earlier run.
 
         ``key`` feeds the seeded sampler; by default it is derived from ``request_id``. A request that cannot
         run (empty, too long, unknown token ids, larger than the whole KV pool) does not raise: it finishes
-        with ``finish_reason="error"`` at the next step.
+        with ``finish_reason="error"`` at the next step. A json_schema or regex that does not compile raises
+        ``ConfigError``.
+
+        With ``params.n > 1`` this queues the prompt's n samples (each with its own sampler key; the first
+        computes the prompt and the others then take its KV blocks from the prefix cache), or only sample
+        ``sample_index`` when given (to resume it).
         """
-        if request_id in self._requests:
-            raise ConfigError(f"request id {request_id!r} is already in the engine")
         if params.seed is None and not params.greedy:
             params = params.replace(seed=random.getrandbits(63))
+        if params.n == 1:
+            self._add(request_id, request_id, 0, prompt_ids, params, output_ids, key, None)
+            return
+        if sample_index is not None and not 0 <= sample_index < params.n:
+            raise ConfigError(f"sample_index must be in [0, {params.n}), got {sample_index!r}")
+        leader = None
+        for k in range(params.n) if sample_index is None else [sample_index]:
+            sub_key = None if key is None else request_key(f"{key}#{k}")
+            req = self._add(
+                f"{request_id}#{k}", request_id, k, prompt_ids, params, output_ids, sub_key, leader
+            )
+            leader = leader or req
+
+    def _add(
+        self,
+        rid: str,
+        group_id: str,
+        sample_index: int,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        output_ids: Sequence[int] | None,
+        key: int | None,
+        wait_for: Request | None,
+    ) -> Request:
+        if rid in self._requests:
+            raise ConfigError(f"request id {rid!r} is already in the engine")
+        constraint = self._new_constraint(params) if params.constrained else None
         prompt = [int(t) for t in prompt_ids]
         output = [int(t) for t in output_ids] if output_ids else []
-        req = Request(request_id, prompt + output, len(prompt), params, time.monotonic())
+        forced = None
+        if params.logprobs is not None and output:  # replay the tokens to recompute their log-probabilities
+            forced, output = output, []
+        req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
+        req.sample_index, req.constraint, req.forced = sample_index, constraint, forced
+        req.logprobs = [] if params.logprobs is not None else None
         if key is not None:
             req.key = key
-        self._requests[request_id] = req
+        self._requests[rid] = req
         self.stats.prompt_tokens += len(prompt)
         error = self._check(req)
+        if error is None and constraint is not None:
+            for i, tok in enumerate(output):
+                if not constraint.advance(tok):
+                    error = f"resumed output token {tok} at position {i} breaks the request's constraint"
+                    break
         if error is not None:
             req.error = error
             self._failed.append(req)
         elif output and self._stop_status(req, output[-1]) is not None:
             self._failed.append(req)  # already complete: report it as finished at the next step
         else:
+            req.wait_for = wait_for
             self.scheduler.add(req)
+        return req
+
+    def _new_constraint(self, params: SamplingParams) -> Constraint:
+        stop_ids = sorted(self.eos_token_ids)
+        if params.choices is not None:
+            trie = self._tries.get(tuple(params.choices))
+            if trie is None:
+                ids = [self.tokenizer(c, add_special_tokens=False).input_ids for c in params.choices]
+                trie = self._tries[tuple(params.choices)] = ChoiceTrie(params.choices, ids)
+            return ChoiceConstraint(trie, stop_ids)
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, stop_ids)
+        return self._grammars.new(params)
 
     def _check(self, req: Request) -> str | None:
         n = req.num_prompt_tokens
@@ -247,7 +318,10 @@ class Engine:
         bad = [t for t in req.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-        longest = min(n + req.params.max_new_tokens, self.max_model_len)
+        new = req.params.max_new_tokens
+        if isinstance(req.constraint, ChoiceConstraint):  # the longest choice bounds the answer instead
+            new = max(len(t) for t in req.constraint.trie.token_ids) + 1
+        longest = min(n + new, self.max_model_len)
         need = self.block_manager.blocks_for(longest)
         if need > self.block_manager.num_blocks:
             return (
@@ -264,18 +338,28 @@ class Engine:
         return len(self._requests)
 
     def snapshot(self) -> list[RequestState]:
-        return [
-            RequestState(r.request_id, r.prompt_ids, r.output_ids, r.params)
-            for r in self._requests.values()
-            if not r.is_finished
-        ]
+        """Every unfinished request (a finished one still waiting for its choice probes included)."""
+        states = []
+        for r in self._requests.values():
+            if r.probe_of is not None or (r.is_finished and not r.pending_probes):
+                continue
+            output = (
+                r.forced if r.forced is not None and len(r.forced) > r.num_output_tokens else r.output_ids
+            )
+            states.append(RequestState(r.group_id, r.prompt_ids, list(output), r.params, r.sample_index))
+        return states
 
     def abort(self, request_id: str) -> None:
-        req = self._requests.pop(request_id, None)
-        if req is not None and req not in self._failed:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        elif req is not None:
-            self._failed.remove(req)
+        """Drop ``request_id`` (all its samples, and their probes) without an output."""
+        for rid, req in list(self._requests.items()):
+            owner = req.probe_of or req
+            if owner.group_id != request_id:
+                continue
+            del self._requests[rid]
+            if req in self._failed:
+                self._failed.remove(req)
+            elif not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute one forward, update. Returns the requests that finished in this step."""
@@ -284,13 +368,20 @@ class Engine:
         for req in self._failed:
             status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, req.token_ids[-1])
             req.status = status or RequestStatus.FINISHED_LENGTH
-            finished.append(req)
+            if self._ready(req):
+                finished.append(req)
         self._failed.clear()
 
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
         if not plan.is_empty:
+            will_sample = [
+                r
+                for r, n in zip(plan.requests, plan.num_tokens, strict=True)
+                if r.num_computed_tokens + n == r.num_tokens
+            ]
+            masks = self._start_masks(will_sample)
             logits, sampling = self.runner.execute(plan)
             for req, n in zip(plan.requests, plan.num_tokens, strict=True):
                 prompt_part = max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
@@ -298,21 +389,25 @@ class Engine:
                 req.num_computed_tokens += n
                 self.block_manager.register_full_blocks(req)
             if sampling:
-                tokens = sample(
-                    logits,
-                    [r.params for r in sampling],
-                    [r.key for r in sampling],
-                    [r.num_output_tokens for r in sampling],
-                )
+                assert masks is None or sampling == will_sample
+                tokens = self._sample(logits, sampling, masks)
                 now = time.monotonic()
                 for req, tok in zip(sampling, tokens, strict=True):
+                    if req.probe_of is not None:
+                        self._finish_probe(req, finished)
+                        continue
                     req.token_ids.append(tok)
                     if req.first_token_time is None:
                         req.first_token_time = now
-                    status = self._stop_status(req, tok)
+                    if req.constraint is not None and not req.constraint.advance(tok):
+                        req.error = (
+                            f"the constraint allowed no token at output position {req.num_output_tokens - 1}"
+                        )
+                    status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
                     if status is not None:
                         self.scheduler.finish(req, status)
-                        finished.append(req)
+                        if self._ready(req):
+                            finished.append(req)
                 self.stats.generated_tokens += len(tokens)
             self.stats.steps += 1
             self.stats.batched_tokens += plan.total_tokens
@@ -325,7 +420,94 @@ class Engine:
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 
+    # -- constraints, log-probabilities and choice probes ----------------------------------------------
+
+    def _start_masks(self, rows: list[Request]) -> Future | None:
+        """Compute the bitmask of the constrained rows about to sample, on a thread beside the forward."""
+        constraints = [r.constraint if r.probe_of is None else None for r in rows]
+        if all(c is None for c in constraints):
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjob-masks")
+        return self._mask_pool.submit(fill_bitmask, constraints, self.vocab_size, self._grammars)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request], masks: Future | None) -> list[int]:
+        """Record what needs the model's own distribution, mask the constrained rows, draw, replay forced."""
+        scored = [
+            i
+            for i, r in enumerate(rows)
+            if r.probe_of is not None or isinstance(r.constraint, ChoiceConstraint)
+        ]
+        if scored:
+            lp = log_softmax(logits.index_select(0, torch.tensor(scored, device=logits.device)))
+            for j, i in enumerate(scored):
+                r = rows[i]
+                if r.probe_of is not None:
+                    r.probe_of.constraint.record(lp[j], node=r.probe_node)
+                else:
+                    r.constraint.record(lp[j])
+        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        raw = logits.index_select(0, torch.tensor(want, device=logits.device)) if want else None
+        if masks is not None:
+            mask = masks.result()
+            if mask is not None:
+                logits = apply_bitmask(logits, *mask)
+        tokens = sample(
+            logits,
+            [r.params for r in rows],
+            [r.key for r in rows],
+            [r.num_output_tokens for r in rows],
+        )
+        for i, r in enumerate(rows):
+            if r.forced is not None:
+                tokens[i] = r.forced[r.num_output_tokens]
+                if r.num_output_tokens + 1 == len(r.forced):
+                    r.forced = None
+        if raw is not None:
+            ks = [rows[i].params.logprobs for i in want]
+            tops = top_logprobs(raw, list(range(len(want))), ks, [tokens[i] for i in want])
+            for i, top in zip(want, tops, strict=True):
+                rows[i].logprobs.append(top)
+        return tokens
+
+    def _ready(self, req: Request) -> bool:
+        """Whether a finished request can be reported now; a choice answer first probes the trie nodes
+        whose log-probabilities its decoding did not see (one-token requests sharing the prompt's KV)."""
+        c = req.constraint
+        if not isinstance(c, ChoiceConstraint) or req.error or not c.done:
+            return True
+        for node in c.missing_nodes:
+            prefix = list(c.trie.nodes[node].prefix)
+            probe = Request(
+                f"{req.request_id}@{node}",
+                req.prompt_ids + prefix,
+                req.num_prompt_tokens + len(prefix),
+                SamplingParams(max_new_tokens=1, temperature=0.0),
+                time.monotonic(),
+            )
+            probe.probe_of, probe.probe_node = req, node
+            if self._check(probe) is not None:
+                continue  # cannot be scored (past the context): the choices through it get NaN
+            self._requests[probe.request_id] = probe
+            self.scheduler.add(probe, front=True)
+            req.pending_probes += 1
+        return req.pending_probes == 0
+
+    def _finish_probe(self, probe: Request, finished: list[Request]) -> None:
+        self.scheduler.finish(probe, RequestStatus.FINISHED_STOPPED)
+        del self._requests[probe.request_id]
+        owner = probe.probe_of
+        assert owner is not None and owner.pending_probes > 0
+        owner.pending_probes -= 1
+        if owner.pending_probes == 0 and owner.request_id in self._requests:
+            finished.append(owner)
+
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        c = req.constraint
+        if c is not None and c.done:
+            return RequestStatus.FINISHED_STOPPED
+        if isinstance(c, ChoiceConstraint):  # the trie bounds the answer; only the context can cut it
+            return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
         p = req.params
         if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
@@ -344,9 +526,20 @@ class Engine:
         text = self.tokenizer.decode(output, skip_special_tokens=True) if output else ""
         if req.stop_text_pos is not None:
             text = text[: req.stop_text_pos]
+        choice_logprobs = None
+        c = req.constraint
+        if isinstance(c, ChoiceConstraint):
+            choice_logprobs = c.choice_logprobs()
+            best = c.choice
+            if req.params.greedy and all(math.isfinite(v) for v in choice_logprobs.values()):
+                # Greedy means the most likely answer: the best whole choice, which a token-by-token walk
+                # can miss when choices share a first token.
+                best = max(range(len(c.trie.choices)), key=lambda i: choice_logprobs[c.trie.choices[i]])
+            if best is not None:
+                output, text = list(c.trie.token_ids[best]), c.trie.choices[best]
         req.finish_time = time.monotonic()
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.group_id,
             prompt_ids=req.prompt_ids,
             token_ids=output,
             text=text,
@@ -355,6 +548,9 @@ class Engine:
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
+            sample_index=req.sample_index,
+            choice_logprobs=choice_logprobs,
+            logprobs=req.logprobs,
         )
 
     # -- convenience ---------------------------------------------------------------------------------
@@ -364,7 +560,7 @@ class Engine:
         prompts: Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order.
+        """Run every prompt to completion; outputs come back in input order (a prompt's n samples in a row).
 
         A seeded request's draws are keyed by its prompt, so it samples the same tokens alone or in a crowd.
         """
@@ -385,8 +581,8 @@ class Engine:
             rid = f"generate-{i}"
             self.add_request(rid, tokens, p, key=int.from_bytes(digest, "little") & 0x7FFFFFFF)
             ids.append(rid)
-        results: dict[str, RequestOutput] = {}
+        results: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
-                results[out.request_id] = out
-        return [results[rid] for rid in ids]
+                results[out.request_id, out.sample_index] = out
+        return [results[rid, k] for rid, p in zip(ids, params, strict=True) for k in range(p.n)]

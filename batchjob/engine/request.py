@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchjob.sampling import SamplingParams
 
@@ -61,9 +62,31 @@ class Request:
     key: int = 0  # request_key(request_id), cached
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache digests of its full blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # Constraints and samples (engine/constraints.py):
+    constraint: Any = None  # ChoiceConstraint | GrammarConstraint, rebuilt from the output ids on resume
+    group_id: str = ""  # the caller's id; request_id adds "#k" when the prompt is sampled n > 1 times
+    sample_index: int = 0
+    wait_for: Request | None = None  # not admitted before this one has computed its prompt (shares its KV)
+    logprobs: list[list[tuple[int, float]]] | None = None  # top-K per generated token, when asked for
+    forced: list[int] | None = None  # resumed tokens to replay (recomputing their log-probabilities)
+    probe_of: Request | None = None  # a one-step request scoring trie node ``probe_node`` of this request
+    probe_node: int = 0
+    pending_probes: int = 0  # probes this finished request still waits for
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def held(self) -> bool:
+        """True while the request it waits for has not computed its prompt yet."""
+        lead = self.wait_for
+        if lead is None:
+            return False
+        if lead.num_computed_tokens >= lead.num_prompt_tokens or lead.is_finished:
+            self.wait_for = None
+            return False
+        return True
 
     @property
     def num_tokens(self) -> int:

@@ -3,10 +3,12 @@
 The random draw for a request's token at output position ``p`` is a pure function of (seed, request key,
 p): we hash those with the vocabulary index into uniform noise and take a Gumbel-max draw. So a request
 samples the same tokens alone or in any crowd, after a preemption and after a restart, on CPU or GPU.
+A constrained row is masked first (``apply_bitmask``) and then drawn the same way.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchjob.sampling import SamplingParams
@@ -32,6 +34,53 @@ def uniform_noise(
     cols = (torch.arange(vocab, device=h.device, dtype=torch.int64) * 0x9E3779B1) & _M32
     x = _mix32(_mix32(h[:, None] ^ cols[None, :]))
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: byte -> its bits, LSB first
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """[C, W] int32 bitmask (bit t % 32 of word t // 32 allows token t) -> [C, vocab] bool on ``device``."""
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+    table = _BITS.to(device)
+    packed = bitmask.to(device, non_blocking=True).view(torch.uint8).long()  # little-endian bytes
+    return table[packed].view(bitmask.shape[0], -1)[:, :vocab]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits`` with ``[rows[i], t]`` set to -inf wherever ``bitmask[i]`` does not allow token t."""
+    allowed = unpack_bitmask(bitmask, logits.shape[-1], logits.device)
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, index, sub)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities in at least float32 (float64 logits stay float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
+
+
+def top_logprobs(
+    logits: torch.Tensor, rows: list[int], ks: list[int], tokens: list[int]
+) -> list[list[tuple[int, float]]]:
+    """For each row: the top-k log-probabilities of the model's own distribution (before temperature,
+    filters or constraints), best first, then the sampled token's when it is not among them."""
+    index = torch.tensor(rows, device=logits.device)
+    lp = log_softmax(logits.index_select(0, index))
+    kmax = max(ks)
+    values, ids = lp.topk(kmax, dim=-1) if kmax > 0 else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    out = []
+    for i, (k, tok) in enumerate(zip(ks, tokens, strict=True)):
+        top = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
+        if all(t != tok for t, _ in top):
+            top.append((tok, chosen[i]))
+        out.append(top)
+    return out
 
 
 def sample(

@@ -3,7 +3,9 @@
 Each step has a token budget (``max_num_batched_tokens``) and a cap on running requests (``max_num_seqs``).
 Running requests go first, in admission order: one that is decoding takes one token, one still working
 through its prompt takes a chunk of what is left of the budget. Then waiting requests are admitted in queue
-order while budget, seats and blocks last. Prompt chunks and decode tokens share one forward.
+order while budget, seats and blocks last (skipping a request ``held`` until a sibling with the same prompt
+has computed it, so it then takes those blocks from the prefix cache). Prompt chunks and decode tokens share
+one forward.
 
 When a running request needs a block and none is free, the most recently admitted running request is
 preempted: its blocks are freed, its counter reset, and it goes back to the front of the queue to recompute
@@ -57,8 +59,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
 
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
+    def add(self, req: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def _next_waiting(self) -> Request | None:
+        return next((r for r in self.waiting if not r.held), None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,7 +99,9 @@ class Scheduler:
             self._admitting = True
         if not out.preempted and self._admitting:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+                req = self._next_waiting()
+                if req is None:
+                    break
                 cached = bm.match_prefix(req)
                 req.num_computed_tokens = cached
                 n = min(req.num_tokens - cached, budget)
@@ -101,7 +111,10 @@ class Scheduler:
                     self._admitting = not self.static
                     break
                 self.num_cached_tokens += min(cached, req.num_prompt_tokens)
-                self.waiting.popleft()
+                if req is self.waiting[0]:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.requests.append(req)

@@ -1,0 +1,293 @@
+"""Constrained decoding on a tiny random model whose free answers are garbage: every constrained answer is
+valid, choice and token log-probabilities agree with the model's own logits, constrained rows are exact under
+preemption and resume, and a prompt's n samples compute its KV once."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine.constraints import ChoiceTrie
+from batchjob.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+# "neutral" ends where "neutrality" goes on, "negative" shares a first token with both, "pos" is a prefix of
+# "positive": the trie has inner nodes off any one decoded path, so the probes run.
+CHOICES = ["positive", "pos", "negative", "neutral", "neutrality", "not sure"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "label": {"enum": ["good", "bad", "unclear"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+        "where": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "label", "tags", "ok", "where"],
+    "additionalProperties": False,
+}
+SMALL_SCHEMA = {  # short answers, for the tests that run many engines
+    "type": "object",
+    "properties": {"label": {"enum": ["good", "bad"]}, "name": {"type": "string", "maxLength": 4}},
+    "required": ["label", "name"],
+}
+REGEX = r"[A-Z][a-z]{1,4}-[0-9]{2,3}"
+
+
+def _engine(folder, dtype="float64", **kw) -> Engine:
+    kw.setdefault("block_size", 4)
+    return Engine.from_pretrained(str(folder), dtype=dtype, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return _engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine32(tiny_model_dir):
+    return _engine(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 14))] for _ in range(n)]
+
+
+def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: row i is log P(next token | tokens[: i + 1])."""
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
+
+
+def test_the_trie_has_inner_nodes_off_any_single_path(engine):
+    ids = [engine.tokenizer(c, add_special_tokens=False).input_ids for c in CHOICES]
+    trie = ChoiceTrie(CHOICES, ids)
+    assert any(len(t) > 1 for t in ids)
+    assert len(trie.inner_nodes) >= 4
+    assert any(ids[i] == ids[j][: len(ids[i])] for i in range(len(ids)) for j in range(len(ids)) if i != j)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_choices_are_always_exactly_one_label(engine32, temperature):
+    engine = engine32
+    prompts = _prompts(24, engine.vocab_size, seed=1)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=temperature, seed=5))
+    assert not any(o.text in CHOICES for o in free)  # the model left free answers garbage
+    outs = engine.generate(prompts, SamplingParams(choices=CHOICES, temperature=temperature, seed=5))
+    for o in outs:
+        assert o.text in CHOICES, o.text
+        assert o.finish_reason == "stop"
+        assert o.token_ids == engine.tokenizer(o.text, add_special_tokens=False).input_ids
+        assert set(o.choice_logprobs) == set(CHOICES)
+        assert all(v < 0 and math.isfinite(v) for v in o.choice_logprobs.values())
+        if temperature == 0.0:  # greedy answers the most likely whole label
+            assert o.text == max(o.choice_logprobs, key=o.choice_logprobs.get)
+    if temperature > 0:
+        assert len({o.text for o in outs}) > 1
+
+
+def test_choice_logprobs_agree_with_the_models_logits(engine, hf):
+    prompts = _prompts(5, engine.vocab_size, seed=2)
+    outs = engine.generate(prompts, SamplingParams(choices=CHOICES, seed=3))
+    for prompt, o in zip(prompts, outs, strict=True):
+        for choice in CHOICES:
+            toks = engine.tokenizer(choice, add_special_tokens=False).input_ids
+            lp = _hf_logprobs(hf, prompt + toks)
+            want = sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(toks))
+            assert o.choice_logprobs[choice] == pytest.approx(want, abs=1e-8), choice
+
+
+def test_json_schema_answers_always_validate(engine32):
+    engine = engine32
+    prompts = _prompts(10, engine.vocab_size, seed=4)
+    outs = engine.generate(prompts, SamplingParams(json_schema=SCHEMA, max_new_tokens=160, seed=7))
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    greedy = engine.generate(
+        prompts[:3], SamplingParams(json_schema=json.dumps(SCHEMA), max_new_tokens=160, temperature=0)
+    )
+    for o in greedy:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+def test_regex_answers_match(engine32):
+    engine = engine32
+    prompts = _prompts(8, engine.vocab_size, seed=5)
+    for o in engine.generate(prompts, SamplingParams(regex=REGEX, max_new_tokens=40, seed=2)):
+        assert re.fullmatch(REGEX, o.text), o.text
+        assert o.finish_reason == "stop"
+
+
+def test_bad_schema_or_regex_is_a_config_error(engine):
+    with pytest.raises(ConfigError, match="json_schema"):
+        engine.add_request("bad-schema", [5, 6, 7], SamplingParams(json_schema={"type": "no-such-type"}))
+    with pytest.raises(ConfigError, match="regex"):
+        engine.add_request("bad-regex", [5, 6, 7], SamplingParams(regex="(unclosed"))
+    assert not engine.has_unfinished()
+
+
+def test_logprobs_agree_with_the_models_logits(engine, hf):
+    prompts = _prompts(3, engine.vocab_size, seed=6)
+    outs = engine.generate(
+        prompts, SamplingParams(max_new_tokens=6, temperature=0, logprobs=5, ignore_eos=True)
+    )
+    for prompt, o in zip(prompts, outs, strict=True):
+        lp = _hf_logprobs(hf, prompt + o.token_ids)
+        assert len(o.logprobs) == len(o.token_ids)
+        for i, (tok, top) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
+            row = lp[len(prompt) - 1 + i]
+            values, ids = row.topk(5)
+            assert [t for t, _ in top] == ids.tolist()
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-8)
+            assert top[0][0] == tok  # greedy takes the best
+    # A sampled token outside the top-K is added after it, with its own log-probability.
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=1, logprobs=1, ignore_eos=True))
+    assert all(len(top) in (1, 2) for o in sampled for top in o.logprobs)
+    for o in sampled:
+        for tok, top in zip(o.token_ids, o.logprobs, strict=True):
+            assert tok in [t for t, _ in top]
+
+
+def _mixed_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(choices=CHOICES, seed=11),
+        SamplingParams(json_schema=SMALL_SCHEMA, max_new_tokens=40, seed=12),
+        SamplingParams(regex=REGEX, max_new_tokens=30, seed=13, logprobs=3),
+        SamplingParams(max_new_tokens=12, seed=14, logprobs=2, ignore_eos=True),
+        SamplingParams(choices=CHOICES, temperature=0),
+        SamplingParams(json_schema=SMALL_SCHEMA, max_new_tokens=40, temperature=0),
+    ]
+
+
+def _same(a, b):
+    assert (a.request_id, a.sample_index, a.text, a.token_ids, a.finish_reason) == (
+        b.request_id,
+        b.sample_index,
+        b.text,
+        b.token_ids,
+        b.finish_reason,
+    )
+    if a.choice_logprobs is not None:
+        assert b.choice_logprobs == pytest.approx(a.choice_logprobs, abs=1e-9)
+    if a.logprobs is not None:
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            assert [v for _, v in x] == pytest.approx([v for _, v in y], abs=1e-9)
+
+
+def test_constrained_rows_are_exact_under_preemption(engine, tiny_model_dir):
+    prompts = _prompts(12, engine.vocab_size, seed=8)
+    params = [_mixed_params()[i % 6] for i in range(12)]
+    want = engine.generate(prompts, params)
+    small = _engine(tiny_model_dir, num_blocks=24, max_num_seqs=12)
+    got = small.generate(prompts, params)
+    assert small.stats.preemptions > 0
+    for a, b in zip(want, got, strict=True):
+        _same(a, b)
+
+
+def _run(engine, prompts, params, stop_after: int | None = None):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"row-{i}", p, sp)
+    outs = {}
+    steps = 0
+    while engine.has_unfinished() and (stop_after is None or steps < stop_after):
+        for o in engine.step():
+            outs[o.request_id, o.sample_index] = o
+        steps += 1
+    return outs
+
+
+def test_constrained_rows_are_exact_after_resume(engine):
+    """Interrupt after a few steps, keep only the snapshot (the engine forgets every request), resume it."""
+    prompts = _prompts(8, engine.vocab_size, seed=9)
+    params = [
+        *_mixed_params(),
+        SamplingParams(choices=CHOICES, seed=21, n=2),
+        SamplingParams(max_new_tokens=5, seed=22, n=3),
+    ]
+    want = _run(engine, prompts, params)
+    for stop_after in (2, 6):
+        outs = _run(engine, prompts, params, stop_after=stop_after)
+        states = engine.snapshot()
+        assert states  # something was in flight
+        for i in range(len(prompts)):
+            engine.abort(f"row-{i}")
+        assert not engine.has_unfinished() and not engine.scheduler.has_unfinished()
+        for st in states:
+            engine.add_request(
+                st.request_id, st.prompt_ids, st.params, st.output_ids, sample_index=st.sample_index
+            )
+        while engine.has_unfinished():
+            for o in engine.step():
+                assert (o.request_id, o.sample_index) not in outs
+                outs[o.request_id, o.sample_index] = o
+        assert sorted(outs) == sorted(want)
+        for k, o in want.items():
+            _same(o, outs[k])
+
+
+def test_n_samples_share_the_prompts_kv(tiny_model_dir):
+    engine = _engine(tiny_model_dir, block_size=16)
+    prompt = _prompts(1, engine.vocab_size, seed=10)[0] * 5
+    prompt = (prompt * 10)[:33]  # two full blocks and one token
+    outs = engine.generate([prompt], SamplingParams(max_new_tokens=6, seed=3, n=4, ignore_eos=True))
+    assert [o.sample_index for o in outs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # each sample has its own sampler key
+    # The prompt was computed once; each other sample only recomputes the token after the shared blocks.
+    assert engine.stats.computed_prompt_tokens == 33 + 3 * 1
+    assert engine.stats.cached_prompt_tokens == 3 * 32
+    # The samples are those of a run without sharing.
+    alone = _engine(tiny_model_dir, block_size=16, enable_prefix_caching=False)
+    for o, a in zip(
+        outs,
+        alone.generate([prompt], SamplingParams(max_new_tokens=6, seed=3, n=4, ignore_eos=True)),
+        strict=True,
+    ):
+        assert o.token_ids == a.token_ids
+    assert alone.stats.computed_prompt_tokens == 4 * 33
+
+
+def test_sampling_params_carry_the_new_fields():
+    p = SamplingParams(choices=["a", "b"], logprobs=2, n=3, seed=1)
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert SamplingParams.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    s = SamplingParams(json_schema={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert list(json.loads(s.json_schema)["properties"]) == ["b", "a"]  # key order drives output order
+    assert SamplingParams.from_dict(s.to_dict()) == s
+    assert "choices" not in SamplingParams().to_dict()  # old fingerprints stay as they were
+    for bad, field in [
+        ({"choices": "a,b"}, "choices"),
+        ({"choices": []}, "choices"),
+        ({"choices": ["a", "a"]}, "choices"),
+        ({"json_schema": "{nope"}, "json_schema"),
+        ({"json_schema": "[1]"}, "json_schema"),
+        ({"regex": ""}, "regex"),
+        ({"regex": "a", "choices": ["a"]}, "exclude"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"n": 0}, "n must"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            SamplingParams(**bad)
