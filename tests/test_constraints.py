@@ -132,6 +132,33 @@ def test_json_schema_answers_always_validate(engine32):
         jsonschema.validate(json.loads(o.text), SCHEMA)
 
 
+UNBOUNDED = {  # strings and numbers a random model never closes on its own
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "meta": {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]},
+    },
+    "required": ["name", "score", "tags", "meta"],
+}
+
+
+@pytest.mark.parametrize("max_new_tokens", [8, 48])
+def test_json_answers_close_within_the_token_budget(engine32, max_new_tokens):
+    """Near the end of its budget a row closes its strings, numbers and brackets instead of running out."""
+    prompts = _prompts(12, engine32.vocab_size, seed=11)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            json_schema=UNBOUNDED, max_new_tokens=max_new_tokens, temperature=temperature, seed=3
+        )
+        for o in engine32.generate(prompts, params):
+            assert len(o.token_ids) <= max_new_tokens
+            if max_new_tokens >= 48:
+                assert o.finish_reason == "stop", o.text
+                jsonschema.validate(json.loads(o.text), UNBOUNDED)
+
+
 def test_regex_answers_match(engine32):
     engine = engine32
     prompts = _prompts(8, engine.vocab_size, seed=5)

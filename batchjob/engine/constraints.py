@@ -142,17 +142,87 @@ class ChoiceConstraint:
 
 
 class GrammarConstraint:
-    """A request's llguidance matcher; ``done`` once the grammar has taken a stop token or can take nothing."""
+    """A request's llguidance matcher; ``done`` once the grammar has taken a stop token or can take nothing.
 
-    def __init__(self, matcher) -> None:
+    JSON answers must also close within ``max_new_tokens``: a model (a small one above all) can wander in a
+    string or a number for ever. So once the tokens left are no more than ``reserve`` (what closing the
+    schema's shortest answer takes, and half again, plus a margin), the row is ``finishing``: among the
+    tokens the grammar allows, it prefers a stop token, then closing brackets, then a closing quote inside a
+    string (or separators outside one), and only then the longest allowed tokens (a forced key). Whether the answer is inside a string is
+    tracked from the tokens' bytes, so it too is a function of the output ids.
+    """
+
+    def __init__(self, matcher, tables: _Tables | None = None, budget: int = 0, reserve: int = 0) -> None:
         self.matcher = matcher
+        self.tables = tables  # JSON only
+        self.budget = budget
+        self.reserve = reserve
+        self.num_tokens = 0
+        self.in_string = False
+        self.escaped = False
 
     def advance(self, token: int) -> bool:
-        return bool(self.matcher.consume_token(token)) and not self.matcher.is_error()
+        ok = bool(self.matcher.consume_token(token)) and not self.matcher.is_error()
+        self.num_tokens += 1
+        if self.tables is not None and ok:
+            for b in self.tables.token_bytes[token]:
+                if self.escaped:
+                    self.escaped = False
+                elif self.in_string and b == 0x5C:  # backslash
+                    self.escaped = True
+                elif b == 0x22:  # quote
+                    self.in_string = not self.in_string
+        return ok
 
     @property
     def done(self) -> bool:
         return bool(self.matcher.is_stopped())
+
+    @property
+    def finishing(self) -> bool:
+        return self.tables is not None and self.budget - self.num_tokens <= self.reserve
+
+    def narrow(self, words: np.ndarray) -> None:
+        """Keep, in place, only the best tier of the allowed tokens (``words``: one bitmask row as uint32);
+        when no tier is allowed (a key or a literal the grammar forces), the longest allowed tokens."""
+        t = self.tables
+        assert t is not None
+        for tier in t.in_string if self.in_string else t.outside:
+            kept = words & tier
+            if kept.any():
+                words[:] = kept
+                return
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(t.lengths)].astype(bool)
+        if allowed.any():
+            longest = allowed & (t.lengths == t.lengths[allowed].max())
+            packed = np.packbits(longest, bitorder="little")
+            words[:] = 0
+            words.view(np.uint8)[: len(packed)] = packed
+
+
+class _Tables:
+    """Per-vocabulary bitmasks of the token classes that close a JSON answer."""
+
+    def __init__(self, token_bytes: list[bytes], stop_ids: list[int], vocab: int) -> None:
+        self.token_bytes = token_bytes
+        self.lengths = np.array([len(b) for b in token_bytes])
+
+        def mask(pred) -> np.ndarray:
+            words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+            toks = np.array([t for t, b in enumerate(token_bytes) if pred(t, b)], dtype=np.int64)
+            if len(toks):
+                np.bitwise_or.at(words, toks >> 5, np.uint32(1) << (toks & 31).astype(np.uint32))
+            return words
+
+        stop = set(stop_ids)
+
+        def only(chars: bytes):
+            return lambda t, b: t not in stop and b != b"" and set(b) <= set(chars)
+
+        stops = mask(lambda t, b: t in stop)
+        closers = mask(only(b"]}"))
+        self.outside = [stops, closers, mask(only(b'"]},:'))]
+        self.in_string = [mask(lambda t, b: t not in stop and b[:1] == b'"' and set(b[1:]) <= set(b"]},:"))]
 
 
 class GrammarCompiler:
@@ -171,6 +241,17 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_ids)
         self._executor = llguidance.LLExecutor(num_threads=2)
         self._templates: dict[tuple[str, str], object] = {}  # (kind, text) -> a fresh matcher to copy
+        self._vocab = vocab_size
+        self._tables: _Tables | None = None
+        self._stop_ids = stop_ids
+        self._reserve: dict[str, int] = {}  # json schema -> tokens its shortest answer takes
+
+    @property
+    def tables(self) -> _Tables:
+        if self._tables is None:
+            token_bytes = [self._tokenizer.decode_bytes([t]) for t in range(self._vocab)]
+            self._tables = _Tables(token_bytes, self._stop_ids, self._vocab)
+        return self._tables
 
     def _template(self, params: SamplingParams):
         if params.json_schema is not None:
@@ -196,7 +277,32 @@ class GrammarCompiler:
         return template
 
     def new(self, params: SamplingParams) -> GrammarConstraint:
-        return GrammarConstraint(self._template(params).deep_copy())
+        matcher = self._template(params).deep_copy()
+        if params.json_schema is None:
+            return GrammarConstraint(matcher)
+        reserve = self._reserve.get(params.json_schema)
+        if reserve is None:
+            shortest = self._shortest(params)
+            reserve = self._reserve[params.json_schema] = shortest + shortest // 2 + 8
+        return GrammarConstraint(matcher, self.tables, params.max_new_tokens, reserve)
+
+    def _shortest(self, params: SamplingParams, limit: int = 1000) -> int:
+        """Tokens a finishing answer takes from the start (the longest token of the best tier each step)."""
+        c = GrammarConstraint(self._template(params).deep_copy(), self.tables, 0, 0)
+        bitmask = allocate_bitmask(1, self._vocab)
+        lengths = self.tables.lengths
+        for n in range(limit):
+            if c.done:
+                return n
+            self._fill(self._executor, [(c.matcher, 0)], bitmask)
+            words = bitmask[0].numpy().view(np.uint32)
+            c.narrow(words)
+            allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: self._vocab])
+            if not len(allowed):
+                return n
+            if not c.advance(int(allowed[np.argmax(lengths[allowed])])):
+                return n
+        return limit
 
     def fill(self, constraints: list[GrammarConstraint], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``constraints[i]``: the whole batch in one call, on llguidance's
@@ -229,6 +335,9 @@ def fill_bitmask(
     if grammar_cs:
         assert grammars is not None
         grammars.fill(grammar_cs, bitmask, grammar_rows)
+        for c, j in zip(grammar_cs, grammar_rows, strict=True):
+            if c.finishing:
+                c.narrow(bitmask[j].numpy().view(np.uint32))
     return bitmask, rows
 
 
