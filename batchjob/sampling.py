@@ -102,6 +102,10 @@ class SamplingParams:
             raise ConfigError(f"logprobs must be an integer in [0, 100], got {self.logprobs!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ConfigError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.json_schema is not None or self.regex is not None:
+            from batchjob.engine.constraints import grammar_of
+
+            grammar_of(self)  # a schema or regex the grammar library cannot compile fails here, early
 
     @property
     def constrained(self) -> bool:

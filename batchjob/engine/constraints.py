@@ -225,6 +225,29 @@ class _Tables:
         self.in_string = [mask(lambda t, b: t not in stop and b[:1] == b'"' and set(b[1:]) <= set(b"]},:"))]
 
 
+def grammar_of(params: SamplingParams) -> tuple[str, str, str]:
+    """(kind, text, llguidance grammar) of a json_schema or regex request; raises ConfigError if invalid."""
+    import llguidance
+
+    M = llguidance.LLMatcher
+    if params.json_schema is not None:
+        kind, text = "json_schema", params.json_schema
+    else:
+        assert params.regex is not None
+        kind, text = "regex", params.regex
+    try:
+        if kind == "json_schema":
+            grammar = M.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        else:
+            grammar = M.grammar_from_regex(text)
+        error = M.validate_grammar(grammar)
+    except (ValueError, RuntimeError) as e:
+        error = str(e)
+    if error and not error.startswith("WARNING"):
+        raise ConfigError(f"{kind} could not be compiled: {' '.join(error.split())}; got {text[:200]!r}")
+    return kind, text, grammar
+
+
 class GrammarCompiler:
     """Compiles JSON schemas and regexes for one tokenizer with llguidance, each once (cached by its text).
 
@@ -254,26 +277,16 @@ class GrammarCompiler:
         return self._tables
 
     def _template(self, params: SamplingParams):
-        if params.json_schema is not None:
-            key = ("json_schema", params.json_schema)
-        else:
-            assert params.regex is not None
-            key = ("regex", params.regex)
-        template = self._templates.get(key)
+        key = (
+            ("json_schema", params.json_schema) if params.json_schema is not None else ("regex", params.regex)
+        )
+        template = self._templates.get(key)  # type: ignore[arg-type]
         if template is None:
-            M = self._llg.LLMatcher
-            kind, text = key
-            try:
-                if kind == "json_schema":
-                    grammar = M.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
-                else:
-                    grammar = M.grammar_from_regex(text)
-                template = M(self._tokenizer, grammar, log_level=0)
-            except (ValueError, RuntimeError) as e:
-                raise ConfigError(f"{kind} could not be compiled: {e}; got {text[:200]!r}") from e
+            kind, text, grammar = grammar_of(params)
+            template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise ConfigError(f"{kind} could not be compiled: {template.get_error()}; got {text[:200]!r}")
-            self._templates[key] = template
+            self._templates[(kind, text)] = template
         return template
 
     def new(self, params: SamplingParams) -> GrammarConstraint:
