@@ -171,3 +171,20 @@ def test_devices_starts_one_worker_per_device(reviews, tiny_model_dir, tmp_path,
     assert code == 0 and "complete (2 of 2 workers complete)" in text
     code, text = invoke("run", "--devices", "cpu,tpu", *job_args(reviews, out, tiny_model_dir))
     assert code == 2 and "'tpu' is not a device" in text
+
+
+@pytest.mark.ray
+def test_ray_tasks_on_a_local_instance_resume_and_status(reviews, tiny_model_dir, tmp_path, expected):
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    # a first run that stops after one worker: --num-shards 3 on a 2-CPU local instance, the rest resumes
+    proc = launch(["--ray", "--num-shards", "3", *job_args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
+    text = finish([proc])[0]
+    assert "3 workers as Ray tasks" in text and "shard 2 of 3: complete" in text
+    assert results(out) == expected
+    code, text = invoke("status", out)
+    assert code == 0 and "complete (3 of 3 workers complete)" in text
+    # run again without --num-shards: the saved split is kept, and every shard says it is done
+    proc = launch(["--ray", *job_args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
+    text = finish([proc])[0]
+    assert "3 workers as Ray tasks" in text and text.count("already complete") == 3
