@@ -25,7 +25,8 @@ Exit codes:
   2   a usage error: bad option or job file, missing input or column, model not found, or a resume whose
       model, inputs, prompts or sampling differ from the saved job
   75  interrupted by SIGTERM/SIGINT: finished rows committed, in-flight requests saved; run the same
-      command again to resume (EX_TEMPFAIL: "requeue me")"""
+      command again to resume (EX_TEMPFAIL: "requeue me")
+  With --devices or --ray: the worst of the workers' codes (2, then 1, then 75, then 0)."""
 
 
 class _Failure(click.ClickException):
@@ -387,9 +388,10 @@ def status(dir: str) -> None:
             )
         click.echo(f"parts: {w.parts}; stats: {w.stats_file}")
         return
+    runs = "current" if any(w.state == "running" for w in st.workers) else "last"
     click.echo(
         f"throughput: {st.rate('generated_tokens_per_s'):.1f} generated tok/s, "
-        f"{st.rate('rows_per_s'):.2f} rows/s (workers' {'current' if 'running' in {w.state for w in st.workers} else 'last'} runs, summed)"
+        f"{st.rate('rows_per_s'):.2f} rows/s (workers' {runs} runs, summed)"
     )
     click.echo(f"parts: {st.total('parts')}")
     for w in st.workers:
