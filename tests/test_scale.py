@@ -80,7 +80,8 @@ def launch(args, **env):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
+        # one thread each: three workers on a small machine otherwise spend their time contending
+        env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env),
     )
 
 
