@@ -12,8 +12,10 @@ from batchjob.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(30)
 
 
-def _req(rid: str, n: int) -> Request:
-    return Request(rid, list(range(n)), n, SamplingParams(max_new_tokens=8, temperature=0), 0.0)
+def _req(rid: str, n: int, base: int | None = None) -> Request:
+    """A request of ``n`` prompt tokens; distinct ids get distinct tokens unless ``base`` is shared."""
+    base = sum(map(ord, rid)) * 1000 if base is None else base
+    return Request(rid, list(range(base, base + n)), n, SamplingParams(max_new_tokens=8, temperature=0), 0.0)
 
 
 def _run(plan):
@@ -85,29 +87,52 @@ def test_preempts_latest_admitted_and_admits_nothing_that_step():
 
 def test_prefix_cache_shares_full_blocks_and_evicts_lru():
     bm = BlockManager(num_blocks=6, block_size=4)
-    a = _req("a", 10)  # blocks: [0..3] [4..7] [8, 9]
+    a = _req("a", 10, base=0)  # blocks: [0..3] [4..7] [8, 9]
     a.num_computed_tokens = 0
     assert bm.match_prefix(a) == 0 and bm.allocate(a, 10)
     a.num_computed_tokens = 10
     bm.register_full_blocks(a)  # two full blocks become findable
-    b = _req("b", 9)  # same first 8 tokens, one more
+    b = _req("b", 9, base=0)  # same first 8 tokens, one more
     assert bm.match_prefix(b) == 8 and b.block_ids == a.block_ids[:2]
     assert [bm.ref_counts[x] for x in b.block_ids] == [2, 2]
-    c = _req("c", 8)  # exactly two blocks: the last token must still be computed, so only one is taken
+    c = _req(
+        "c", 8, base=0
+    )  # exactly two blocks: the last token must still be computed, so only one is taken
     assert bm.match_prefix(c) == 4
     d = Request("d", [9, 9, 9, 9, 9], 5, SamplingParams(), 0.0)  # different tokens: no hit
     assert bm.match_prefix(d) == 0
     for r in (a, b, c):
         bm.free(r)
     assert bm.ref_counts == [0] * 6 and bm.num_free_blocks == 6
-    e = _req("e", 9)  # released blocks are still cached
+    e = _req("e", 9, base=0)  # released blocks are still cached
     assert bm.match_prefix(e) == 8
     bm.free(e)
     # Taking every block overwrites them: the cache forgets what it held.
     f = Request("f", [7] * 24, 24, SamplingParams(), 0.0)
     assert bm.allocate(f, 24)
     bm.free(f)
-    assert bm.match_prefix(_req("g", 9)) == 0
+    assert bm.match_prefix(_req("g", 9, base=0)) == 0
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_batched_tokens=12, max_num_seqs=4)
+    a, b, c = _req("a", 20, base=0), _req("b", 18, base=0), _req("c", 5)
+    for r in (a, b, c):
+        sched.add(r)
+    plan = sched.schedule()  # a takes the whole budget with the first chunk of its prompt
+    assert [r.request_id for r in plan.requests] == ["a"]
+    _run(plan)
+    for req in plan.requests:
+        bm.register_full_blocks(req)
+    plan = sched.schedule()  # b needs a block a is still computing: b waits, c goes ahead of it
+    assert [r.request_id for r in plan.requests] == ["a", "c"]
+    _run(plan)
+    for req in plan.requests:
+        bm.register_full_blocks(req)
+    plan = sched.schedule()  # now b finds 16 of its 18 tokens in the cache
+    assert "b" in [r.request_id for r in plan.requests]
+    assert b.num_computed_tokens == 16 and sched.num_cached_tokens == 16
 
 
 def test_static_batching_admits_nothing_until_the_batch_finished():

@@ -35,6 +35,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # prefix digest -> block holding it
         self._block_key: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
+        # Digests of full prompt blocks that running requests are computing right now: a request that
+        # needs one of them waits for it rather than computing the same prefix a second time.
+        self._in_flight: dict[bytes, Request] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,6 +82,9 @@ class BlockManager:
                 self._free[block] = None
         req.block_ids = []
         req.num_registered_blocks = 0
+        for digest in req.block_digests:
+            if self._in_flight.get(digest) is req:
+                del self._in_flight[digest]
 
     # -- prefix cache ------------------------------------------------------------------------------
 
@@ -110,6 +116,27 @@ class BlockManager:
             req.block_ids.append(block)
         return len(req.block_ids) * bs
 
+    def prefix_in_flight(self, req: Request) -> bool:
+        """True when the first prompt block ``req`` would have to compute is being computed by another one."""
+        if not self.enable_prefix_caching or not self._in_flight:
+            return False
+        bs = self.block_size
+        for i, digest in enumerate(self._digests(req, (req.num_tokens - 1) // bs)):
+            block = self._cached.get(digest)
+            if block is None or self._block_key[block][1] != tuple(req.token_ids[i * bs : (i + 1) * bs]):
+                owner = self._in_flight.get(digest)
+                return owner is not None and owner is not req
+        return False
+
+    def mark_in_flight(self, req: Request) -> None:
+        """Note the full prompt blocks ``req`` (just admitted) will compute, so equal prefixes wait for them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        digests = self._digests(req, req.num_prompt_tokens // bs)
+        for digest in digests[req.num_computed_tokens // bs :]:
+            self._in_flight.setdefault(digest, req)
+
     def register_full_blocks(self, req: Request) -> None:
         """Make the full, computed blocks of ``req`` findable by later requests."""
         if not self.enable_prefix_caching:
@@ -124,4 +151,6 @@ class BlockManager:
             if self._block_key[block] is None and digests[i] not in self._cached:
                 self._cached[digests[i]] = block
                 self._block_key[block] = (digests[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            if self._in_flight.get(digests[i]) is req:
+                del self._in_flight[digests[i]]
         req.num_registered_blocks = num_full

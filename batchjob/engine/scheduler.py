@@ -66,7 +66,10 @@ class Scheduler:
             self.waiting.append(req)
 
     def _next_waiting(self) -> Request | None:
-        return next((r for r in self.waiting if not r.held), None)
+        """The first waiting request that may start now: not held for a sibling, and not needing a prompt
+        prefix that a running request is computing at this moment (it will find it in the cache instead)."""
+        bm = self.block_manager
+        return next((r for r in self.waiting if not r.held and not bm.prefix_in_flight(r)), None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -111,6 +114,7 @@ class Scheduler:
                     self._admitting = not self.static
                     break
                 self.num_cached_tokens += min(cached, req.num_prompt_tokens)
+                bm.mark_in_flight(req)
                 if req is self.waiting[0]:
                     self.waiting.popleft()
                 else:
