@@ -100,6 +100,32 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--stop", multiple=True, help="Stop string (repeatable); the text is cut before it."),
         click.option(
+            "--choices",
+            metavar="A,B,C",
+            help="The answer is exactly one of these comma-separated labels (decoded under a token "
+            "constraint); adds a choice_logprobs column: JSON {label: log-probability}.",
+        ),
+        click.option(
+            "--json-schema",
+            metavar="FILE",
+            help="The answer is compact JSON valid against the JSON schema in FILE.",
+        ),
+        click.option("--regex", metavar="PATTERN", help="The answer matches this regular expression."),
+        click.option(
+            "--logprobs",
+            type=int,
+            metavar="K",
+            help="Add a logprobs column: JSON, per generated token, its top-K [token id, log-probability] "
+            "pairs (and the chosen token's when it is not among them).",
+        ),
+        click.option(
+            "--n",
+            "n",
+            type=int,
+            metavar="N",
+            help="Samples per row: N result rows with a sample_index column; the prompt is computed once.",
+        ),
+        click.option(
             "--max-num-batched-tokens", type=int, help="Tokens per engine step (default: per device)."
         ),
         click.option("--max-num-seqs", type=int, help="Requests running at once (default: per device)."),

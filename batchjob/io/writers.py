@@ -1,6 +1,7 @@
 """Result rows to Parquet parts, with one explicit schema for every part, committed atomically.
 
-The schema is the input's columns (fixed when the job starts) followed by the result columns. A value that
+The schema is the input's columns (fixed when the job starts) followed by the result columns (and the
+columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``logprobs``). A value that
 does not fit its input column's type (JSONL rows disagree with each other all the time) is coerced: text
 columns store it as JSON text, other columns store null. An input column whose name clashes with a result
 column is written as ``input_<name>``.
@@ -29,14 +30,22 @@ RESULT_FIELDS = [
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 
 
-def output_name(column: str) -> str:
+EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
+    "sample_index": pa.field("sample_index", pa.int64()),  # --n: which of the row's samples
+    "choice_logprobs": pa.field("choice_logprobs", pa.string()),  # --choices: JSON {choice: log-prob}
+    "logprobs": pa.field("logprobs", pa.string()),  # --logprobs: JSON [[[token id, log-prob], ...], ...]
+}
+
+
+def output_name(column: str, extra: tuple[pa.Field, ...] = ()) -> str:
     """The output name of an input column."""
-    return f"input_{column}" if column in RESULT_NAMES else column
+    taken = column in RESULT_NAMES or any(f.name == column for f in extra)
+    return f"input_{column}" if taken else column
 
 
-def output_schema(input_schema: pa.Schema) -> pa.Schema:
-    fields = [pa.field(output_name(f.name), f.type) for f in input_schema]
-    return pa.schema(fields + RESULT_FIELDS, metadata=input_schema.metadata)
+def output_schema(input_schema: pa.Schema, extra: tuple[pa.Field, ...] = ()) -> pa.Schema:
+    fields = [pa.field(output_name(f.name, extra), f.type) for f in input_schema]
+    return pa.schema(fields + RESULT_FIELDS + list(extra), metadata=input_schema.metadata)
 
 
 def _to_text(value: Any) -> str:
@@ -62,14 +71,16 @@ def _coerce(values: list[Any], type_: pa.DataType) -> pa.Array:
         return pa.array(out, type=type_)
 
 
-def build_table(rows: list[dict[str, Any]], input_schema: pa.Schema) -> pa.Table:
+def build_table(
+    rows: list[dict[str, Any]], input_schema: pa.Schema, extra: tuple[pa.Field, ...] = ()
+) -> pa.Table:
     """A table with the output schema from result rows (input values and result fields in one dict)."""
-    schema = output_schema(input_schema)
+    schema = output_schema(input_schema, extra)
     columns = []
     for field in input_schema:
         values = [(r.get("values") or {}).get(field.name) for r in rows]
         columns.append(_coerce(values, field.type))
-    for field in RESULT_FIELDS:
+    for field in RESULT_FIELDS + list(extra):
         columns.append(pa.array([r.get(field.name) for r in rows], type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)
 
@@ -81,10 +92,13 @@ class PartWriter:
     writer only ever writes or deletes names with its own prefix.
     """
 
-    def __init__(self, out_dir: Path, input_schema: pa.Schema, prefix: str = "part-") -> None:
+    def __init__(
+        self, out_dir: Path, input_schema: pa.Schema, prefix: str = "part-", extra: tuple[pa.Field, ...] = ()
+    ) -> None:
         self.out_dir = out_dir
         self.input_schema = input_schema
         self.prefix = prefix
+        self.extra = extra  # the feature columns after the result columns
         self._own = re.compile(rf"\.?{re.escape(prefix)}\d{{6}}\.parquet(\.tmp)?")
 
     def part_name(self, seq: int) -> str:
@@ -92,7 +106,7 @@ class PartWriter:
 
     def write(self, seq: int, rows: list[dict[str, Any]]) -> str:
         """Write rows as part ``seq`` (temporary name, fsync, rename); returns the part's file name."""
-        table = build_table(rows, self.input_schema)
+        table = build_table(rows, self.input_schema, self.extra)
         name = self.part_name(seq)
         tmp = self.out_dir / f".{name}.tmp"
         pq.write_table(table, tmp, compression="zstd")

@@ -10,6 +10,7 @@ a pure function of (prompt, seed, id, position), the result equals an uninterrup
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -27,7 +28,7 @@ from batchjob.errors import BatchjobError, InputError
 from batchjob.io.atomic import write_json
 from batchjob.io.readers import Row, input_schema, iter_rows
 from batchjob.io.sources import Source, count_rows, discover
-from batchjob.io.writers import PartWriter
+from batchjob.io.writers import EXTRA_FIELDS, PartWriter
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, PromptPlan, plan_prompts, resolve_chat
@@ -143,6 +144,7 @@ class _Pending:
     row_id: str
     num_prompt_tokens: int
     first_run: float | None = None
+    samples: dict[int, Any] = field(default_factory=dict)  # --n: finished samples, written together
 
 
 class _Loop:
@@ -155,8 +157,10 @@ class _Loop:
         self.builder = builder
         self.state = prep.state
         self.manifest = Manifest(self.state.manifest_file)
-        self.writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard))
         self.params = self.spec.sampling_params(prep.info.job_seed)
+        self.writer = PartWriter(
+            prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra_fields(self.params)
+        )
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.window = max(8, 2 * self.max_num_seqs)
         self.pending: dict[str, _Pending] = {}  # rows prepared or in the engine, by id
@@ -171,19 +175,28 @@ class _Loop:
     # -- committing -----------------------------------------------------------------------------------
 
     def _finish_row(
-        self, row: Row, text: str | None, reason: str, n_prompt: int, n_gen: int, error: str | None
+        self,
+        row: Row,
+        text: str | None,
+        reason: str,
+        n_prompt: int,
+        n_gen: int,
+        error: str | None,
+        samples: list[dict[str, Any]] | None = None,
     ) -> None:
-        self.buffer.append(
-            {
-                "ordinal": row.ordinal,
-                "values": row.values,
-                "generated_text": text,
-                "finish_reason": reason,
-                "num_prompt_tokens": n_prompt,
-                "num_generated_tokens": n_gen,
-                "error": error,
-            }
-        )
+        """Buffer a row's result; ``samples``: the feature columns of each of its result rows (--n gives
+        several, all buffered at once so they land in one part)."""
+        base = {
+            "ordinal": row.ordinal,
+            "values": row.values,
+            "generated_text": text,
+            "finish_reason": reason,
+            "num_prompt_tokens": n_prompt,
+            "num_generated_tokens": n_gen,
+            "error": error,
+        }
+        for extra in samples or [{"sample_index": 0}]:
+            self.buffer.append(base | extra)
         self.buffer_ordinals.add(row.ordinal)
         self.stats.row(n_prompt, n_gen, error is not None)
         self.bar.update(1)
@@ -191,12 +204,12 @@ class _Loop:
     def commit(self) -> None:
         if not self.buffer:
             return
-        rows = sorted(self.buffer, key=lambda r: r["ordinal"])
+        rows = sorted(self.buffer, key=lambda r: (r["ordinal"], r.get("sample_index", 0)))
         name = self.writer.write(len(self.manifest.parts), rows)
         self.manifest.append(
             PartRecord(
                 name=name,
-                rows=len(rows),
+                rows=len({r["ordinal"] for r in rows}),  # input rows (--n writes several result rows each)
                 errors=sum(r["error"] is not None for r in rows),
                 prompt_tokens=sum(r["num_prompt_tokens"] or 0 for r in rows),
                 generated_tokens=sum(r["num_generated_tokens"] or 0 for r in rows),
@@ -210,22 +223,26 @@ class _Loop:
         """Commit finished rows, then save the unfinished requests; both atomic, in this order."""
         self.commit()
         requests = []
+        by_id: dict[str, dict[str, Any]] = {}
         for snap in self.engine.snapshot():
             p = self.pending[snap.request_id]
-            requests.append(
-                {
-                    "ordinal": p.row.ordinal,
-                    "id": snap.request_id,
-                    "prompt_ids": list(snap.prompt_ids),
-                    "output_ids": list(snap.output_ids),
-                }
-            )
+            record = {"ordinal": p.row.ordinal, "id": snap.request_id, "prompt_ids": list(snap.prompt_ids)}
+            if self.params.n == 1:
+                requests.append(record | {"output_ids": list(snap.output_ids)})
+                continue
+            # --n: one record per row, the unfinished samples' tokens by sample index (finished ones
+            # that wait for their siblings are recomputed on resume: same tokens, they are seeded).
+            record = by_id.setdefault(snap.request_id, record | {"samples": {}})
+            record["samples"][str(snap.sample_index)] = list(snap.output_ids)
+        requests += by_id.values()
         for row_id, ids, output_ids in self.ready:  # restored from the last checkpoint, not yet re-added
             if output_ids:
                 ordinal = self.pending[row_id].row.ordinal
-                requests.append(
-                    {"ordinal": ordinal, "id": row_id, "prompt_ids": ids, "output_ids": output_ids}
-                )
+                record = {"ordinal": ordinal, "id": row_id, "prompt_ids": ids}
+                if isinstance(output_ids, dict):
+                    requests.append(record | {"samples": {str(k): v for k, v in output_ids.items()}})
+                else:
+                    requests.append(record | {"output_ids": output_ids})
         self.state.save_inflight(requests)
         self.write_stats()
 
@@ -273,6 +290,8 @@ class _Loop:
         output_ids = None
         if saved is not None and saved.get("id") == row_id and saved.get("prompt_ids") == ids:
             output_ids = saved.get("output_ids") or None
+            if self.params.n > 1 and saved.get("samples"):
+                output_ids = {int(k): v for k, v in saved["samples"].items()}
         self.ready.append((row_id, ids, output_ids))
         self.pending[row_id] = _Pending(row, row_id, len(ids))
 
@@ -292,16 +311,34 @@ class _Loop:
                 del self.ready[i]
             else:
                 row_id, ids, output_ids = self.ready.popleft()
-            self.engine.add_request(row_id, ids, self.params, output_ids=output_ids)
+            if isinstance(output_ids, dict):  # --n, resumed: each sample from its saved tokens (or afresh)
+                for k in range(self.params.n):
+                    self.engine.add_request(row_id, ids, self.params, output_ids.get(k), sample_index=k)
+            else:
+                self.engine.add_request(row_id, ids, self.params, output_ids=output_ids)
 
     def _finished(self, out: Any) -> None:
-        p = self.pending.pop(out.request_id)
+        p = self.pending[out.request_id]
         self.stats.request(out, p.first_run)
-        error = out.error if out.finish_reason == "error" else None
-        if out.finish_reason == "error" and error is None:
-            error = "the engine could not run this request"
-        text = None if error else out.text
-        self._finish_row(p.row, text, out.finish_reason, p.num_prompt_tokens, len(out.token_ids), error)
+        p.samples[getattr(out, "sample_index", 0)] = out
+        if len(p.samples) < self.params.n:
+            return  # --n: the row is written once all its samples are done
+        del self.pending[out.request_id]
+        for k in sorted(p.samples):
+            out = p.samples[k]
+            error = out.error if out.finish_reason == "error" else None
+            if out.finish_reason == "error" and error is None:
+                error = "the engine could not run this request"
+            text = None if error else out.text
+            self._finish_row(
+                p.row,
+                text,
+                out.finish_reason,
+                p.num_prompt_tokens,
+                len(out.token_ids),
+                error,
+                [feature_columns(out)],
+            )
 
     def _note_running(self) -> int:
         running = getattr(getattr(self.engine, "scheduler", None), "running", None)
@@ -309,7 +346,7 @@ class _Loop:
             return min(self.engine.num_unfinished, self.max_num_seqs)
         now = time.monotonic()
         for req in running:
-            p = self.pending.get(req.request_id)
+            p = self.pending.get(getattr(req, "group_id", req.request_id))
             if p is not None and p.first_run is None:
                 p.first_run = now
         return len(running)
@@ -389,6 +426,29 @@ class _Loop:
             self.manifest.errors,
             self.stats.to_json(),
         )
+
+
+def extra_fields(params: Any) -> tuple[Any, ...]:
+    """The feature columns a job's results carry, after the result columns."""
+    names = []
+    if params.n > 1:
+        names.append("sample_index")
+    if params.choices is not None:
+        names.append("choice_logprobs")
+    if params.logprobs is not None:
+        names.append("logprobs")
+    return tuple(EXTRA_FIELDS[n] for n in names)
+
+
+def feature_columns(out: Any) -> dict[str, Any]:
+    """The feature columns of one engine output (JSON text for the nested ones)."""
+    choice_lp = getattr(out, "choice_logprobs", None)
+    logprobs = getattr(out, "logprobs", None)
+    return {
+        "sample_index": getattr(out, "sample_index", 0),
+        "choice_logprobs": None if choice_lp is None else json.dumps(choice_lp),
+        "logprobs": None if logprobs is None else json.dumps([[list(t) for t in top] for top in logprobs]),
+    }
 
 
 def part_prefix(shard: Shard) -> str:

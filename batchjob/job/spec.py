@@ -55,6 +55,12 @@ class JobSpec:
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # constraints and samples
+    choices: list[str] | None = None  # the answer is exactly one of these ("a,b,c" is split at commas)
+    json_schema: str | None = None  # path of a JSON schema file; the answer is JSON valid against it
+    regex: str | None = None  # the answer matches this regular expression
+    logprobs: int | None = None  # top-K log-probabilities of each generated token, in a column
+    n: int = 1  # samples per row: n result rows, each with its sample_index
     # engine
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -76,6 +82,8 @@ class JobSpec:
             self.stop = [self.stop]
         self.input = [str(p) for p in self.input]
         self.stop = list(self.stop or [])
+        if isinstance(self.choices, str):
+            self.choices = [c.strip() for c in self.choices.split(",")]
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         for name in ("temperature", "top_p", "min_p", "kv_memory_gb", "checkpoint_interval"):
@@ -109,7 +117,19 @@ class JobSpec:
             raise ConfigError(f"checkpoint_interval must be > 0 seconds, got {self.checkpoint_interval!r}")
         if self.max_errors is not None and self.max_errors < 1:
             raise ConfigError(f"max_errors must be >= 1, got {self.max_errors!r}")
+        self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options
+
+    def _load_schema(self) -> str | None:
+        if self.json_schema is None:
+            return None
+        path = Path(self.json_schema).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                f"json_schema file {path} cannot be read: {getattr(e, 'strerror', None) or e}"
+            ) from e
 
     def sampling_params(self, job_seed: int) -> SamplingParams:
         """The sampling params of every request; ``job_seed`` stands in when no ``seed`` was given."""
@@ -121,6 +141,11 @@ class JobSpec:
             min_p=self.min_p,
             seed=self.seed if self.seed is not None else job_seed,
             stop=self.stop or None,
+            choices=self.choices,
+            json_schema=self._schema_text,
+            regex=self.regex,
+            logprobs=self.logprobs,
+            n=self.n,
         )
 
     def require_io(self) -> None:
@@ -135,7 +160,13 @@ class JobSpec:
 
     def sampling_fingerprint(self) -> dict[str, Any]:
         keys = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in keys}
+        # Constraints and samples only when given, so a job without them keeps its old identity.
+        extra = self.sampling_params(0).to_dict()
+        for k in ("choices", "json_schema", "regex", "logprobs", "n"):
+            if k in extra:
+                out[k] = extra[k]  # the schema's content, not its path
+        return out
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -193,6 +224,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         out["input"] = [rel(p) for p in out["input"]] if isinstance(out["input"], list) else rel(out["input"])
     if "output" in out:
         out["output"] = rel(out["output"])
+    if "json_schema" in out:
+        out["json_schema"] = rel(out["json_schema"])
     if isinstance(out.get("model"), str) and out["model"].startswith(("./", "../")):
         out["model"] = rel(out["model"])
     return out
