@@ -144,19 +144,25 @@ UNBOUNDED = {  # strings and numbers a random model never closes on its own
 }
 
 
-@pytest.mark.parametrize("max_new_tokens", [8, 48])
+@pytest.mark.parametrize("max_new_tokens", [8, 120])
 def test_json_answers_close_within_the_token_budget(engine32, max_new_tokens):
     """Near the end of its budget a row closes its strings, numbers and brackets instead of running out."""
     prompts = _prompts(12, engine32.vocab_size, seed=11)
+    names = []
     for temperature in (0.0, 1.0):
         params = SamplingParams(
             json_schema=UNBOUNDED, max_new_tokens=max_new_tokens, temperature=temperature, seed=3
         )
         for o in engine32.generate(prompts, params):
             assert len(o.token_ids) <= max_new_tokens
-            if max_new_tokens >= 48:
+            if max_new_tokens >= 120:
                 assert o.finish_reason == "stop", o.text
-                jsonschema.validate(json.loads(o.text), UNBOUNDED)
+                answer = json.loads(o.text)
+                jsonschema.validate(answer, UNBOUNDED)
+                assert set(answer) == set(UNBOUNDED["properties"])  # no keys of the model's own
+                names.append(answer["name"])
+    if max_new_tokens >= 120:  # the budget was spent on the answer, not closed from the start
+        assert sum(len(n) for n in names) > 10 * len(prompts)
 
 
 def test_regex_answers_match(engine32):

@@ -222,7 +222,32 @@ class _Tables:
         stops = mask(lambda t, b: t in stop)
         closers = mask(only(b"]}"))
         self.outside = [stops, closers, mask(only(b'"]},:'))]
-        self.in_string = [mask(lambda t, b: t not in stop and b[:1] == b'"' and set(b[1:]) <= set(b"]},:"))]
+
+        def closing_quote(chars: bytes):
+            return lambda t, b: t not in stop and b[:1] == b'"' and set(b[1:]) <= set(chars)
+
+        self.in_string = [mask(closing_quote(b"]}")), mask(closing_quote(b"]},:"))]
+
+
+def _no_extra_keys(schema: object) -> object:
+    """The schema with ``additionalProperties: false`` on every object that lists its properties and says
+    nothing about others: the answer holds the keys the schema names (still valid against the original),
+    and a model cannot pad it with keys of its own."""
+    if isinstance(schema, list):
+        return [_no_extra_keys(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: _no_extra_keys(v) if k not in ("enum", "const", "default", "examples") else v
+        for k, v in schema.items()
+    }
+    if (
+        isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_of(params: SamplingParams) -> tuple[str, str, str]:
@@ -237,7 +262,8 @@ def grammar_of(params: SamplingParams) -> tuple[str, str, str]:
         kind, text = "regex", params.regex
     try:
         if kind == "json_schema":
-            grammar = M.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+            schema = _no_extra_keys(json.loads(text))
+            grammar = M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
         else:
             grammar = M.grammar_from_regex(text)
         error = M.validate_grammar(grammar)
