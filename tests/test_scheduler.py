@@ -18,12 +18,15 @@ def _req(rid: str, n: int, base: int | None = None) -> Request:
     return Request(rid, list(range(base, base + n)), n, SamplingParams(max_new_tokens=8, temperature=0), 0.0)
 
 
-def _run(plan):
-    """Pretend the forward ran: advance counters, and append a token to requests that reached the end."""
+def _run(plan, bm: BlockManager | None = None):
+    """Pretend the forward ran: advance counters, append a token to requests that reached the end, and
+    (given the block manager) offer their full blocks to the prefix cache, as the engine does."""
     for req, n in zip(plan.requests, plan.num_tokens, strict=True):
         req.num_computed_tokens += n
         if req.num_computed_tokens == req.num_tokens:
             req.token_ids.append(1)
+        if bm is not None:
+            bm.register_full_blocks(req)
 
 
 def test_block_manager_allocates_and_frees():
@@ -122,14 +125,10 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
         sched.add(r)
     plan = sched.schedule()  # a takes the whole budget with the first chunk of its prompt
     assert [r.request_id for r in plan.requests] == ["a"]
-    _run(plan)
-    for req in plan.requests:
-        bm.register_full_blocks(req)
+    _run(plan, bm)
     plan = sched.schedule()  # b needs a block a is still computing: b waits, c goes ahead of it
     assert [r.request_id for r in plan.requests] == ["a", "c"]
-    _run(plan)
-    for req in plan.requests:
-        bm.register_full_blocks(req)
+    _run(plan, bm)
     plan = sched.schedule()  # now b finds 16 of its 18 tokens in the cache
     assert "b" in [r.request_id for r in plan.requests]
     assert b.num_computed_tokens == 16 and sched.num_cached_tokens == 16

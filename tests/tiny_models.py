@@ -63,37 +63,31 @@ def make_model(folder: Path, family: str = "llama", *, seed: int = 0, vocab_size
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    # The decoder families share one tiny shape; each test only varies what makes the family distinct.
+    decoder = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        **common,
+    )
     if family == "llama":
         cfg = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=1024,
             tie_word_embeddings=False,
-            **common,
+            **decoder,
         )
     elif family == "qwen2":
         cfg = Qwen2Config(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             num_key_value_heads=1,
-            max_position_embeddings=1024,
-            **common,
+            **decoder,
         )
     elif family == "mistral":  # a sliding attention window shorter than the prompts
         cfg = MistralConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=1024,
             sliding_window=6,
-            **common,
+            **decoder,
         )
     elif family == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
