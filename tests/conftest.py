@@ -26,3 +26,17 @@ def tiny_model_dirs(tmp_path_factory):
 def tiny_model_dir(tiny_model_dirs):
     """The tiny llama folder: the model most tests use."""
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def decode_path(request, monkeypatch):
+    """Run a test with CPU decode attention by the compiled kernel, then by the torch reference."""
+    from batchjob.engine import cpu_kernel
+
+    if request.param == "kernel" and cpu_kernel._compiler() is None:
+        pytest.skip("no C++ compiler on this machine: the kernel cannot be built")
+    if request.param == "reference":
+        monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "0")
+    cpu_kernel.load.cache_clear()
+    yield request.param
+    cpu_kernel.load.cache_clear()

@@ -73,7 +73,7 @@ def test_packed_logits_equal_unpacked(tiny_model_dirs, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("block_size", "budget"), [(4, 7), (16, 64), (16, 512)])
-def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget):
+def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget, decode_path):
     folder = tiny_model_dirs[family]
     engine = Engine.from_pretrained(
         str(folder),
@@ -83,6 +83,7 @@ def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget):
         max_num_batched_tokens=budget,
         max_num_seqs=5,
     )
+    assert engine.runner.decode_kernel == (decode_path == "kernel")
     hf = _hf(folder)
     rng = random.Random(block_size * 1000 + budget)
     prompts = _prompts(rng, [1, 2, 7, 16, 17, 33, 120, 300], engine.vocab_size)
@@ -94,12 +95,13 @@ def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_sliding_window_equals_hf_generate(tmp_path):
+def test_sliding_window_equals_hf_generate(tmp_path, decode_path):
     """Mistral with a 6-token window: prompts and chunks much longer than the window."""
     folder = make_model(tmp_path / "mistral", "mistral")
     engine = Engine.from_pretrained(
         str(folder), dtype="float64", device="cpu", block_size=4, max_num_batched_tokens=9, max_num_seqs=3
     )
+    assert engine.runner.decode_kernel == (decode_path == "kernel")
     hf = _hf(folder)
     prompts = _prompts(random.Random(8), [2, 5, 19, 44], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))

@@ -9,9 +9,10 @@ Everything that describes the batch travels in one private keyword argument, ``b
 per step by the model runner and shared by all layers. The registered name has no mask function, so the
 model skips building its own mask.
 
-Two groups keep the reference implementation fast on CPU: requests with a single query token (decoding)
-are attended in one batched call over keys padded to the longest of them; requests with a chunk of several
-tokens (prefill) get one call each.
+Requests with a single query token (decoding) are attended together: on the CPU by the compiled kernel of
+:mod:`batchjob.engine.cpu_kernel`, which reads the paged cache in place, else (the torch reference) in
+batched SDPA calls over gathered keys padded to the longest request of a length group. Requests with a chunk
+of several tokens (prefill) get one SDPA call each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from batchjob.engine import cpu_kernel
 
 ATTN_NAME = "batchjob_paged"
 META_KWARG = "batchjob_meta"
@@ -87,6 +90,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # flash-attn path (CUDA): cu_seqlens_q, cu_seqlens_k, block_table (int32), max_seqlen_q, max_seqlen_k
     flash: tuple | None = None
+    decode_kernel: bool = False  # decode groups go to the compiled CPU kernel (one group, any lengths)
 
 
 @functools.cache
@@ -162,6 +166,13 @@ def paged_attention(
     num_heads, block_size = q.shape[0], k_cache.shape[1]
     for group in meta.decode_groups:
         g = group.rows.shape[0]
+        if meta.decode_kernel:
+            qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]
+            scale = scaling if scaling is not None else head_dim**-0.5
+            out[group.rows] = cpu_kernel.paged_decode(
+                qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, sliding_window
+            )
+            continue
         # One query per request: fold each KV head's group of query heads into the query axis, so the
         # cached keys are attended without being repeated for grouped-query attention.
         qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from batchjob.engine import attention
+from batchjob.engine import attention, cpu_kernel
 from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_available
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -76,6 +76,8 @@ class ModelRunner:
         self.device = device
         # flash-attn's paged varlen kernel needs pages of a multiple of 256 tokens.
         self.use_flash = device.type == "cuda" and flash_attn_available() and block_size % 256 == 0
+        # CPU: decode attention by the compiled kernel when it builds here (float32/float64 caches).
+        self.decode_kernel = cpu_kernel.supports(kv_caches[0][0].dtype, device) if kv_caches else False
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         model.set_attn_implementation(attention.ATTN_NAME)
 
@@ -118,7 +120,10 @@ class ModelRunner:
             cu_k = np.concatenate([[0], np.cumsum(ends)])
             h_flash = (pk.add(cu_q), pk.add(cu_k), pk.add(table), int(n.max()), int(ends.max()))
         else:
-            for rows in _decode_groups(np.flatnonzero(n == 1), ends, bs):
+            single = np.flatnonzero(n == 1)
+            # The kernel takes any mix of lengths at once; the reference pads within length groups.
+            groups = [single] if self.decode_kernel and single.size else _decode_groups(single, ends, bs)
+            for rows in groups:
                 nblk = -(-ends[rows] // bs)
                 h_decode.append(
                     (pk.add(offsets[rows]), pk.add(table[rows, : int(nblk.max())]), pk.add(ends[rows]))
@@ -130,7 +135,9 @@ class ModelRunner:
 
         buf = pk.send(self.device)
         v = pk.view
-        meta = AttentionMetadata(kv_caches=self.kv_caches, slot_mapping=v(buf, h_slots))
+        meta = AttentionMetadata(
+            kv_caches=self.kv_caches, slot_mapping=v(buf, h_slots), decode_kernel=self.decode_kernel
+        )
         meta.decode_groups = [DecodeGroup(*(v(buf, h) for h in hs)) for hs in h_decode]
         for q_start, q_len, ctx, h in h_prefill:
             meta.prefills.append(PrefillChunk(q_start, q_len, ctx, None if h is None else v(buf, h)))

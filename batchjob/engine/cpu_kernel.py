@@ -1,0 +1,150 @@
+"""A compiled CPU kernel for decode attention, built on first use with the machine's C++ compiler.
+
+Decoding on the CPU is bound by memory traffic: every step reads each running request's whole K/V once
+per layer. The torch reference gathers a request's blocks into a contiguous copy and then runs SDPA over it,
+which reads the cache, writes the copy and reads it again. The kernel in ``csrc/paged_decode.cpp`` reads
+the keys and values in place through the block table, every query head of a request in one pass.
+
+It is plain C++ with OpenMP (no torch headers), so it compiles in about a second and is loaded with
+``ctypes``. The shared library is cached under ``<cache>/kernels/`` by a digest of the source, the compiler,
+the flags and the CPU (``-march=native`` code must not run on another machine sharing the cache). When no
+compiler is found or the build fails, the engine keeps the torch reference and says so once in the log.
+``BATCHJOB_CPU_KERNEL=0`` turns the kernel off.
+
+OpenMP: the library links ``libgomp.so.1``; torch's own copy of it is already loaded under that name, so the
+kernel runs on torch's thread pool and follows ``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
+_SYMBOLS = {torch.float32: "batchjob_paged_decode_f32", torch.float64: "batchjob_paged_decode_f64"}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(65536)
+    except OSError:
+        text = ""
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or f"{platform.machine()} {platform.processor()}"
+
+
+def _build(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several workers may build at once: each writes its own file and renames it into place.
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None (logged once) when it is turned off or can't be built."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler found: CPU decode attention uses the slower torch reference")
+        return None
+    from batchjob.models import cache_dir
+
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        digest = hashlib.sha256()
+        for part in (
+            SOURCE.read_bytes(),
+            version.encode(),
+            " ".join(FLAGS).encode(),
+            _cpu_signature().encode(),
+        ):
+            digest.update(part)
+            digest.update(b"\0")
+        target = cache_dir() / "kernels" / f"paged_decode-{digest.hexdigest()[:16]}.so"
+        if not target.is_file():
+            _build(cxx, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU decode attention kernel unavailable, using the torch reference: %s", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in _SYMBOLS.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_double, i64, ptr]
+        fn.restype = None
+    return lib
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in _SYMBOLS and load() is not None
+
+
+def paged_decode(
+    q: torch.Tensor,  # [G, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [G, max_blocks] int64
+    ctx_lens: torch.Tensor,  # [G] int64
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of one query token per request over its cached keys; returns [G, H, D]."""
+    lib = load()
+    assert lib is not None, "paged_decode called without the kernel; check supports() first"
+    q = q.contiguous()
+    block_table = block_table.contiguous()
+    ctx_lens = ctx_lens.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    assert block_table.dtype == torch.int64 and ctx_lens.dtype == torch.int64
+    g, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    getattr(lib, _SYMBOLS[q.dtype])(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.shape[1],
+        ctx_lens.data_ptr(),
+        g,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        float(scale),
+        int(window) if window else 0,
+        out.data_ptr(),
+    )
+    return out
