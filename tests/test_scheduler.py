@@ -149,3 +149,30 @@ def test_static_batching_admits_nothing_until_the_batch_finished():
     sched.finish(reqs[1], RequestStatus.FINISHED_STOPPED)
     plan = sched.schedule()
     assert [r.request_id for r in plan.requests] == ["2", "3"]
+
+
+def test_larger_output_budgets_are_admitted_first_and_preempted_requests_before_them():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=4, max_num_seqs=8)
+
+    def add(rid: str, budget: int) -> Request:
+        r = _req(rid, 4)
+        r.params = SamplingParams(max_new_tokens=budget, temperature=0)
+        sched.add(r)
+        return r
+
+    for rid, budget in {"a": 5, "b": 40, "c": 12, "d": 40, "e": 1}.items():
+        add(rid, budget)
+    admitted = []
+    while sched.waiting:
+        plan = sched.schedule()  # one 4-token prompt fills the budget: one admission per step
+        admitted += [r.request_id for r in plan.requests]
+        for r in plan.requests:
+            sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    assert admitted == ["b", "d", "c", "a", "e"]  # longest budget first, ties in arrival order
+
+    short = add("short", 2)
+    assert sched.schedule().requests == [short]
+    add("long", 99)
+    sched.running.remove(short)
+    sched._preempt(short)
+    assert sched._next_waiting() is short  # it had its turn already: back first, before a longer one

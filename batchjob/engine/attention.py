@@ -126,9 +126,17 @@ def _flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling, slid
     )
 
 
+# torch >= 2.5 attends grouped-query heads without repeating the keys.
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 def _sdpa(q, k, v, mask, scale, is_causal=False):
     # q [B, H, Lq, D]; k, v [B, KVH, Lk, D]
     if k.shape[1] != q.shape[1]:
+        if _SDPA_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=True
+            )
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)

@@ -72,6 +72,7 @@ class Request:
     probe_of: Request | None = None  # a one-step request scoring trie node ``probe_node`` of this request
     probe_node: int = 0
     pending_probes: int = 0  # probes this finished request still waits for
+    priority: bool = False  # admitted before the other waiting requests (preempted, probes)
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

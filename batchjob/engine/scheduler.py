@@ -2,10 +2,14 @@
 
 Each step has a token budget (``max_num_batched_tokens``) and a cap on running requests (``max_num_seqs``).
 Running requests go first, in admission order: one that is decoding takes one token, one still working
-through its prompt takes a chunk of what is left of the budget. Then waiting requests are admitted in queue
-order while budget, seats and blocks last (skipping a request ``held`` until a sibling with the same prompt
-has computed it, so it then takes those blocks from the prefix cache). Prompt chunks and decode tokens share
-one forward.
+through its prompt takes a chunk of what is left of the budget. Then waiting requests are admitted while
+budget, seats and blocks last (skipping a request ``held`` until a sibling with the same prompt has computed
+it, so it then takes those blocks from the prefix cache). Prompt chunks and decode tokens share one forward.
+
+Admission order: requests put back at the front (preempted ones, choice probes) first; then, among the
+next few waiting requests, the one with the largest ``max_new_tokens``, ties in arrival order. When output
+budgets differ, the long ones start decoding early and the run does not end with one long request
+decoding alone in many small steps (with equal budgets, as in a job, this is first come, first served).
 
 When a running request needs a block and none is free, the most recently admitted running request is
 preempted: its blocks are freed, its counter reset, and it goes back to the front of the queue to recompute
@@ -60,16 +64,30 @@ class Scheduler:
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
 
     def add(self, req: Request, front: bool = False) -> None:
+        req.priority = front
         if front:
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)
 
     def _next_waiting(self) -> Request | None:
-        """The first waiting request that may start now: not held for a sibling, and not needing a prompt
-        prefix that a running request is computing at this moment (it will find it in the cache instead)."""
+        """The waiting request to admit next, among those that may start now: not held for a sibling, and
+        not needing a prompt prefix that a running request is computing at this moment (it will find it in
+        the cache instead). Looks at most ``4 * max_num_seqs`` requests past the first that may start."""
         bm = self.block_manager
-        return next((r for r in self.waiting if not r.held and not bm.prefix_in_flight(r)), None)
+        best: Request | None = None
+        seen = 0
+        for req in self.waiting:
+            if best is not None and seen >= 4 * self.max_num_seqs:
+                break
+            seen += 1
+            if req.held or bm.prefix_in_flight(req):
+                continue
+            if req.priority:
+                return req
+            if best is None or req.params.max_new_tokens > best.params.max_new_tokens:
+                best = req
+        return best
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,6 +150,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
+        req.priority = True
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
