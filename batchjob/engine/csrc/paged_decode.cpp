@@ -16,6 +16,12 @@
 
 namespace {
 
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
 template <typename T, int DC>
 void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __restrict v_cache,
                 const int64_t* __restrict blocks, int64_t start, int64_t len, int64_t heads,
@@ -31,8 +37,11 @@ void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __r
     const int64_t offset = j % block_size;
     const int64_t count = std::min(block_size - offset, len - j);
     const T* kb = k_cache + (blocks[j / block_size] * block_size + offset) * token_stride;
+    // Blocks are scattered, so the hardware prefetcher cannot guess the next one: fetch it a block ahead.
+    const T* kn = j + count < len ? k_cache + blocks[j / block_size + 1] * block_size * token_stride : nullptr;
     for (int64_t t = 0; t < count; ++t) {
       const T* kt = kb + t * token_stride;
+      if (kn != nullptr) prefetch(kn + t * token_stride, token_stride);
       T* st = scores + (j - start + t) * heads;
       for (int64_t h = 0; h < heads; ++h) {
         const T* qh = q + h * D;
@@ -62,8 +71,11 @@ void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __r
     const int64_t offset = j % block_size;
     const int64_t count = std::min(block_size - offset, len - j);
     const T* vb = v_cache + (blocks[j / block_size] * block_size + offset) * token_stride;
+    // Blocks are scattered, so the hardware prefetcher cannot guess the next one: fetch it a block ahead.
+    const T* vn = j + count < len ? v_cache + blocks[j / block_size + 1] * block_size * token_stride : nullptr;
     for (int64_t t = 0; t < count; ++t) {
       const T* vt = vb + t * token_stride;
+      if (vn != nullptr) prefetch(vn + t * token_stride, token_stride);
       const T* st = scores + (j - start + t) * heads;
       for (int64_t h = 0; h < heads; ++h) {
         const T p = st[h];
@@ -124,7 +136,7 @@ void dispatch(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
 
 extern "C" {
 
-int batchjob_kernel_version() { return 1; }
+int batchjob_kernel_version() { return 2; }
 
 void batchjob_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
                                const int64_t* block_table, int64_t table_stride, const int64_t* ctx_lens,
