@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu_kernel
+from batchjob.engine import attention, cpu_kernel, cpu_linear
 from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_available
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -79,6 +79,9 @@ class ModelRunner:
         # CPU: decode attention by the compiled kernel when it builds here (float32/float64 caches).
         self.decode_kernel = cpu_kernel.supports(kv_caches[0][0].dtype, device) if kv_caches else False
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
+        # CPU, float32: linear layers with weights packed once for oneDNN (see cpu_linear).
+        dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+        self.packed_linears = cpu_linear.prepack_linears(model) if cpu_linear.available(dtype, device) else 0
         model.set_attn_implementation(attention.ATTN_NAME)
 
     def _prepare(self, plan: SchedulerOutput):

@@ -1,0 +1,51 @@
+"""Linear layers with oneDNN-packed weights: same results as the plain layers, float32 only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine import cpu_linear
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_equals_plain(bias, rows):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(96, 160, bias=bias)
+    x = torch.randn(1, rows, 96)
+    want = layer(x)
+    model = torch.nn.Sequential(layer)
+    assert cpu_linear.prepack_linears(model) == 1
+    assert cpu_linear.prepack_linears(model) == 1  # packing twice changes nothing
+    got = model(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(x[:, ::2]), want[:, ::2], atol=1e-5, rtol=1e-5)  # strided input
+
+
+def test_only_float32_on_cpu(monkeypatch):
+    assert not cpu_linear.available(torch.float64, torch.device("cpu"))
+    assert not cpu_linear.available(torch.float32, torch.device("meta"))
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    assert not cpu_linear.available(torch.float32, torch.device("cpu"))
+
+
+@needs_onednn
+def test_engine_packs_float32_and_gives_the_same_tokens(tiny_model_dir, monkeypatch):
+    prompts = [[5, 9, 13, 200, 17], list(range(3, 60)), [44] * 30]
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    packed = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert packed.runner.packed_linears > 0
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    plain = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert plain.runner.packed_linears == 0
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in packed.generate(prompts, params)] == want
+    f64 = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu")
+    assert f64.runner.packed_linears == 0
