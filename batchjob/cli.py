@@ -143,6 +143,12 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Share the KV of equal prompt prefixes between rows (default: on).",
         ),
         click.option(
+            "--num-speculative-tokens",
+            type=int,
+            help="Draft tokens per row and step copied from the row's own context, verified in the same "
+            "forward: the same answers in fewer steps when outputs repeat their context (default: 4; 0: off).",
+        ),
+        click.option(
             "--admission",
             type=click.Choice(["fcfs", "longest-first", "shortest-first", "static"]),
             help="Order rows enter the engine: input order, longest or shortest prompt first within "

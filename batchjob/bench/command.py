@@ -187,7 +187,8 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
             f"({100 * x['forward_seconds'] / ours.wall_s:.1f}%) + other {x['overhead_seconds']:.2f} s "
             f"({100 * x['overhead_fraction']:.1f}%: {other_in_step:.2f} s in step() outside the forward, "
             f"{outside:.2f} s outside step()); {x['steps']} steps, {x['batched_tokens']} batched tokens, "
-            f"{x['preemptions']} preemptions"
+            f"{x['preemptions']} preemptions; prompt-lookup drafts {x['accepted_draft_tokens']} kept of "
+            f"{x['draft_tokens']}"
         )
     for name, agree in summary["agreement"].items():
         lines.append(
@@ -267,6 +268,12 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
 @click.option("--max-num-batched-tokens", type=int, callback=_positive, help="Our engine's tokens per step.")
 @click.option("--max-num-seqs", type=int, callback=_positive, help="Our engine's running requests at once.")
 @click.option(
+    "--num-speculative-tokens",
+    type=click.IntRange(0, 64),
+    default=None,
+    help="Our engine's prompt-lookup drafts per request and step (default: the engine's, 4; 0 turns them off).",
+)
+@click.option(
     "--threads",
     type=int,
     callback=_positive,
@@ -296,6 +303,7 @@ def bench(
     json_path: Path | None,
     max_num_batched_tokens: int | None,
     max_num_seqs: int | None,
+    num_speculative_tokens: int | None,
     threads: int | None,
     worker_thread: bool,
 ) -> None:
@@ -329,6 +337,7 @@ def bench(
             device=device,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            **({} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}),
         )
         vocab_size = int(engine.vocab_size)
         longest = engine.max_model_len

@@ -68,13 +68,22 @@ def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
     outs = engine.generate(work.prompts, params(work))
     wall = time.perf_counter() - start
     after = engine.stats.as_dict()
-    diff = {k: after[k] - before[k] for k in ("forward_seconds", "step_seconds", "steps", "batched_tokens")}
+    counted = (
+        "forward_seconds",
+        "step_seconds",
+        "steps",
+        "batched_tokens",
+        "draft_tokens",
+        "accepted_draft_tokens",
+    )
+    diff = {k: after[k] - before[k] for k in counted}
     diff["preemptions"] = after["preemptions"] - before["preemptions"]
     diff["overhead_seconds"] = wall - diff["forward_seconds"]
     diff["overhead_fraction"] = diff["overhead_seconds"] / wall if wall > 0 else 0.0
     settings = {
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
+        "num_speculative_tokens": engine.config.num_speculative_tokens,
     }
     failed = [o for o in outs if o.finish_reason == "error"]
     error = f"{len(failed)} request(s) failed, e.g. {failed[0].error}" if failed else None

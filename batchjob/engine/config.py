@@ -57,6 +57,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     enable_prefix_caching: bool = True  # share computed blocks of equal prefixes between requests
     static_batching: bool = False  # the baseline: admit a batch, then nothing until all of it finished
+    num_speculative_tokens: int = 4  # prompt-lookup drafts per decoding request and step; 0 turns it off
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -72,6 +73,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [0, 64], got {k!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ConfigError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

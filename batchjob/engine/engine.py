@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from batchjob.engine import speculative
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
 from batchjob.engine.constraints import (
@@ -73,6 +74,8 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputation included)
     generated_tokens: int = 0
+    draft_tokens: int = 0  # prompt-lookup drafts verified
+    accepted_draft_tokens: int = 0  # of which kept
     batched_tokens: int = 0  # all tokens run through the model
     running_sum: int = 0  # sum over steps of running requests (for mean occupancy)
     kv_blocks_used_sum: int = 0  # sum over steps of blocks in use (for mean KV utilization)
@@ -159,6 +162,7 @@ class Engine:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         static_batching: bool = False,
+        num_speculative_tokens: int = 4,
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine."""
         from batchjob.models import load_model_and_tokenizer
@@ -175,6 +179,7 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             static_batching=static_batching,
+            num_speculative_tokens=num_speculative_tokens,
         )
         hf_model, tokenizer, resolved = load_model_and_tokenizer(model, config.dtype, dev)
         return cls(hf_model, tokenizer, config, model_id=resolved)
@@ -372,7 +377,10 @@ class Engine:
                 finished.append(req)
         self._failed.clear()
 
+        drafted = self._draft() if self.config.num_speculative_tokens else []
         plan = self.scheduler.schedule()
+        if drafted:
+            self._trim_drafts(drafted, plan)
         self.stats.preemptions += len(plan.preempted)
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
         if not plan.is_empty:
@@ -387,28 +395,29 @@ class Engine:
                 prompt_part = max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
                 self.stats.computed_prompt_tokens += prompt_part
                 req.num_computed_tokens += n
-                self.block_manager.register_full_blocks(req)
+                if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
+                    self.block_manager.register_full_blocks(req)
             if sampling:
                 assert masks is None or sampling == will_sample
-                tokens = self._sample(logits, sampling, masks)
+                rows, positions = [], []
+                for req in sampling:  # a request with d drafts draws at each of its d + 1 positions
+                    first = req.num_output_tokens - req.num_draft_tokens
+                    rows += [req] * (req.num_draft_tokens + 1)
+                    positions += range(first, first + req.num_draft_tokens + 1)
+                tokens = self._sample(logits, rows, masks, positions)
                 now = time.monotonic()
-                for req, tok in zip(sampling, tokens, strict=True):
+                i = 0
+                for req in sampling:
+                    drawn = tokens[i : i + req.num_draft_tokens + 1]
+                    i += len(drawn)
                     if req.probe_of is not None:
                         self._finish_probe(req, finished)
                         continue
-                    req.token_ids.append(tok)
-                    if req.first_token_time is None:
-                        req.first_token_time = now
-                    if req.constraint is not None and not req.constraint.advance(tok):
-                        req.error = (
-                            f"the constraint allowed no token at output position {req.num_output_tokens - 1}"
-                        )
-                    status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
+                    status = self._take_tokens(req, drawn, now)
                     if status is not None:
                         self.scheduler.finish(req, status)
                         if self._ready(req):
                             finished.append(req)
-                self.stats.generated_tokens += len(tokens)
             self.stats.steps += 1
             self.stats.batched_tokens += plan.total_tokens
             self.stats.running_sum += len(plan.requests)
@@ -419,6 +428,75 @@ class Engine:
             del self._requests[req.request_id]
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def _take_tokens(self, req: Request, drawn: list[int], now: float) -> RequestStatus | None:
+        """Append the tokens a request drew; with drafts, keep them while each equals the token drawn
+        before it (the draw that follows a rejected draft is the request's correct next token). Returns the
+        request's finished status, if it finished."""
+        d = req.num_draft_tokens
+        drafts: list[int] = []
+        if d:
+            drafts = req.token_ids[-d:]
+            del req.token_ids[-d:]
+            req.num_computed_tokens -= d  # the drafts' K/V count again only where they are kept
+            req.num_draft_tokens = 0
+            self.stats.draft_tokens += d
+        status = None
+        kept = 0
+        for tok in drawn:
+            req.token_ids.append(tok)
+            self.stats.generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.constraint is not None and not req.constraint.advance(tok):
+                req.error = f"the constraint allowed no token at output position {req.num_output_tokens - 1}"
+            status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
+            if status is not None or kept == d or tok != drafts[kept]:
+                break
+            kept += 1
+            req.num_computed_tokens += 1  # the draft's K/V, computed in this forward, is the token's
+        if d:
+            self.stats.accepted_draft_tokens += kept
+            if kept == 0 and status is None:
+                req.spec_backoff = speculative.BACKOFF_STEPS  # its context did not predict it: rest a while
+            self.block_manager.register_full_blocks(req)
+        return status
+
+    def _draft(self) -> list[Request]:
+        """Append prompt-lookup drafts to decoding requests, while the pool keeps a block per running
+        request spare: drafting must never be the reason a request is preempted."""
+        bm = self.block_manager
+        spare = bm.num_free_blocks - len(self.scheduler.running)
+        drafted = []
+        for req in self.scheduler.running:
+            if spare <= 0:
+                break
+            left = min(req.params.max_new_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+            k = min(self.config.num_speculative_tokens, left - 1)
+            if k <= 0 or not speculative.can_draft(req):
+                continue
+            draft = speculative.propose(req, k)
+            if not draft:
+                continue
+            extra = bm.num_missing(req, req.num_tokens + len(draft)) - bm.num_missing(req, req.num_tokens)
+            if extra > spare:
+                continue
+            spare -= extra
+            req.token_ids.extend(draft)
+            req.num_draft_tokens = len(draft)
+            drafted.append(req)
+        return drafted
+
+    @staticmethod
+    def _trim_drafts(drafted: list[Request], plan: SchedulerOutput) -> None:
+        """Keep only the drafts the plan computes (none for a request it left out or preempted)."""
+        given = {id(r): n for r, n in zip(plan.requests, plan.num_tokens, strict=True)}
+        for req in drafted:
+            n = given.get(id(req))
+            keep = 0 if n is None else min(req.num_draft_tokens, n - 1)
+            if keep < req.num_draft_tokens:
+                del req.token_ids[len(req.token_ids) - (req.num_draft_tokens - keep) :]
+                req.num_draft_tokens = keep
 
     # -- constraints, log-probabilities and choice probes ----------------------------------------------
 
@@ -431,7 +509,9 @@ class Engine:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjob-masks")
         return self._mask_pool.submit(fill_bitmask, constraints, self.vocab_size, self._grammars)
 
-    def _sample(self, logits: torch.Tensor, rows: list[Request], masks: Future | None) -> list[int]:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[Request], masks: Future | None, positions: list[int]
+    ) -> list[int]:
         """Record what needs the model's own distribution, mask the constrained rows, draw, replay forced."""
         scored = [
             i
@@ -456,7 +536,7 @@ class Engine:
             logits,
             [r.params for r in rows],
             [r.key for r in rows],
-            [r.num_output_tokens for r in rows],
+            positions,
         )
         for i, r in enumerate(rows):
             if r.forced is not None:

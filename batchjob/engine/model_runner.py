@@ -68,6 +68,12 @@ def _decode_groups(rows: np.ndarray, ctx_lens: np.ndarray, block_size: int) -> l
     return groups
 
 
+def _ramps(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., c - 1 for each count c, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 class ModelRunner:
     def __init__(self, model, kv_caches, block_size: int, device: torch.device) -> None:
         self.model = model
@@ -106,7 +112,10 @@ class ModelRunner:
         slots = table[req_of_row, positions // bs] * bs + positions % bs
 
         sample_mask = np.array([e == r.num_tokens for r, e in zip(reqs, ends.tolist(), strict=True)])
-        sample_rows = offsets[1:][sample_mask] - 1
+        # A request verifying d drafts samples its last d + 1 rows; any other, its last row.
+        drafts = np.array([r.num_draft_tokens for r in reqs], dtype=np.int64)
+        per = drafts[sample_mask] + 1
+        sample_rows = np.repeat(offsets[1:][sample_mask] - per, per) + _ramps(per)
 
         pk = _Packer()
         h_ids, h_pos, h_slots, h_sample = (
@@ -123,15 +132,26 @@ class ModelRunner:
             cu_k = np.concatenate([[0], np.cumsum(ends)])
             h_flash = (pk.add(cu_q), pk.add(cu_k), pk.add(table), int(n.max()), int(ends.max()))
         else:
-            single = np.flatnonzero(n == 1)
-            # The kernel takes any mix of lengths at once; the reference pads within length groups.
-            groups = [single] if self.decode_kernel and single.size else _decode_groups(single, ends, bs)
-            for rows in groups:
-                nblk = -(-ends[rows] // bs)
-                h_decode.append(
-                    (pk.add(offsets[rows]), pk.add(table[rows, : int(nblk.max())]), pk.add(ends[rows]))
-                )
-            for i in np.flatnonzero(n > 1).tolist():
+            single = n == 1
+            if self.decode_kernel:
+                # The kernel takes rows of any lengths at once: every one-token request, and every row of a
+                # draft verification (each query sees its request's keys up to its own position).
+                single |= drafts > 0
+                idx = np.flatnonzero(single)
+                if idx.size:
+                    within = _ramps(n[idx])
+                    owner = np.repeat(idx, n[idx])
+                    lens = starts[owner] + within + 1
+                    nblk = int((-(-lens // bs)).max())
+                    rows = offsets[owner] + within
+                    h_decode.append((pk.add(rows), pk.add(table[owner, :nblk]), pk.add(lens)))
+            else:  # the reference pads a group's keys to its longest: group by length
+                for rows in _decode_groups(np.flatnonzero(single), ends, bs):
+                    nblk = -(-ends[rows] // bs)
+                    h_decode.append(
+                        (pk.add(offsets[rows]), pk.add(table[rows, : int(nblk.max())]), pk.add(ends[rows]))
+                    )
+            for i in np.flatnonzero(~single).tolist():
                 ctx = int(ends[i])
                 h_blocks = pk.add(table[i, : -(-ctx // bs)]) if starts[i] > 0 else None
                 h_prefill.append((int(offsets[i]), int(n[i]), ctx, h_blocks))

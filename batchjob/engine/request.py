@@ -73,6 +73,10 @@ class Request:
     probe_node: int = 0
     pending_probes: int = 0  # probes this finished request still waits for
     priority: bool = False  # admitted before the other waiting requests (preempted, probes)
+    # Speculative decoding (engine/speculative.py): drafts at the end of token_ids during a step only.
+    num_draft_tokens: int = 0
+    ngrams: Any = None  # NgramIndex of its tokens, built on its first draft
+    spec_backoff: int = 0  # steps left before it drafts again
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

@@ -471,6 +471,7 @@ def load_engine(spec: JobSpec) -> Any:
         gpu_memory_utilization=spec.gpu_memory_utilization,
         enable_prefix_caching=spec.prefix_caching,
         static_batching=spec.admission == "static",
+        num_speculative_tokens=spec.num_speculative_tokens,
     )
 
 

@@ -1,0 +1,67 @@
+"""Speculative decoding by prompt lookup: draft tokens copied from the request's own context.
+
+When the last few tokens of a decoding request (an n-gram, 3 tokens, else 2) occurred earlier in its prompt
+or output, the tokens that followed them there are proposed as its next ones. The forward then computes the
+request's last token and the drafts together, as one chunk of ``1 + k`` tokens; the sampler draws a token at
+every position of the chunk, and the drafts are kept while each equals the token drawn before it. A token's
+draw depends only on the logits and (seed, request, position), greedy or sampled, so the output is the one
+that decoding a token at a time gives (up to the float rounding of a different batch shape), in fewer
+forwards when the output repeats its context: extraction, summaries, code, and the loops that small models
+fall into.
+
+Drafts live only inside one ``Engine.step()``: proposed before scheduling, trimmed to what the scheduler
+gave the request, resolved after sampling. A checkpoint or a preemption never sees them.
+"""
+
+from __future__ import annotations
+
+from batchjob.engine.request import Request
+
+NGRAM_SIZES = (3, 2)  # longest match first
+BACKOFF_STEPS = 4  # after a draft that was wholly rejected, steps before the request drafts again
+
+
+class NgramIndex:
+    """Where each n-gram of a request's tokens last occurred, kept up to date as tokens are added."""
+
+    __slots__ = ("last", "indexed")
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it
+        self.indexed = 0  # n-grams ending before this index are in ``last``
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last n-gram."""
+        end = len(tokens)
+        for e in range(max(self.indexed, 1), end):  # n-grams followed by a token: ending at e < end
+            for n in NGRAM_SIZES:
+                if e >= n:
+                    self.last[tuple(tokens[e - n : e])] = e
+        self.indexed = max(self.indexed, end)
+        for n in NGRAM_SIZES:
+            if end > n:
+                e = self.last.get(tuple(tokens[end - n :]))
+                if e is not None:
+                    return tokens[e : e + k]
+        return []
+
+
+def can_draft(req: Request) -> bool:
+    """Decoding, and nothing that needs the model's distribution token by token (constraints, log-probs,
+    choice probes, replayed tokens)."""
+    return (
+        req.num_computed_tokens == req.num_tokens - 1
+        and req.constraint is None
+        and req.logprobs is None
+        and req.probe_of is None
+        and req.forced is None
+    )
+
+
+def propose(req: Request, k: int) -> list[int]:
+    if req.spec_backoff > 0:
+        req.spec_backoff -= 1
+        return []
+    if req.ngrams is None:
+        req.ngrams = NgramIndex()
+    return req.ngrams.propose(req.token_ids, k)

@@ -1,0 +1,79 @@
+"""Speculative decoding by prompt lookup: same tokens as one-at-a-time decoding, in fewer steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine.speculative import NgramIndex
+from tests.test_engine import _hf, _hf_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ngram_index_proposes_what_followed_the_latest_match():
+    idx = NgramIndex()
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert idx.propose(toks, 2) == [7, 5]  # the latest earlier "1 2 3" was followed by 7 5
+    toks += [7]
+    assert idx.propose(toks, 4) == [5, 1, 2, 3]  # "2 3 7" -> 5 1 2 3
+    assert idx.propose([4, 5, 6], 3) == []  # (a fresh context in the same index shares nothing useful)
+    assert NgramIndex().propose([8, 8], 3) == []  # too short for a 2-gram seen before
+    assert NgramIndex().propose([8, 8, 8], 3) == [8]  # "8 8" seen, followed by one 8
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(5)
+    loop = [rng.randrange(3, vocab) for _ in range(5)]
+    return [
+        loop * 6,  # a prompt that repeats itself: the lookup has something to copy
+        [rng.randrange(3, vocab) for _ in range(40)],
+        (loop[:3] + [7]) * 4 + [rng.randrange(3, vocab) for _ in range(9)],
+        [rng.randrange(3, vocab) for _ in range(3)],
+    ]
+
+
+def _run(folder, k: int, params, **kw) -> tuple[list[list[int]], Engine]:
+    engine = Engine.from_pretrained(
+        str(folder), dtype="float64", device="cpu", num_speculative_tokens=k, **kw
+    )
+    outs = engine.generate(_prompts(engine.vocab_size), params)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [o.token_ids for o in outs], engine
+
+
+def test_greedy_with_drafts_equals_hf_generate(tiny_model_dir, decode_path):
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    got, engine = _run(tiny_model_dir, 4, params, block_size=4)
+    assert engine.stats.draft_tokens > 0 and engine.stats.accepted_draft_tokens > 0
+    assert engine.stats.steps < 40  # fewer forwards than tokens of the longest answer
+    hf = _hf(tiny_model_dir)
+    for p, toks in zip(_prompts(engine.vocab_size), got, strict=True):
+        assert toks == _hf_greedy(hf, p, 40, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=30, temperature=0.3, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, temperature=0),  # stops at EOS where the model says it
+        SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),  # budget shorter than a draft
+    ],
+    ids=["seeded", "eos", "short"],
+)
+def test_drafts_change_no_token(tiny_model_dir, params):
+    want, _ = _run(tiny_model_dir, 0, params)
+    got, engine = _run(tiny_model_dir, 6, params)
+    assert got == want
+    if params.max_new_tokens > 3:
+        assert engine.stats.draft_tokens > 0
+
+
+def test_drafts_under_preemption_and_a_small_budget(tiny_model_dir):
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    want, _ = _run(tiny_model_dir, 0, params)
+    got, engine = _run(tiny_model_dir, 4, params, block_size=4, num_blocks=24, max_num_batched_tokens=6)
+    assert got == want
+    assert engine.stats.draft_tokens > 0
