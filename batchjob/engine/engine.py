@@ -377,10 +377,13 @@ class Engine:
                 finished.append(req)
         self._failed.clear()
 
-        drafted = self._draft() if self.config.num_speculative_tokens else []
+        k = self.config.num_speculative_tokens
+        drafted = (
+            speculative.draft(self.scheduler.running, self.block_manager, k, self.max_model_len) if k else []
+        )
         plan = self.scheduler.schedule()
         if drafted:
-            self._trim_drafts(drafted, plan)
+            speculative.trim(drafted, plan)
         self.stats.preemptions += len(plan.preempted)
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
         if not plan.is_empty:
@@ -461,42 +464,6 @@ class Engine:
                 req.spec_backoff = speculative.BACKOFF_STEPS  # its context did not predict it: rest a while
             self.block_manager.register_full_blocks(req)
         return status
-
-    def _draft(self) -> list[Request]:
-        """Append prompt-lookup drafts to decoding requests, while the pool keeps a block per running
-        request spare: drafting must never be the reason a request is preempted."""
-        bm = self.block_manager
-        spare = bm.num_free_blocks - len(self.scheduler.running)
-        drafted = []
-        for req in self.scheduler.running:
-            if spare <= 0:
-                break
-            left = min(req.params.max_new_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-            k = min(self.config.num_speculative_tokens, left - 1)
-            if k <= 0 or not speculative.can_draft(req):
-                continue
-            draft = speculative.propose(req, k)
-            if not draft:
-                continue
-            extra = bm.num_missing(req, req.num_tokens + len(draft)) - bm.num_missing(req, req.num_tokens)
-            if extra > spare:
-                continue
-            spare -= extra
-            req.token_ids.extend(draft)
-            req.num_draft_tokens = len(draft)
-            drafted.append(req)
-        return drafted
-
-    @staticmethod
-    def _trim_drafts(drafted: list[Request], plan: SchedulerOutput) -> None:
-        """Keep only the drafts the plan computes (none for a request it left out or preempted)."""
-        given = {id(r): n for r, n in zip(plan.requests, plan.num_tokens, strict=True)}
-        for req in drafted:
-            n = given.get(id(req))
-            keep = 0 if n is None else min(req.num_draft_tokens, n - 1)
-            if keep < req.num_draft_tokens:
-                del req.token_ids[len(req.token_ids) - (req.num_draft_tokens - keep) :]
-                req.num_draft_tokens = keep
 
     # -- constraints, log-probabilities and choice probes ----------------------------------------------
 

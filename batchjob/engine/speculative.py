@@ -15,7 +15,9 @@ gave the request, resolved after sampling. A checkpoint or a preemption never se
 
 from __future__ import annotations
 
+from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.request import Request
+from batchjob.engine.scheduler import SchedulerOutput
 
 NGRAM_SIZES = (3, 2)  # longest match first
 BACKOFF_STEPS = 4  # after a draft that was wholly rejected, steps before the request drafts again
@@ -65,3 +67,39 @@ def propose(req: Request, k: int) -> list[int]:
     if req.ngrams is None:
         req.ngrams = NgramIndex()
     return req.ngrams.propose(req.token_ids, k)
+
+
+def draft(running: list[Request], bm: BlockManager, max_drafts: int, max_model_len: int) -> list[Request]:
+    """Append drafts to the running requests that can take them; returns those requests. The pool keeps a
+    block per running request spare: drafting must never be the reason a request is preempted."""
+    spare = bm.num_free_blocks - len(running)
+    drafted = []
+    for req in running:
+        if spare <= 0:
+            break
+        left = min(req.params.max_new_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
+        k = min(max_drafts, left - 1)  # the token drawn after the drafts counts too
+        if k <= 0 or not can_draft(req):
+            continue
+        tokens = propose(req, k)
+        if not tokens:
+            continue
+        extra = bm.num_missing(req, req.num_tokens + len(tokens)) - bm.num_missing(req, req.num_tokens)
+        if extra > spare:
+            continue
+        spare -= extra
+        req.token_ids.extend(tokens)
+        req.num_draft_tokens = len(tokens)
+        drafted.append(req)
+    return drafted
+
+
+def trim(drafted: list[Request], plan: SchedulerOutput) -> None:
+    """Keep only the drafts the plan computes: none for a request it left out or preempted."""
+    given = {id(r): n for r, n in zip(plan.requests, plan.num_tokens, strict=True)}
+    for req in drafted:
+        n = given.get(id(req))
+        keep = 0 if n is None else min(req.num_draft_tokens, n - 1)
+        if keep < req.num_draft_tokens:
+            del req.token_ids[len(req.token_ids) - (req.num_draft_tokens - keep) :]
+            req.num_draft_tokens = keep
