@@ -7,7 +7,8 @@ import random
 import pytest
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine.speculative import NgramIndex
+from batchjob.engine.request import Request
+from batchjob.engine.speculative import BACKOFF_STEPS, NgramIndex, propose, record
 from tests.test_engine import _hf, _hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,6 +23,20 @@ def test_ngram_index_proposes_what_followed_the_latest_match():
     assert idx.propose([4, 5, 6], 3) == []  # (a fresh context in the same index shares nothing useful)
     assert NgramIndex().propose([8, 8], 3) == []  # too short for a 2-gram seen before
     assert NgramIndex().propose([8, 8, 8], 3) == [8]  # "8 8" seen, followed by one 8
+
+
+def test_slow_start_grows_on_kept_drafts_and_rests_after_a_miss():
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], 3, SamplingParams(max_new_tokens=50), 0.0)
+    assert propose(req, 4) == [3]  # one draft at first
+    record(req, 1, 1)
+    assert propose(req, 4) == [3, 1]  # all kept: the window doubles
+    record(req, 2, 2)
+    assert propose(req, 4) == [3, 1, 2]  # window 4: all that followed the latest "3 1 2"
+    record(req, 4, 1)  # one kept, then a miss: back to one draft
+    assert req.spec_window == 1 and req.spec_backoff == 0
+    record(req, 1, 0)  # nothing kept: rest
+    assert [propose(req, 4) for _ in range(BACKOFF_STEPS)] == [[]] * BACKOFF_STEPS
+    assert propose(req, 4) == [3]
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -460,8 +460,8 @@ class Engine:
             req.num_computed_tokens += 1  # the draft's K/V, computed in this forward, is the token's
         if d:
             self.stats.accepted_draft_tokens += kept
-            if kept == 0 and status is None:
-                req.spec_backoff = speculative.BACKOFF_STEPS  # its context did not predict it: rest a while
+            if status is None:
+                speculative.record(req, d, kept)
             self.block_manager.register_full_blocks(req)
         return status
 

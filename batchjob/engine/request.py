@@ -77,6 +77,7 @@ class Request:
     num_draft_tokens: int = 0
     ngrams: Any = None  # NgramIndex of its tokens, built on its first draft
     spec_backoff: int = 0  # steps left before it drafts again
+    spec_window: int = 1  # most drafts it may take next (slow start)
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

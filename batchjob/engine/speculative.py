@@ -61,12 +61,26 @@ def can_draft(req: Request) -> bool:
 
 
 def propose(req: Request, k: int) -> list[int]:
+    """At most ``req.spec_window`` drafts (which grows while drafts are kept, see ``record``)."""
     if req.spec_backoff > 0:
         req.spec_backoff -= 1
         return []
     if req.ngrams is None:
         req.ngrams = NgramIndex()
-    return req.ngrams.propose(req.token_ids, k)
+    return req.ngrams.propose(req.token_ids, min(k, req.spec_window))
+
+
+def record(req: Request, proposed: int, kept: int) -> None:
+    """Slow start: a request drafts one token at first and doubles its window each time all its drafts
+    are kept; a rejection sends it back to one, and a draft rejected outright rests it a few steps. Text
+    that rarely repeats its context then costs about one wasted row per few steps, while a request that
+    loops soon drafts the full window."""
+    if kept == proposed:
+        req.spec_window = min(2 * req.spec_window, 64)
+    else:
+        req.spec_window = 1
+        if kept == 0:
+            req.spec_backoff = BACKOFF_STEPS
 
 
 def draft(running: list[Request], bm: BlockManager, max_drafts: int, max_model_len: int) -> list[Request]:
