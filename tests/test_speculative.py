@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -92,3 +93,27 @@ def test_drafts_under_preemption_and_a_small_budget(tiny_model_dir):
     got, engine = _run(tiny_model_dir, 4, params, block_size=4, num_blocks=24, max_num_batched_tokens=6)
     assert got == want
     assert engine.stats.draft_tokens > 0
+
+
+def test_constrained_rows_beside_drafting_rows(tiny_model_dir):
+    """Grammar masks belong to their own rows when other rows of the batch verify drafts (answers long
+    enough that the constrained rows are still running when the free ones start drafting)."""
+    regex = r"[a-z]{20,25}"
+    free = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(regex=regex, max_new_tokens=30, seed=2)
+    results = {}
+    for k in (0, 4):
+        engine = Engine.from_pretrained(
+            str(tiny_model_dir), dtype="float64", device="cpu", num_speculative_tokens=k
+        )
+        prompts = _prompts(engine.vocab_size)
+        params = [free, constrained, free, constrained]
+        outs = engine.generate(prompts, params)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        for o, p in zip(outs, params, strict=True):
+            if p is constrained:
+                assert re.fullmatch(regex, o.text), o.text
+        results[k] = [o.token_ids for o in outs]
+        if k:
+            assert engine.stats.draft_tokens > 0
+    assert results[4] == results[0]

@@ -498,7 +498,11 @@ class Engine:
         if masks is not None:
             mask = masks.result()
             if mask is not None:
-                logits = apply_bitmask(logits, *mask)
+                # The masks are numbered by request; a request verifying drafts has several rows (a
+                # constrained one never drafts, so its row is its first).
+                bitmask, owners = mask
+                first = [i for i, r in enumerate(rows) if i == 0 or rows[i - 1] is not r]
+                logits = apply_bitmask(logits, bitmask, [first[j] for j in owners])
         tokens = sample(
             logits,
             [r.params for r in rows],
