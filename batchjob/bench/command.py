@@ -337,7 +337,7 @@ def bench(
             device=device,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            **({} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}),
+            num_speculative_tokens=num_speculative_tokens,
         )
         vocab_size = int(engine.vocab_size)
         longest = engine.max_model_len

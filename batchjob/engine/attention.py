@@ -173,7 +173,6 @@ def paged_attention(
 
     num_heads, block_size = q.shape[0], k_cache.shape[1]
     for group in meta.decode_groups:
-        g = group.rows.shape[0]
         if meta.decode_kernel:
             qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]
             scale = scaling if scaling is not None else head_dim**-0.5
@@ -181,6 +180,7 @@ def paged_attention(
                 qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, sliding_window
             )
             continue
+        g = group.rows.shape[0]
         # One query per request: fold each KV head's group of query heads into the query axis, so the
         # cached keys are attended without being repeated for grouped-query attention.
         qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]

@@ -45,6 +45,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+DEFAULT_SPECULATIVE_TOKENS = 4  # most prompt-lookup drafts a request takes per step (it starts at one)
+
+
 @dataclass
 class EngineConfig:
     device: torch.device
@@ -57,7 +60,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     enable_prefix_caching: bool = True  # share computed blocks of equal prefixes between requests
     static_batching: bool = False  # the baseline: admit a batch, then nothing until all of it finished
-    num_speculative_tokens: int = 4  # prompt-lookup drafts per decoding request and step; 0 turns it off
+    num_speculative_tokens: int | None = None  # prompt-lookup drafts per request and step; None: 4; 0: off
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -73,6 +76,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 64], got {k!r}")

@@ -129,7 +129,7 @@ def paged_decode(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
     assert block_table.dtype == torch.int64 and ctx_lens.dtype == torch.int64
     g, heads, dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
     getattr(lib, _SYMBOLS[q.dtype])(
         q.data_ptr(),

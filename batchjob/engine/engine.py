@@ -162,7 +162,7 @@ class Engine:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         static_batching: bool = False,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int | None = None,
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine."""
         from batchjob.models import load_model_and_tokenizer

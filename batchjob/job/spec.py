@@ -69,7 +69,7 @@ class JobSpec:
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     prefix_caching: bool = True
-    num_speculative_tokens: int = 4  # prompt-lookup drafts per decoding row and step; 0 turns them off
+    num_speculative_tokens: int | None = None  # prompt-lookup drafts per row and step (None: the engine's)
     admission: str = "fcfs"  # fcfs | longest-first | shortest-first | static
     lookahead: int = 512  # rows read ahead to choose from (longest-first, shortest-first)
     # state
@@ -102,7 +102,7 @@ class JobSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value!r}")
-        if not 0 <= self.num_speculative_tokens <= 64:
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 64:
             raise ConfigError(
                 f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens!r}"
             )

@@ -22,6 +22,25 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
 }
 
+// Calls body(i, row) for the keys start + i < len of one request in one cache (K or V), row pointing at
+// the key's [kv_heads, D] entries. Blocks are scattered, so the hardware prefetcher cannot guess the next
+// one: it is fetched a block ahead.
+template <typename T, typename Body>
+inline void for_each_key(const T* cache, const int64_t* blocks, int64_t start, int64_t len, int64_t block_size,
+                         int64_t token_stride, Body&& body) {
+  for (int64_t j = start; j < len;) {
+    const int64_t offset = j % block_size;
+    const int64_t count = std::min(block_size - offset, len - j);
+    const T* base = cache + (blocks[j / block_size] * block_size + offset) * token_stride;
+    const T* next = j + count < len ? cache + blocks[j / block_size + 1] * block_size * token_stride : nullptr;
+    for (int64_t t = 0; t < count; ++t) {
+      if (next != nullptr) prefetch(next + t * token_stride, token_stride);
+      body(j - start + t, base + t * token_stride);
+    }
+    j += count;
+  }
+}
+
 template <typename T, int DC>
 void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __restrict v_cache,
                 const int64_t* __restrict blocks, int64_t start, int64_t len, int64_t heads,
@@ -33,29 +52,19 @@ void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __r
   const int64_t n = len - start;
 
   for (int64_t h = 0; h < heads; ++h) row_max[h] = -INFINITY;
-  for (int64_t j = start; j < len;) {
-    const int64_t offset = j % block_size;
-    const int64_t count = std::min(block_size - offset, len - j);
-    const T* kb = k_cache + (blocks[j / block_size] * block_size + offset) * token_stride;
-    // Blocks are scattered, so the hardware prefetcher cannot guess the next one: fetch it a block ahead.
-    const T* kn = j + count < len ? k_cache + blocks[j / block_size + 1] * block_size * token_stride : nullptr;
-    for (int64_t t = 0; t < count; ++t) {
-      const T* kt = kb + t * token_stride;
-      if (kn != nullptr) prefetch(kn + t * token_stride, token_stride);
-      T* st = scores + (j - start + t) * heads;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* qh = q + h * D;
-        const T* kh = kt + (h / group) * D;
-        T dot = 0;
+  for_each_key(k_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const T* kt) {
+    T* st = scores + i * heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* qh = q + h * D;
+      const T* kh = kt + (h / group) * D;
+      T dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-        dot *= scale;
-        st[h] = dot;
-        row_max[h] = std::max(row_max[h], dot);
-      }
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+      dot *= scale;
+      st[h] = dot;
+      row_max[h] = std::max(row_max[h], dot);
     }
-    j += count;
-  }
+  });
 
   for (int64_t h = 0; h < heads; ++h) row_sum[h] = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -67,26 +76,16 @@ void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __r
   }
 
   for (int64_t x = 0; x < heads * D; ++x) acc[x] = 0;
-  for (int64_t j = start; j < len;) {
-    const int64_t offset = j % block_size;
-    const int64_t count = std::min(block_size - offset, len - j);
-    const T* vb = v_cache + (blocks[j / block_size] * block_size + offset) * token_stride;
-    // Blocks are scattered, so the hardware prefetcher cannot guess the next one: fetch it a block ahead.
-    const T* vn = j + count < len ? v_cache + blocks[j / block_size + 1] * block_size * token_stride : nullptr;
-    for (int64_t t = 0; t < count; ++t) {
-      const T* vt = vb + t * token_stride;
-      if (vn != nullptr) prefetch(vn + t * token_stride, token_stride);
-      const T* st = scores + (j - start + t) * heads;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T p = st[h];
-        const T* vh = vt + (h / group) * D;
-        T* ah = acc + h * D;
+  for_each_key(v_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const T* vt) {
+    const T* st = scores + i * heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T p = st[h];
+      const T* vh = vt + (h / group) * D;
+      T* ah = acc + h * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
-      }
+      for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
     }
-    j += count;
-  }
+  });
 
   for (int64_t h = 0; h < heads; ++h) {
     const T inv = T(1) / row_sum[h];
@@ -135,8 +134,6 @@ void dispatch(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
 }  // namespace
 
 extern "C" {
-
-int batchjob_kernel_version() { return 2; }
 
 void batchjob_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
                                const int64_t* block_table, int64_t table_stride, const int64_t* ctx_lens,
