@@ -8,8 +8,10 @@ import re
 import pytest
 
 from batchjob import Engine, SamplingParams
+from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.request import Request
-from batchjob.engine.speculative import BACKOFF_STEPS, NgramIndex, propose, record
+from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.speculative import BACKOFF_STEPS, NgramIndex, draft, propose, record, trim
 from tests.test_engine import _hf, _hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,6 +39,35 @@ def test_slow_start_grows_on_kept_drafts_and_rests_after_a_miss():
     record(req, 1, 0)  # nothing kept: rest
     assert [propose(req, 4) for _ in range(BACKOFF_STEPS)] == [[]] * BACKOFF_STEPS
     assert propose(req, 4) == [3]
+
+
+def test_trim_keeps_only_the_drafts_the_plan_computes():
+    def drafted(rid: str) -> Request:
+        r = Request(rid, [5, 6, 7, 8, 90, 91, 92], 4, SamplingParams(max_new_tokens=50), 0.0)
+        r.num_computed_tokens, r.num_draft_tokens = 3, 3  # real tokens 5..8, drafts 90..92
+        return r
+
+    whole, cut, left_out = drafted("whole"), drafted("cut"), drafted("left-out")
+    trim([whole, cut, left_out], SchedulerOutput([whole, cut], [4, 2]))
+    assert whole.token_ids[4:] == [90, 91, 92] and whole.num_draft_tokens == 3
+    assert cut.token_ids[4:] == [90] and cut.num_draft_tokens == 1  # 2 tokens: the last real one and a draft
+    assert left_out.token_ids == [5, 6, 7, 8] and left_out.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize(("num_blocks", "drafts"), [(4 + 2, 0), (4 + 3, 1)])
+def test_drafting_leaves_a_block_per_running_request(num_blocks, drafts):
+    """Two running requests, each at the end of a full block: a draft needs a new block, and it only
+    gets one when a block per running request stays free afterwards (drafts never cause preemption)."""
+    bm = BlockManager(num_blocks, 4)
+    running = []
+    for rid in ("a", "b"):
+        r = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], 4, SamplingParams(max_new_tokens=50), 0.0)
+        assert bm.allocate(r, 8)  # 2 blocks each: 4 taken
+        r.num_computed_tokens = 7
+        running.append(r)
+    drafted = draft(running, bm, 4, 1000)
+    assert [r.num_draft_tokens for r in running] == [drafts, 0]
+    assert len(drafted) == drafts
 
 
 def _prompts(vocab: int) -> list[list[int]]:
