@@ -149,6 +149,16 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "forward: the same answers in fewer steps when outputs repeat their context (default: 4; 0: off).",
         ),
         click.option(
+            "--cuda-graphs/--no-cuda-graphs",
+            default=None,
+            help="CUDA: replay decode steps from CUDA graphs bucketed by batch size (default: on).",
+        ),
+        click.option(
+            "--compile/--no-compile",
+            default=None,
+            help="Run the model under torch.compile (compiles on first use; default: off).",
+        ),
+        click.option(
             "--admission",
             type=click.Choice(["fcfs", "longest-first", "shortest-first", "static"]),
             help="Order rows enter the engine: input order, longest or shortest prompt first within "

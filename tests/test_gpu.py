@@ -59,3 +59,31 @@ def test_flash_attention_matches_the_reference(tiny_model_dir):
     b = [o.token_ids for o in ref.generate(prompts, params)]
     agree = sum(x == y for x, y in zip(a, b, strict=True))
     assert agree >= 2, (a, b)  # bf16 rounding may flip a token of a random model, not most of them
+
+
+def test_cuda_graphs_replay_decode_steps_exactly(tiny_model_dir):
+    """Decode steps replayed from captured graphs (drafting rows included) give HF generate's tokens."""
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cuda", block_size=16)
+    graphs = engine.runner.graphs
+    assert graphs is not None  # on by default on CUDA
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).to("cuda").eval()
+    hf.generation_config.eos_token_id = None
+    prompts = _prompts([1, 9, 40, 130, 5], engine.vocab_size, seed=4) + [[7, 8, 9, 10] * 10]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    assert graphs.enabled and graphs.replays > 0
+    assert all(g.graph is not None for g in graphs._graphs.values())
+    for p, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0
+        )[0, len(p) :].tolist()
+        assert out.token_ids == ref
+
+
+def test_cuda_graphs_and_compile_keep_seeded_sampling(tiny_model_dir):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
+    prompts = _prompts([7, 20, 64], 400, seed=5)
+    kw = dict(dtype="float64", device="cuda")
+    eager = Engine.from_pretrained(str(tiny_model_dir), cuda_graphs=False, **kw).generate(prompts, params)
+    graphs = Engine.from_pretrained(str(tiny_model_dir), compile=True, **kw).generate(prompts, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]

@@ -274,6 +274,18 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
     help="Our engine's prompt-lookup drafts per request and step (default: the engine's, 4; 0 turns them off).",
 )
 @click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=None,
+    help="Our engine on CUDA: decode steps from CUDA graphs (default: on).",
+)
+@click.option(
+    "--compile/--no-compile",
+    "compile_model",
+    default=False,
+    show_default=True,
+    help="Our engine's model under torch.compile (compiled during the warm-up).",
+)
+@click.option(
     "--threads",
     type=int,
     callback=_positive,
@@ -304,6 +316,8 @@ def bench(
     max_num_batched_tokens: int | None,
     max_num_seqs: int | None,
     num_speculative_tokens: int | None,
+    cuda_graphs: bool | None,
+    compile_model: bool,
     threads: int | None,
     worker_thread: bool,
 ) -> None:
@@ -338,6 +352,8 @@ def bench(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             num_speculative_tokens=num_speculative_tokens,
+            cuda_graphs=cuda_graphs,
+            compile=compile_model,
         )
         vocab_size = int(engine.vocab_size)
         longest = engine.max_model_len

@@ -84,6 +84,8 @@ def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
         "num_speculative_tokens": engine.config.num_speculative_tokens,
+        "cuda_graphs": engine.config.cuda_graphs,
+        "compile": engine.config.compile,
     }
     failed = [o for o in outs if o.finish_reason == "error"]
     error = f"{len(failed)} request(s) failed, e.g. {failed[0].error}" if failed else None

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from batchjob.engine import cpu_kernel
 
 ATTN_NAME = "batchjob_paged"
+ATTN_NAME_UNCOMPILED = "batchjob_paged_uncompiled"  # the same, kept out of torch.compile's graphs
 META_KWARG = "batchjob_meta"
 
 
@@ -208,3 +209,4 @@ def paged_attention(
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)
+AttentionInterface.register(ATTN_NAME_UNCOMPILED, torch.compiler.disable(paged_attention))

@@ -61,6 +61,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share computed blocks of equal prefixes between requests
     static_batching: bool = False  # the baseline: admit a batch, then nothing until all of it finished
     num_speculative_tokens: int | None = None  # prompt-lookup drafts per request and step; None: 4; 0: off
+    # Steps without prompt chunks replay CUDA graphs bucketed by rows; None: on for CUDA. True on a CPU runs
+    # the same padded buckets eagerly (nothing to capture there; the tests use it).
+    cuda_graphs: bool | None = None
+    compile: bool = False  # run the model under torch.compile (attention stays eager)
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -76,6 +80,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.cuda_graphs is None:
+            self.cuda_graphs = cuda
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
         k = self.num_speculative_tokens

@@ -132,8 +132,21 @@ class Engine:
         shape = KVShape.from_config(model.config)
         num_blocks = config.num_blocks or self._auto_num_blocks(shape)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        kv = allocate_kv_cache(shape, num_blocks, config.block_size, config.dtype, config.device)
-        self.runner = ModelRunner(model, kv, config.block_size, config.device)
+        # With graphs, one more block than the manager hands out: the padding rows' scratch space.
+        scratch = num_blocks if config.cuda_graphs else None
+        kv = allocate_kv_cache(
+            shape, num_blocks + (scratch is not None), config.block_size, config.dtype, config.device
+        )
+        self.runner = ModelRunner(
+            model,
+            kv,
+            config.block_size,
+            config.device,
+            scratch_block=scratch,
+            max_graph_rows=min(512, config.max_num_batched_tokens),
+            max_model_len=self.max_model_len,
+            compile_model=config.compile,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -163,6 +176,8 @@ class Engine:
         enable_prefix_caching: bool = True,
         static_batching: bool = False,
         num_speculative_tokens: int | None = None,
+        cuda_graphs: bool | None = None,
+        compile: bool = False,
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine."""
         from batchjob.models import load_model_and_tokenizer
@@ -180,6 +195,8 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             static_batching=static_batching,
             num_speculative_tokens=num_speculative_tokens,
+            cuda_graphs=cuda_graphs,
+            compile=compile,
         )
         hf_model, tokenizer, resolved = load_model_and_tokenizer(model, config.dtype, dev)
         return cls(hf_model, tokenizer, config, model_id=resolved)

@@ -10,12 +10,14 @@ the end of its known tokens.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from batchjob.engine import attention, cpu_kernel, cpu_linear
 from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_available
+from batchjob.engine.graphs import DecodeGraphs
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 
@@ -74,8 +76,47 @@ def _ramps(counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
+@dataclass
+class _Layout:
+    ids: np.ndarray  # [T] token of each packed row
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T] flat KV slot each row's key and value go to
+    table: np.ndarray  # [R, max_blocks] block table of each request (0-padded)
+    req_of_row: np.ndarray  # [T]
+    starts: np.ndarray  # [R] tokens computed before this step
+    n: np.ndarray  # [R] rows this step
+    ends: np.ndarray  # [R]
+    offsets: np.ndarray  # [R + 1] first row of each request
+    drafts: np.ndarray  # [R] drafts each request verifies
+    sample_mask: np.ndarray  # [R] whether the request samples this step
+    sample_rows: np.ndarray  # [S] rows whose logits are sampled
+
+    @property
+    def decode_like(self) -> bool:
+        """Every row is a single query over its own request's keys: no prompt chunk in the step."""
+        return bool(((self.n == 1) | (self.drafts > 0)).all())
+
+
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device) -> None:
+    """Runs scheduler plans through the model.
+
+    ``scratch_block``: a KV block no request owns; with it, steps without prompt chunks go through
+    :class:`~batchjob.engine.graphs.DecodeGraphs` (CUDA graphs on a GPU, the same padded buffers eagerly on
+    the CPU). ``compile_model``: the model runs under ``torch.compile``, attention left out of the graph.
+    """
+
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        block_size: int,
+        device: torch.device,
+        *,
+        scratch_block: int | None = None,
+        max_graph_rows: int = 512,
+        max_model_len: int = 2048,
+        compile_model: bool = False,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -87,10 +128,33 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         # CPU, float32: linear layers with weights packed once for oneDNN (see cpu_linear).
         dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
-        self.packed_linears = cpu_linear.prepack_linears(model) if cpu_linear.available(dtype, device) else 0
-        model.set_attn_implementation(attention.ATTN_NAME)
+        # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
+        pack = cpu_linear.available(dtype, device) and not compile_model
+        self.packed_linears = cpu_linear.prepack_linears(model) if pack else 0
+        if compile_model:
+            # Attention stays eager (its batch layout is Python data, fresh every step); the layers between
+            # attentions compile with dynamic lengths.
+            model.set_attn_implementation(attention.ATTN_NAME_UNCOMPILED)
+            self.forward = torch.compile(model, dynamic=True)
+        else:
+            model.set_attn_implementation(attention.ATTN_NAME)
+            self.forward = model
+        self.graphs: DecodeGraphs | None = None
+        if scratch_block is not None:
+            self.graphs = DecodeGraphs(
+                self.forward,
+                kv_caches,
+                block_size,
+                device,
+                scratch_block,
+                max_graph_rows,
+                -(-max_model_len // block_size),
+                decode_kernel=self.decode_kernel,
+                use_flash=self.use_flash,
+            )
 
-    def _prepare(self, plan: SchedulerOutput):
+    def _layout(self, plan: SchedulerOutput) -> _Layout:
+        """The step's host-side index arrays (numpy)."""
         bs = self.block_size
         reqs, counts = plan.requests, plan.num_tokens
         starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
@@ -116,13 +180,39 @@ class ModelRunner:
         drafts = np.array([r.num_draft_tokens for r in reqs], dtype=np.int64)
         per = drafts[sample_mask] + 1
         sample_rows = np.repeat(offsets[1:][sample_mask] - per, per) + _ramps(per)
+        return _Layout(
+            np.array(ids, dtype=np.int64),
+            positions,
+            slots,
+            table,
+            req_of_row,
+            starts,
+            n,
+            ends,
+            offsets,
+            drafts,
+            sample_mask,
+            sample_rows,
+        )
 
+    def _prepare(self, plan: SchedulerOutput, lay: _Layout | None = None):
+        lay = lay or self._layout(plan)
+        bs = self.block_size
+        table, starts, n, ends, offsets, drafts = (
+            lay.table,
+            lay.starts,
+            lay.n,
+            lay.ends,
+            lay.offsets,
+            lay.drafts,
+        )
+        sample_mask = lay.sample_mask
         pk = _Packer()
         h_ids, h_pos, h_slots, h_sample = (
-            pk.add(np.array(ids)),
-            pk.add(positions),
-            pk.add(slots),
-            pk.add(sample_rows),
+            pk.add(lay.ids),
+            pk.add(lay.positions),
+            pk.add(lay.slots),
+            pk.add(lay.sample_rows),
         )
         h_decode: list[tuple] = []
         h_prefill: list[tuple[int, int, int, tuple | None]] = []
@@ -178,16 +268,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Run the plan; returns logits [R, V] for the requests that sample, and those requests in order."""
-        input_ids, position_ids, meta, sample_rows, sample_mask = self._prepare(plan)
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=sample_rows,
-            **{attention.META_KWARG: meta},
-        )
-        logits = out.logits[0]
+        lay = self._layout(plan)
+        logits = None
+        if self.graphs is not None and lay.decode_like:
+            t0 = time.perf_counter()
+            logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.table[lay.req_of_row])
+            if logits is not None and len(lay.sample_rows) < len(lay.ids):
+                logits = logits.index_select(0, torch.from_numpy(lay.sample_rows).to(self.device))
+        if logits is None:
+            input_ids, position_ids, meta, sample_rows, _ = self._prepare(plan, lay)
+            t0 = time.perf_counter()
+            out = self.forward(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=sample_rows,
+                **{attention.META_KWARG: meta},
+            )
+            logits = out.logits[0]
+        sample_mask = lay.sample_mask
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0

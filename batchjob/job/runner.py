@@ -472,6 +472,8 @@ def load_engine(spec: JobSpec) -> Any:
         enable_prefix_caching=spec.prefix_caching,
         static_batching=spec.admission == "static",
         num_speculative_tokens=spec.num_speculative_tokens,
+        cuda_graphs=spec.cuda_graphs,
+        compile=spec.compile,
     )
 
 

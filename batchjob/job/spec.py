@@ -70,6 +70,8 @@ class JobSpec:
     gpu_memory_utilization: float = 0.9
     prefix_caching: bool = True
     num_speculative_tokens: int | None = None  # prompt-lookup drafts per row and step (None: the engine's)
+    cuda_graphs: bool | None = None  # CUDA graphs for decode steps (None: on for CUDA)
+    compile: bool = False  # the model under torch.compile
     admission: str = "fcfs"  # fcfs | longest-first | shortest-first | static
     lookahead: int = 512  # rows read ahead to choose from (longest-first, shortest-first)
     # state

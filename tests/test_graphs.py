@@ -1,0 +1,100 @@
+"""Decode steps through padded graph buckets (CUDA graphs on a GPU; here the same buffers run eagerly) and the
+model under torch.compile: both must give Hugging Face generate's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _hf_greedy(folder, prompts, max_new_tokens):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    hf.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+            outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+def _prompts(seed, lengths, vocab):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def test_buckets_round_rows_and_blocks_up():
+    g = DecodeGraphs(None, [], 16, torch.device("cpu"), 0, 100, 40, decode_kernel=False, use_flash=False)
+    assert g.max_rows == 96  # the largest bucket within the limit
+    assert g.bucket(1, 1) == (1, 1)
+    assert g.bucket(3, 3) == (4, 4)
+    assert g.bucket(17, 33) == (24, 40)  # blocks: a power of two, capped at the model's longest context
+    assert g.bucket(96, 40) == (96, 40)
+    assert g.bucket(97, 1) is None and g.bucket(1, 41) is None
+    assert list(ROW_BUCKETS) == sorted(set(ROW_BUCKETS))
+
+
+def test_padding_rows_write_only_the_scratch_block():
+    """A step of 3 rows in a bucket of 4: the padding row's key lands in the scratch block, nowhere else."""
+    kv = [(torch.zeros(5, 4, 1, 8, dtype=torch.float64), torch.zeros(5, 4, 1, 8, dtype=torch.float64))]
+    g = DecodeGraphs(None, kv, 4, torch.device("cpu"), 4, 8, 4, decode_kernel=False, use_flash=False)
+    graph = g._build(4, 2)
+    tables = np.array([[0, 1], [2, 0], [3, 0]])
+    g._fill(graph, np.array([5, 6, 7]), np.array([5, 0, 2]), np.array([5, 8, 14]), tables)
+    graph.device_buf.copy_(graph.host)
+    ids, positions, slots, lens, table = (t.tolist() for t in g._views(graph))
+    assert ids == [5, 6, 7, 0] and positions == [5, 0, 2, 0]
+    assert slots == [5, 8, 14, 16]  # the padding row writes slot 0 of block 4, the scratch block
+    assert lens == [6, 1, 3, 1]
+    assert table == [[0, 1], [2, 0], [3, 0], [4, 4]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_graph_buckets_equal_hf_generate(tiny_model_dirs, family, decode_path):
+    folder = tiny_model_dirs[family]
+    engine = Engine.from_pretrained(
+        str(folder), dtype="float64", device="cpu", block_size=4, cuda_graphs=True
+    )
+    graphs = engine.runner.graphs
+    assert graphs is not None and engine.runner.decode_kernel == (decode_path == "kernel")
+    # The scratch block is the pool's last, outside what the block manager hands out.
+    assert engine.runner.kv_caches[0][0].shape[0] == engine.block_manager.num_blocks + 1
+    assert graphs.scratch_block == engine.block_manager.num_blocks
+    prompts = _prompts(1, [1, 6, 19, 44, 3, 90, 7], engine.vocab_size)
+    # Repeating prompts give drafts, so verification rows go through the buckets too.
+    prompts.append([11, 12, 13, 14] * 8)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == _hf_greedy(folder, prompts, 24)
+    assert graphs.replays > 0
+    assert engine.stats.accepted_draft_tokens > 0
+    assert len({rows for rows, _ in graphs._graphs}) > 1  # requests finishing moved steps between buckets
+
+
+def test_graph_buckets_keep_seeded_sampling(tiny_model_dir):
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    prompts = _prompts(2, [4, 30, 12], 400)
+    eager = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu")
+    graphs = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", cuda_graphs=True)
+    assert eager.runner.graphs is None
+    a = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == a
+
+
+def test_compiled_model_equals_hf_generate(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", compile=True)
+    assert engine.runner.forward is not engine.model  # the compiled wrapper runs
+    prompts = _prompts(3, [2, 15, 33], engine.vocab_size)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 10)
