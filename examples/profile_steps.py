@@ -1,6 +1,7 @@
 """Where our engine's time goes, step by step, on the bench's synthetic workload (our engine only).
 
     python examples/profile_steps.py [--seed 0] [--num-speculative-tokens 4] [--max-num-batched-tokens 512]
+                                     [--dataset FILE --num-requests N]
 
 Prints the wall time, the number of forwards, the time inside the attention hook, and per kind of step
 (decode-only or mixed with prompt chunks, by size) the steps, tokens, seconds and milliseconds per token.
@@ -11,18 +12,20 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+from pathlib import Path
 
 from transformers import AttentionInterface
 
 import batchjob.engine.attention as attention
 from batchjob import Engine, SamplingParams
-from batchjob.bench.workload import synthetic_workload
+from batchjob.bench.workload import dataset_workload, synthetic_workload
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dataset", type=Path, help="prompts from this JSONL/Parquet file (as batchjob bench)")
     ap.add_argument("--num-speculative-tokens", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = ap.parse_args()
@@ -41,7 +44,10 @@ def main() -> None:
     if args.num_speculative_tokens is not None:
         kw["num_speculative_tokens"] = args.num_speculative_tokens
     engine = Engine.from_pretrained(None, device="cpu", **kw)
-    work = synthetic_workload(engine.vocab_size, args.num_requests, (24, 600), (8, 100), args.seed)
+    if args.dataset is not None:
+        work = dataset_workload(args.dataset, engine.tokenizer, args.num_requests, (8, 100), args.seed, 1900)
+    else:
+        work = synthetic_workload(engine.vocab_size, args.num_requests, (24, 600), (8, 100), args.seed)
     print(work.describe())
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))  # warm-up
     attn_seconds[0] = 0.0
