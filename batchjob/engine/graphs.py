@@ -70,6 +70,7 @@ class DecodeGraphs:
         self.capture = device.type == "cuda"
         self.enabled = True  # turned off for good if a capture fails
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._too_large: set[tuple[int, int]] = set()  # buckets whose capture ran out of memory
         self._pool = None
         self.replays = 0  # steps run through a bucket (replayed on CUDA, eager on the CPU)
 
@@ -91,7 +92,7 @@ class DecodeGraphs:
         n = len(ids)
         blocks = int((positions.max() // self.block_size) + 1)
         key = self.bucket(n, blocks)
-        if key is None:
+        if key is None or key in self._too_large:
             return None
         g = self._graphs.get(key)
         if g is None:
@@ -162,6 +163,14 @@ class DecodeGraphs:
         if self.capture:
             try:
                 self._capture(g)
+            except torch.cuda.OutOfMemoryError:
+                # Too large beside the KV pool: this bucket's steps run eagerly, the others keep their graphs.
+                log.warning(
+                    "no memory for a CUDA graph of %d rows x %d blocks: they run eagerly", rows, blocks
+                )
+                self._too_large.add((rows, blocks))
+                torch.cuda.synchronize(self.device)
+                return None
             except Exception as e:  # noqa: BLE001 - any failure leaves the eager path, which always works
                 log.warning(
                     "CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e
