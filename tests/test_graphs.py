@@ -98,3 +98,67 @@ def test_compiled_model_equals_hf_generate(tiny_model_dir):
     prompts = _prompts(3, [2, 15, 33], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 10)
+
+
+def _flash_varlen_in_torch(
+    q,
+    k_cache,
+    v_cache,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    softmax_scale=None,
+    causal=True,
+    window_size=(-1, -1),
+    block_table=None,
+):
+    """flash-attn's paged varlen call written out in torch (bottom-right causal): what our metadata asks."""
+    assert causal and block_table is not None
+    out = torch.empty_like(q)  # [T, H, D]
+    bs, kv_heads, dim = k_cache.shape[1:]
+    for i in range(len(cu_q) - 1):
+        qs, qe, klen = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i + 1] - cu_k[i])
+        assert qe - qs <= max_q and klen <= max_k
+        blocks = block_table[i, : -(-klen // bs)].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, dim)[:klen].transpose(0, 1)[None]
+        v = v_cache[blocks].reshape(-1, kv_heads, dim)[:klen].transpose(0, 1)[None]
+        qpos = torch.arange(klen - (qe - qs), klen)[:, None]
+        kpos = torch.arange(klen)[None, :]
+        mask = kpos <= qpos
+        if window_size[0] >= 0:
+            mask &= kpos >= qpos - window_size[0]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1)[None], k, v, attn_mask=mask, scale=softmax_scale, enable_gqa=True
+        )
+        out[qs:qe] = o[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_flash_metadata_equals_hf_generate(tiny_model_dir, monkeypatch, cuda_graphs):
+    """The flash-attn path's metadata (cu_seqlens, block tables; eager and in graph buckets), checked on the
+    CPU through a torch rendering of flash-attn's paged varlen call."""
+    import sys
+    import types
+
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_flash_varlen_in_torch)
+    )
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir),
+        dtype="float64",
+        device="cpu",
+        block_size=8,
+        max_num_batched_tokens=48,
+        cuda_graphs=cuda_graphs,
+    )
+    engine.runner.use_flash = True
+    if cuda_graphs:
+        engine.runner.graphs.use_flash = True
+    prompts = _prompts(6, [1, 9, 70, 30], engine.vocab_size) + [[21, 22, 23, 24] * 6]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 16)
+    if cuda_graphs:
+        assert engine.runner.graphs.replays > 0
+        assert all(blocks == engine.runner.graphs.max_blocks for _, blocks in engine.runner.graphs._graphs)
