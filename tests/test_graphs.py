@@ -161,4 +161,3 @@ def test_flash_metadata_equals_hf_generate(tiny_model_dir, monkeypatch, cuda_gra
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 16)
     if cuda_graphs:
         assert engine.runner.graphs.replays > 0
-        assert all(blocks == engine.runner.graphs.max_blocks for _, blocks in engine.runner.graphs._graphs)

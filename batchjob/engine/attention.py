@@ -94,6 +94,14 @@ class AttentionMetadata:
     decode_kernel: bool = False  # decode groups go to the compiled CPU kernel (one group, any lengths)
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what flash-attn's kernels take
+
+
+def flash_attn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """flash-attn installed, a CUDA device, and a half-precision KV cache."""
+    return device.type == "cuda" and dtype in FLASH_DTYPES and flash_attn_available()
+
+
 @functools.cache
 def flash_attn_available() -> bool:
     try:

@@ -28,6 +28,7 @@ from batchjob.engine.constraints import (
     GrammarCompiler,
     fill_bitmask,
 )
+from batchjob.engine.graphs import ROW_BUCKETS
 from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.request import Request, RequestStatus, request_key
@@ -143,7 +144,7 @@ class Engine:
             config.block_size,
             config.device,
             scratch_block=scratch,
-            max_graph_rows=min(512, config.max_num_batched_tokens),
+            max_graph_rows=min(ROW_BUCKETS[-1], config.max_num_batched_tokens),
             max_model_len=self.max_model_len,
             compile_model=config.compile,
         )
@@ -212,7 +213,7 @@ class Engine:
         elif self.device.type == "cuda":
             _, total = torch.cuda.mem_get_info(self.device)
             peak = self._profile_peak_memory(shape)
-            budget = total * self.config.gpu_memory_utilization - peak
+            budget = total * self.config.gpu_memory_utilization - peak - self._cuda_reserve(peak)
             if budget < per_block:
                 raise ConfigError(
                     f"no GPU memory left for the KV cache: the model and a forward of "
@@ -222,6 +223,20 @@ class Engine:
         else:
             budget = CPU_KV_MEMORY_GB * 2**30
         return max(1, min(useful, int(budget // per_block)))
+
+    def _cuda_reserve(self, peak: int) -> int:
+        """Memory the warm-up forward does not show (an estimate): logits of every row that may sample in one
+        step (with drafts, several per request; the sampler makes float32 copies), and with CUDA graphs
+        their pool, about the activations of a forward of the largest bucket."""
+        cfg = self.config
+        rows = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
+        reserve = 3 * rows * self.vocab_size * 4
+        if cfg.cuda_graphs:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            graph_rows = min(ROW_BUCKETS[-1], cfg.max_num_batched_tokens)
+            reserve += max(0, peak - weights) * graph_rows // cfg.max_num_batched_tokens
+            reserve += graph_rows * self.vocab_size * 4  # the graphs' shared logits output (and slack)
+        return reserve
 
     def _profile_peak_memory(self, shape: KVShape) -> int:
         """Peak CUDA memory of the weights plus one forward at the full token budget (a dummy prompt)."""

@@ -3,14 +3,15 @@
 A step without prompt chunks (every request decodes one token, or verifies drafts: each row is then a single
 query over its own request's keys) is a list of rows, each with a token, a position, a KV slot to write, a
 block table and a context length. Padded to a bucket (rows rounded up to one of :data:`ROW_BUCKETS`, blocks
-to a power of two; flash-attn takes every table at the full width), such a step has fixed shapes, so the whole forward can be captured once as a CUDA graph
+to a power of two), such a step has fixed shapes, so the whole forward can be captured once as a CUDA graph
 and replayed: the host then launches one graph instead of the forward's few thousand kernels, which is what
 bounds a small decode step on a GPU.
 
 Everything a step varies lives in one flat int64 buffer per graph, filled by one host-to-device copy.
 Padding rows write their key and value into a scratch block that no request owns and attend to that one
 slot, so they can neither disturb a request nor produce NaNs; their logits are dropped. Graphs are captured
-lazily, the first time a bucket is needed, into one shared memory pool.
+lazily, the first time a bucket is needed, into one shared memory pool, and all leave their logits in one
+shared output tensor.
 
 On the CPU there is nothing to capture: the same padded buffers run eagerly (``cuda_graphs=True`` on a CPU
 engine), which is how the tests check the padding and the buffers against Hugging Face ``generate``.
@@ -40,7 +41,6 @@ class _Graph:
         torch.Tensor
     )  # [4 * rows + rows * blocks] int64 (pinned on CUDA): ids, positions, slots, lens, table
     device_buf: torch.Tensor  # the same on the device; the views below read from it
-    logits: torch.Tensor | None = None  # [rows, V] the captured forward's output
     graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -72,6 +72,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._too_large: set[tuple[int, int]] = set()  # buckets whose capture ran out of memory
         self._pool = None
+        self._out: torch.Tensor | None = None  # [max_rows, V] where every replay leaves its logits
         self.replays = 0  # steps run through a bucket (replayed on CUDA, eager on the CPU)
 
     def bucket(self, rows: int, blocks: int) -> tuple[int, int] | None:
@@ -79,8 +80,6 @@ class DecodeGraphs:
         if not self.enabled or rows > self.max_rows or blocks > self.max_blocks:
             return None
         r = next(b for b in ROW_BUCKETS if b >= rows)
-        if self.use_flash:  # flash-attn reads only each row's own blocks: one table width for every step
-            return r, self.max_blocks
         return r, min(1 << max(0, blocks - 1).bit_length(), self.max_blocks)
 
     def run(
@@ -88,7 +87,8 @@ class DecodeGraphs:
     ) -> torch.Tensor | None:
         """Logits [len(ids), V] of one decode step: row i is token ``ids[i]`` at ``positions[i]``, written to
         ``slots[i]``, attending to the keys at positions ``<= positions[i]`` through block table
-        ``tables[i]``. None when the step fits no bucket (the caller runs it eagerly)."""
+        ``tables[i]``. None when the step fits no bucket (the caller runs it eagerly). On CUDA the logits
+        are a view of the graphs' shared output: valid until the next step."""
         n = len(ids)
         blocks = int((positions.max() // self.block_size) + 1)
         key = self.bucket(n, blocks)
@@ -103,7 +103,7 @@ class DecodeGraphs:
         g.device_buf.copy_(g.host, non_blocking=True)
         if g.graph is not None:
             g.graph.replay()
-            logits = g.logits
+            logits = self._out[: g.rows]
         else:
             logits = self._forward(g)
         self.replays += 1
@@ -175,11 +175,16 @@ class DecodeGraphs:
                 log.warning(
                     "CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e
                 )
-                self.enabled = False
                 torch.cuda.synchronize(self.device)
+                self._turn_off()
                 return None
         self._graphs[(rows, blocks)] = g
         return g
+
+    def _turn_off(self) -> None:
+        self.enabled = False
+        self._graphs.clear()  # their pool and output go with them
+        self._pool = self._out = None
 
     def _capture(self, g: _Graph) -> None:
         # All rows padding: the warm-up and the capture write only the scratch block.
@@ -191,11 +196,16 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(g)  # lazy initialisation and allocator warm-up happen outside the capture
+            logits = self._forward(g)  # lazy initialisation and allocator warm-up happen outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._out is None:
+            # One output for every graph, outside their pool: each graph's own logits are then temporaries
+            # of the pool, whose memory the next capture reuses, instead of one [rows, V] tensor per bucket.
+            self._out = torch.empty((self.max_rows, logits.shape[-1]), dtype=logits.dtype, device=self.device)
+        del logits
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            g.logits = self._forward(g)
+            self._out[: g.rows].copy_(self._forward(g))
         if self._pool is None:
             self._pool = graph.pool()
         g.graph = graph

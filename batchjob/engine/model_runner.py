@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from batchjob.engine import attention, cpu_kernel, cpu_linear
-from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_available
+from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_usable
 from batchjob.engine.graphs import DecodeGraphs
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -122,7 +122,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         # flash-attn's paged varlen kernel needs pages of a multiple of 256 tokens.
-        self.use_flash = device.type == "cuda" and flash_attn_available() and block_size % 256 == 0
+        kv_dtype = kv_caches[0][0].dtype if kv_caches else None
+        self.use_flash = flash_attn_usable(device, kv_dtype) and block_size % 256 == 0
         # CPU: decode attention by the compiled kernel when it builds here (float32/float64 caches).
         self.decode_kernel = cpu_kernel.supports(kv_caches[0][0].dtype, device) if kv_caches else False
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
