@@ -19,21 +19,31 @@ def _prompts(n_tokens, vocab, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in n_tokens]
 
 
+def _hf_greedy_cuda(folder, prompts, max_new_tokens):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).to("cuda").eval()
+    hf.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
 def test_cuda_reference_attention_equals_hf_generate(tiny_model_dir):
     engine = Engine.from_pretrained(
         str(tiny_model_dir), dtype="float64", device="cuda", block_size=16, max_num_batched_tokens=64
     )
     assert not engine.runner.use_flash  # float64 and 16-token blocks take the reference path
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).to("cuda").eval()
-    hf.generation_config.eos_token_id = None
     prompts = _prompts([1, 9, 40, 130], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
-    for p, out in zip(prompts, outs, strict=True):
-        ids = torch.tensor([p], device="cuda")
-        ref = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
-        )[0, len(p) :].tolist()
-        assert out.token_ids == ref
+    assert [o.token_ids for o in outs] == _hf_greedy_cuda(tiny_model_dir, prompts, 12)
 
 
 def test_seeded_sampling_is_the_same_on_cpu_and_cuda(tiny_model_dir):
@@ -66,18 +76,12 @@ def test_cuda_graphs_replay_decode_steps_exactly(tiny_model_dir):
     engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cuda", block_size=16)
     graphs = engine.runner.graphs
     assert graphs is not None  # on by default on CUDA
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).to("cuda").eval()
-    hf.generation_config.eos_token_id = None
     prompts = _prompts([1, 9, 40, 130, 5], engine.vocab_size, seed=4) + [[7, 8, 9, 10] * 10]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     assert graphs.enabled and graphs.replays > 0
     assert all(g.graph is not None for g in graphs._graphs.values())
-    for p, out in zip(prompts, outs, strict=True):
-        ids = torch.tensor([p], device="cuda")
-        ref = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0
-        )[0, len(p) :].tolist()
-        assert out.token_ids == ref
+    assert engine.stats.accepted_draft_tokens > 0
+    assert [o.token_ids for o in outs] == _hf_greedy_cuda(tiny_model_dir, prompts, 20)
 
 
 def test_cuda_graphs_and_compile_keep_seeded_sampling(tiny_model_dir):
