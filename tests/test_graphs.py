@@ -100,6 +100,21 @@ def test_compiled_model_equals_hf_generate(tiny_model_dir):
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 10)
 
 
+def test_a_failing_compile_falls_back_to_eager(tiny_model_dir, caplog):
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", compile=True)
+
+    def broken(**kwargs):
+        raise RuntimeError("no C++ compiler")  # what inductor raises where it cannot build
+
+    engine.runner.forward = broken
+    prompts = _prompts(4, [3, 12], engine.vocab_size)
+    with caplog.at_level("WARNING"):
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 6)
+    assert engine.runner.forward is engine.model
+    assert sum("torch.compile failed" in r.message for r in caplog.records) == 1
+
+
 def _flash_varlen_in_torch(
     q,
     k_cache,

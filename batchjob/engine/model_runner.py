@@ -9,6 +9,7 @@ the end of its known tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChu
 from batchjob.engine.graphs import DecodeGraphs
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 class _Packer:
@@ -143,7 +146,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if scratch_block is not None:
             self.graphs = DecodeGraphs(
-                self.forward,
+                self._call,
                 kv_caches,
                 block_size,
                 device,
@@ -266,6 +269,20 @@ class ModelRunner:
             )
         return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample), sample_mask
 
+    def _call(self, **kwargs):
+        """The model's forward. Should torch.compile fail, the model runs eagerly from then on (one warning):
+        a real error of the forward then raises from the eager call, unmasked."""
+        if self.forward is self.model:
+            return self.model(**kwargs)
+        try:
+            return self.forward(**kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - compiler errors come in many types
+            log.warning("torch.compile failed (%s: %s); the model runs eagerly", type(e).__name__, e)
+            self.forward = self.model
+            return self.model(**kwargs)
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Run the plan; returns logits [R, V] for the requests that sample, and those requests in order."""
@@ -279,7 +296,7 @@ class ModelRunner:
         if logits is None:
             input_ids, position_ids, meta, sample_rows, _ = self._prepare(plan, lay)
             t0 = time.perf_counter()
-            out = self.forward(
+            out = self._call(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
