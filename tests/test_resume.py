@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
-import pyarrow.dataset as ds
 import pytest
 
 from batchjob.job import make_spec, run_job
+from tests.jobproc import launch
+from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,22 +66,6 @@ def job_args(reviews, out, model, *extra):
         "0.2",
         *extra,
     ]
-
-
-def results(out):
-    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
-    return sorted(rows, key=lambda r: (r["rid"] is None, r["rid"] or ""))
-
-
-def launch(args):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchjob", "run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
 
 
 def wait_started(out, proc, timeout=120):

@@ -6,18 +6,16 @@ Each compares the combined output with a single worker's: every id exactly once,
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
-import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.job import make_spec, run_job
+from tests.jobproc import launch as launch_run
+from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,20 +67,9 @@ def expected(reviews, tiny_model_dir, tmp_path_factory):
     return results(out)
 
 
-def results(out):
-    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
-    return sorted(rows, key=lambda r: (r["rid"] is None, r["rid"] or "", r["error"] or ""))
-
-
 def launch(args, **env):
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchjob", "run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        # one thread each: three workers on a small machine otherwise spend their time contending
-        env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env),
-    )
+    # one thread each: three workers on a small machine otherwise spend their time contending
+    return launch_run(args, OMP_NUM_THREADS="1", **env)
 
 
 def finish(procs, timeout=240):

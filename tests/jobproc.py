@@ -1,0 +1,26 @@
+"""Helpers for tests that run ``batchjob run`` as a real process and read what it wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pyarrow.dataset as ds
+
+
+def read_results(out) -> list[dict]:
+    """Every result row under ``out``, sorted by id (error rows without an id last, by their error)."""
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    return sorted(rows, key=lambda r: (r["rid"] is None, r["rid"] or "", r["error"] or ""))
+
+
+def launch(args, **env) -> subprocess.Popen:
+    """``python -m batchjob run ARGS`` in a new process (offline; ``env`` added to the environment)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchjob", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
+    )
