@@ -58,7 +58,7 @@ def test_packed_logits_equal_unpacked(tiny_model_dirs, family):
     for r in reqs:
         assert engine.block_manager.allocate(r, r.num_tokens)
     counts = [r.num_tokens - r.num_computed_tokens for r in reqs]
-    input_ids, position_ids, meta, sample_rows, _ = engine.runner._prepare(SchedulerOutput(reqs, counts))
+    input_ids, position_ids, meta, sample_rows = engine.runner._prepare(SchedulerOutput(reqs, counts))
     with torch.inference_mode():
         packed = engine.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, batchjob_meta=meta

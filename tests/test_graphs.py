@@ -4,6 +4,8 @@ model under torch.compile: both must give Hugging Face generate's tokens."""
 from __future__ import annotations
 
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -35,8 +37,19 @@ def _prompts(seed, lengths, vocab):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+def _runner(kv_caches, block_size):
+    """What DecodeGraphs reads of its ModelRunner, for tests that never run the model."""
+    return types.SimpleNamespace(
+        kv_caches=kv_caches,
+        block_size=block_size,
+        device=torch.device("cpu"),
+        decode_kernel=False,
+        use_flash=False,
+    )
+
+
 def test_buckets_round_rows_and_blocks_up():
-    g = DecodeGraphs(None, [], 16, torch.device("cpu"), 0, 100, 40, decode_kernel=False, use_flash=False)
+    g = DecodeGraphs(_runner([], 16), 0, 100, 40)
     assert g.max_rows == 96  # the largest bucket within the limit
     assert g.bucket(1, 1) == (1, 1)
     assert g.bucket(3, 3) == (4, 4)
@@ -49,7 +62,7 @@ def test_buckets_round_rows_and_blocks_up():
 def test_padding_rows_write_only_the_scratch_block():
     """A step of 3 rows in a bucket of 4: the padding row's key lands in the scratch block, nowhere else."""
     kv = [(torch.zeros(5, 4, 1, 8, dtype=torch.float64), torch.zeros(5, 4, 1, 8, dtype=torch.float64))]
-    g = DecodeGraphs(None, kv, 4, torch.device("cpu"), 4, 8, 4, decode_kernel=False, use_flash=False)
+    g = DecodeGraphs(_runner(kv, 4), 4, 8, 4)
     graph = g._build(4, 2)
     tables = np.array([[0, 1], [2, 0], [3, 0]])
     g._fill(graph, np.array([5, 6, 7]), np.array([5, 0, 2]), np.array([5, 8, 14]), tables)
@@ -90,14 +103,15 @@ def test_graph_buckets_keep_seeded_sampling(tiny_model_dir):
     assert eager.runner.graphs is None
     a = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in graphs.generate(prompts, params)] == a
+    assert graphs.runner.graphs.replays > 0
 
 
 def test_compiled_model_equals_hf_generate(tiny_model_dir):
     engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", compile=True)
-    assert engine.runner.forward is not engine.model  # the compiled wrapper runs
     prompts = _prompts(3, [2, 15, 33], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 10)
+    assert engine.runner.forward is not engine.model  # still the compiled wrapper: no fallback to eager
 
 
 def test_a_failing_compile_falls_back_to_eager(tiny_model_dir, caplog):
@@ -154,12 +168,13 @@ def _flash_varlen_in_torch(
 def test_flash_metadata_equals_hf_generate(tiny_model_dir, monkeypatch, cuda_graphs):
     """The flash-attn path's metadata (cu_seqlens, block tables; eager and in graph buckets), checked on the
     CPU through a torch rendering of flash-attn's paged varlen call."""
-    import sys
-    import types
+    calls = []
 
-    monkeypatch.setitem(
-        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_flash_varlen_in_torch)
-    )
+    def flash(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return _flash_varlen_in_torch(*args, **kwargs)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash))
     engine = Engine.from_pretrained(
         str(tiny_model_dir),
         dtype="float64",
@@ -168,11 +183,10 @@ def test_flash_metadata_equals_hf_generate(tiny_model_dir, monkeypatch, cuda_gra
         max_num_batched_tokens=48,
         cuda_graphs=cuda_graphs,
     )
-    engine.runner.use_flash = True
-    if cuda_graphs:
-        engine.runner.graphs.use_flash = True
+    engine.runner.use_flash = True  # the graphs read it from the runner
     prompts = _prompts(6, [1, 9, 70, 30], engine.vocab_size) + [[21, 22, 23, 24] * 6]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 16)
+    assert calls  # attention went through the flash call
     if cuda_graphs:
         assert engine.runner.graphs.replays > 0

@@ -54,9 +54,7 @@ class EngineConfig:
     dtype: torch.dtype
     max_num_batched_tokens: int | None = None  # tokens per forward; None: a default for the device
     max_num_seqs: int | None = None  # running requests at once; None: a default for the device
-    block_size: int | None = (
-        None  # tokens per KV block; None: 256 where flash-attn runs (CUDA, 16-bit), else 16
-    )
+    block_size: int | None = None  # tokens per KV block; None: 256 where flash-attn runs, else 16
     num_blocks: int | None = None  # None: size the pool from kv_memory_gb (or free memory on CUDA)
     kv_memory_gb: float | None = None  # KV pool budget; None: a default for the device
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV

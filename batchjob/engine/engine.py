@@ -144,7 +144,7 @@ class Engine:
             config.block_size,
             config.device,
             scratch_block=scratch,
-            max_graph_rows=min(ROW_BUCKETS[-1], config.max_num_batched_tokens),
+            max_graph_rows=config.max_num_batched_tokens,  # (no bucket is larger than ROW_BUCKETS[-1])
             max_model_len=self.max_model_len,
             compile_model=config.compile,
         )

@@ -37,37 +37,21 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384,
 class _Graph:
     rows: int
     blocks: int
-    host: (
-        torch.Tensor
-    )  # [4 * rows + rows * blocks] int64 (pinned on CUDA): ids, positions, slots, lens, table
+    host: torch.Tensor  # [4 * rows + rows * blocks] int64, pinned on CUDA: ids, positions, slots, lens, table
     device_buf: torch.Tensor  # the same on the device; the views below read from it
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
-    def __init__(
-        self,
-        model,
-        kv_caches,
-        block_size: int,
-        device: torch.device,
-        scratch_block: int,
-        max_rows: int,
-        max_blocks: int,
-        *,
-        decode_kernel: bool,
-        use_flash: bool,
-    ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.device = device
+    """Graph buckets of one :class:`~batchjob.engine.model_runner.ModelRunner`; the KV caches, the device,
+    the attention path and the model call are the runner's own (read, never copied)."""
+
+    def __init__(self, runner, scratch_block: int, max_rows: int, max_blocks: int) -> None:
+        self.runner = runner
         self.scratch_block = scratch_block
         self.max_rows = max(b for b in ROW_BUCKETS if b <= max(1, max_rows))
         self.max_blocks = max(1, max_blocks)
-        self.decode_kernel = decode_kernel
-        self.use_flash = use_flash
-        self.capture = device.type == "cuda"
+        self.capture = runner.device.type == "cuda"
         self.enabled = True  # turned off for good if a capture fails
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._too_large: set[tuple[int, int]] = set()  # buckets whose capture ran out of memory
@@ -90,7 +74,7 @@ class DecodeGraphs:
         ``tables[i]``. None when the step fits no bucket (the caller runs it eagerly). On CUDA the logits
         are a view of the graphs' shared output: valid until the next step."""
         n = len(ids)
-        blocks = int((positions.max() // self.block_size) + 1)
+        blocks = int((positions.max() // self.runner.block_size) + 1)
         key = self.bucket(n, blocks)
         if key is None or key in self._too_large:
             return None
@@ -121,7 +105,7 @@ class DecodeGraphs:
         h[r : r + n] = positions
         h[r + n : 2 * r] = 0
         h[2 * r : 2 * r + n] = slots
-        h[2 * r + n : 3 * r] = self.scratch_block * self.block_size
+        h[2 * r + n : 3 * r] = self.scratch_block * self.runner.block_size
         h[3 * r : 3 * r + n] = positions + 1
         h[3 * r + n : 4 * r] = 1
         table = h[4 * r :].reshape(r, mb)
@@ -137,17 +121,16 @@ class DecodeGraphs:
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         ids, positions, slots, lens, table = self._views(g)
-        meta = AttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=slots, decode_kernel=self.decode_kernel
-        )
-        if self.use_flash:
-            cu_q = torch.arange(g.rows + 1, dtype=torch.int32, device=self.device)
+        runner = self.runner
+        meta = AttentionMetadata(runner.kv_caches, slot_mapping=slots, decode_kernel=runner.decode_kernel)
+        if runner.use_flash:
+            cu_q = torch.arange(g.rows + 1, dtype=torch.int32, device=runner.device)
             cu_k = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
-            meta.flash = (cu_q, cu_k, table.to(torch.int32), 1, g.blocks * self.block_size)
+            meta.flash = (cu_q, cu_k, table.to(torch.int32), 1, g.blocks * runner.block_size)
         else:
-            rows = torch.arange(g.rows, device=self.device)
+            rows = torch.arange(g.rows, device=runner.device)
             meta.decode_groups = [DecodeGroup(rows, table, lens)]
-        out = self.model(
+        out = runner.call_model(
             input_ids=ids[None],
             position_ids=positions[None],
             use_cache=False,
@@ -159,7 +142,7 @@ class DecodeGraphs:
     def _build(self, rows: int, blocks: int) -> _Graph | None:
         size = 4 * rows + rows * blocks
         host = torch.zeros(size, dtype=torch.int64, pin_memory=self.capture)
-        g = _Graph(rows, blocks, host, torch.zeros(size, dtype=torch.int64, device=self.device))
+        g = _Graph(rows, blocks, host, torch.zeros(size, dtype=torch.int64, device=self.runner.device))
         if self.capture:
             try:
                 self._capture(g)
@@ -169,13 +152,13 @@ class DecodeGraphs:
                     "no memory for a CUDA graph of %d rows x %d blocks: they run eagerly", rows, blocks
                 )
                 self._too_large.add((rows, blocks))
-                torch.cuda.synchronize(self.device)
+                torch.cuda.synchronize(self.runner.device)
                 return None
             except Exception as e:  # noqa: BLE001 - any failure leaves the eager path, which always works
                 log.warning(
                     "CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e
                 )
-                torch.cuda.synchronize(self.device)
+                torch.cuda.synchronize(self.runner.device)
                 self._turn_off()
                 return None
         self._graphs[(rows, blocks)] = g
@@ -192,16 +175,18 @@ class DecodeGraphs:
             g, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
         )
         g.device_buf.copy_(g.host)
-        torch.cuda.synchronize(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        torch.cuda.synchronize(self.runner.device)
+        side = torch.cuda.Stream(self.runner.device)
+        side.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(side):
             logits = self._forward(g)  # lazy initialisation and allocator warm-up happen outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.current_stream(self.runner.device).wait_stream(side)
         if self._out is None:
             # One output for every graph, outside their pool: each graph's own logits are then temporaries
             # of the pool, whose memory the next capture reuses, instead of one [rows, V] tensor per bucket.
-            self._out = torch.empty((self.max_rows, logits.shape[-1]), dtype=logits.dtype, device=self.device)
+            self._out = torch.empty(
+                (self.max_rows, logits.shape[-1]), dtype=logits.dtype, device=self.runner.device
+            )
         del logits
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -18,7 +18,7 @@ import torch
 
 from batchjob.engine import attention, cpu_kernel, cpu_linear
 from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_usable
-from batchjob.engine.graphs import DecodeGraphs
+from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 
@@ -116,7 +116,7 @@ class ModelRunner:
         device: torch.device,
         *,
         scratch_block: int | None = None,
-        max_graph_rows: int = 512,
+        max_graph_rows: int = ROW_BUCKETS[-1],
         max_model_len: int = 2048,
         compile_model: bool = False,
     ) -> None:
@@ -145,17 +145,7 @@ class ModelRunner:
             self.forward = model
         self.graphs: DecodeGraphs | None = None
         if scratch_block is not None:
-            self.graphs = DecodeGraphs(
-                self._call,
-                kv_caches,
-                block_size,
-                device,
-                scratch_block,
-                max_graph_rows,
-                -(-max_model_len // block_size),
-                decode_kernel=self.decode_kernel,
-                use_flash=self.use_flash,
-            )
+            self.graphs = DecodeGraphs(self, scratch_block, max_graph_rows, -(-max_model_len // block_size))
 
     def _layout(self, plan: SchedulerOutput) -> _Layout:
         """The step's host-side index arrays (numpy)."""
@@ -202,15 +192,7 @@ class ModelRunner:
     def _prepare(self, plan: SchedulerOutput, lay: _Layout | None = None):
         lay = lay or self._layout(plan)
         bs = self.block_size
-        table, starts, n, ends, offsets, drafts = (
-            lay.table,
-            lay.starts,
-            lay.n,
-            lay.ends,
-            lay.offsets,
-            lay.drafts,
-        )
-        sample_mask = lay.sample_mask
+        table, starts, n, ends, offsets = lay.table, lay.starts, lay.n, lay.ends, lay.offsets
         pk = _Packer()
         h_ids, h_pos, h_slots, h_sample = (
             pk.add(lay.ids),
@@ -230,7 +212,7 @@ class ModelRunner:
             if self.decode_kernel:
                 # The kernel takes rows of any lengths at once: every one-token request, and every row of a
                 # draft verification (each query sees its request's keys up to its own position).
-                single |= drafts > 0
+                single |= lay.drafts > 0
                 idx = np.flatnonzero(single)
                 if idx.size:
                     within = _ramps(n[idx])
@@ -267,9 +249,9 @@ class ModelRunner:
                 max_q,
                 max_k,
             )
-        return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample), sample_mask
+        return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample)
 
-    def _call(self, **kwargs):
+    def call_model(self, **kwargs):
         """The model's forward. Should torch.compile fail, the model runs eagerly from then on (one warning):
         a real error of the forward then raises from the eager call, unmasked."""
         if self.forward is self.model:
@@ -294,9 +276,9 @@ class ModelRunner:
             if logits is not None and len(lay.sample_rows) < len(lay.ids):
                 logits = logits.index_select(0, torch.from_numpy(lay.sample_rows).to(self.device))
         if logits is None:
-            input_ids, position_ids, meta, sample_rows, _ = self._prepare(plan, lay)
+            input_ids, position_ids, meta, sample_rows = self._prepare(plan, lay)
             t0 = time.perf_counter()
-            out = self._call(
+            out = self.call_model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
@@ -304,9 +286,8 @@ class ModelRunner:
                 **{attention.META_KWARG: meta},
             )
             logits = out.logits[0]
-        sample_mask = lay.sample_mask
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
-        sampling = [r for r, m in zip(plan.requests, sample_mask.tolist(), strict=True) if m]
+        sampling = [r for r, m in zip(plan.requests, lay.sample_mask.tolist(), strict=True) if m]
         return logits, sampling
