@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from batchjob import Engine, SamplingParams
 from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.errors import ConfigError
 from tests.tiny_models import make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -190,6 +191,33 @@ def test_shared_prefix_is_computed_once_and_outputs_are_exact(tiny_model_dir, nu
     assert on.computed_prompt_tokens < off.computed_prompt_tokens - 200
     if num_blocks is not None:
         assert on.preemptions > 0 or off.preemptions > 0
+
+
+def test_reset_prefix_cache_makes_a_second_run_compute_its_prompts(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", block_size=4)
+    prompts = _prompts(random.Random(5), [23, 17, 30], engine.vocab_size)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    runs = []
+    for reset in (False, False, True):
+        if reset:
+            engine.reset_prefix_cache()
+        computed, cached = engine.stats.computed_prompt_tokens, engine.stats.cached_prompt_tokens
+        outs = engine.generate(prompts, params)
+        tokens = [o.token_ids for o in outs]
+        runs.append(
+            (
+                engine.stats.computed_prompt_tokens - computed,
+                engine.stats.cached_prompt_tokens - cached,
+                tokens,
+            )
+        )
+    (first, _, out1), (again, hits, out2), (after_reset, no_hits, out3) = runs
+    assert first == 70 and again < 15 and hits >= 56  # the repeat found the prompts' full blocks
+    assert after_reset == 70 and no_hits == 0
+    assert out1 == out2 == out3
+    engine.add_request("busy", prompts[0], params)
+    with pytest.raises(ConfigError, match="idle engine"):
+        engine.reset_prefix_cache()
 
 
 def test_static_batching_gives_the_same_outputs(tiny_model_dir):

@@ -88,6 +88,12 @@ class BlockManager:
 
     # -- prefix cache ------------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks stay free). Only while no request holds a block."""
+        assert self.num_used_blocks == 0 and not self._in_flight, "reset_prefix_cache with blocks in use"
+        self._cached.clear()
+        self._block_key = [None] * self.num_blocks
+
     def _digests(self, req: Request, num_full: int) -> list[bytes]:
         """Chained digests of the first ``num_full`` full blocks of ``req`` (memoized on the request)."""
         bs, toks, digests = self.block_size, req.token_ids, req.block_digests

@@ -386,6 +386,13 @@ class Engine:
             states.append(RequestState(r.group_id, r.prompt_ids, list(output), r.params, r.sample_index))
         return states
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes, so the next requests compute every token (e.g. to time a
+        workload a second time). Only on an idle engine."""
+        if self.has_unfinished():
+            raise ConfigError("reset_prefix_cache() needs an idle engine; it has unfinished requests")
+        self.block_manager.reset_prefix_cache()
+
     def abort(self, request_id: str) -> None:
         """Drop ``request_id`` (all its samples, and their probes) without an output."""
         for rid, req in list(self._requests.items()):
