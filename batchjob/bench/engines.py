@@ -29,6 +29,7 @@ class Result:
     outputs: list[list[int]] = field(repr=False)  # generated ids per request, in workload order
     extra: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    walls: list[float] = field(default_factory=list)  # with --repeat, every run's wall time (wall_s: fastest)
 
     @property
     def label(self) -> str:
@@ -63,6 +64,7 @@ def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
 
     warm = _warmup_workload(vocab_size)
     engine.generate(warm.prompts, params(warm))
+    engine.reset_prefix_cache()  # a repeated run must compute its prompts again
     before = engine.stats.as_dict()
     start = time.perf_counter()
     outs = engine.generate(work.prompts, params(work))
