@@ -28,6 +28,7 @@ from batchjob.engine.constraints import (
     GrammarCompiler,
     fill_bitmask,
 )
+from batchjob.engine.cpu_spin import SpinGuard
 from batchjob.engine.graphs import ROW_BUCKETS
 from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
 from batchjob.engine.model_runner import ModelRunner
@@ -160,6 +161,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first json_schema or regex
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._mask_pool: ThreadPoolExecutor | None = None  # computes masks while the forward runs
+        self.spin_guard = SpinGuard(config.device)  # short OpenMP spins while other programs share the CPUs
 
     @classmethod
     def from_pretrained(
@@ -408,6 +410,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute one forward, update. Returns the requests that finished in this step."""
         t0 = time.perf_counter()
+        self.spin_guard.check()
         finished: list[Request] = []
         for req in self._failed:
             status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, req.token_ids[-1])
@@ -468,6 +471,8 @@ class Engine:
         outputs = [self._output(req) for req in finished]
         for req in finished:
             del self._requests[req.request_id]
+        if not self._requests:
+            self.spin_guard.release()  # idle: leave the OpenMP runtime as we found it
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 

@@ -1,0 +1,130 @@
+"""The spin guard: the CPU counters it reads, the helper OpenMP team it holds while other programs are busy,
+and its verdict on a real busy machine (two spinning processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine import cpu_spin
+from batchjob.engine.cpu_spin import SpinGuard, busy_ticks, own_ticks
+
+linux_libgomp = pytest.mark.skipif(
+    not cpu_spin._libgomp_loaded(), reason="torch's OpenMP runtime here is not libgomp (or no /proc)"
+)
+
+STAT = """cpu  900 10 300 5000 40 0 5 7 0 0
+cpu0 500 10 100 2000 20 0 3 5 0 0
+cpu1 400 0 200 3000 20 0 2 2 0 0
+intr 12345
+"""
+
+
+def test_busy_ticks_count_all_but_idle_and_iowait_of_our_cpus():
+    assert busy_ticks(STAT, {0}) == 500 + 10 + 100 + 3 + 5
+    assert busy_ticks(STAT, {0, 1}) == 618 + 400 + 200 + 2 + 2
+    assert busy_ticks(STAT, {5}) == 0
+
+
+def test_own_ticks_reads_utime_and_stime_past_a_name_with_spaces():
+    fields = ["S"] + [str(i) for i in range(4, 60)]  # field n holds the number n from the 4th on
+    text = "4242 (python (my job)) " + " ".join(fields)
+    assert own_ticks(text) == 14 + 15
+
+
+def _helpers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "batchjob-spin-guard"]
+
+
+def _wait_for(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@linux_libgomp
+def test_busy_readings_hold_a_helper_team_and_calm_ones_let_it_go(two_threads):
+    guard = SpinGuard(torch.device("cpu"))
+    assert guard.enabled and not guard.on and not _helpers()
+    tasks = len(os.listdir("/proc/self/task"))
+    guard.observe(1.5)
+    assert guard.on and guard.times_on == 1
+    # the helper and the OpenMP thread of its own team: libgomp now manages more threads than before
+    assert _wait_for(lambda: len(os.listdir("/proc/self/task")) >= tasks + 2)
+    guard.observe(1.0)  # still busy: the same helper
+    assert guard.times_on == 1 and len(_helpers()) == 1
+    for _ in range(cpu_spin.CALM_CHECKS - 1):
+        guard.observe(0.0)
+    assert guard.on  # not yet: a few calm readings in a row first
+    guard.observe(0.1)
+    assert not guard.on
+    assert _wait_for(lambda: not _helpers())
+    assert _wait_for(lambda: len(os.listdir("/proc/self/task")) <= tasks)
+
+
+@linux_libgomp
+def test_release_on_idle_is_rearmed_by_the_next_step_within_a_window(two_threads):
+    guard = SpinGuard(torch.device("cpu"))
+    guard.observe(2.0)
+    guard._last = (time.monotonic(), 0, 0)  # a reading just now
+    guard.release()
+    assert not guard.on
+    guard.check()  # no new reading yet: the last verdict (busy) holds
+    assert guard.on and guard.times_on == 2
+    guard.release()
+
+
+def test_guard_is_off_on_one_thread_and_for_other_devices(two_threads):
+    assert not SpinGuard(torch.device("meta")).enabled
+    torch.set_num_threads(1)
+    guard = SpinGuard(torch.device("cpu"))
+    assert not guard.enabled
+    guard.check()  # does nothing
+    assert not guard.on and guard._last is None
+
+
+@linux_libgomp
+@pytest.mark.timeout(60)
+def test_two_spinning_processes_turn_the_guard_on(two_threads):
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        guard = SpinGuard(torch.device("cpu"))  # first reading
+        time.sleep(cpu_spin.CHECK_INTERVAL_S + 0.3)
+        guard.check()
+        assert guard.on, "other programs kept both CPUs busy, the guard should have seen it"
+        guard.release()
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+
+
+@linux_libgomp
+def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads):
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert engine.spin_guard.enabled
+    engine.spin_guard.observe(3.0)  # as if other programs were busy
+    assert engine.spin_guard.on
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    assert not engine.spin_guard.on  # idle again: the runtime is left as found
+    assert _wait_for(lambda: not _helpers())
