@@ -126,5 +126,6 @@ def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_thre
     assert engine.spin_guard.on
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+    assert engine.stats.short_spin_steps >= 1
     assert not engine.spin_guard.on  # idle again: the runtime is left as found
     assert _wait_for(lambda: not _helpers())

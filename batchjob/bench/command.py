@@ -201,6 +201,11 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
             f"{outside:.2f} s outside step()); {x['steps']} steps, {x['batched_tokens']} batched tokens, "
             f"{x['preemptions']} preemptions; prompt-lookup drafts {x['accepted_draft_tokens']} kept of "
             f"{x['draft_tokens']}"
+            + (
+                f"; {x['short_spin_steps']} steps with the short OpenMP spin (other programs were busy)"
+                if x.get("short_spin_steps")
+                else ""
+            )
         )
     for name, agree in summary["agreement"].items():
         lines.append(

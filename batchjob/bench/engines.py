@@ -77,6 +77,7 @@ def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
         "batched_tokens",
         "draft_tokens",
         "accepted_draft_tokens",
+        "short_spin_steps",
     )
     diff = {k: after[k] - before[k] for k in counted}
     diff["preemptions"] = after["preemptions"] - before["preemptions"]

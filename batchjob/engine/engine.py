@@ -83,6 +83,7 @@ class EngineStats:
     kv_blocks_used_sum: int = 0  # sum over steps of blocks in use (for mean KV utilization)
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
+    short_spin_steps: int = 0  # steps run with the spin guard on (other programs busy on our CPUs)
     max_num_seqs: int = 1
     num_blocks: int = 1
 
@@ -411,6 +412,7 @@ class Engine:
         """Schedule, execute one forward, update. Returns the requests that finished in this step."""
         t0 = time.perf_counter()
         self.spin_guard.check()
+        self.stats.short_spin_steps += self.spin_guard.on
         finished: list[Request] = []
         for req in self._failed:
             status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, req.token_ids[-1])
