@@ -171,6 +171,13 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Rows read ahead for longest-first / shortest-first (default: 512).",
         ),
         click.option(
+            "--append",
+            is_flag=True,
+            default=None,
+            help="The inputs grew since the job ran (rows appended to JSONL files, new files): process the "
+            "new rows, keep what is done. Any other change to the inputs is still refused.",
+        ),
+        click.option(
             "--checkpoint-interval",
             type=float,
             metavar="SECONDS",
@@ -417,6 +424,10 @@ def status(dir: str) -> None:
     finished = sum(w.state == "complete" for w in st.workers)
     workers = f" ({finished} of {len(st.workers)} workers complete)" if len(st.workers) > 1 else ""
     click.echo(f"{dir}: {'complete' if st.complete else 'incomplete'}{workers}")
+    if st.input_changes:
+        click.echo("inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):")
+        for line in st.input_changes:
+            click.echo(f"  {line}")
     click.echo(f"rows: {done} of {total if total is not None else 'unknown'}{pct}")
     click.echo(f"errors: {st.total('errors')}")
     click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")

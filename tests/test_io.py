@@ -101,13 +101,16 @@ def test_parquet_and_hf_folder_and_skip(tmp_path):
     assert [count_rows(s) for s in sources] == [3000, 2]
     rows = list(iter_rows(sources))
     assert len(rows) == 3002 and rows[2999].values == {"text": "t2999", "n": 2999}
-    assert (
-        rows[3001].values == {"text": "h1"} and rows[3001].ordinal == 3001 and rows[3001].derived_id == "hf:1"
-    )
-    done = IntervalSet([(0, 2500), (3000, 3001)])
+    hf = 1 << 40  # the second file's rows start at ordinal 1 << 40 (batchjob.job.inputs)
+    assert rows[3001].values == {"text": "h1"} and rows[3001].ordinal == hf + 1 and rows[3001].derived_id == "hf:1"
+    done = IntervalSet([(0, 2500), (hf, hf + 1)])
     gen = iter_rows(sources, skip=done.__contains__, covered=done.covers)
-    left = list(gen)
-    assert [r.ordinal for r in left] == list(range(2500, 3000)) + [3001]
+    left = []
+    with pytest.raises(StopIteration) as stop:
+        while True:
+            left.append(next(gen))
+    assert [r.ordinal for r in left] == list(range(2500, 3000)) + [hf + 1]
+    assert stop.value.value == [3000, 2]  # rows per source
 
 
 def test_corrupt_parquet_file_is_an_error_row(tmp_path):
@@ -119,7 +122,7 @@ def test_corrupt_parquet_file_is_an_error_row(tmp_path):
     bad = [r for r in rows if r.error is not None]
     assert len(bad) == 1 and "b.parquet" in bad[0].error
     with pytest.raises(InputError, match="b.parquet"):
-        input_schema(discover([str(tmp_path / "b.parquet")])[0])
+        input_schema(discover([str(tmp_path / "b.parquet")]))
 
 
 def test_jsonl_schema_inference_and_writer_coercion(tmp_path):
@@ -130,7 +133,7 @@ def test_jsonl_schema_inference_and_writer_coercion(tmp_path):
             {"a": 2, "b": 5, "c": 2.5, "d": {"k": "v"}, "e": None},
         ],
     )
-    schema = input_schema(discover([str(path)])[0])
+    schema = input_schema(discover([str(path)]))
     assert schema.types == [pa.int64(), pa.string(), pa.float64(), pa.string(), pa.bool_()]
     rows = [
         {"values": {"a": "not an int", "b": {"nested": 1}, "c": 3, "d": [3], "e": "yes", "zzz": 1}},

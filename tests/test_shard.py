@@ -42,21 +42,28 @@ def owned_ordinals(sources, shard, done=None):
 def test_shards_partition_parquet_and_jsonl_rows_balanced(mixed_inputs, num_shards, chunk_rows):
     sources = discover([str(mixed_inputs)])
     assert [s.kind for s in sources] == ["parquet", "parquet", "jsonl", "jsonl"]
-    total = 3000 + 1237 + 500 + 1
+    counts = {0: 3000, 1: 1237, 2: 500, 3: 1}  # rows per file, by sequence number
     shares = []
     for i in range(num_shards):
         shard = Shard(i, num_shards, chunk_rows=chunk_rows)
         got = owned_ordinals(sources, shard)
-        assert len(got) == shard.share(total)  # the count the shard expects without reading
+        assert len(got) == shard.share_of(counts)  # the count the shard expects without reading
         shares.append(got)
     everything = sorted(o for share in shares for o in share)
-    assert everything == list(range(total))  # every row exactly once
+    assert everything == [(seq << 40) + i for seq, n in counts.items() for i in range(n)]  # each row once
     sizes = [len(s) for s in shares]
-    assert max(sizes) - min(sizes) <= chunk_rows
+    assert max(sizes) - min(sizes) <= len(sources) * chunk_rows  # within a chunk per file
     # within one source the shards take interleaved row ranges, not whole files
     if num_shards > 1 and chunk_rows < 1000:
-        owners = {(o // chunk_rows) % num_shards for o in range(3000)}
+        owners = {Shard(0, num_shards, chunk_rows=chunk_rows).chunk(o) % num_shards for o in range(3000)}
         assert len(owners) == num_shards
+
+
+def test_many_small_files_spread_over_the_shards():
+    shard = Shard(0, 4, chunk_rows=1024)
+    firsts = [Shard(0, 4, chunk_rows=1024).chunk(seq << 40) % 4 for seq in range(8)]
+    assert firsts == [0, 1, 2, 3, 0, 1, 2, 3]  # file by file, not all on shard 0
+    assert shard.share_of({seq: 10 for seq in range(8)}) == 20
 
 
 def test_done_rows_and_other_shards_rows_are_skipped_without_reading(mixed_inputs):
@@ -66,8 +73,14 @@ def test_done_rows_and_other_shards_rows_are_skipped_without_reading(mixed_input
     skip, covered = shard.filters(done)
     assert covered(0, 2000) and covered(1900, 2200)  # done, then shard 2's and shard 0's chunks
     assert not covered(1900, 2300) and not covered(2199, 2201)  # chunk 22 is ours and not done
+    b = 1 << 40  # the second file (seq 1): its chunk j is the job's chunk 1 + j
+    assert not covered(b, b + 1)  # its first chunk is the job's chunk 1: ours, not done
+    assert covered(b + 100, b + 300) and not covered(b + 100, b + 301)  # chunks 2 and 3 are others', 4 ours
     got = owned_ordinals(sources, shard, done)
-    assert got == [o for o in range(2000, 4738) if (o // 100) % 3 == 1]
+    want = [o for o in range(2000, 3000) if (o // 100) % 3 == 1]
+    for seq, n in ((1, 1237), (2, 500), (3, 1)):
+        want += [(seq << 40) + i for i in range(n) if (seq + i // 100) % 3 == 1]
+    assert got == want
 
 
 def test_chunk_rows_adapts_to_small_jobs():

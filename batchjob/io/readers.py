@@ -1,6 +1,6 @@
 """Streaming rows out of sources, one bounded batch at a time; the dataset is never held in memory.
 
-Every row gets an ``ordinal`` (its position in the whole stream, the same on every run) and a derived id
+Every row gets an ``ordinal`` (its source's base plus its index: the same on every run) and a derived id
 ``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, or a file that stops
 being readable part-way, becomes a ``Row`` with ``error`` set (naming the file and line): bad data never
 stops the stream.
@@ -8,6 +8,7 @@ stops the stream.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ _SCHEMA_SAMPLE_ROWS = 1000
 
 @dataclass
 class Row:
-    ordinal: int  # position in the whole input stream
+    ordinal: int  # source.base + index: its place in the whole input stream (batchjob.job.inputs)
     source: str  # Source.name
     index: int  # row index inside its source
     values: dict[str, Any] | None  # None when the row could not be parsed
@@ -57,10 +58,10 @@ def _parquet_file(source: Source) -> Any:
     return pq.ParquetFile(source.path)
 
 
-def _json_type(values: list[Any]) -> pa.DataType:
-    kinds = {type(v) for v in values if v is not None}
+def _json_type(kinds: set[type]) -> pa.DataType:
+    kinds = kinds - {type(None)}
     if not kinds:
-        return pa.string()
+        return pa.null()
     if kinds == {bool}:
         return pa.bool_()
     if kinds == {int}:
@@ -71,37 +72,132 @@ def _json_type(values: list[Any]) -> pa.DataType:
     return pa.string()
 
 
-def input_schema(source: Source) -> pa.Schema:
-    """The input columns of a job, fixed from its first source.
+def _strip_bom(raw: bytes, lineno: int) -> bytes:
+    return raw[len(codecs.BOM_UTF8) :] if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else raw
 
-    Parquet and saved datasets: their own schema. JSONL: the keys of the first 1,000 rows in order of first
-    appearance; a column of booleans, integers or numbers keeps that type, anything else (strings, nested
-    values, mixed types) is stored as text, nested values as JSON.
-    """
+
+def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
+    """The value types of each key over the first 1,000 objects of a JSONL file, keys in order of first sight."""
+    columns: dict[str, set[type]] = {}
+    n = 0
+    with open_binary(source) as f:
+        for lineno, raw in enumerate(f, 1):
+            if n >= _SCHEMA_SAMPLE_ROWS:
+                break
+            try:
+                obj = json.loads(_strip_bom(raw, lineno))
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                n += 1
+                for k, v in obj.items():
+                    columns.setdefault(str(k), set()).add(type(v))
+    return columns
+
+
+def _table_schema(source: Source) -> pa.Schema:
+    if source.kind == "parquet":
+        return _parquet_file(source).schema_arrow
+    return load_hf(source)[0][1].features.arrow_schema
+
+
+def _read_failed(source: Source, e: Exception) -> InputError:
+    return InputError(f"cannot read input {source.path}: {e}")
+
+
+def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
+    """One schema over named schemas (integers widen, nulls take the other type); a real conflict is an
+    InputError naming the column, two files and their types."""
     try:
-        if source.kind == "parquet":
-            return _parquet_file(source).schema_arrow
-        if source.kind == "hf":
-            return load_hf(source)[0][1].features.arrow_schema
-        columns: dict[str, list[Any]] = {}
-        n = 0
-        with open_binary(source) as f:
-            for raw in f:
-                if n >= _SCHEMA_SAMPLE_ROWS:
-                    break
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    n += 1
-                    for k, v in obj.items():
-                        columns.setdefault(str(k), []).append(v)
-        return pa.schema([pa.field(k, _json_type(v)) for k, v in columns.items()])
-    except InputError:
-        raise
-    except Exception as e:
-        raise InputError(f"cannot read input {source.path}: {e}") from e
+        return pa.unify_schemas([s for _, s in schemas], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        pass
+    first: dict[str, tuple[str, pa.DataType]] = {}
+    for name, schema in schemas:
+        for f in schema:
+            if f.name not in first:
+                first[f.name] = (name, f.type)
+                continue
+            other, type_ = first[f.name]
+            try:
+                pa.unify_schemas(
+                    [pa.schema([pa.field(f.name, type_)]), pa.schema([f])], promote_options="permissive"
+                )
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                raise InputError(
+                    f"column {f.name!r} is {type_} in {other} but {f.type} in {name}: the inputs of one job "
+                    "must agree on each column's type"
+                ) from None
+    raise InputError(f"the inputs' schemas cannot be combined: {', '.join(n for n, _ in schemas)}")
+
+
+def source_schema(source: Source) -> pa.Schema:
+    """The columns of one source (JSONL: inferred from its first 1,000 rows, see ``input_schema``)."""
+    return input_schema([source])
+
+
+def input_schema(sources: list[Source]) -> pa.Schema:
+    """The input columns of a job: the union of its sources' columns, in order of first appearance.
+
+    Parquet and saved datasets: their own schema (integer columns widen across files; a type conflict is an
+    InputError). JSONL: the keys of the first 1,000 rows of each file; a column of booleans, integers or
+    numbers keeps that type, anything else (strings, nested values, mixed types) is stored as text, nested
+    values as JSON. An empty file adds nothing.
+    """
+    kinds: dict[str, set[type]] = {}
+    named: list[tuple[str, pa.Schema]] = []
+    jsonl_at: int | None = None  # where the JSONL columns sit among the table schemas
+    failed: list[InputError] = []
+    for source in sources:
+        try:
+            if source.kind == "jsonl":
+                for k, v in _jsonl_kinds(source).items():
+                    kinds.setdefault(k, set()).update(v)
+                if jsonl_at is None:
+                    jsonl_at = len(named)
+            else:
+                named.append((source.path, _table_schema(source)))
+        except InputError as e:
+            failed.append(e)
+        except Exception as e:
+            failed.append(_read_failed(source, e))
+    if failed and len(failed) == len(sources):
+        raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
+    if kinds:
+        text = pa.schema([pa.field(k, _json_type(v)) for k, v in kinds.items()])
+        jsonl_name = "the JSONL inputs" if sum(s.kind == "jsonl" for s in sources) > 1 else next(
+            s.path for s in sources if s.kind == "jsonl"
+        )
+        named.insert(jsonl_at or 0, (jsonl_name, text))
+    if not named:
+        return pa.schema([])
+    schema = _unify(named) if len(named) > 1 else named[0][1]
+    # a column that is null everywhere we looked is kept as text
+    return pa.schema(
+        [pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in schema],
+        metadata=schema.metadata,
+    )
+
+
+def compatible(saved: pa.Schema, source: Source) -> str | None:
+    """Why a file added to a job (``--append``) does not fit the job's columns, or None when it does."""
+    schema = source_schema(source)
+    names = set(saved.names)
+    for f in schema:
+        if f.name not in names:
+            return f"column {f.name!r} is new (the job's columns: {', '.join(saved.names)})"
+        want = saved.field(f.name).type
+        if pa.types.is_string(want) or pa.types.is_large_string(want) or f.type == want:
+            continue
+        try:
+            merged = pa.unify_schemas(
+                [pa.schema([pa.field(f.name, want)]), pa.schema([f])], promote_options="permissive"
+            )
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            merged = None
+        if merged is None or merged.field(f.name).type != want:
+            return f"column {f.name!r} is {f.type} here but {want} in the job"
+    return None
 
 
 def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
@@ -111,6 +207,7 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
         with open_binary(source) as f:
             for raw in f:
                 lineno += 1
+                raw = _strip_bom(raw, lineno)
                 if not raw.strip():
                     continue
                 where = f"{source.name} line {lineno}"
@@ -143,20 +240,35 @@ def _batches(source: Source) -> Iterator[pa.RecordBatch]:
             yield from ds.with_format("arrow").iter(batch_size=_PARQUET_BATCH_ROWS)
 
 
+IdHook = Callable[[int, Any], None]  # (ordinal, id value) of a row the reader passes over
+
+
 def _table_rows(
-    source: Source, start: int, skip: Callable[[int], bool], covered: Callable[[int, int], bool]
+    source: Source,
+    skip: Callable[[int], bool],
+    covered: Callable[[int, int], bool],
+    on_skipped: IdHook | None,
+    id_column: str | None,
 ) -> Generator[Row, None, int]:
-    """Rows of a Parquet file or saved dataset; returns how many ordinals the source took."""
-    index = 0
+    """Rows of a Parquet file or saved dataset; returns how many rows (ordinals) the source took."""
+    start, index = source.base, 0
     try:
         for batch in _batches(source):
             n = batch.num_rows
             if covered(start + index, start + index + n):
-                index += n  # the whole batch is done already: don't even convert it
+                # the whole batch is passed over: don't convert it, but report its ids if asked
+                if on_skipped is not None:
+                    column = batch.schema.get_field_index(id_column) if id_column else -1
+                    ids = batch.column(column).to_pylist() if column >= 0 else [None] * n
+                    for j, value in enumerate(ids):
+                        on_skipped(start + index + j, value)
+                index += n
                 continue
             for values in batch.to_pylist():
                 if not skip(start + index):
                     yield Row(start + index, source.name, index, values)
+                elif on_skipped is not None:
+                    on_skipped(start + index, values.get(id_column) if id_column else None)
                 index += 1
     except InputError:
         raise
@@ -174,21 +286,28 @@ def iter_rows(
     sources: list[Source],
     skip: Callable[[int], bool] = lambda _: False,
     covered: Callable[[int, int], bool] = lambda a, b: False,
-) -> Generator[Row, None, int]:
-    """All rows of ``sources`` in order, leaving out ordinals for which ``skip`` is true; returns the count.
+    on_skipped: IdHook | None = None,
+    id_column: str | None = None,
+) -> Generator[Row, None, list[int]]:
+    """All rows of ``sources`` in order, leaving out ordinals for which ``skip`` is true; returns the number
+    of rows of each source.
 
-    ``covered(a, b)`` says all of ordinals ``[a, b)`` are to be skipped, so a reader can pass over a whole
-    batch without decoding it.
+    Row ``i`` of a source has the ordinal ``source.base + i``. ``covered(a, b)`` says all of ordinals
+    ``[a, b)`` are to be skipped, so a reader can pass over a whole batch without decoding it.
+    ``on_skipped(ordinal, value)`` is called for every row left out, with its ``id_column`` value (so that
+    ids can be checked job-wide without yielding every row).
     """
-    start = 0
+    counts = []
     for source in sources:
         if source.kind == "jsonl":
             index = 0
             for i, (lineno, obj, error) in enumerate(_jsonl_rows(source)):
-                if not skip(start + i):
-                    yield Row(start + i, source.name, i, obj, error, lineno)
+                if not skip(source.base + i):
+                    yield Row(source.base + i, source.name, i, obj, error, lineno)
+                elif on_skipped is not None:
+                    on_skipped(source.base + i, obj.get(id_column) if obj is not None and id_column else None)
                 index = i + 1
         else:
-            index = yield from _table_rows(source, start, skip, covered)
-        start += index
-    return start
+            index = yield from _table_rows(source, skip, covered, on_skipped, id_column)
+        counts.append(index)
+    return counts

@@ -18,6 +18,7 @@ from batchjob.errors import InputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+ORDINAL_BITS = 40  # row i of the file with sequence number s has the ordinal s << 40 | i (up to 2**40 rows)
 # Counting the lines of an uncompressed JSONL file is cheap below this size; above it the total stays unknown
 # until the reader reaches the end.
 _COUNT_LIMIT_BYTES = 64 << 20
@@ -30,6 +31,7 @@ class Source:
     path: str  # local path or remote URL
     name: str  # stable name used in derived row ids
     kind: str  # "parquet" | "jsonl" | "hf"
+    base: int = 0  # ordinal of its first row (batchjob.job.inputs: the file's sequence number << 40)
 
     @property
     def remote(self) -> bool:
@@ -43,6 +45,10 @@ def kind_of(path: str) -> str | None:
     if low.endswith(JSONL_SUFFIXES):
         return "jsonl"
     return None
+
+
+def is_compressed(source: Source) -> bool:
+    return source.path.lower().endswith((".gz", ".zst"))
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -85,6 +91,13 @@ def _expand_remote(value: str) -> list[tuple[str, str]]:
     return found
 
 
+def _inside(path: str, folder: Path | None) -> bool:
+    if folder is None:
+        return False
+    resolved = Path(path).resolve()
+    return resolved == folder or folder in resolved.parents
+
+
 def _expand_local(value: str, exclude: Path | None) -> list[tuple[str, str]]:
     if value.startswith("file://"):
         value = value[len("file://") :]
@@ -92,7 +105,11 @@ def _expand_local(value: str, exclude: Path | None) -> list[tuple[str, str]]:
         matches = sorted(glob.glob(value, recursive=True))
         prefix = value[: min(value.index(c) for c in "*?[" if c in value)]
         root = os.path.dirname(prefix) or "."
-        return [(m, os.path.relpath(m, root)) for m in matches if kind_of(m) or is_hf_folder(Path(m))]
+        return [
+            (m, os.path.relpath(m, root))
+            for m in matches
+            if (kind_of(m) or is_hf_folder(Path(m))) and not _inside(m, exclude)
+        ]
     path = Path(value)
     if not path.exists():
         raise InputError(f"input {value} does not exist")
@@ -114,9 +131,7 @@ def _expand_local(value: str, exclude: Path | None) -> list[tuple[str, str]]:
             full = os.path.join(dirpath, f)
             if kind_of(f):
                 found.append((full, os.path.relpath(full, path)))
-    found = [(f, rel) for f, rel in found if not _hidden(rel)]
-    if exclude is not None:
-        found = [(f, rel) for f, rel in found if exclude not in Path(f).resolve().parents]
+    found = [(f, rel) for f, rel in found if not _hidden(rel) and not _inside(f, exclude)]
     return sorted(found, key=lambda x: x[1])
 
 
@@ -127,6 +142,8 @@ def discover(inputs: list[str], exclude: Path | None = None) -> list[Source]:
     exclude = exclude.resolve() if exclude is not None else None
     sources: list[Source] = []
     for value in inputs:
+        if not value.strip():
+            raise InputError("--input is empty (an unset shell variable?): give a file, folder or glob")
         remote = "://" in value and not value.startswith("file://")
         found = _expand_remote(value) if remote else _expand_local(value, exclude)
         if not found:
@@ -146,7 +163,8 @@ def discover(inputs: list[str], exclude: Path | None = None) -> list[Source]:
     if len(set(names)) != len(names):
         # Same relative name under two --input values: prefix with the value's position to keep ids unique.
         sources = [Source(s.path, f"{i}/{s.name}", s.kind) for i, s in enumerate(sources)]
-    return sources
+    # A new job's file i starts at ordinal i << 40; a job's saved records may order them otherwise.
+    return [Source(s.path, s.name, s.kind, i << ORDINAL_BITS) for i, s in enumerate(sources)]
 
 
 def open_binary(source: Source) -> IO[bytes]:

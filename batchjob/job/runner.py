@@ -26,9 +26,12 @@ from tqdm import tqdm
 
 from batchjob.errors import BatchjobError, InputError
 from batchjob.io.atomic import write_json
-from batchjob.io.readers import Row, input_schema, iter_rows
-from batchjob.io.sources import Source, count_rows, discover
+from batchjob.io.readers import Row, compatible, input_schema, iter_rows
+from batchjob.io.sources import ORDINAL_BITS, Source, count_rows, discover
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter
+from batchjob.job import model_identity
+from batchjob.job.ids import IdIndex
+from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile, split_ordinal
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, PromptPlan, plan_prompts, resolve_chat
@@ -73,16 +76,16 @@ class Prepared:
     resumed: bool
     plan: PromptPlan
     shard: Shard = field(default_factory=Shard)  # this worker's share, chunk_rows as saved with the job
+    taken: list[str] = field(default_factory=list)  # --append: a line per grown or new input file
+    model_check: dict[str, Any] | None = None  # a saved model identity to compare once the model is loaded
 
 
-def model_identity(model: str | None) -> str:
-    from batchjob.models import DEFAULT_MODEL, resolve_model
+def model_fingerprint(model: str | None) -> dict[str, Any]:
+    """The model's identity by content (``model_identity.py``), whatever it is called."""
+    from batchjob.models import resolve_model
 
-    if model in (None, "", "default"):
-        return DEFAULT_MODEL
     resolved = resolve_model(model)
-    path = Path(resolved)
-    return str(path.resolve()) if path.exists() else resolved
+    return model_identity.identity(model_identity.model_files(resolved), resolved)
 
 
 def _check_output(out_dir: Path) -> None:
@@ -100,6 +103,22 @@ def _check_output(out_dir: Path) -> None:
             )
 
 
+def input_paths(spec: JobSpec) -> list[str]:
+    """The --input values, local ones made absolute: where ``batchjob status`` looks at the inputs again."""
+    return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in spec.input]
+
+
+def _changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a saved job's fingerprint and this run's, in words."""
+    saved = {"sharding": {"num_shards": 1}} | saved
+    model = model_identity.changes(saved.get("model", {}).get("identity", {}), now["model"]["identity"])
+
+    def without_identity(fp: dict[str, Any]) -> dict[str, Any]:
+        return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
+
+    return ([model] if model else []) + fingerprint_changes(without_identity(saved), without_identity(now))
+
+
 def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:
     """Check the job against its inputs and saved state, without loading the model.
 
@@ -109,31 +128,56 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     shard = shard or Shard()
     out_dir = Path(spec.output)  # type: ignore[arg-type]
     _check_output(out_dir)
-    sources = discover(spec.input, exclude=out_dir)
+    found = discover(spec.input, exclude=out_dir)
     state = StateDir(out_dir, shard)
     saved = state.load_job() if state.exists() else None
-    schema = saved.schema if saved else input_schema(sources[0])
+    taken: list[str] = []
+    if saved is None:
+        schema = input_schema(found)
+        records = new_records(found)
+    else:
+        schema = saved.schema
+        records, taken = reconcile(saved.inputs, found, spec.append, out_dir)
+        known = {r.name for r in saved.inputs}
+        misfits = [
+            f"{s.path}: {why}"
+            for s in found
+            if s.name not in known and (why := compatible(schema, s)) is not None
+        ]
+        if misfits:
+            raise InputChangedError(
+                "new input files don't fit the job's columns:\n  " + "\n  ".join(misfits)
+                + "\nPut data with other columns in a job of its own (a new --output)"
+            )
+    sources = ordered_sources(found, records)
     plan = plan_prompts(spec, schema.names, has_chat_template)
     fingerprint = {
-        "model": {"model": model_identity(spec.model), "dtype": spec.dtype},
-        "inputs": [s.name for s in sources],
+        "model": {"identity": model_fingerprint(spec.model), "dtype": spec.dtype},
         "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},
         "sampling": spec.sampling_fingerprint(),
         "sharding": {"num_shards": shard.count},
     }
     if saved is not None:
-        changes = fingerprint_changes({"sharding": {"num_shards": 1}} | saved.fingerprint, fingerprint)
+        deferred = None
+        saved_identity = saved.fingerprint.get("model", {}).get("identity", {})
+        if "hub_id" in fingerprint["model"]["identity"] and "content" in saved_identity:
+            # the hub model is not on this machine now: compare it by content once it is loaded
+            deferred = saved_identity
+            fingerprint["model"]["identity"] = saved_identity
+        changes = _changes(saved.fingerprint, fingerprint)
         if changes:
             raise JobMismatchError(
                 f"--output {out_dir} holds a different job; changed: {'; '.join(changes)}. "
                 "Use the original options to resume, or a new --output folder"
             )
         shard = replace(shard, chunk_rows=saved.chunk_rows or shard.chunk_rows)
-        return Prepared(spec, out_dir, state, sources, saved, True, plan, shard)
-    info = JobInfo(fingerprint, random.getrandbits(62), schema)
+        saved.inputs = records
+        if taken:
+            saved.input_paths = input_paths(spec)
+        return Prepared(spec, out_dir, state, sources, saved, True, plan, shard, taken, deferred)
+    info = JobInfo(fingerprint, random.getrandbits(62), schema, records, input_paths=input_paths(spec))
     if not shard.single:
-        counts = [count_rows(s) for s in sources]
-        info.chunk_rows = choose_chunk_rows(None if None in counts else sum(counts), shard.count)  # type: ignore[arg-type]
+        info.chunk_rows = choose_chunk_rows(info.total_rows, shard.count)
         shard = replace(shard, chunk_rows=info.chunk_rows)
     return Prepared(spec, out_dir, state, sources, info, False, plan, shard)
 
@@ -171,6 +215,9 @@ class _Loop:
         self.buffer_ordinals = IntervalSet()
         self.stats = RunStats(self.max_num_seqs)
         self.stop_signal: int | None = None
+        # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
+        self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
+        self.names = {s.base >> ORDINAL_BITS: s.name for s in prep.sources}
 
     # -- committing -----------------------------------------------------------------------------------
 
@@ -206,6 +253,8 @@ class _Loop:
             return
         rows = sorted(self.buffer, key=lambda r: (r["ordinal"], r.get("sample_index", 0)))
         name = self.writer.write(len(self.manifest.parts), rows)
+        if self.ids is not None:
+            self.ids.commit()  # the ids of these rows are durable before the manifest vouches for them
         self.manifest.append(
             PartRecord(
                 name=name,
@@ -253,7 +302,7 @@ class _Loop:
         stream_total = self.prep.info.total_rows or self.stream_hint
         body["job"] = {
             "rows_done": self.manifest.rows,
-            "rows_total": self.prep.shard.share(stream_total),  # this worker's share
+            "rows_total": self.total_hint,  # this worker's share
             "job_rows_total": stream_total,  # all workers'
             "shard_index": self.prep.shard.index,
             "num_shards": self.prep.shard.count,
@@ -279,9 +328,15 @@ class _Loop:
                 )
                 return
             row_id = str(value)
-        if row_id in self.pending:
-            self._finish_row(row, None, "error", 0, 0, f"duplicate id {row_id!r}: ids must be unique")
-            return
+            first = self.ids.first(row_id, row.ordinal) if self.ids is not None else None
+            if first is not None:
+                seq, index = split_ordinal(first)
+                where = f"{self.names.get(seq, f'file #{seq}')}:{index}"
+                self._finish_row(
+                    row, None, "error", 0, 0, f"duplicate id {row_id!r}: first used by row {where}; ids must be unique"
+                )
+                return
+        assert row_id not in self.pending, row_id
         ids, error = self.builder.build(row.values)
         if ids is None:
             self._finish_row(row, None, "error", 0, 0, error)
@@ -357,11 +412,26 @@ class _Loop:
         info = self.prep.info
         done = self.manifest.done
         inflight = self.state.load_inflight()
-        totals = [count_rows(s) for s in self.prep.sources] if info.total_rows is None else []
-        self.stream_hint = info.total_rows or (sum(totals) if totals and None not in totals else None)  # type: ignore[arg-type]
-        self.total_hint = self.prep.shard.share(self.stream_hint)
+        counts = info.row_counts
+        for source in self.prep.sources:
+            if counts.get(source.base >> ORDINAL_BITS) is None:
+                counts[source.base >> ORDINAL_BITS] = count_rows(source)
+        self.stream_hint = None if None in counts.values() else sum(counts.values())  # type: ignore[arg-type]
+        self.total_hint = self.prep.shard.share_of(counts)
         skip, covered = self.prep.shard.filters(done)
-        reader = iter_rows(self.prep.sources, skip=skip, covered=covered)
+        on_skipped = None
+        if self.ids is not None:
+            ids = self.ids
+            seen_to = ids.seen_to
+
+            def on_skipped(ordinal: int, value: Any) -> None:  # rows of other workers, or done already
+                if ordinal >= seen_to and value is not None:
+                    ids.first(str(value), ordinal)
+                ids.seen(ordinal + 1)
+
+        reader = iter_rows(
+            self.prep.sources, skip=skip, covered=covered, on_skipped=on_skipped, id_column=self.spec.id_column
+        )
         reader_done = False
         errors_before = self.manifest.errors
         self.bar = tqdm(
@@ -377,10 +447,18 @@ class _Loop:
             while True:
                 while not reader_done and len(self.ready) < self._read_ahead():
                     try:
-                        self._admit(next(reader), inflight)
+                        row = next(reader)
                     except StopIteration as stop:
                         reader_done = True
-                        info.total_rows = stop.value
+                        info.set_counts(
+                            {s.base >> ORDINAL_BITS: n for s, n in zip(self.prep.sources, stop.value, strict=True)}
+                        )
+                        self.total_hint = self.prep.shard.share_of(info.row_counts)
+                        self.stream_hint = info.total_rows
+                    else:
+                        self._admit(row, inflight)
+                        if self.ids is not None:
+                            self.ids.seen(row.ordinal + 1)
                 self._feed()
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
@@ -409,20 +487,24 @@ class _Loop:
                     self.checkpoint()
                     last_checkpoint = time.monotonic()
             self.commit()
-            info.complete = True
+            if self.ids is not None:
+                self.ids.commit()
+            info.mark_complete()
             self.prep.state.save_job(info)
             self.state.clear_inflight()
             self.write_stats()
             return self._result("complete")
         finally:
             self.bar.close()
+            if self.ids is not None:
+                self.ids.close()
 
     def _result(self, status: str) -> JobResult:
         return JobResult(
             status,
             self.prep.out_dir,
             self.manifest.rows,
-            self.prep.shard.share(self.prep.info.total_rows) or self.total_hint,
+            self.total_hint,
             self.manifest.errors,
             self.stats.to_json(),
         )
@@ -487,7 +569,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
     prep = prepare(spec, shard=shard)
     if prep.info.complete:
         manifest = Manifest(prep.state.manifest_file)
-        total = prep.shard.share(prep.info.total_rows)
+        total = prep.shard.share_of(prep.info.row_counts)
         return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
@@ -497,9 +579,13 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         if engine is None:
             engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        _settle_model(prep, engine)
         if not prep.resumed and not state.create_job(prep.info):
             # another worker of the job created it first: take its seed and chunk size, if it is the same job
             prep = replace(prepare(spec, shard=shard), state=state)
+            _settle_model(prep, engine)
+        if prep.taken:
+            prep = _take_in(prep, spec, shard)
         plan = plan_prompts(spec, prep.info.schema.names, has_template)
         resolve_chat(spec, has_template)
         if not prep.shard.single:
@@ -511,6 +597,39 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             return loop.run()
     finally:
         state.unlock()
+
+
+def _settle_model(prep: Prepared, engine: Any) -> None:
+    """A model named by a hub id that was not on this machine before loading: identify it now, by content."""
+    model = prep.info.fingerprint["model"]
+    hub_id = model["identity"].get("hub_id") or (prep.model_check and engine.model_id)
+    if not hub_id:
+        return
+    now = model_identity.identity(model_identity.model_files(engine.model_id or hub_id), hub_id)
+    if prep.model_check is not None:
+        change = model_identity.changes(prep.model_check, now)
+        if change:
+            raise JobMismatchError(
+                f"--output {prep.out_dir} holds a different job; changed: {change}. "
+                "Use the original model to resume, or a new --output folder"
+            )
+    else:
+        model["identity"] = now
+
+
+def _take_in(prep: Prepared, spec: JobSpec, shard: Shard | None) -> Prepared:
+    """--append: save the records of grown and new input files before any of their rows is read."""
+    state = prep.state
+    if not prep.shard.single:
+        with state.job_lock():  # workers appending at once: each checks against what the others saved
+            prep = replace(prepare(spec, shard=shard), state=state)
+            if prep.taken:
+                state.save_inputs(prep.info)
+    else:
+        state.save_job(prep.info)
+    for line in prep.taken:
+        print(f"batchjob: --append: {line}", file=sys.stderr)
+    return prep
 
 
 class _StopOnSignals:

@@ -1,9 +1,10 @@
 """Which rows a worker owns: shard assignment, and where a worker learns its shard index and count.
 
-The input stream (all sources in their fixed order) is cut into chunks of ``chunk_rows`` consecutive row
-ordinals, and chunk ``c`` belongs to shard ``c % num_shards``. This needs no row counts (a gzipped JSONL file's
-length is unknown until it is read), is the same on every worker, puts every row in exactly one shard, and
-balances them to within one chunk. ``chunk_rows`` is chosen once, by the worker that creates the job, from the
+Each input file is cut into chunks of ``chunk_rows`` consecutive rows; chunk ``j`` of the file with sequence
+number ``s`` (``batchjob.job.inputs``) is the job's chunk ``s + j``, and chunk ``c`` belongs to shard
+``c % num_shards``. So a big file's chunks are dealt round-robin and many small files are spread one by one.
+This needs no row counts (a gzipped JSONL file's length is unknown until it is read), is the same on every
+worker, puts every row in exactly one shard, and does not move when files are added (``--append``). ``chunk_rows`` is chosen once, by the worker that creates the job, from the
 row count when it is cheap to know (so that a small job still spreads over every worker), and saved with the
 job: every worker then uses the saved value.
 
@@ -25,7 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from batchjob.errors import ConfigError
+from batchjob.io.sources import ORDINAL_BITS
 from batchjob.job.intervals import IntervalSet
+
+_INDEX_MASK = (1 << ORDINAL_BITS) - 1
 
 MAX_CHUNK_ROWS = 1024
 _CHUNKS_PER_SHARD = 16  # a small job still gets this many chunks per shard, for balance
@@ -60,17 +64,27 @@ class Shard:
     def __str__(self) -> str:
         return f"shard {self.index} of {self.count}"
 
-    def owns(self, ordinal: int) -> bool:
-        return self.single or (ordinal // self.chunk_rows) % self.count == self.index
+    def chunk(self, ordinal: int) -> int:
+        """The chunk number of a row: its file's sequence number plus its chunk inside the file."""
+        return (ordinal >> ORDINAL_BITS) + (ordinal & _INDEX_MASK) // self.chunk_rows
 
-    def share(self, total: int | None) -> int | None:
-        """How many of ``total`` rows this shard owns."""
+    def owns(self, ordinal: int) -> bool:
+        return self.single or self.chunk(ordinal) % self.count == self.index
+
+    def share(self, total: int | None, seq: int = 0) -> int | None:
+        """How many of the ``total`` rows of file ``seq`` this shard owns."""
         if total is None or self.single:
             return total
         k, n = self.chunk_rows, self.count
+        index = (self.index - seq) % n  # the file's chunk 0 is the job's chunk ``seq``
         full, rest = divmod(total, k)
-        rows = (full // n + (self.index < full % n)) * k
-        return rows + (rest if full % n == self.index else 0)
+        rows = (full // n + (index < full % n)) * k
+        return rows + (rest if full % n == index else 0)
+
+    def share_of(self, counts: Mapping[int, int | None]) -> int | None:
+        """This shard's rows of files with ``{sequence number: rows}`` (None when a count is unknown)."""
+        shares = [self.share(rows, seq) for seq, rows in counts.items()]
+        return None if None in shares else sum(shares)  # type: ignore[arg-type]
 
     def filters(self, done: IntervalSet) -> tuple[Callable[[int], bool], Callable[[int, int], bool]]:
         """``(skip, covered)`` for the reader: rows done already or owned by another shard are skipped."""
@@ -79,13 +93,15 @@ class Shard:
         k, n, i = self.chunk_rows, self.count, self.index
 
         def skip(ordinal: int) -> bool:
-            return (ordinal // k) % n != i or ordinal in done
+            return self.chunk(ordinal) % n != i or ordinal in done
 
-        def covered(a: int, b: int) -> bool:
-            c = a // k
-            c += (i - c) % n  # the first chunk of ours at or after a's
-            while c * k < b:
-                if not done.covers(max(a, c * k), min(b, (c + 1) * k)):
+        def covered(a: int, b: int) -> bool:  # [a, b) lies inside one file
+            base = a & ~_INDEX_MASK
+            lo, hi = a - base, b - base
+            c = lo // k
+            c += (i - (base >> ORDINAL_BITS) - c) % n  # the first chunk of ours at or after a's
+            while c * k < hi:
+                if not done.covers(base + max(lo, c * k), base + min(hi, (c + 1) * k)):
                     return False
                 c += n
             return True

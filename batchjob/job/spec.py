@@ -75,6 +75,7 @@ class JobSpec:
     admission: str = "fcfs"  # fcfs | longest-first | shortest-first | static
     lookahead: int = 512  # rows read ahead to choose from (longest-first, shortest-first)
     # state
+    append: bool = False  # the inputs grew (rows appended, files added): process the new rows
     checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
     max_errors: int | None = None  # stop (exit 1) once this many rows have failed
 

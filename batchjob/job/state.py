@@ -1,7 +1,8 @@
 """The job's state folder ``OUT/_batchjob/``: identity, lock, in-flight checkpoint.
 
-- ``job.json``: the fingerprint (what makes two runs the same job), the job seed, the input schema, and the
-  total row count once known. A resume whose fingerprint differs is refused, naming what changed.
+- ``job.json``: the fingerprint (what makes two runs the same job), the job seed, the input schema, a record
+  of each input file (``inputs.py``: identity by content, row count once known), and for what inputs the job
+  was complete. A resume whose fingerprint differs is refused, naming what changed.
 - ``manifest.jsonl``: committed parts (see ``manifest.py``).
 - ``inflight.json``: the unfinished requests at the last checkpoint: row ordinal, id, prompt ids, generated ids.
 - ``stats.json``: see ``stats.py``. ``lock``: held by the running process, so two runs never share a folder.
@@ -9,7 +10,7 @@
 A job split over several workers (``shard.py``) shares one ``job.json``, created once by whichever worker
 comes first (an exclusive link, so two workers starting together still agree on the job seed and chunk size)
 and never rewritten; each worker keeps the rest in its own folder ``_batchjob/shard-00003-of-00008/``, with
-``progress.json`` holding its row total and whether its share is complete. A one-worker job keeps everything
+``progress.json`` holding the row counts it learned and for what inputs its share is complete. A one-worker job keeps everything
 directly in ``_batchjob/``.
 
 JSON files are replaced atomically and carry a checksum; a torn or altered one raises StateError.
@@ -20,7 +21,9 @@ from __future__ import annotations
 import base64
 import fcntl
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,11 @@ import pyarrow as pa
 
 from batchjob.errors import StateError
 from batchjob.io.atomic import fsync_dir, read_json, write_json
+from batchjob.job.inputs import InputRecord, digest_records
 from batchjob.job.shard import Shard
 
 STATE_DIR = "_batchjob"
-VERSION = 1
+VERSION = 2  # 2: inputs recorded by content, ordinals per file
 
 
 class JobMismatchError(StateError):
@@ -60,12 +64,35 @@ def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]
 
 @dataclass
 class JobInfo:
-    fingerprint: dict[str, Any]
+    fingerprint: dict[str, Any]  # model, prompt construction, sampling, sharding: what makes it this job
     job_seed: int
     schema: pa.Schema
-    total_rows: int | None = None  # of the whole input stream, once known
-    complete: bool = False  # this worker's share is done
+    inputs: list[InputRecord] = field(default_factory=list)  # every input file the job has taken in
+    complete_for: str | None = None  # this worker's share was done for these inputs (digest_records)
     chunk_rows: int | None = None  # shard assignment unit (shard.py); None for a one-worker job
+    input_paths: list[str] = field(default_factory=list)  # --input as given (local ones absolute): for status
+
+    @property
+    def complete(self) -> bool:
+        return self.complete_for is not None and self.complete_for == digest_records(self.inputs)
+
+    def mark_complete(self) -> None:
+        self.complete_for = digest_records(self.inputs)
+
+    @property
+    def row_counts(self) -> dict[int, int | None]:
+        return {r.seq: r.rows for r in self.inputs}
+
+    @property
+    def total_rows(self) -> int | None:
+        """All rows of the job's inputs, once every file's count is known."""
+        counts = list(self.row_counts.values())
+        return None if None in counts else sum(counts)  # type: ignore[arg-type]
+
+    def set_counts(self, counts: dict[int, int]) -> None:
+        for r in self.inputs:
+            if r.seq in counts:
+                r.rows = counts[r.seq]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,22 +100,30 @@ class JobInfo:
             "fingerprint": self.fingerprint,
             "job_seed": self.job_seed,
             "schema": base64.b64encode(self.schema.serialize().to_pybytes()).decode(),
-            "total_rows": self.total_rows,
-            "complete": self.complete,
+            "inputs": [r.to_json() for r in self.inputs],
+            "complete_for": self.complete_for,
             "chunk_rows": self.chunk_rows,
+            "input_paths": self.input_paths,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any], path: Path) -> JobInfo:
+        if d.get("version") != VERSION:
+            raise StateError(
+                f"state file {path} was written by another version of batchjob (state version "
+                f"{d.get('version')!r}, this one reads {VERSION}): finish the job with that version, or give "
+                "a new --output"
+            )
         try:
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["schema"])))
             return cls(
                 d["fingerprint"],
                 int(d["job_seed"]),
                 schema,
-                d.get("total_rows"),
-                bool(d.get("complete")),
+                [InputRecord.from_json(r) for r in d["inputs"]],
+                d.get("complete_for"),
                 d.get("chunk_rows"),
+                list(d.get("input_paths") or []),
             )
         except (KeyError, TypeError, ValueError, pa.ArrowInvalid) as e:
             raise StateError(f"state file {path} is not a batchjob job file ({e})") from e
@@ -151,8 +186,8 @@ class StateDir:
         info = JobInfo.from_json(read_json(self.job_file), self.job_file)
         if not self.shard.single:
             progress = read_json(self.progress_file) if self.progress_file.exists() else {}
-            info.total_rows = progress.get("total_rows")
-            info.complete = bool(progress.get("complete"))
+            info.complete_for = progress.get("complete_for")
+            info.set_counts({int(k): v for k, v in (progress.get("rows") or {}).items()})
         return info
 
     def save_job(self, info: JobInfo) -> None:
@@ -160,11 +195,19 @@ class StateDir:
         if self.shard.single:
             write_json(self.job_file, info.to_json())
         else:
-            write_json(self.progress_file, {"total_rows": info.total_rows, "complete": info.complete})
+            rows = {str(r.seq): r.rows for r in info.inputs if r.rows is not None}
+            write_json(self.progress_file, {"complete_for": info.complete_for, "rows": rows})
 
     def create_job(self, info: JobInfo) -> bool:
         """Write job.json unless it exists; False when another worker created it first."""
-        shared = JobInfo(info.fingerprint, info.job_seed, info.schema, chunk_rows=info.chunk_rows)
+        shared = JobInfo(
+            info.fingerprint,
+            info.job_seed,
+            info.schema,
+            info.inputs,
+            chunk_rows=info.chunk_rows,
+            input_paths=info.input_paths,
+        )
         tmp = self.path / f".job.json.{os.getpid()}.tmp"
         write_json(tmp, shared.to_json())
         try:
@@ -175,6 +218,24 @@ class StateDir:
             return False
         finally:
             tmp.unlink()
+
+    @contextmanager
+    def job_lock(self) -> Iterator[None]:
+        """Held while the job's shared records (job.json) are read and rewritten by one of several workers."""
+        fd = os.open(self.path / "job.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def save_inputs(self, info: JobInfo) -> None:
+        """Replace the job's input records (``--append`` took in new rows); hold ``job_lock``."""
+        if self.shard.single:
+            return  # saved with the rest of job.json by save_job
+        shared = JobInfo.from_json(read_json(self.job_file), self.job_file)
+        shared.inputs, shared.input_paths = info.inputs, info.input_paths
+        write_json(self.job_file, shared.to_json())
 
     def load_inflight(self) -> dict[int, dict[str, Any]]:
         """The checkpointed unfinished requests by row ordinal (empty when there is no checkpoint)."""

@@ -1,7 +1,8 @@
 """A job's progress read from its output folder alone, all workers added up; reads, never writes.
 
 Every worker's share is described by its own manifest (rows, errors, tokens), ``progress.json`` (complete?)
-and ``stats.json`` (throughput of its last run); whether it is running now is whether its lock is held.
+and ``stats.json`` (throughput of its last run); whether it is running now is whether its lock is held. The
+inputs are checked against the job's records, so a job whose inputs changed is never reported complete.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from batchjob.errors import InputError
 from batchjob.io.atomic import read_json
+from batchjob.job.inputs import changes_now
 from batchjob.job.manifest import Manifest
 from batchjob.job.shard import Shard
 from batchjob.job.state import StateDir
@@ -36,10 +38,11 @@ class JobStatus:
     out_dir: Path
     workers: list[WorkerStatus]
     rows_total: int | None  # all rows of the job's input, once known
+    input_changes: list[str] = field(default_factory=list)  # the inputs now differ from what the job read
 
     @property
     def complete(self) -> bool:
-        return all(w.state == "complete" for w in self.workers)
+        return not self.input_changes and all(w.state == "complete" for w in self.workers)
 
     def total(self, key: str) -> int:
         return sum(getattr(w, key) for w in self.workers)
@@ -57,7 +60,7 @@ def job_status(out_dir: Path) -> JobStatus:
     info = root.load_job()
     count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
     chunk_rows = info.chunk_rows or 1
-    workers, totals = [], [info.total_rows]
+    workers = []
     for i in range(count):
         shard = Shard(i, count, "the saved job", chunk_rows)
         state = StateDir(out_dir, shard)
@@ -67,8 +70,9 @@ def job_status(out_dir: Path) -> JobStatus:
         mine = state.load_job()
         manifest = Manifest(state.manifest_file)
         stats = read_json(state.stats_file) if state.stats_file.exists() else {}
-        job = stats.get("job") or {}
-        totals += [mine.total_rows, job.get("job_rows_total", job.get("rows_total") if count == 1 else None)]
+        for r in mine.inputs:  # row counts a worker learned by reading to the end
+            known = next(x for x in info.inputs if x.seq == r.seq)
+            known.rows = known.rows if known.rows is not None else r.rows
         if mine.complete:
             run_state = "complete"
         else:
@@ -87,7 +91,6 @@ def job_status(out_dir: Path) -> JobStatus:
                 state.stats_file,
             )
         )
-    total = next((t for t in totals if t is not None), None)
     for w in workers:
-        w.rows_total = w.shard.share(total)
-    return JobStatus(out_dir, workers, total)
+        w.rows_total = w.shard.share_of(info.row_counts)
+    return JobStatus(out_dir, workers, info.total_rows, changes_now(info.inputs, info.input_paths, out_dir))

@@ -1,0 +1,280 @@
+"""The job's inputs as they were: a record per input file, and the check that they still are.
+
+Every input a job has read gets a record when the job first sees it: its name (as in derived row ids), a
+sequence number, its size, time stamp and content digest (``batchjob.io.identity``), whether a JSONL file ends
+with a newline, and its row count once known. The sequence number fixes where the file's rows sit among all
+rows: row ``i`` of file ``seq`` has the ordinal ``seq << 40 | i``. So a file added later, or rows appended to a
+file, never move the ordinal of a row the job has already seen, and what is done stays done.
+
+Every run checks the inputs as they are now against the records before any work (``reconcile``): a file whose
+size and time stamp are unchanged is taken as unchanged; otherwise its digest is computed again. A changed,
+removed or new file refuses the run, naming each; with ``append`` a plain JSONL file that only grew (its old
+bytes unchanged, ending with a newline) and new files are taken in, and their rows are processed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import InputError
+from batchjob.io import identity
+from batchjob.io.sources import ORDINAL_BITS, Source, _fsspec, count_rows, discover, is_compressed
+
+INDEX_MASK = (1 << ORDINAL_BITS) - 1
+
+
+def ordinal(seq: int, index: int) -> int:
+    return (seq << ORDINAL_BITS) | index
+
+
+def split_ordinal(value: int) -> tuple[int, int]:
+    """``(file sequence number, row index in the file)``."""
+    return value >> ORDINAL_BITS, value & INDEX_MASK
+
+
+class InputChangedError(InputError):
+    """The inputs are not what the job read: a rerun would mix old answers with new rows."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+@dataclass
+class InputRecord:
+    seq: int  # order of first sight; the file's rows have ordinals seq << 40 | index
+    name: str  # Source.name
+    kind: str  # "parquet" | "jsonl" | "hf"
+    size: int  # bytes (a dataset folder: all its files)
+    mtime_ns: int | None
+    digest: str
+    ends_newline: bool | None = None  # plain JSONL: whether the last byte is a newline
+    rows: int | None = None  # once known
+
+    @property
+    def base(self) -> int:
+        return self.seq << ORDINAL_BITS
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> InputRecord:
+        return cls(**d)
+
+
+def digest_records(records: Iterable[InputRecord]) -> str:
+    """One digest of the inputs' identities (not of their row counts): what "complete" was reached for."""
+    body = [(r.seq, r.name, r.size, r.digest) for r in sorted(records, key=lambda r: r.seq)]
+    return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:32]
+
+
+# -- identifying one source ---------------------------------------------------------------------------
+
+
+def _remote_reader(source: Source) -> tuple[Any, str, dict[str, Any]]:
+    fs, _, (path,) = _fsspec().get_fs_token_paths(source.path)
+    return fs, path, fs.info(path)
+
+
+def _remote_mtime(info: dict[str, Any]) -> int | None:
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return int(value * 1e9)
+        ts = getattr(value, "timestamp", None)
+        if ts is not None:
+            return int(ts() * 1e9)
+        return int(hashlib.sha256(str(value).encode()).hexdigest()[:12], 16)  # an opaque stamp
+    return None
+
+
+def _identify(source: Source, prefix: int | None = None) -> identity.FileIdentity:
+    if source.kind == "hf" and not source.remote:
+        files = identity.folder_digest(Path(source.path))
+        size = sum(int(v.split(":", 1)[0]) for v in files.values())
+        mtime = max((os.stat(Path(source.path) / rel).st_mtime_ns for rel in files), default=None)
+        return identity.FileIdentity(size, mtime, "folder:" + identity.combine(files))
+    if source.remote:
+        fs, path, info = _remote_reader(source)
+        size = int(info.get("size") or 0)
+
+        def read_at(offset: int, length: int) -> bytes:
+            return bytes(fs.cat_file(path, start=offset, end=offset + length))
+
+        n = size if prefix is None else prefix
+        return identity.FileIdentity(size, _remote_mtime(info), identity.digest_of(read_at, n))
+    return identity.identify_local(source.path, prefix)
+
+
+def _stat(source: Source) -> tuple[int, int | None] | None:
+    """(size, mtime) when cheap (one local file); None means "compute the digest to know"."""
+    if source.remote or source.kind == "hf":
+        return None
+    return identity.stat_local(source.path)
+
+
+def _ends_newline(source: Source, size: int) -> bool | None:
+    """Plain local JSONL: whether rows appended later start on a line of their own (None: not such a file)."""
+    if source.kind != "jsonl" or source.remote or is_compressed(source):
+        return None
+    return size == 0 or identity.byte_at(source.path, size - 1) == b"\n"
+
+
+def _unreadable(source: Source, e: Exception) -> InputError:
+    return InputError(f"cannot read input {source.path}: {getattr(e, 'strerror', None) or e}")
+
+
+def record_for(source: Source, seq: int) -> InputRecord:
+    """A new record for ``source`` (its row count when cheap to know)."""
+    try:
+        ident = _identify(source)
+        return InputRecord(
+            seq,
+            source.name,
+            source.kind,
+            ident.size,
+            ident.mtime_ns,
+            ident.digest,
+            _ends_newline(source, ident.size),
+            count_rows(source),
+        )
+    except OSError as e:
+        raise _unreadable(source, e) from e
+
+
+def new_records(sources: list[Source]) -> list[InputRecord]:
+    return [record_for(s, i) for i, s in enumerate(sources)]
+
+
+# -- checking them again ------------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _check_one(
+    source: Source, saved: InputRecord, append: bool
+) -> tuple[InputRecord | None, str | None, bool]:
+    """``(record now, problem, grew)`` for one file that the job has a record of."""
+    try:
+        stat = _stat(source)
+        if stat is not None and stat == (saved.size, saved.mtime_ns):
+            return saved, None, False  # same size and time stamp: taken as unchanged
+        now = _identify(source)
+        if now.size == saved.size:
+            if now.digest != saved.digest:
+                return None, "changed (same size, different content)", False
+            if now.sampled and now.mtime_ns != saved.mtime_ns and saved.mtime_ns is not None:
+                stamp = f"{saved.mtime_ns // 10**9}.{saved.mtime_ns % 10**9:09d}"
+                return (
+                    None,
+                    f"modified (its time stamp changed); its size and sampled content are the same, but a file "
+                    f"over {_size(identity.FULL_BYTES)} is not read whole, so a change elsewhere can't be "
+                    f"ruled out. If it is unchanged (copied or touched), restore its time stamp: "
+                    f"touch -d @{stamp} {source.path}",
+                    False,
+                )
+            return replace(saved, mtime_ns=now.mtime_ns), None, False
+        if now.size < saved.size:
+            return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False
+        old = _identify(source, prefix=saved.size)
+        if old.digest != saved.digest:
+            return None, f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)", False
+        grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
+        if source.kind != "jsonl" or is_compressed(source):
+            what = "a Parquet file" if source.kind == "parquet" else "a compressed file" if source.kind == "jsonl" else "a saved dataset"
+            return None, f"{grown}, but {what} can't be appended to: add new rows as new files", False
+        if not saved.ends_newline:
+            return None, f"{grown}, but its last row had no newline, so that row changed", False
+        if not append:
+            return None, f"{grown}: run with --append to process the new rows", True
+        ends = _ends_newline(source, now.size)
+        return replace(saved, size=now.size, mtime_ns=now.mtime_ns, digest=now.digest, ends_newline=ends, rows=None), None, True
+    except FileNotFoundError:
+        return None, "removed", False
+    except OSError as e:
+        raise _unreadable(source, e) from e
+
+
+def reconcile(
+    saved: list[InputRecord], sources: list[Source], append: bool, out_dir: Path | str
+) -> tuple[list[InputRecord], list[str]]:
+    """Check ``sources`` (the inputs now) against the job's ``saved`` records.
+
+    Returns ``(records, taken)``: the records to run with (grown files and new files taken in when
+    ``append``) and a line per file taken in. Raises InputChangedError listing every file that changed, was
+    removed or is new (unless ``append``), with what to do.
+    """
+    by_name = {s.name: s for s in sources}
+    known = {r.name for r in saved}
+    records: list[InputRecord] = []
+    problems: list[str] = []
+    taken: list[str] = []
+    for rec in saved:
+        source = by_name.get(rec.name)
+        if source is None:
+            problems.append(f"{rec.name}: removed (or no longer matched by --input)")
+            continue
+        now, problem, grew = _check_one(source, rec, append)
+        if problem is not None:
+            problems.append(f"{source.path}: {problem}")
+        elif now is not None:
+            records.append(now)
+            if grew:
+                taken.append(f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed")
+    new = [s for s in sources if s.name not in known]
+    if new and not append:
+        problems += [f"{s.path}: new file (run with --append to process it)" for s in new]
+    if problems:
+        grown_only = all("--append" in p for p in problems)
+        hint = (
+            "run with --append to process the new rows (what is done is kept)"
+            if grown_only
+            else "restore the inputs the job started with, or give a new --output for the new data"
+        )
+        raise InputChangedError(
+            f"the inputs of the job in {out_dir} changed since it started:\n  "
+            + "\n  ".join(problems)
+            + f"\nA job's rows must stay what they were, or its results would mix old and new data; {hint}",
+            problems,
+        )
+    if append and new:
+        seq = max((r.seq for r in saved), default=-1) + 1
+        for s in new:
+            records.append(record_for(s, seq))
+            taken.append(f"{s.path}: new file; its rows will be processed")
+            seq += 1
+    return records, taken
+
+
+def ordered_sources(sources: list[Source], records: list[InputRecord]) -> list[Source]:
+    """The sources in the order of their records (first sight), each with its ordinal base."""
+    by_name = {s.name: s for s in sources}
+    return [replace(by_name[r.name], base=r.base) for r in sorted(records, key=lambda r: r.seq)]
+
+
+def changes_now(records: list[InputRecord], paths: list[str], out_dir: Path) -> list[str]:
+    """What differs between a job's records and its inputs as they are now, a line per file (for status)."""
+    if not paths:
+        return []
+    try:
+        reconcile(records, discover(paths, exclude=out_dir), False, out_dir)
+    except InputChangedError as e:
+        return e.problems
+    except InputError as e:
+        return [str(e)]
+    return []

@@ -1,0 +1,61 @@
+"""A model's identity by content, so that a job never mixes the answers of two models.
+
+The identity is a digest over the model folder's files (config, tokenizer, chat template, weights, code): each
+file by its size and content digest (``batchjob.io.identity``: small files whole, weight files by samples).
+It does not depend on how the model was named: the embedded default model is the same model whether it is
+given as nothing, ``default`` or its hub id, and a folder moved elsewhere is still the same model. Weights
+replaced at the same path are a different model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from batchjob.io.identity import combine, folder_digest
+
+_NOT_MODEL = ("readme", "license", "notice", "changelog")
+
+
+def _skip(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1].lower()
+    return name.endswith(".md") or name.startswith(_NOT_MODEL)
+
+
+def local_folder(resolved: str) -> Path | None:
+    """The folder holding a resolved model: itself, or a hub id's snapshot in the Hugging Face cache."""
+    path = Path(resolved)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(resolved, local_files_only=True))
+    except Exception:  # not cached (yet): the identity is settled once the model has been downloaded
+        return None
+
+
+def model_files(resolved: str) -> dict[str, str] | None:
+    """``{file: "<size>:<digest>"}`` of a resolved model, or None while it is not on this machine."""
+    folder = local_folder(resolved)
+    return None if folder is None else folder_digest(folder, _skip)
+
+
+def identity(files: dict[str, str] | None, resolved: str) -> dict[str, Any]:
+    """The model part of a job's fingerprint."""
+    if files is None:
+        return {"hub_id": resolved}
+    return {"content": combine(files), "files": files}
+
+
+def changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What changed between two model identities, in words (None when they are the same model)."""
+    if saved.get("content") == now.get("content") and saved.get("hub_id") == now.get("hub_id"):
+        return None
+    old, new = saved.get("files") or {}, now.get("files") or {}
+    if not old or not new:
+        return f"model: was {saved.get('hub_id') or 'a local model'}, now {now.get('hub_id') or 'a local model'}"
+    lines = [f"{f} changed" for f in sorted(set(old) & set(new)) if old[f] != new[f]]
+    lines += [f"{f} removed" for f in sorted(set(old) - set(new))]
+    lines += [f"{f} added" for f in sorted(set(new) - set(old))]
+    return "model files: " + ", ".join(lines)

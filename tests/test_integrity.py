@@ -1,0 +1,359 @@
+"""A job notices every change to its inputs, ids and model: it refuses, naming what changed, or (``--append``)
+processes exactly the new rows; it never reports "complete" over stale or missing rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.errors import InputError
+from batchjob.io import identity
+from batchjob.io.readers import input_schema, iter_rows
+from batchjob.io.sources import discover
+from batchjob.job import make_spec, run_job
+from batchjob.job.inputs import InputChangedError, new_records, reconcile
+from batchjob.job.shard import Shard
+from batchjob.job.state import JobMismatchError
+from tests.tiny_models import make_model
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def write_rows(path, rows, bom=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
+    return path
+
+
+def rows(n, start=0, prefix="r"):
+    return [{"rid": f"{prefix}{i}", "text": f"review number {i} was fine"} for i in range(start, start + n)]
+
+
+def spec(inputs, out, model, **kw):
+    inputs = inputs if isinstance(inputs, list) else [inputs]
+    fields = dict(max_new_tokens=3, max_num_seqs=4, chat=False) | kw
+    return make_spec(input=[str(p) for p in inputs], output=str(out), model=str(model), **fields)
+
+
+def results(out):
+    table = ds.dataset(out, format="parquet").to_table()
+    return sorted(
+        table.to_pylist(), key=lambda r: (str(r.get("rid")), r.get("input_text") or r.get("text") or "")
+    )
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+# -- inputs by content ------------------------------------------------------------------------------------
+
+
+def test_appended_rows_are_refused_then_processed_with_append(tmp_path, tiny_model_dir):
+    data = write_rows(tmp_path / "a.jsonl", rows(6))
+    out = tmp_path / "out"
+    assert run_job(spec(data, out, tiny_model_dir, id_column="rid")).status == "complete"
+    with open(data, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows(3, start=6)))
+    with pytest.raises(InputChangedError, match=r"a\.jsonl: grew by .* run with --append"):
+        run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+    r = cli("status", out)  # status says so too, never "complete"
+    assert r.exit_code == 0 and "incomplete" in r.output and "a.jsonl" in r.output, r.output
+    result = run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True))
+    assert result.status == "complete" and result.rows_done == 9 and result.rows_total == 9
+    fresh = tmp_path / "fresh"
+    run_job(spec(data, fresh, tiny_model_dir, id_column="rid"))
+    assert results(out) == results(fresh)  # the old rows kept, the new ones added, each once
+    assert run_job(spec(data, out, tiny_model_dir, id_column="rid")).status == "already complete"
+
+
+def test_new_file_in_the_middle_keeps_every_done_row(tmp_path, tiny_model_dir):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_rows(folder / "a.jsonl", rows(4, prefix="a"))
+    write_rows(folder / "c.jsonl", rows(4, prefix="c"))
+    out = tmp_path / "out"
+    run_job(spec(folder, out, tiny_model_dir))
+    write_rows(folder / "b.jsonl", rows(4, prefix="b"))  # sorts between the two
+    r = cli(
+        "run",
+        "--input",
+        folder,
+        "--output",
+        out,
+        "--model",
+        tiny_model_dir,
+        "--max-new-tokens",
+        3,
+        "--no-chat",
+    )
+    assert r.exit_code == 2 and "b.jsonl: new file" in r.output, r.output
+    result = run_job(spec(folder, out, tiny_model_dir, append=True))
+    assert result.status == "complete" and result.rows_done == 12
+    fresh = tmp_path / "fresh"
+    run_job(spec(folder, fresh, tiny_model_dir))
+    assert results(out) == results(fresh)
+
+
+@pytest.mark.parametrize("change", ["edit", "insert_top", "swap", "remove", "shrink"])
+def test_changed_inputs_are_refused_naming_each_file(tmp_path, tiny_model_dir, change):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    a = write_rows(folder / "a.jsonl", rows(5, prefix="a"))
+    b = write_rows(folder / "b.jsonl", rows(5, prefix="b"))
+    out = tmp_path / "out"
+    run_job(spec(folder, out, tiny_model_dir, id_column="rid"))
+    if change == "edit":  # same size, one word changed in place
+        a.write_text(a.read_text().replace("number 3 was fine", "number 3 was good"))
+        want = [r"a\.jsonl: changed \(same size"]
+    elif change == "insert_top":
+        a.write_text(json.dumps({"rid": "new", "text": "x"}) + "\n" + a.read_text())
+        want = [r"a\.jsonl: changed \(grew"]
+    elif change == "swap":
+        ta, tb = a.read_text(), b.read_text()
+        a.write_text(tb)
+        b.write_text(ta)
+        want = [r"a\.jsonl: changed", r"b\.jsonl: changed"]
+    elif change == "remove":
+        b.unlink()
+        want = [r"b\.jsonl: removed"]
+    else:
+        a.write_text("".join(a.read_text().splitlines(keepends=True)[:3]))
+        want = [r"a\.jsonl: changed \(shrank"]
+    for append in (False, True):  # --append takes in growth only, never these
+        with pytest.raises(InputChangedError) as e:
+            run_job(spec(folder, out, tiny_model_dir, id_column="rid", append=append))
+        for pattern in want:
+            assert re.search(pattern, str(e.value)), str(e.value)
+    r = cli(
+        "validate",
+        "--input",
+        folder,
+        "--output",
+        out,
+        "--model",
+        tiny_model_dir,
+        "--id-column",
+        "rid",
+        "--max-new-tokens",
+        3,
+        "--no-chat",
+    )
+    assert r.exit_code == 2 and "changed since it started" in r.output
+
+
+def test_touched_but_equal_small_file_is_accepted(tmp_path, tiny_model_dir):
+    data = write_rows(tmp_path / "a.jsonl", rows(4))
+    out = tmp_path / "out"
+    run_job(spec(data, out, tiny_model_dir))
+    os.utime(data, ns=(1, 1))  # copied without its time stamp: read whole again, and equal
+    assert run_job(spec(data, out, tiny_model_dir)).status == "already complete"
+
+
+def test_large_file_identity_by_samples_and_time_stamp(tmp_path, monkeypatch):
+    monkeypatch.setattr(identity, "FULL_BYTES", 4 << 20)
+    path = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "x" * 200}) + "\n"
+    path.write_text(line * 40_000)  # ~8 MiB: sampled, not read whole
+    sources = discover([str(path)])
+    saved = new_records(sources)
+    assert saved[0].digest.startswith("sampled:")
+    st = os.stat(path)
+    # a byte changed in a sampled block: noticed even with the time stamp put back
+    data = bytearray(path.read_bytes())
+    data[10] = ord("y")
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with pytest.raises(InputChangedError, match="changed"):
+        reconcile(saved, sources, False, tmp_path)
+    data[10] = ord("x")
+    # a change between the samples: the time stamp gives it away, and the message says how to go on
+    span = len(data) - identity._EDGE - identity._BLOCK
+    between = identity._EDGE + span * 1 // (identity._BLOCKS + 1) + identity._BLOCK + 100  # after block 1
+    assert between + 100 < identity._EDGE + span * 2 // (identity._BLOCKS + 1)  # and before block 2
+    assert data[between] == ord("x")
+    data[between] = ord("y")
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputChangedError, match=r"touch -d @\d+\.\d{9} .*big\.jsonl"):
+        reconcile(saved, sources, False, tmp_path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # what the hint says to do, if it is unchanged
+    assert reconcile(saved, sources, False, tmp_path)[0] == saved
+
+
+def test_parquet_cannot_grow_even_with_append(tmp_path, tiny_model_dir):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(4)]}), path)
+    out = tmp_path / "out"
+    run_job(spec(path, out, tiny_model_dir))
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(8)]}), path)
+    with pytest.raises(InputChangedError, match=r"a\.parquet: changed"):
+        run_job(spec(path, out, tiny_model_dir, append=True))
+
+
+def test_appended_file_with_other_columns_is_refused(tmp_path, tiny_model_dir):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_rows(folder / "a.jsonl", rows(3))
+    out = tmp_path / "out"
+    run_job(spec(folder, out, tiny_model_dir))
+    write_rows(folder / "b.jsonl", [{"text": "hi", "extra": 1}])
+    with pytest.raises(InputChangedError, match=r"b\.jsonl: column 'extra' is new"):
+        run_job(spec(folder, out, tiny_model_dir, append=True))
+
+
+# -- ids unique job-wide ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 16])
+def test_far_duplicate_id_is_an_error_row_whatever_the_settings(tmp_path, tiny_model_dir, max_num_seqs):
+    data = rows(40)
+    data[37]["rid"] = "r2"  # far beyond any in-flight window
+    path = write_rows(tmp_path / "a.jsonl", data)
+    out = tmp_path / "out"
+    run_job(spec(path, out, tiny_model_dir, id_column="rid", max_num_seqs=max_num_seqs))
+    got = ds.dataset(out, format="parquet").to_table().to_pylist()
+    errors = [r for r in got if r["error"]]
+    assert len(got) == 40 and len(errors) == 1
+    assert errors[0]["text"] == "review number 37 was fine"
+    assert "duplicate id 'r2': first used by row a.jsonl:2" in errors[0]["error"]
+
+
+def test_duplicate_id_across_workers_and_a_lost_index(tmp_path, tiny_model_dir):
+    data = rows(30)
+    data[29]["rid"] = "r0"  # row 0 belongs to shard 0, row 29 to shard 1 (chunks of 1 row)
+    path = write_rows(tmp_path / "a.jsonl", data)
+    out = tmp_path / "out"
+    for i in range(2):
+        run_job(spec(path, out, tiny_model_dir, id_column="rid"), shard=Shard(i, 2))
+    got = ds.dataset(out, format="parquet").to_table().to_pylist()
+    errors = [r for r in got if r["error"]]
+    assert len(got) == 30 and [e["text"] for e in errors] == ["review number 29 was fine"]
+    assert "first used by row a.jsonl:0" in errors[0]["error"]
+    # the index is a cache: lost or damaged, it is built again from the inputs
+    dbs = sorted(out.glob("_batchjob/*/ids.sqlite"))
+    assert len(dbs) == 2
+    dbs[0].unlink()
+    dbs[1].write_bytes(b"this is not a database" * 100)
+    with open(path, "a") as f:
+        f.write(json.dumps({"rid": "r5", "text": "a late duplicate"}) + "\n")  # row 30: shard 0's
+    for i in range(2):
+        job = spec(path, out, tiny_model_dir, id_column="rid", append=True)
+        assert run_job(job, shard=Shard(i, 2)).status == "complete"
+    got = ds.dataset(out, format="parquet").to_table().to_pylist()
+    errors = sorted(r["error"] for r in got if r["error"])
+    assert len(got) == 31 and len(errors) == 2
+    assert "duplicate id 'r5': first used by row a.jsonl:5" in errors[1]  # row 5 is the other worker's
+
+
+# -- inputs that are odd but fine, and mistakes ----------------------------------------------------------
+
+
+def test_empty_first_file_and_bom(tmp_path, tiny_model_dir):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("")  # sorts first, has no columns
+    write_rows(folder / "b.jsonl", rows(3), bom=True)
+    write_rows(folder / "c.jsonl", [{"rid": "c0", "text": "more", "score": 1.5}])
+    schema = input_schema(discover([str(folder)]))
+    assert schema.names == ["rid", "text", "score"]
+    out = tmp_path / "out"
+    run_job(spec(folder, out, tiny_model_dir))
+    got = results(out)
+    assert len(got) == 4 and not any(r["error"] for r in got)  # the BOM row is a row like the others
+    assert {r["score"] for r in got} == {None, 1.5}
+
+
+def test_parquet_type_conflict_names_both_files(tmp_path):
+    pq.write_table(pa.table({"text": ["a"], "n": [1]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": ["b"], "n": ["one"]}), tmp_path / "b.parquet")
+    with pytest.raises(InputError, match=r"column 'n' is int64 in .*a\.parquet but string in .*b\.parquet"):
+        input_schema(discover([str(tmp_path)]))
+
+
+def test_empty_input_is_a_usage_error(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_rows(tmp_path / "other.jsonl", rows(2))  # what an empty --input would have read
+    for args in (["--input", ""], ["--input", "  "]):
+        for command in ("run", "validate"):
+            r = cli(command, *args, "--output", tmp_path / "out", "--model", tiny_model_dir)
+            assert r.exit_code == 2 and "--input is empty" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_glob_never_reads_the_jobs_own_output(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    write_rows(tmp_path / "data" / "a.jsonl", rows(3))
+    args = [
+        "run",
+        "--input",
+        "*/*.*",
+        "--output",
+        "out",
+        "--model",
+        tiny_model_dir,
+        "--max-new-tokens",
+        3,
+        "--no-chat",
+    ]
+    assert cli(*args).exit_code == 0
+    assert list((tmp_path / "out").glob("*.parquet"))  # a part the glob now matches
+    r = cli(*args)
+    assert r.exit_code == 0 and "already complete: 3 rows" in r.output, r.output
+
+
+# -- the model by content --------------------------------------------------------------------------------
+
+
+def test_replaced_weights_are_refused(tmp_path, tiny_model_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    data = write_rows(tmp_path / "a.jsonl", rows(3))
+    out = tmp_path / "out"
+    run_job(spec(data, out, model))
+    moved = tmp_path / "moved"
+    shutil.copytree(model, moved)  # the same model under another path: the same job
+    assert run_job(spec(data, out, moved)).status == "already complete"
+    make_model(tmp_path / "other", "llama", seed=1)
+    shutil.copy(tmp_path / "other" / "model.safetensors", model / "model.safetensors")
+    with pytest.raises(JobMismatchError, match=r"model files: model\.safetensors changed"):
+        run_job(spec(data, out, model))
+
+
+def test_default_model_has_one_identity_whatever_it_is_called():
+    from batchjob.job.runner import model_fingerprint
+
+    names = [None, "default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    identities = [model_fingerprint(n) for n in names]
+    assert all(i == identities[0] for i in identities) and "content" in identities[0]
+
+
+def test_reader_reports_ids_of_rows_it_passes_over(tmp_path):
+    pq.write_table(
+        pa.table({"rid": [f"p{i}" for i in range(5)], "text": ["t"] * 5}),
+        tmp_path / "a.parquet",
+        row_group_size=2,
+    )
+    write_rows(tmp_path / "b.jsonl", rows(3))
+    seen = []
+    sources = discover([str(tmp_path)])
+    got = list(
+        iter_rows(
+            sources,
+            skip=lambda o: o % 2 == 0 or o == 3,  # 2 and 3: a whole batch passed over
+            covered=lambda a, b: a == 2,
+            on_skipped=lambda o, v: seen.append((o, v)),
+            id_column="rid",
+        )
+    )
+    assert [r.ordinal for r in got] == [1, (1 << 40) + 1]
+    assert seen == [(0, "p0"), (2, "p2"), (3, "p3"), (4, "p4"), (1 << 40, "r0"), ((1 << 40) + 2, "r2")]
