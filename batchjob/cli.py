@@ -388,6 +388,8 @@ def validate(
     prep = prepare(spec, shard=shard)
     _check_tokenizer(prep)
     state = "resumes the job in" if prep.resumed else "starts a new job in"
+    for line in prep.taken:
+        click.echo(f"--append: {line}")
     click.echo(
         f"ok: {len(prep.sources)} input file(s), columns {', '.join(prep.info.schema.names)}; "
         f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {state} {prep.out_dir}"

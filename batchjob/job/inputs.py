@@ -116,9 +116,13 @@ def _identify(source: Source, prefix: int | None = None) -> identity.FileIdentit
 
 
 def _stat(source: Source) -> tuple[int, int | None] | None:
-    """(size, mtime) when cheap (one local file); None means "compute the digest to know"."""
-    if source.remote or source.kind == "hf":
+    """(size, mtime) when cheap (one file, local or remote); None means "compute the digest to know"."""
+    if source.kind == "hf":
         return None
+    if source.remote:
+        _, _, info = _remote_reader(source)
+        mtime = _remote_mtime(info)
+        return None if mtime is None else (int(info.get("size") or 0), mtime)
     return identity.stat_local(source.path)
 
 

@@ -1,0 +1,64 @@
+"""Rows per second of a whole ``batchjob run`` on many short rows: the job layer's own cost.
+
+A tiny random model (from ``tests/tiny_models.py``) with ``--max-new-tokens 1`` makes the engine cheap, so the
+figure is mostly reading, prompt building, bookkeeping and writing. Each configuration runs as a real
+``python -m batchjob run`` process; ``--code DIR`` runs another checkout of batchjob (e.g. a git worktree of an
+older commit) side by side, in alternating rounds, so the two are compared on the same busy machine:
+
+    git worktree add /tmp/base <commit>
+    python examples/rows_per_second.py --rows 200000 --code . --code /tmp/base --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--code", action="append", help="a batchjob checkout to run (repeatable; default: this one)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--work", help="folder for the data, model and outputs (default: a temporary one)")
+    args = ap.parse_args()
+    codes = [str(Path(c).resolve()) for c in (args.code or [str(ROOT)])]
+    work = Path(args.work or tempfile.mkdtemp(prefix="batchjob-rows-"))
+    from tests.tiny_models import make_model
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        make_model(model, "llama")
+    data = work / "rows.jsonl"
+    if not data.exists():
+        with open(data, "w") as f:
+            for i in range(args.rows):
+                f.write(json.dumps({"rid": f"row-{i}", "text": f"review {i}: fine"}) + "\n")
+    configs = {"derived ids": [], "--id-column rid": ["--id-column", "rid"]}
+    print(f"{args.rows} rows, --max-new-tokens 1, tiny llama; {work}")
+    for r in range(args.rounds):
+        for name, extra in configs.items():
+            for code in codes:
+                out = work / f"out-{r}-{abs(hash((name, code)))}"
+                cmd = [sys.executable, "-m", "batchjob", "run", "--input", str(data), "--output", str(out)]
+                cmd += ["--model", str(model), "--max-new-tokens", "1", "--no-chat", *extra]
+                env = dict(os.environ, PYTHONPATH=code, HF_HUB_OFFLINE="1")
+                start = time.monotonic()
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=work)
+                wall = time.monotonic() - start
+                if proc.returncode:
+                    sys.exit(f"failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+                print(f"round {r}  {name:16s} {code:30s} {wall:7.1f} s  {args.rows / wall:8.0f} rows/s")
+
+
+if __name__ == "__main__":
+    main()
