@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FULL_BYTES = 64 << 20  # hashed whole up to this size
+FULL_BYTES = 16 << 20  # hashed whole up to this size
 _EDGE = 1 << 20  # head and tail of a sampled file
 _BLOCK = 64 << 10  # each sampled block between them
 _BLOCKS = 62

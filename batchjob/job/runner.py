@@ -284,6 +284,8 @@ class _Loop:
             record = by_id.setdefault(snap.request_id, record | {"samples": {}})
             record["samples"][str(snap.sample_index)] = list(snap.output_ids)
         requests += by_id.values()
+        if self.ids is not None:
+            self.ids.commit()  # ids read so far (other workers' rows too) need not be read again
         for row_id, ids, output_ids in self.ready:  # restored from the last checkpoint, not yet re-added
             if output_ids:
                 ordinal = self.pending[row_id].row.ordinal
