@@ -205,7 +205,7 @@ class _Loop:
         if not self.buffer:
             return
         rows = sorted(self.buffer, key=lambda r: (r["ordinal"], r.get("sample_index", 0)))
-        name = self.writer.write(len(self.manifest.parts), rows)
+        name = self.writer.write(self.writer.next_seq(self.manifest.names), rows)
         self.manifest.append(
             PartRecord(
                 name=name,
@@ -214,6 +214,8 @@ class _Loop:
                 prompt_tokens=sum(r["num_prompt_tokens"] or 0 for r in rows),
                 generated_tokens=sum(r["num_generated_tokens"] or 0 for r in rows),
                 ordinals=self.buffer_ordinals.ranges(),
+                size=self.writer.size(name),
+                result_rows=len(rows),
             )
         )
         self.buffer = []
