@@ -77,6 +77,7 @@ class JobSpec:
     # state
     checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
     max_errors: int | None = None  # stop (exit 1) once this many rows have failed
+    retry_errors: bool = False  # redo committed rows with an error (not part of the job's identity)
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
