@@ -186,6 +186,12 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--max-errors", type=int, metavar="N", help="Stop (exit 1, state saved) once N rows failed."
         ),
+        click.option(
+            "--retry-errors",
+            is_flag=True,
+            help="Redo the rows already written with an error (e.g. after raising --num-blocks); the same "
+            "job, resumed, even when it was complete.",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -416,7 +422,9 @@ def _check_tokenizer(prep: Any) -> None:
 def status(dir: str) -> None:
     """Report a job's progress from its output folder: rows done of total, errors, throughput.
 
-    A job split over several workers is added up, with a line per worker.
+    A job split over several workers is added up, with a line per worker. Every part is checked (exists,
+    recorded size, footer row count): a missing or damaged one is named and its rows are not counted as
+    done (the job is incomplete; `batchjob run` with the same command redoes them).
     """
     from batchjob.job.status import job_status
 
@@ -430,6 +438,14 @@ def status(dir: str) -> None:
         click.echo("inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):")
         for line in st.input_changes:
             click.echo(f"  {line}")
+    for p in st.problems:
+        click.echo(f"missing or damaged: {p} ({p.record.rows} rows)")
+    if st.problems:
+        redo = st.total("rows_to_redo")
+        click.echo(
+            f"{redo} rows not done ({len(st.problems)} parts missing or damaged): "
+            "`batchjob run` with the same command redoes them"
+        )
     click.echo(f"rows: {done} of {total if total is not None else 'unknown'}{pct}")
     click.echo(f"errors: {st.total('errors')}")
     click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -100,18 +101,39 @@ class PartWriter:
         self.prefix = prefix
         self.extra = extra  # the feature columns after the result columns
         self._own = re.compile(rf"\.?{re.escape(prefix)}\d{{6}}\.parquet(\.tmp)?")
+        self._number = re.compile(rf"{re.escape(prefix)}(\d{{6,}})\.parquet")
 
     def part_name(self, seq: int) -> str:
         return f"{self.prefix}{seq:06d}.parquet"
 
+    def next_seq(self, committed: Iterable[str]) -> int:
+        """The number of the next part: one more than the highest of the ``committed`` parts, never the
+        number of a file of ours on disk (after parts are dropped, their numbers are not reused)."""
+        numbers = [int(m.group(1)) for n in committed if (m := self._number.fullmatch(n))]
+        seq = max(numbers, default=-1) + 1
+        while any((self.out_dir / n).exists() for n in (self.part_name(seq), f".{self.part_name(seq)}.tmp")):
+            seq += 1
+        return seq
+
     def write(self, seq: int, rows: list[dict[str, Any]]) -> str:
         """Write rows as part ``seq`` (temporary name, fsync, rename); returns the part's file name."""
-        table = build_table(rows, self.input_schema, self.extra)
+        return self.write_table(seq, build_table(rows, self.input_schema, self.extra))
+
+    def write_table(self, seq: int, table: pa.Table) -> str:
+        """Write a table with the output schema as part ``seq``, atomically; returns the part's file name."""
         name = self.part_name(seq)
         tmp = self.out_dir / f".{name}.tmp"
         pq.write_table(table, tmp, compression="zstd")
         replace_file(tmp, self.out_dir / name)
         return name
+
+    @property
+    def schema(self) -> pa.Schema:
+        return output_schema(self.input_schema, self.extra)
+
+    def size(self, name: str) -> int:
+        """A part's size in bytes, as recorded in the manifest."""
+        return (self.out_dir / name).stat().st_size
 
     def remove_orphans(self, committed: set[str]) -> list[str]:
         """Delete parts and temporary files the manifest does not list (left by a crash). Returns them."""

@@ -1,9 +1,13 @@
-"""The manifest: the append-only list of committed parts. A part it does not list does not exist.
+"""The manifest: the list of committed parts. A part it does not list does not exist.
 
 One JSON line per part, each with a checksum of its own content, appended and fsynced after the part file
 was renamed into place. A crash during an append leaves a torn last line: that part was never committed, so
 the line is cut off (and the part deleted as an orphan). A bad line anywhere else means the file was damaged:
 that raises StateError, because a manifest we cannot trust cannot tell what is done.
+
+Dropping parts (a damaged part to redo, a part rewritten without its error rows) rewrites the whole file
+atomically: all kept records to a temporary file, fsync, rename, fsync the folder. A reader sees the old list
+or the new one; a part file the new list no longer names is an orphan that the next start deletes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchjob.errors import StateError
+from batchjob.io.atomic import write_bytes
 from batchjob.job.intervals import IntervalSet
 
 
@@ -27,6 +32,9 @@ class PartRecord:
     prompt_tokens: int
     generated_tokens: int
     ordinals: list[list[int]] = field(default_factory=list)  # half-open ranges of input row ordinals
+    # What the part file must look like (None in records written before they were recorded):
+    size: int | None = None  # bytes of the part file
+    result_rows: int | None = None  # rows in its Parquet footer (--n writes n per input row)
 
 
 def _digest(body: dict) -> str:
@@ -77,14 +85,25 @@ class Manifest:
         for a, b in record.ordinals:
             self.done.add_range(a, b)
 
-    def append(self, record: PartRecord) -> None:
+    @staticmethod
+    def _line(record: PartRecord) -> bytes:
         body = asdict(record)
-        line = json.dumps({"part": body, "sha": _digest(body)}, separators=(",", ":")) + "\n"
+        return (json.dumps({"part": body, "sha": _digest(body)}, separators=(",", ":")) + "\n").encode()
+
+    def append(self, record: PartRecord) -> None:
         with open(self.path, "ab") as f:
-            f.write(line.encode())
+            f.write(self._line(record))
             f.flush()
             os.fsync(f.fileno())
         self._remember(record)
+
+    def rewrite(self, records: list[PartRecord]) -> None:
+        """Replace the whole list with ``records``, atomically (temporary file, fsync, rename, fsync folder)."""
+        write_bytes(self.path, b"".join(self._line(r) for r in records))
+        self.parts = []
+        self.done = IntervalSet()
+        for record in records:
+            self._remember(record)
 
     @property
     def names(self) -> set[str]:

@@ -39,6 +39,7 @@ from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
 from batchjob.job.stats import RunStats
+from batchjob.job.verify import needs_repair, repair_outputs
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
 _PART_ROWS = 5000  # commit a part at least this often, checkpoint or not
@@ -252,7 +253,7 @@ class _Loop:
         if not self.buffer:
             return
         rows = sorted(self.buffer, key=lambda r: (r["ordinal"], r.get("sample_index", 0)))
-        name = self.writer.write(len(self.manifest.parts), rows)
+        name = self.writer.write(self.writer.next_seq(self.manifest.names), rows)
         if self.ids is not None:
             self.ids.commit()  # the ids of these rows are durable before the manifest vouches for them
         self.manifest.append(
@@ -263,6 +264,8 @@ class _Loop:
                 prompt_tokens=sum(r["num_prompt_tokens"] or 0 for r in rows),
                 generated_tokens=sum(r["num_generated_tokens"] or 0 for r in rows),
                 ordinals=self.buffer_ordinals.ranges(),
+                size=self.writer.size(name),
+                result_rows=len(rows),
             )
         )
         self.buffer = []
@@ -571,8 +574,9 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
     prep = prepare(spec, shard=shard)
     if prep.info.complete:
         manifest = Manifest(prep.state.manifest_file)
-        total = prep.shard.share_of(prep.info.row_counts)
-        return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
+        if not needs_repair(prep.out_dir, manifest, spec.retry_errors):  # else: redo those rows, below
+            total = prep.shard.share_of(prep.info.row_counts)
+            return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
     state = prep.state
@@ -593,7 +597,10 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         if not prep.shard.single:
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
         manifest = Manifest(prep.state.manifest_file)
-        PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard)).remove_orphans(manifest.names)
+        extra = extra_fields(spec.sampling_params(prep.info.job_seed))
+        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors)  # verify.py
+        writer.remove_orphans(manifest.names)
         loop = _Loop(prep, engine, PromptBuilder(plan, engine.tokenizer, engine.max_model_len))
         with _StopOnSignals(loop):
             return loop.run()

@@ -78,6 +78,7 @@ class JobSpec:
     append: bool = False  # the inputs grew (rows appended, files added): process the new rows
     checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
     max_errors: int | None = None  # stop (exit 1) once this many rows have failed
+    retry_errors: bool = False  # redo committed rows with an error (not part of the job's identity)
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):

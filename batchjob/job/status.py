@@ -1,8 +1,11 @@
 """A job's progress read from its output folder alone, all workers added up; reads, never writes.
 
 Every worker's share is described by its own manifest (rows, errors, tokens), ``progress.json`` (complete?)
-and ``stats.json`` (throughput of its last run); whether it is running now is whether its lock is held. The
-inputs are checked against the job's records, so a job whose inputs changed is never reported complete.
+and ``stats.json`` (throughput of its last run); whether it is running now is whether its lock is held.
+The manifest is not taken on trust: each part it lists is checked (``verify.py``: exists, recorded size,
+footer row count), and the rows of a missing or damaged part are not counted as done; a worker marked
+complete with such a part is "incomplete" until ``batchjob run`` redoes them. The inputs are checked against
+the job's records too, so a job whose inputs changed is never reported complete.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from batchjob.job.inputs import changes_now
 from batchjob.job.manifest import Manifest
 from batchjob.job.shard import Shard
 from batchjob.job.state import StateDir
+from batchjob.job.verify import PartProblem, check_parts
 
 
 @dataclass
 class WorkerStatus:
     shard: Shard
-    state: str  # "complete" | "running" | "stopped" | "not started"
+    # "complete" | "running" | "stopped" | "not started" | "incomplete" (complete but for damaged parts)
+    state: str
     rows_done: int = 0
     rows_total: int | None = None  # this worker's share
     errors: int = 0
@@ -31,6 +36,11 @@ class WorkerStatus:
     parts: int = 0
     stats: dict[str, Any] = field(default_factory=dict)  # of its last (or current) run
     stats_file: Path | None = None
+    problems: list[PartProblem] = field(default_factory=list)  # missing or damaged parts (rows not counted)
+
+    @property
+    def rows_to_redo(self) -> int:
+        return sum(p.record.rows for p in self.problems)
 
 
 @dataclass
@@ -43,6 +53,10 @@ class JobStatus:
     @property
     def complete(self) -> bool:
         return not self.input_changes and all(w.state == "complete" for w in self.workers)
+
+    @property
+    def problems(self) -> list[PartProblem]:
+        return [p for w in self.workers for p in w.problems]
 
     def total(self, key: str) -> int:
         return sum(getattr(w, key) for w in self.workers)
@@ -73,22 +87,25 @@ def job_status(out_dir: Path) -> JobStatus:
         for r in mine.inputs:  # row counts a worker learned by reading to the end
             known = next(x for x in info.inputs if x.seq == r.seq)
             known.rows = known.rows if known.rows is not None else r.rows
+        problems = check_parts(out_dir, manifest)
         if mine.complete:
-            run_state = "complete"
+            run_state = "incomplete" if problems else "complete"
         else:
             run_state = "running" if state.locked_by_other() else "stopped"
+        lost = [p.record for p in problems]
         workers.append(
             WorkerStatus(
                 shard,
                 run_state,
-                manifest.rows,
+                manifest.rows - sum(r.rows for r in lost),
                 None,
-                manifest.errors,
-                manifest.prompt_tokens,
-                manifest.generated_tokens,
-                len(manifest.parts),
+                manifest.errors - sum(r.errors for r in lost),
+                manifest.prompt_tokens - sum(r.prompt_tokens for r in lost),
+                manifest.generated_tokens - sum(r.generated_tokens for r in lost),
+                len(manifest.parts) - len(lost),
                 stats,
                 state.stats_file,
+                problems,
             )
         )
     for w in workers:

@@ -1,0 +1,200 @@
+"""Committed parts checked against the manifest, and rows taken back to be redone (damaged parts, error rows).
+
+The manifest says which rows are done; a part file can still be deleted or truncated behind its back. So at
+every start (and in ``status``) each listed part must exist, have the byte size recorded when it was
+committed, and a Parquet footer holding the recorded number of result rows. That is the whole check: size
+and footer, never a checksum of every byte (too slow for a big output on every start). Records written
+before sizes were recorded are checked for existence and a readable footer.
+
+``batchjob run`` then takes back what it cannot trust: a missing or damaged part is dropped from the manifest
+and deleted, so its rows are no longer done and the loop computes them again. With ``--retry-errors``, each
+part holding error rows is rewritten without them (an ordinal with an error in any of its samples is taken
+back whole), and those rows are computed again too.
+
+Order, so that a crash at any point leaves a state the next start repairs:
+
+1. rewritten parts are written under new names, atomically, one at a time (until the manifest names them
+   they are orphans: a crash leaves them for the next start to delete, and the job as it was);
+2. a job marked complete is marked incomplete (a crash after 3 must not leave "complete" over rows that are
+   no longer listed);
+3. the manifest is rewritten atomically without the dropped records, and with the rewritten ones;
+4. the dropped and replaced files are deleted (a crash before this leaves them as orphans, deleted likewise).
+
+``BATCHJOB_FAULT=after_part_rewrite`` (after 2) or ``after_manifest_rewrite`` (after 3) kills the process
+there, for the crash tests.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchjob.io.writers import PartWriter
+from batchjob.job.intervals import IntervalSet
+from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.state import JobInfo, StateDir
+
+FAULT_ENV = "BATCHJOB_FAULT"  # crash tests: the name of a point below at which the process dies
+
+
+def fault(point: str) -> None:
+    """Die here as if killed (exit 137, nothing flushed or cleaned up) when ``BATCHJOB_FAULT`` names ``point``."""
+    if os.environ.get(FAULT_ENV) == point:
+        os._exit(137)
+
+
+@dataclass
+class PartProblem:
+    record: PartRecord
+    reason: str  # "is missing", "has 812 bytes, 1633 recorded", ...
+
+    def __str__(self) -> str:
+        return f"{self.record.name} {self.reason}"
+
+
+def check_part(out_dir: Path, record: PartRecord) -> str | None:
+    """What is wrong with a committed part's file, or None when it is as recorded."""
+    path = out_dir / record.name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "is missing"
+    if record.size is not None and size != record.size:
+        return f"has {size} bytes, {record.size} recorded"
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except (OSError, pa.ArrowException) as e:
+        return f"has an unreadable Parquet footer ({e})"
+    if record.result_rows is not None and rows != record.result_rows:
+        return f"holds {rows} rows, {record.result_rows} recorded"
+    return None
+
+
+def check_parts(out_dir: Path, manifest: Manifest) -> list[PartProblem]:
+    """The manifest's parts that are missing or do not match their records."""
+    problems = []
+    for record in manifest.parts:
+        reason = check_part(out_dir, record)
+        if reason is not None:
+            problems.append(PartProblem(record, reason))
+    return problems
+
+
+def needs_repair(out_dir: Path, manifest: Manifest, retry_errors: bool) -> bool:
+    """Whether ``repair_outputs`` would take rows back (cheap: sizes and footers only)."""
+    return (retry_errors and manifest.errors > 0) or bool(check_parts(out_dir, manifest))
+
+
+def _row_ordinals(table: pa.Table, record: PartRecord, per_sample: bool) -> list[int] | None:
+    """The input-row ordinal of each result row, or None when the part does not match its record.
+
+    Rows are sorted by (ordinal, sample_index) and the record lists the ordinals, so result rows map onto
+    them in order; a row's first result row is its sample 0 (with ``--n``, an error row has only that one).
+    """
+    ordinals = [o for a, b in record.ordinals for o in range(a, b)]
+    if per_sample:
+        starts = [not s for s in table.column("sample_index").to_pylist()]
+    else:
+        starts = [True] * table.num_rows
+    if sum(starts) != len(ordinals) or (starts and not starts[0]):
+        return None
+    out, i = [], -1
+    for start in starts:
+        i += start
+        out.append(ordinals[i])
+    return out
+
+
+def _without_errors(
+    out_dir: Path, record: PartRecord, writer: PartWriter
+) -> tuple[pa.Table, PartRecord | None, int] | str:
+    """A part's table without the rows of ordinals that have an error, its record (None when nothing is
+    left) and how many input rows were taken out; or what is wrong with the part."""
+    per_sample = any(f.name == "sample_index" for f in writer.extra)
+    try:
+        table = pq.read_table(out_dir / record.name).cast(writer.schema)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        return f"cannot be read back ({e})"
+    ordinals = _row_ordinals(table, record, per_sample)
+    if ordinals is None:
+        return "does not match its record's rows"
+    errors = table.column("error").to_pylist()
+    bad = {o for o, e in zip(ordinals, errors, strict=True) if e is not None}
+    keep = [o not in bad for o in ordinals]
+    kept = table.filter(pa.array(keep, type=pa.bool_()))
+    if kept.num_rows == 0:
+        return kept, None, len(bad)
+    done = IntervalSet()
+    for o, k in zip(ordinals, keep, strict=True):
+        if k:
+            done.add(o)
+
+    def total(column: str) -> int:
+        return int(pc.sum(kept.column(column)).as_py() or 0)
+
+    new = PartRecord(
+        name="",
+        rows=len(done),
+        errors=0,
+        prompt_tokens=total("num_prompt_tokens"),
+        generated_tokens=total("num_generated_tokens"),
+        ordinals=done.ranges(),
+    )
+    return kept, new, len(bad)
+
+
+def repair_outputs(
+    state: StateDir, info: JobInfo, manifest: Manifest, writer: PartWriter, retry_errors: bool = False
+) -> int:
+    """Take back the rows of missing or damaged parts (and, with ``retry_errors``, the rows with errors), so
+    that the job loop computes them again. Prints a line per part; returns how many input rows are redone.
+
+    Needs the job's lock. ``info`` is marked incomplete (and saved) when anything is taken back.
+    """
+    out_dir = writer.out_dir
+    problems = check_parts(out_dir, manifest)
+    dropped = {p.record.name for p in problems}  # old names whose rows are all redone
+    notes = [f"{p}: its {p.record.rows} rows will be redone" for p in problems]
+    redo = sum(p.record.rows for p in problems)
+    names = set(manifest.names)  # taken, with the new parts written below
+    written: dict[str, PartRecord] = {}  # old name -> its rewrite without the error rows, already on disk
+    for record in manifest.parts if retry_errors else []:
+        if record.errors == 0 or record.name in dropped:
+            continue
+        result = _without_errors(out_dir, record, writer)
+        if isinstance(result, str):
+            dropped.add(record.name)
+            notes.append(f"{record.name} {result}: its {record.rows} rows will be redone")
+            redo += record.rows
+            continue
+        table, new, taken = result
+        if taken == 0:
+            continue  # counted as errors but none in the file: nothing to redo
+        notes.append(f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone")
+        redo += taken
+        if new is None:
+            dropped.add(record.name)
+            continue
+        # written now (one part in memory at a time); until the manifest names it, it is an orphan
+        name = writer.write_table(writer.next_seq(names), table)
+        names.add(name)
+        written[record.name] = replace(new, name=name, size=writer.size(name), result_rows=table.num_rows)
+    if not dropped and not written:
+        return 0
+    for note in notes:
+        print(f"batchjob: {note}", file=sys.stderr)
+    if info.complete:
+        info.complete_for = None
+        state.save_job(info)
+    fault("after_part_rewrite")
+    manifest.rewrite([written.get(r.name, r) for r in manifest.parts if r.name not in dropped])
+    fault("after_manifest_rewrite")
+    for name in dropped | set(written):
+        (out_dir / name).unlink(missing_ok=True)
+    return redo
