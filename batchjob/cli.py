@@ -22,8 +22,9 @@ EXIT_CODES = """\b
 Exit codes:
   0   the job is complete (or was already)
   1   the job stopped: --max-errors reached, unreadable state, another run holds DIR (state is saved)
-  2   a usage error: bad option or job file, missing input or column, model not found, or a resume whose
-      model, inputs, prompts or sampling differ from the saved job
+  2   a usage error: bad option, template or job file, missing input or column, model not found, a model
+      that ships its own code without --trust-remote-code, a KV pool that can't hold one request of the
+      full context, or a resume whose model, inputs, prompts or sampling differ from the saved job
   75  interrupted by SIGTERM/SIGINT: finished rows committed, in-flight requests saved; run the same
       command again to resume (EX_TEMPFAIL: "requeue me")
   With --devices or --ray: the worst of the workers' codes (2, then 1, then 75, then 0)."""
@@ -86,6 +87,13 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--model", help="Local model folder or hub id (default: embedded SmolLM2-135M-Instruct)."
         ),
+        click.option(
+            "--trust-remote-code",
+            is_flag=True,
+            default=False,
+            help="Let a model folder run the Python code it ships (auto_map in its config). Off by default: "
+            "such a model is refused.",
+        ),
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES), help="Weights dtype (default: auto)."),
         click.option("--device", help="auto, cpu, cuda or cuda:N (default: auto)."),
         click.option("--max-new-tokens", type=int, help="Tokens to generate per row at most (default: 128)."),
@@ -132,6 +140,14 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--block-size", type=int, help="Tokens per KV block (default: 16)."),
         click.option("--kv-memory-gb", type=float, help="KV cache budget in GiB (default: per device)."),
         click.option("--num-blocks", type=int, help="KV cache size in blocks (overrides --kv-memory-gb)."),
+        click.option(
+            "--max-model-len",
+            type=int,
+            metavar="TOKENS",
+            help="Cap the context (prompt + output) the engine accepts, at most the model's own; longer "
+            "prompts become error rows (default: the model's context). The KV pool must hold one request "
+            "of this length.",
+        ),
         click.option(
             "--gpu-memory-utilization",
             type=float,
@@ -386,33 +402,29 @@ def validate(
     """Check a job (options, inputs, columns, model, saved state) without running it."""
     import os
 
-    from batchjob.job.runner import prepare
+    from batchjob.job.runner import check_engine, prepare
     from batchjob.job.shard import detect_shard
 
     spec = _spec(ctx, job_file, options)
     shard = detect_shard(os.environ, num_shards, shard_index)
     prep = prepare(spec, shard=shard)
+    engine = check_engine(spec)
     _check_tokenizer(prep)
     state = "resumes the job in" if prep.resumed else "starts a new job in"
     for line in prep.taken:
         click.echo(f"--append: {line}")
     click.echo(
         f"ok: {len(prep.sources)} input file(s), columns {', '.join(prep.info.schema.names)}; "
-        f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {state} {prep.out_dir}"
+        f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {engine}; "
+        f"{state} {prep.out_dir}"
     )
 
 
 def _check_tokenizer(prep: Any) -> None:
-    from batchjob.errors import ModelNotFoundError
     from batchjob.job.prompts import plan_prompts
-    from batchjob.models import resolve_model
+    from batchjob.models import load_tokenizer
 
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(prep.spec.model))
-    except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"cannot load the tokenizer of model {prep.spec.model!r}: {e}") from e
+    tokenizer = load_tokenizer(prep.spec.model, prep.spec.trust_remote_code)
     plan_prompts(prep.spec, prep.info.schema.names, bool(getattr(tokenizer, "chat_template", None)))
 
 

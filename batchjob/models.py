@@ -4,6 +4,10 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the Py
 Dequantizing it takes half a minute, so the first load converts it once into a safetensors folder in the
 cache (``$BATCHJOB_CACHE``, else ``$XDG_CACHE_HOME/batchjob``, else ``~/.cache/batchjob``); every later load
 reads that folder in seconds.
+
+Python code shipped with a model (``auto_map`` in its config) runs only with ``trust_remote_code=True``
+(``--trust-remote-code``): every ``from_pretrained`` here passes the flag explicitly, so transformers never
+asks on stdin, and a model that needs its own code is refused with a message that says so.
 """
 
 from __future__ import annotations
@@ -66,9 +70,11 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
         )
         # The GGUF quantizer would make save_pretrained refuse or write quantization metadata; the weights
         # are already dequantized, so drop it and save a plain float32 checkpoint.
@@ -133,17 +139,60 @@ def _check_hub_reachable(repo_id: str) -> None:
         ) from e
 
 
-def load_model_and_tokenizer(name: str | None, dtype: Any, device: Any) -> tuple[Any, Any, str]:
-    """Load an unmodified Hugging Face causal LM and its tokenizer. Returns (model, tokenizer, resolved)."""
+def _load_error(name: str | None, resolved: str, e: Exception, what: str = "model") -> ModelNotFoundError:
+    if "trust_remote_code" in str(e):  # transformers refuses to run the model's own code without the flag
+        where = f"model folder {resolved}" if Path(resolved).is_dir() else f"model {resolved!r}"
+        return ModelNotFoundError(
+            f"{where}: it ships its own Python code; rerun with --trust-remote-code if you trust it "
+            "(an auto_map in its config files names code that is not part of transformers)"
+        )
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ModelNotFoundError(f"cannot load {what} {name!r} ({resolved}): {first}")
+
+
+def load_config(name: str | None, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """The model's config without its weights (for checks before loading). Returns (config, resolved)."""
+    resolved = resolve_model(name)
+    return _config(name, resolved, trust_remote_code), resolved
+
+
+def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error(name, resolved, e, "the config of model") from e
+
+
+def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(name)
+    try:
+        return AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error(name, resolved, e, "the tokenizer of model") from e
+
+
+def load_model_and_tokenizer(
+    name: str | None, dtype: Any, device: Any, trust_remote_code: bool = False
+) -> tuple[Any, Any, str]:
+    """Load an unmodified Hugging Face causal LM and its tokenizer. Returns (model, tokenizer, resolved).
+
+    ``trust_remote_code``: allow the Python code a model folder ships (``auto_map``) to run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_model(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved)
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype)
+        # The config first: a model that needs its own code is refused before anything else is read.
+        _config(name, resolved, trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelNotFoundError(f"cannot load model {name!r} ({resolved}): {first}") from e
+        raise _load_error(name, resolved, e) from e
     model.to(device)
     model.eval()
     return model, tokenizer, resolved

@@ -285,6 +285,12 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
 @click.option("--max-num-batched-tokens", type=int, callback=_positive, help="Our engine's tokens per step.")
 @click.option("--max-num-seqs", type=int, callback=_positive, help="Our engine's running requests at once.")
 @click.option(
+    "--max-model-len",
+    type=int,
+    callback=_positive,
+    help="Our engine's context cap (prompt + output), at most the model's own (default: the model's).",
+)
+@click.option(
     "--num-speculative-tokens",
     type=click.IntRange(0, 64),
     default=None,
@@ -340,6 +346,7 @@ def bench(
     json_path: Path | None,
     max_num_batched_tokens: int | None,
     max_num_seqs: int | None,
+    max_model_len: int | None,
     num_speculative_tokens: int | None,
     cuda_graphs: bool | None,
     compile_model: bool,
@@ -377,6 +384,7 @@ def bench(
             device=device,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
             num_speculative_tokens=num_speculative_tokens,
             cuda_graphs=cuda_graphs,
             compile=compile_model,
@@ -401,7 +409,9 @@ def bench(
         hf_model = None
         if "static" in baselines or "hf-cb" in baselines:
             # A separate, unmodified copy: the engine's model has our paged attention plugged in.
-            hf_model = AutoModelForCausalLM.from_pretrained(engine.model_id, dtype=engine.dtype)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                engine.model_id, dtype=engine.dtype, trust_remote_code=False
+            )
             hf_model.to(engine.device).eval()
         pad_id = engine.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)

@@ -1,4 +1,8 @@
-"""Engine configuration: resolved device and dtype, batch limits and KV pool size, validated on creation."""
+"""Engine configuration: resolved device and dtype, batch limits and KV pool size, validated on creation.
+
+Also the KV pool arithmetic that needs no weights (how many blocks a setting gives, whether one request of
+the full context fits), so ``batchjob validate`` can check a pool from the model's config alone.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchjob.engine.kv_cache import KVShape
 from batchjob.errors import ConfigError
 
 DTYPES = {
@@ -45,6 +50,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+CPU_KV_MEMORY_GB = 2.0  # default KV pool on CPU; --kv-memory-gb changes it
 DEFAULT_SPECULATIVE_TOKENS = 4  # most prompt-lookup drafts a request takes per step (it starts at one)
 
 
@@ -65,6 +71,10 @@ class EngineConfig:
     # the same padded buckets eagerly (nothing to capture there; the tests use it).
     cuda_graphs: bool | None = None
     compile: bool = False  # run the model under torch.compile (attention stays eager)
+    max_model_len: int | None = None  # tokens per request (prompt + output); None: the model's context
+    # Refuse a KV pool that cannot hold one request of max_model_len tokens. None: only when the engine sized
+    # the pool itself; an explicit num_blocks may be small on purpose (tests force preemption that way).
+    check_kv_pool: bool | None = None
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -95,3 +105,79 @@ class EngineConfig:
             )
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ConfigError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
+        n = self.max_model_len
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 2):
+            raise ConfigError(
+                f"max_model_len must be an integer >= 2 (a prompt token and one more), got {n!r}"
+            )
+
+    def resolve_max_model_len(self, model_config) -> int:
+        """The context the engine accepts: ``max_model_len``, which may only shorten the model's own."""
+        own = model_context_len(model_config)
+        if self.max_model_len is None:
+            return own
+        if self.max_model_len > own:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} (--max-model-len) exceeds the model's context of {own} "
+                "tokens; give at most that"
+            )
+        return self.max_model_len
+
+    def planned_num_blocks(self, shape: KVShape, max_model_len: int) -> int | None:
+        """The KV pool in blocks when the settings alone decide it (``num_blocks``, ``kv_memory_gb``, the CPU
+        default); None when it is sized on CUDA by profiling the loaded model."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_memory_gb is not None:
+            budget = self.kv_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            return None
+        else:
+            budget = CPU_KV_MEMORY_GB * 2**30
+        return self.blocks_for_budget(shape, max_model_len, budget)
+
+    def blocks_for_budget(self, shape: KVShape, max_model_len: int, budget: float) -> int:
+        assert self.block_size is not None and self.max_num_seqs is not None
+        per_block = shape.bytes_per_block(self.block_size, self.dtype)
+        # Never more than every seat filled to the full context: beyond that blocks could not be used.
+        useful = self.max_num_seqs * -(-max_model_len // self.block_size) + 1
+        return max(1, min(useful, int(budget // per_block)))
+
+    @property
+    def kv_pool_source(self) -> str:
+        """Which setting sized the KV pool, in the words of both the library and the command line."""
+        if self.num_blocks is not None:
+            return f"num_blocks={self.num_blocks} (--num-blocks)"
+        if self.kv_memory_gb is not None:
+            return f"kv_memory_gb={self.kv_memory_gb:g} (--kv-memory-gb)"
+        if self.device.type == "cuda":
+            return (
+                f"the GPU memory left of gpu_memory_utilization={self.gpu_memory_utilization:g} "
+                "(--gpu-memory-utilization) after the weights and a warm-up forward"
+            )
+        return f"the CPU default of {CPU_KV_MEMORY_GB:g} GiB (--kv-memory-gb)"
+
+    def check_kv_fits(self, num_blocks: int, max_model_len: int) -> None:
+        """Raise ``ConfigError`` unless ``num_blocks`` hold one request of ``max_model_len`` tokens."""
+        bs = self.block_size
+        assert bs is not None
+        need = -(-max_model_len // bs)
+        if num_blocks >= need:
+            return
+        tokens = num_blocks * bs
+        raise ConfigError(
+            f"the KV cache pool of {num_blocks} blocks x {bs} tokens = {tokens} tokens (sized by "
+            f"{self.kv_pool_source}) cannot hold one request of the full context (max_model_len "
+            f"{max_model_len} tokens, {need} blocks). Raise --kv-memory-gb or --num-blocks, or cap the "
+            f"context with --max-model-len N (N <= {tokens})"
+        )
+
+
+def model_context_len(model_config) -> int:
+    """The model's own context length, from its (text) config; 2048 when it names none."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

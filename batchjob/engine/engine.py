@@ -38,8 +38,6 @@ from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
-CPU_KV_MEMORY_GB = 2.0  # default KV pool on CPU; --kv-memory-gb changes it
-
 
 @dataclass
 class RequestOutput:
@@ -111,15 +109,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
 
 
-def _max_model_len(config) -> int:
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, model_id: str = "") -> None:
         self.model = model
@@ -128,12 +117,14 @@ class Engine:
         self.model_id = model_id
         self.device = config.device
         self.dtype = config.dtype
-        self.max_model_len = _max_model_len(model.config)
+        self.max_model_len = config.resolve_max_model_len(model.config)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
         shape = KVShape.from_config(model.config)
         num_blocks = config.num_blocks or self._auto_num_blocks(shape)
+        if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
+            config.check_kv_fits(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
         scratch = num_blocks if config.cuda_graphs else None
@@ -182,8 +173,17 @@ class Engine:
         num_speculative_tokens: int | None = None,
         cuda_graphs: bool | None = None,
         compile: bool = False,
+        max_model_len: int | None = None,
+        check_kv_pool: bool | None = None,
+        trust_remote_code: bool = False,
     ) -> Engine:
-        """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine."""
+        """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine.
+
+        ``max_model_len`` caps the context (prompt + output) below the model's own. ``check_kv_pool``: refuse
+        a KV pool that cannot hold one request of that context (None: only when the engine sized the pool).
+        ``trust_remote_code``: run Python code shipped in the model's folder; without it such a model is
+        refused (transformers is never left to ask on stdin).
+        """
         from batchjob.models import load_model_and_tokenizer
 
         dev = resolve_device(device)
@@ -201,31 +201,31 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens,
             cuda_graphs=cuda_graphs,
             compile=compile,
+            max_model_len=max_model_len,
+            check_kv_pool=check_kv_pool,
         )
-        hf_model, tokenizer, resolved = load_model_and_tokenizer(model, config.dtype, dev)
+        hf_model, tokenizer, resolved = load_model_and_tokenizer(
+            model, config.dtype, dev, trust_remote_code=trust_remote_code
+        )
         return cls(hf_model, tokenizer, config, model_id=resolved)
 
     def _auto_num_blocks(self, shape: KVShape) -> int:
         """Size the KV pool: explicit ``kv_memory_gb``; on CUDA, what is left of ``gpu_memory_utilization``
         after the weights and a warm-up forward at the full token budget; on CPU a fixed budget."""
+        planned = self.config.planned_num_blocks(shape, self.max_model_len)
+        if planned is not None:
+            return planned
         per_block = shape.bytes_per_block(self.config.block_size, self.dtype)
-        # Never more than every seat filled to the full context: beyond that blocks could not be used.
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
-        if self.config.kv_memory_gb is not None:
-            budget = self.config.kv_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            _, total = torch.cuda.mem_get_info(self.device)
-            peak = self._profile_peak_memory(shape)
-            budget = total * self.config.gpu_memory_utilization - peak - self._cuda_reserve(peak)
-            if budget < per_block:
-                raise ConfigError(
-                    f"no GPU memory left for the KV cache: the model and a forward of "
-                    f"{self.config.max_num_batched_tokens} tokens peak at {peak / 2**30:.1f} GiB of "
-                    f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization"
-                )
-        else:
-            budget = CPU_KV_MEMORY_GB * 2**30
-        return max(1, min(useful, int(budget // per_block)))
+        _, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_peak_memory(shape)
+        budget = total * self.config.gpu_memory_utilization - peak - self._cuda_reserve(peak)
+        if budget < per_block:
+            raise ConfigError(
+                f"no GPU memory left for the KV cache: the model and a forward of "
+                f"{self.config.max_num_batched_tokens} tokens peak at {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        return self.config.blocks_for_budget(shape, self.max_model_len, budget)
 
     def _cuda_reserve(self, peak: int) -> int:
         """Memory the warm-up forward does not show (an estimate): logits of every row that may sample in one

@@ -1,16 +1,21 @@
 """From a row to prompt token ids, or to the reason the row has no usable prompt.
 
 Exactly one source of text per job: ``--prompt-column`` (the column's text), ``--messages-column`` (a list of
-``{"role", "content"}`` messages, or its JSON text) or ``--template`` (a ``str.format`` string over columns).
+``{"role", "content"}`` messages, or its JSON text) or ``--template`` (text with ``{column}`` fields).
 Without any, a column named ``prompt`` or ``text`` is the prompt (or ``messages`` the messages). ``--chat``
 (default: on when the tokenizer has a chat template) wraps a plain prompt as a user message, after the
 ``--system`` message if one is given. A row's problem is returned as an error string, never raised: a bad row
 must not stop the job.
+
+Templates are data, never code: a field is a column name, optionally indexed into a struct/map or list column
+(``{meta[title]}``, ``{tags[0]}``); attribute access, conversions, format specs and positional fields are
+refused when the spec is checked, and rendering is our own substitution (``str.format`` never sees a row).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -35,20 +40,107 @@ class PromptPlan:
         return [self.column] if self.column else list(self.template_fields)
 
 
-def template_fields(template: str) -> tuple[str, ...]:
+TEMPLATE_RULES = (
+    "a template field is a column name in braces, like {review}, optionally indexed into a struct or list "
+    "column, like {meta[title]} or {tags[0]}; no attribute access (.), conversions (!r), format specs (:>10) "
+    "or positional fields ({}, {0}); write literal braces as {{ and }}"
+)
+
+
+@dataclass(frozen=True)
+class TemplateField:
+    """One ``{column[key][0]}`` field: the column, then the keys/indexes into its value."""
+
+    text: str  # the field as written, for messages, e.g. "{meta[title]}"
+    column: str
+    path: tuple[str, ...]  # each [...] in order, as written (a list index is digits)
+
+
+_FIELD = re.compile(r"^(?P<column>[^.\[\]]+)(?P<path>(\[[^\[\]]+\])*)$")
+
+
+def parse_template(template: str) -> tuple[str | TemplateField, ...]:
+    """The template as literal text and fields, in order; raises ``ConfigError`` naming a refused field."""
     try:
-        parsed = list(string.Formatter().parse(template))
+        parsed = list(string.Formatter().parse(template))  # parses only: no value is looked at here
     except ValueError as e:
-        raise ConfigError(f"--template {template!r} is not a valid format string: {e}") from e
-    names = []
-    for _, name, _, _ in parsed:
+        raise ConfigError(f"--template {template!r} is not a valid template: {e}; {TEMPLATE_RULES}") from e
+    parts: list[str | TemplateField] = []
+    for literal, name, spec, conversion in parsed:
+        if literal:
+            parts.append(literal)
         if name is None:
             continue
-        base = name.split(".")[0].split("[")[0]
-        if base == "" or base.isdigit():
-            raise ConfigError(f"--template {template!r}: use column names in braces, like {{review}}")
-        names.append(base)
-    return tuple(dict.fromkeys(names))
+        text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        m = _FIELD.match(name)
+        bare = re.sub(r"\[[^\[\]]*\]", "", name)  # the name without its [...] indexes
+        why = None
+        if conversion is not None:
+            why = f"a conversion !{conversion}"
+        elif spec:
+            why = f"a format spec :{spec}"
+        elif "." in bare:
+            why = "attribute access"
+        elif not bare.strip() or bare.isdigit():
+            why = "an empty or numbered (positional) field"
+        elif m is None:
+            why = "not a column name"
+        if why is not None or m is None:
+            raise ConfigError(f"--template {template!r}: field {text} is refused ({why}); {TEMPLATE_RULES}")
+        path = tuple(re.findall(r"\[([^\[\]]+)\]", m.group("path")))
+        parts.append(TemplateField(text, m.group("column"), path))
+    return tuple(parts)
+
+
+def template_fields(template: str) -> tuple[str, ...]:
+    """The columns a template uses, in order of first use; raises ``ConfigError`` for a refused template."""
+    return tuple(dict.fromkeys(p.column for p in parse_template(template) if isinstance(p, TemplateField)))
+
+
+def _template_text(value: Any) -> str:
+    """A field's value as prompt text: strings as they are, nested values as compact JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return str(value)
+
+
+def _lookup(value: Any, key: str) -> tuple[bool, Any]:
+    """``value[key]`` for a struct/map (by name) or a list (by a digits index); (False, None) if absent."""
+    if isinstance(value, dict):
+        if key in value:
+            return True, value[key]
+        return (True, value[int(key)]) if key.isdigit() and int(key) in value else (False, None)
+    if isinstance(value, (list, tuple)) and key.isdigit() and int(key) < len(value):
+        return True, value[int(key)]
+    return False, None
+
+
+def render_template(
+    parts: tuple[str | TemplateField, ...], values: dict[str, Any]
+) -> tuple[str | None, str | None]:
+    """(text, None) or (None, why this row does not fill the template)."""
+    out = []
+    for part in parts:
+        if isinstance(part, str):
+            out.append(part)
+            continue
+        if part.column not in values:
+            return None, f"column {part.column!r} is missing in this row"
+        value = values[part.column]
+        where = part.column
+        for key in part.path:
+            if value is None:
+                break
+            found, value = _lookup(value, key)
+            if not found:
+                return None, f"template field {part.text}: {where!r} has no [{key}] in this row"
+            where += f"[{key}]"
+        if value is None:
+            return None, f"column {part.column!r} is null" if where == part.column else f"{where!r} is null"
+        out.append(_template_text(value))
+    return "".join(out), None
 
 
 def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
@@ -106,20 +198,14 @@ class PromptBuilder:
         self.plan = plan
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._template = parse_template(plan.template) if plan.template is not None else ()
 
     def text(self, values: dict[str, Any]) -> tuple[str | None, str | None]:
         """(prompt text, None) or (None, why this row has no usable prompt)."""
         plan = self.plan
         if plan.kind == "template":
-            for f in plan.template_fields:
-                if f not in values:
-                    return None, f"column {f!r} is missing in this row"
-                if values[f] is None:
-                    return None, f"column {f!r} is null"
-            try:
-                return self._wrap(plan.template.format_map(values)), None  # type: ignore[union-attr]
-            except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
-                return None, f"template does not apply to this row: {type(e).__name__}: {e}"
+            text, error = render_template(self._template, values)
+            return (None, error) if text is None else (self._wrap(text), None)
         col = plan.column
         assert col is not None
         if col not in values:
@@ -183,6 +269,7 @@ class PromptBuilder:
         if len(ids) >= self.max_model_len:
             return (
                 None,
-                f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len}",
+                f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} tokens "
+                "(the model's, or --max-model-len)",
             )
         return list(ids), None

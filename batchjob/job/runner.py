@@ -543,11 +543,9 @@ def part_prefix(shard: Shard) -> str:
     return "part-" if shard.single else f"part-{shard.index:05d}-of-{shard.count:05d}-"
 
 
-def load_engine(spec: JobSpec) -> Any:
-    from batchjob.engine import Engine
-
-    return Engine.from_pretrained(
-        spec.model,
+def _engine_options(spec: JobSpec) -> dict[str, Any]:
+    """The spec's engine settings, as ``Engine.from_pretrained`` and ``EngineConfig`` name them."""
+    return dict(
         dtype=spec.dtype,
         device=spec.device,
         max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -561,6 +559,44 @@ def load_engine(spec: JobSpec) -> Any:
         num_speculative_tokens=spec.num_speculative_tokens,
         cuda_graphs=spec.cuda_graphs,
         compile=spec.compile,
+        max_model_len=spec.max_model_len,
+        # A job always wants a pool that fits one request of the full context, however it was sized: a
+        # smaller one would turn rows into errors for a reason that is about the setup, not the row.
+        check_kv_pool=True,
+    )
+
+
+def load_engine(spec: JobSpec) -> Any:
+    from batchjob.engine import Engine
+
+    return Engine.from_pretrained(
+        spec.model, trust_remote_code=spec.trust_remote_code, **_engine_options(spec)
+    )
+
+
+def check_engine(spec: JobSpec) -> str:
+    """What ``load_engine`` refuses, checked from the model's config without its weights: code the model
+    ships (without ``trust_remote_code``), ``max_model_len`` beyond the model's context, a KV pool that can't
+    hold one request of the context. Returns a line saying what the engine will get."""
+    from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
+    from batchjob.engine.kv_cache import KVShape
+    from batchjob.models import load_config
+
+    model_config, _ = load_config(spec.model, spec.trust_remote_code)
+    options = _engine_options(spec)
+    device = resolve_device(options.pop("device"))
+    config = EngineConfig(device=device, dtype=resolve_dtype(options.pop("dtype"), device), **options)
+    max_len = config.resolve_max_model_len(model_config)
+    blocks = config.planned_num_blocks(KVShape.from_config(model_config), max_len)
+    if blocks is None:
+        return (
+            f"context {max_len} tokens; the KV pool is sized at load by profiling {device} memory, and "
+            "checked then to hold one request of that context"
+        )
+    config.check_kv_fits(blocks, max_len)
+    return (
+        f"context {max_len} tokens; KV pool {blocks} blocks x {config.block_size} tokens = "
+        f"{blocks * config.block_size} tokens (sized by {config.kv_pool_source})"
     )
 
 

@@ -45,6 +45,7 @@ class JobSpec:
     id_column: str | None = None
     # model
     model: str | None = None  # None: the embedded default model
+    trust_remote_code: bool = False  # run Python code the model's folder ships (not part of the identity)
     dtype: str = "auto"
     device: str = "auto"
     # sampling
@@ -67,6 +68,7 @@ class JobSpec:
     block_size: int = 16
     kv_memory_gb: float | None = None
     num_blocks: int | None = None
+    max_model_len: int | None = None  # tokens per row (prompt + output) at most; None: the model's context
     gpu_memory_utilization: float = 0.9
     prefix_caching: bool = True
     num_speculative_tokens: int | None = None  # prompt-lookup drafts per row and step (None: the engine's)
@@ -106,6 +108,10 @@ class JobSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(
+                f"max_model_len must be >= 2 tokens (a prompt token and one more), got {self.max_model_len!r}"
+            )
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 64:
             raise ConfigError(
                 f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens!r}"
@@ -175,6 +181,8 @@ class JobSpec:
         for k in ("choices", "json_schema", "regex", "logprobs", "n"):
             if k in extra:
                 out[k] = extra[k]  # the schema's content, not its path
+        if self.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")
+            out["max_model_len"] = self.max_model_len
         return out
 
 

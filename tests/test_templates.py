@@ -1,0 +1,165 @@
+"""Templates are data, not code: only {column} fields (indexed into structs and lists), our own substitution.
+
+A refused template is a setup error (exit 2 from run and validate, before any work); a row that does not fill
+the template is an error row naming the column.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.errors import ConfigError
+from batchjob.job.prompts import PromptBuilder, parse_template, plan_prompts, template_fields
+from batchjob.job.spec import JobSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+REFUSED = [
+    ("{review!x}", "{review!x}", "conversion"),
+    ("{review!r}", "{review!r}", "conversion"),
+    ("Hi {review.__class__.__mro__}", "{review.__class__.__mro__}", "attribute access"),
+    ("{meta[title].upper}", "{meta[title].upper}", "attribute access"),
+    ("{review:>10}", "{review:>10}", "format spec"),
+    ("{review:{n}}", "{review:{n}}", "format spec"),
+    ("{}", "{}", "positional"),
+    ("{0}", "{0}", "positional"),
+    ("{0[review]}", "{0[review]}", "positional"),
+    ("{review[a]b}", "{review[a]b}", "not a column name"),
+]
+
+
+@pytest.mark.parametrize(("template", "field", "why"), REFUSED)
+def test_refused_fields_name_the_template_the_field_and_what_is_allowed(template, field, why):
+    with pytest.raises(ConfigError) as e:
+        template_fields(template)
+    msg = str(e.value)
+    assert repr(template) in msg and f"field {field} is refused" in msg and why in msg
+    assert "{review}" in msg and "{meta[title]}" in msg and "{tags[0]}" in msg  # what is allowed
+    assert "{{ and }}" in msg  # how to write a literal brace
+    with pytest.raises(ConfigError, match="refused"):  # the spec check every command runs first
+        plan_prompts(JobSpec(template=template), ["review", "meta", "n"], False)
+
+
+def test_unbalanced_braces_are_refused():
+    for template in ("{review", "review}", "{review[}"):
+        with pytest.raises(ConfigError, match="not a valid template.*literal braces"):
+            template_fields(template)
+
+
+def test_fields_and_literal_braces():
+    assert template_fields("{a} {{not a field}} {b[x]} {a} {c[0][k]}") == ("a", "b", "c")
+    assert template_fields("{meta[a.b]}") == ("meta",)  # a dot inside an index is a key, not an attribute
+    assert template_fields("{my column}") == ("my column",)
+
+
+def _text(template, values):
+    plan = plan_prompts(JobSpec(template=template, chat=False), list(template_fields(template)), False)
+    return PromptBuilder(plan, tokenizer=None, max_model_len=64).text(values)
+
+
+def test_rendering_is_plain_substitution():
+    values = {
+        "review": "Great {n} {0.__class__} {{x}}",  # a value's braces are text, never formatted again
+        "n": 3,
+        "f": 1.5,
+        "ok": True,
+        "meta": {"title": "Über", "tags": ["a", "b"], "deep": {"k": None}},
+        "tags": ["x", {"y": [1, "é"]}],
+    }
+    text, error = _text(
+        "{{lit}} {review} | {n} {f} {ok} | {meta[title]} {meta[tags][1]} {tags[0]} | {tags[1]} | {meta}",
+        values,
+    )
+    assert error is None
+    assert text == (
+        '{lit} Great {n} {0.__class__} {{x}} | 3 1.5 True | Über b x | {"y": [1, "é"]} | '
+        '{"title": "Über", "tags": ["a", "b"], "deep": {"k": null}}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "values", "error"),
+    [
+        ("{review}", {"other": "x"}, "column 'review' is missing in this row"),
+        ("{review}", {"review": None}, "column 'review' is null"),
+        ("{meta[title]}", {"meta": None}, "column 'meta' is null"),
+        ("{meta[title]}", {"meta": {"other": 1}}, "{meta[title]}: 'meta' has no [title] in this row"),
+        ("{meta[title]}", {"meta": {"title": None}}, "'meta[title]' is null"),
+        ("{tags[2]}", {"tags": ["a", "b"]}, "{tags[2]}: 'tags' has no [2] in this row"),
+        ("{tags[first]}", {"tags": ["a", "b"]}, "'tags' has no [first]"),
+        ("{review[0]}", {"review": "text"}, "'review' has no [0]"),  # no indexing into strings
+    ],
+)
+def test_a_row_that_does_not_fill_the_template_is_an_error_row(template, values, error):
+    text, got = _text(template, values)
+    assert text is None and error in got
+
+
+def test_parse_keeps_text_and_fields_in_order():
+    parts = parse_template("A {x[k]} B")
+    assert parts[0] == "A " and parts[2] == " B"
+    assert (parts[1].column, parts[1].path, parts[1].text) == ("x", ("k",), "{x[k]}")
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def data(tmp_path):
+    path = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "review": ["great product", "bad", "fine"],
+                "meta": [{"title": "T0"}, {"title": None}, {"title": "T2"}],
+                "tags": [["a", "b"], ["c"], ["d", "e"]],
+            }
+        ),
+        path,
+    )
+    return path
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize(("template", "field", "why"), REFUSED[:6])
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_refused_template_exits_2_before_any_work(
+    command, template, field, why, data, tiny_model_dir, tmp_path
+):
+    out = tmp_path / "out"
+    code, text = invoke(
+        command, "--input", data, "--output", out, "--model", tiny_model_dir, "--template", template
+    )
+    assert code == 2, text
+    assert f"field {field} is refused" in text and "Traceback" not in text
+    assert not out.exists()  # refused before the output folder is even created
+
+
+def test_struct_and_list_fields_in_a_job(data, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    template = "{review} / {meta[title]} / {tags[1]} / {tags}"
+    out = tmp_path / "out"
+    args = ["--input", data, "--output", out, "--model", tiny_model_dir, "--template", template]
+    code, text = invoke("validate", *args)
+    assert code == 0, text
+    code, text = invoke("run", *args, "--no-chat", "--max-new-tokens", "2")
+    assert code == 0, text
+    rows = {r["review"]: r for r in ds.dataset(out, format="parquet").to_table().to_pylist()}
+    assert "'meta[title]' is null" in rows["bad"]["error"]  # row 1: null title (and only one tag)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = "great product / T0 / b / " + json.dumps(["a", "b"])
+    assert rows["great product"]["error"] is None
+    assert rows["great product"]["num_prompt_tokens"] == len(tok(expected)["input_ids"])
+    assert rows["fine"]["error"] is None
