@@ -89,6 +89,57 @@ def test_a_signal_during_start_up_exits_75_and_the_rerun_completes(
     assert results(out) == expected  # every row exactly once, the same text
 
 
+def test_sigkill_to_the_launcher_takes_its_workers_with_it(reviews, tiny_model_dir, tmp_path, expected):
+    out = tmp_path / "out"
+    args = ["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)]
+    # both workers stop once their job loop runs (the launcher never gets there)
+    launcher = launch(args, BATCHJOB_FAULT_PAUSE="loop_started", OMP_NUM_THREADS="1")
+    workers, _ = wait_for_points(launcher, count=2)
+    assert launcher.pid not in workers
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    assert wait_gone(workers, timeout=60) == []  # no orphans
+    text = launcher.stdout.read()  # the workers held the pipe open until they exited
+    assert text.count("is gone; stopping") == 2, text
+    assert text.count("state saved; run the same command again") == 2, text
+    assert "second signal" not in text and "Traceback" not in text
+    for shard in ("shard-00000-of-00002", "shard-00001-of-00002"):
+        assert (out / "_batchjob" / shard / "inflight.json").exists()  # each saved its requests
+
+    proc = launch(args, OMP_NUM_THREADS="1")
+    text = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, text
+    assert results(out) == expected
+
+
+def test_a_signal_to_the_launcher_before_its_workers_run_exits_75(
+    reviews, tiny_model_dir, tmp_path, expected
+):
+    out = tmp_path / "out"
+    args = ["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)]
+    # before any worker: the launcher's own start-up
+    proc = launch(args, BATCHJOB_FAULT_PAUSE="launch")
+    wait_for_points(proc)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 75 and "during start-up" in text and "Traceback" not in text, text
+
+    # after the first worker started: it gets the signal, the second is never started
+    proc = launch(args, BATCHJOB_FAULT_PAUSE="worker_started", OMP_NUM_THREADS="1")
+    wait_for_points(proc)
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, text
+    assert "worker shard 0 of 2 on cpu: exit 75" in text  # the signal waited for its handlers
+    assert "worker shard 1 of 2 on cpu: not started (interrupted)" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+
+    proc = launch(args, OMP_NUM_THREADS="1")
+    text = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, text
+    assert results(out) == expected
+
+
 def test_the_watch_stops_a_worker_whose_parent_died(tmp_path):
     """The portable half (no prctl): a process whose parent exits sends itself SIGTERM."""
     child = (
