@@ -21,7 +21,8 @@ from batchjob.job.spec import DTYPE_CHOICES
 EXIT_CODES = """\b
 Exit codes:
   0   the job is complete (or was already)
-  1   the job stopped: --max-errors reached, unreadable state, another run holds DIR (state is saved)
+  1   the job stopped: --max-errors reached, unreadable state, a full disk, another run holds DIR
+      (state is saved)
   2   a usage error: bad option or job file, missing input or column, model not found, or a resume whose
       model, inputs, prompts or sampling differ from the saved job
   75  interrupted by SIGTERM/SIGINT: finished rows committed, in-flight requests saved (during start-up:
@@ -45,6 +46,11 @@ def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except BatchjobError as e:
             raise _Failure(str(e), e.exit_code) from e
         except OSError as e:  # disk full, permission denied: the world, not a bug
+            from batchjob.io.atomic import disk_full_message, is_disk_full
+
+            if is_disk_full(e):
+                where = e.filename or (f"under {kwargs['output']}" if kwargs.get("output") else None)
+                raise _Failure(disk_full_message(e, where), 1) from e
             raise _Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
 
     return wrapper

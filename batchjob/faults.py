@@ -1,5 +1,5 @@
-"""Fault injection, for tests that drive a real process: stop at a named moment. Read from the environment
-when the point is reached; costs nothing when unset.
+"""Fault injection, for tests that drive a real process: stop at a named moment, or fail a write as a full disk
+would. Both are read from the environment when the point is reached and cost nothing when unset.
 
 - ``BATCHJOB_FAULT_PAUSE=<point>[,<point>...]``: at that point the process prints
   ``batchjob: fault point <point> (pid N): waiting for a signal`` on stderr, waits until a SIGTERM/SIGINT
@@ -8,10 +8,14 @@ when the point is reached; costs nothing when unset.
   to parse its options), ``before_model_load`` and ``during_model_load`` (``run_job``, the state folder
   locked), ``loop_started`` (the job loop's own handlers are in place), ``launch`` (the ``--devices``
   launcher, before it starts a worker), ``worker_started`` (the launcher, after starting its first worker).
+- ``BATCHJOB_FAULT_ENOSPC=<what>:<n>``: the n-th write of ``what`` in this process fails with ENOSPC, the way
+  pyarrow reports it (no file name). ``what``: ``part``, or a state file's name (``inflight.json``,
+  ``stats.json``, ``job.json``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -20,6 +24,9 @@ import time
 from typing import Any
 
 PAUSE_ENV = "BATCHJOB_FAULT_PAUSE"
+ENOSPC_ENV = "BATCHJOB_FAULT_ENOSPC"
+
+_writes: dict[str, int] = {}
 
 
 def point(name: str) -> None:
@@ -55,3 +62,16 @@ def point(name: str) -> None:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def disk_write(what: str) -> None:
+    """If ``BATCHJOB_FAULT_ENOSPC`` is ``<what>:<n>`` and this is the n-th such write, fail as a full disk."""
+    spec = os.environ.get(ENOSPC_ENV)
+    if not spec:
+        return
+    target, _, n = spec.rpartition(":")
+    if target != what:
+        return
+    _writes[what] = _writes.get(what, 0) + 1
+    if str(_writes[what]) == n.strip():
+        raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
