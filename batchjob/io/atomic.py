@@ -24,6 +24,18 @@ from batchjob.errors import BatchjobError, StateError
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
+class CorruptStateError(StateError):
+    """A state file is torn, not JSON, or fails its checksum (not merely unreadable)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"state file {path} {reason}; restore it from a backup, or run the job into a new --output "
+            "(the Parquet parts already written stay valid: keep them)"
+        )
+        self.path = path
+        self.reason = reason
+
+
 class DiskFullError(BatchjobError):
     """No space (or quota) left while writing a part or a state file; what was committed is kept."""
 
@@ -99,11 +111,13 @@ def write_json(path: Path, body: Any) -> None:
 def read_json(path: Path) -> Any:
     """Read a file written by :func:`write_json`; a torn or altered file raises StateError naming it."""
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise StateError(
-            f"state file {path} is unreadable or torn ({e}); delete the output folder to start over"
-        ) from e
+        data = path.read_bytes()
+    except OSError as e:
+        raise StateError(f"state file {path} cannot be read: {e.strerror or e}") from e
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise CorruptStateError(path, f"is torn or not JSON ({e})") from e
     if not isinstance(doc, dict) or "body" not in doc or doc.get("checksum") != _digest(doc["body"]):
-        raise StateError(f"state file {path} fails its checksum: it is corrupt and will not be trusted")
+        raise CorruptStateError(path, "fails its checksum, so it is not trusted")
     return doc["body"]
