@@ -49,7 +49,8 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_job_ends_exact(
     args = job_args(reviews, out, tiny_model_dir, "--checkpoint-interval", "0.001")
     # an interrupted job: parts committed, requests in flight (stopped by a full disk at its third part)
     first = launch(args, BATCHJOB_FAULT_ENOSPC="part:3")
-    assert first.wait(timeout=240) == 1
+    text = first.communicate(timeout=240)[0]
+    assert first.returncode == 1, text
     checkpoint = out / "_batchjob" / "inflight.json"
     requests = read_json(checkpoint)["requests"]
     assert requests and any(r["output_ids"] for r in requests)  # mid-generation: something to lose

@@ -72,6 +72,9 @@ def test_a_signal_during_start_up_exits_75_and_the_rerun_completes(
     proc = entry(args, BATCHJOB_FAULT_PAUSE=point)
     (pid,), _ = wait_for_points(proc)
     assert pid == proc.pid
+    if point == "entry":  # the handlers came before the heavy imports, not after them
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "arrow" not in maps and "torch" not in maps
     proc.send_signal(sig)
     text = proc.communicate(timeout=60)[0]
     assert proc.returncode == 75, text
@@ -99,7 +102,8 @@ def test_sigkill_to_the_launcher_takes_its_workers_with_it(reviews, tiny_model_d
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     assert wait_gone(workers, timeout=60) == []  # no orphans
-    text = launcher.stdout.read()  # the workers held the pipe open until they exited
+    with launcher.stdout:
+        text = launcher.stdout.read()  # the workers held the pipe open until they exited
     assert text.count("is gone; stopping") == 2, text
     assert text.count("state saved; run the same command again") == 2, text
     assert "second signal" not in text and "Traceback" not in text
