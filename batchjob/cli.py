@@ -21,12 +21,14 @@ from batchjob.job.spec import DTYPE_CHOICES
 EXIT_CODES = """\b
 Exit codes:
   0   the job is complete (or was already)
-  1   the job stopped: --max-errors reached, unreadable state, another run holds DIR (state is saved)
+  1   the job stopped: --max-errors reached, unreadable state, a full disk, another run holds DIR
+      (state is saved)
   2   a usage error: bad option, template or job file, missing input or column, model not found, a model
       that ships its own code without --trust-remote-code, a KV pool that can't hold one request of the
-      full context, or a resume whose model, inputs, prompts or sampling differ from the saved job
-  75  interrupted by SIGTERM/SIGINT: finished rows committed, in-flight requests saved; run the same
-      command again to resume (EX_TEMPFAIL: "requeue me")
+      full context, inputs that changed since the job started (--append takes in rows appended and new
+      files), or a resume whose model, prompts or sampling differ from the saved job
+  75  interrupted by SIGTERM/SIGINT: finished rows committed, in-flight requests saved (during start-up:
+      nothing to save yet); run the same command again to resume (EX_TEMPFAIL: "requeue me")
   With --devices or --ray: the worst of the workers' codes (2, then 1, then 75, then 0)."""
 
 
@@ -46,6 +48,11 @@ def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except BatchjobError as e:
             raise _Failure(str(e), e.exit_code) from e
         except OSError as e:  # disk full, permission denied: the world, not a bug
+            from batchjob.io.atomic import disk_full_message, is_disk_full
+
+            if is_disk_full(e):
+                where = e.filename or (f"under {kwargs['output']}" if kwargs.get("output") else None)
+                raise _Failure(disk_full_message(e, where), 1) from e
             raise _Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
 
     return wrapper
@@ -299,10 +306,34 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
     return make_spec(job_file, **given)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Program(click.Group):
+    """The ``batchjob`` group. Called as a program (the console script, ``python -m batchjob``), it handles
+    SIGTERM/SIGINT from the start: one that comes before the job loop runs exits 75 with one line."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import sys
+
+        from batchjob import faults, signals
+
+        signals.install()  # already done by `import batchjob` or __main__; here for any other entry
+        try:
+            signals.arm()
+            faults.point("startup")
+            return super().__call__(*args, **kwargs)
+        except signals.Interrupted as e:
+            print(f"batchjob: {e}", file=sys.stderr)
+            sys.exit(signals.EXIT_INTERRUPTED)
+
+
+@click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="batchjob")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """batchjob: offline batch inference over large datasets, resumable, Parquet out."""
+    if ctx.invoked_subcommand != "run":
+        from batchjob import signals
+
+        signals.release()  # only `run` has state to save; the others keep Python's usual signals
 
 
 @main.command(epilog=EXIT_CODES)

@@ -19,7 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.io.atomic import replace_file
+from batchjob import faults
+from batchjob.io.atomic import replace_file, writing
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -123,8 +124,10 @@ class PartWriter:
         """Write a table with the output schema as part ``seq``, atomically; returns the part's file name."""
         name = self.part_name(seq)
         tmp = self.out_dir / f".{name}.tmp"
-        pq.write_table(table, tmp, compression="zstd")
-        replace_file(tmp, self.out_dir / name)
+        with writing(tmp):  # a full disk names the part; no temporary file is left behind
+            pq.write_table(table, tmp, compression="zstd")
+            faults.disk_write("part")
+            replace_file(tmp, self.out_dir / name)
         return name
 
     @property

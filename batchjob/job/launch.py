@@ -45,11 +45,14 @@ def parse_devices(value: str) -> list[str]:
 
 
 class _Forward:
-    """While the workers run, a SIGTERM/SIGINT to the launcher goes to each of them."""
+    """While the workers start and run, a SIGTERM/SIGINT to the launcher goes to each of them (once), and no
+    further worker is started."""
 
     def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
         self.procs = procs
         self.previous: dict[int, Any] = {}
+        self.signum: int | None = None  # the signal received, if any
+        self._sent: set[int] = set()  # pids it has been passed on to
 
     def __enter__(self) -> _Forward:
         if threading.current_thread() is threading.main_thread():
@@ -58,11 +61,23 @@ class _Forward:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self.forward()
+
+    def forward(self) -> None:
+        """Pass the signal received on to every running worker that has not had it (one started while the
+        handler ran is caught by the next call)."""
+        if self.signum is None:
+            return
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+            if p.pid not in self._sent and p.poll() is None:
+                p.send_signal(self.signum)
+                self._sent.add(p.pid)
 
     def __exit__(self, *exc: object) -> None:
+        from batchjob import signals
+
+        signals.finishing()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
@@ -72,22 +87,43 @@ def run_devices(devices: list[str], outer: Shard, worker_args: list[str]) -> lis
 
     Worker ``p`` on device ``devices[p]`` runs shard ``outer.index * D + p`` of ``outer.count * D``, so
     ``--devices`` also composes with a Slurm array or explicit shard flags (each array task runs D workers).
+    A signal stops the start of further workers (those count as interrupted, 75); a worker the signal
+    reached before its handlers were in place (killed by it) also counts as interrupted. The workers die
+    with the launcher: SIGTERM from the kernel on Linux, else their own watch (``signals.py``).
     """
+    from batchjob import faults, signals
+
     n = len(devices)
     procs: list[subprocess.Popen[bytes]] = []
-    labels = []
-    with _Forward(procs):
+    labels = [f"{Shard(outer.index * n + pos, outer.count * n)} on {d}" for pos, d in enumerate(devices)]
+    env = dict(os.environ, **{signals.PARENT_ENV: str(os.getpid())})
+    faults.point("launch")
+    with _Forward(procs) as fwd:
         for pos, device in enumerate(devices):
+            if fwd.signum is not None:
+                break
             shard = Shard(outer.index * n + pos, outer.count * n)
             cmd = [sys.executable, "-m", "batchjob", "run", *worker_args, "--device", device]
             cmd += ["--num-shards", str(shard.count), "--shard-index", str(shard.index)]
-            procs.append(subprocess.Popen(cmd))
-            labels.append(f"{shard} on {device}")
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=signals.worker_preexec()))
+            fwd.forward()
+            if pos == 0:
+                faults.point("worker_started")
+        fwd.forward()
         codes = [p.wait() for p in procs]
-    for label, code in zip(labels, codes, strict=True):
+    stopped_by = {-fwd.signum} if fwd.signum is not None else set()
+    report = []
+    for label, code in zip(labels, codes + [None] * (n - len(codes)), strict=True):
+        if code is None:
+            report.append(EXIT_INTERRUPTED)
+            print(f"batchjob: worker {label}: not started (interrupted)", file=sys.stderr)
+            continue
         how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+        if code in stopped_by:  # the signal came before its handlers: nothing to save
+            how, code = f"{how} (interrupted while starting)", EXIT_INTERRUPTED
+        report.append(code)
         print(f"batchjob: worker {label}: {how}", file=sys.stderr)
-    return codes
+    return report
 
 
 # -- Ray ---------------------------------------------------------------------------------------------------
@@ -155,7 +191,7 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
             task = ray.remote(num_cpus=1, max_retries=3)(_ray_worker)
         per = f"{'GPU' if gpus else 'CPU slot'}"
         print(f"batchjob: {count} workers as Ray tasks, one per {per}", file=sys.stderr)
-        refs = [task.remote(spec, i, count) for i in range(count)]
+        refs: list[Any] = []
         stopping: list[int] = []
 
         def cancel(signum: int, frame: Any) -> None:
@@ -163,9 +199,18 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
             for ref in refs:
                 ray.cancel(ref)  # a running task gets a KeyboardInterrupt: it saves its state and stops
 
+        # in place before the first task: a signal from here on cancels what was submitted and submits no more
         previous = {s: signal.signal(s, cancel) for s in (signal.SIGTERM, signal.SIGINT)}
         codes = []
         try:
+            for i in range(count):
+                if stopping:
+                    codes.append(EXIT_INTERRUPTED)
+                    print(f"batchjob: {Shard(i, count, '--ray')}: not started (interrupted)", file=sys.stderr)
+                    continue
+                refs.append(task.remote(spec, i, count))
+            if stopping:  # a signal between submitting a task and listing it
+                cancel(stopping[0], None)
             for ref in refs:
                 try:
                     code, line = ray.get(ref)
@@ -174,6 +219,9 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
                 codes.append(code)
                 print(f"batchjob: {line}", file=sys.stderr)
         finally:
+            from batchjob import signals
+
+            signals.finishing()
             for s, h in previous.items():
                 signal.signal(s, h)
         return codes

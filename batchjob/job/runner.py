@@ -24,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from batchjob import faults, signals
 from batchjob.errors import BatchjobError, InputError
 from batchjob.io.atomic import write_json
 from batchjob.io.readers import Row, compatible, input_schema, iter_rows
@@ -619,7 +620,10 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
     state.lock()
     try:
         if engine is None:
-            engine = load_engine(spec)
+            faults.point("before_model_load")
+            with signals.phase("loading the model"):  # what a start-up signal's message says
+                faults.point("during_model_load")
+                engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
         _settle_model(prep, engine)
         if not prep.resumed and not state.create_job(prep.info):
@@ -678,7 +682,11 @@ def _take_in(prep: Prepared, spec: JobSpec, shard: Shard | None) -> Prepared:
 
 
 class _StopOnSignals:
-    """While running, SIGTERM/SIGINT ask the loop to checkpoint and stop (only the main thread gets signals)."""
+    """While running, SIGTERM/SIGINT ask the loop to checkpoint and stop (only the main thread gets signals).
+
+    Before and after, the command's own handlers apply (``batchjob/signals.py``): during start-up a signal
+    exits 75 at once, with nothing to save; after the loop it is only noted.
+    """
 
     def __init__(self, loop: _Loop) -> None:
         self.loop = loop
@@ -688,6 +696,7 @@ class _StopOnSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self.previous[sig] = signal.signal(sig, self._handle)
+        faults.point("loop_started")
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -696,5 +705,6 @@ class _StopOnSignals:
         self.loop.stop_signal = signum
 
     def __exit__(self, *exc: object) -> None:
+        signals.finishing()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)

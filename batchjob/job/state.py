@@ -13,7 +13,8 @@ and never rewritten; each worker keeps the rest in its own folder ``_batchjob/sh
 ``progress.json`` holding the row counts it learned and for what inputs its share is complete. A one-worker job keeps everything
 directly in ``_batchjob/``.
 
-JSON files are replaced atomically and carry a checksum; a torn or altered one raises StateError.
+JSON files are replaced atomically and carry a checksum; a torn or altered one raises StateError, except the
+in-flight checkpoint: that one is set aside and its requests recomputed (``load_inflight``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import base64
 import fcntl
 import os
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchjob.errors import StateError
-from batchjob.io.atomic import fsync_dir, read_json, write_json
+from batchjob.io.atomic import CorruptStateError, fsync_dir, read_json, write_json
 from batchjob.job.inputs import InputRecord, digest_records
 from batchjob.job.shard import Shard
 
@@ -217,7 +220,7 @@ class StateDir:
         except FileExistsError:
             return False
         finally:
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)
 
     @contextmanager
     def job_lock(self) -> Iterator[None]:
@@ -238,14 +241,40 @@ class StateDir:
         write_json(self.job_file, shared.to_json())
 
     def load_inflight(self) -> dict[int, dict[str, Any]]:
-        """The checkpointed unfinished requests by row ordinal (empty when there is no checkpoint)."""
+        """The checkpointed unfinished requests by row ordinal (empty when there is no checkpoint).
+
+        A torn or corrupt checkpoint costs only recomputation: it is set aside (renamed, kept for a look)
+        and its requests start again from their prompts. Committed rows are untouched, and a request's
+        tokens depend only on (seed, id, position), so the results are the same.
+        """
         if not self.inflight_file.exists():
             return {}
-        body = read_json(self.inflight_file)
         try:
+            body = read_json(self.inflight_file)
             return {int(r["ordinal"]): r for r in body["requests"]}
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateError(f"checkpoint {self.inflight_file} is malformed ({e})") from e
+        except (CorruptStateError, KeyError, TypeError, ValueError) as e:
+            reason = e.reason if isinstance(e, CorruptStateError) else f"is malformed ({e!r})"
+            aside = self._set_aside(self.inflight_file)
+            print(
+                f"batchjob: warning: checkpoint {self.inflight_file} {reason}; set aside as "
+                f"{aside.name}. Its requests start again from their prompts (committed rows are kept and "
+                "the results are the same)",
+                file=sys.stderr,
+            )
+            return {}
+
+    def _set_aside(self, path: Path) -> Path:
+        """Rename a damaged state file to ``<name>.corrupt-<UTC time>`` next to it (under the state folder,
+        where Parquet readers do not look)."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        os.replace(path, aside)
+        fsync_dir(path.parent)
+        return aside
 
     def save_inflight(self, requests: list[dict[str, Any]]) -> None:
         write_json(self.inflight_file, {"requests": requests})
