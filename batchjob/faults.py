@@ -1,5 +1,6 @@
-"""Fault injection, for tests that drive a real process: stop at a named moment, or fail a write as a full disk
-would. Both are read from the environment when the point is reached and cost nothing when unset.
+"""Fault injection, for tests that drive a real process: stop or die at a named moment, fail a write as a full
+disk would, fail a read as a flaky disk or network would. All are read from the environment when the point is
+reached and cost nothing when unset.
 
 - ``BATCHJOB_FAULT_PAUSE=<point>[,<point>...]``: at that point the process prints
   ``batchjob: fault point <point> (pid N): waiting for a signal`` on stderr, waits until a SIGTERM/SIGINT
@@ -7,7 +8,12 @@ would. Both are read from the environment when the point is reached and cost not
   ``entry`` (the command's handlers are installed, its imports not done), ``startup`` (the command is about
   to parse its options), ``before_model_load`` and ``during_model_load`` (``run_job``, the state folder
   locked), ``loop_started`` (the job loop's own handlers are in place), ``launch`` (the ``--devices``
-  launcher, before it starts a worker), ``worker_started`` (the launcher, after starting its first worker).
+  launcher, before it starts a worker), ``worker_started`` (the launcher, after starting its first worker),
+  ``part_committed`` (the job loop, after a part is listed in the manifest).
+- ``BATCHJOB_FAULT_KILL=<point>``: at that point the process dies as if killed (exit 137, nothing flushed or
+  cleaned up). Points: ``after_part_rewrite`` and ``after_manifest_rewrite`` (``verify.py``).
+- ``BATCHJOB_FAULT_EIO=<source name>:<line>``: reading that line of that JSONL input fails with EIO (a
+  transient read error: the rest of the file becomes one error row, which ``--retry-errors`` redoes).
 - ``BATCHJOB_FAULT_ENOSPC=<what>:<n>``: the n-th write of ``what`` in this process fails with ENOSPC, the way
   pyarrow reports it (no file name). ``what``: ``part``, or a state file's name (``inflight.json``,
   ``stats.json``, ``job.json``).
@@ -25,6 +31,8 @@ from typing import Any
 
 PAUSE_ENV = "BATCHJOB_FAULT_PAUSE"
 ENOSPC_ENV = "BATCHJOB_FAULT_ENOSPC"
+KILL_ENV = "BATCHJOB_FAULT_KILL"
+EIO_ENV = "BATCHJOB_FAULT_EIO"
 
 _writes: dict[str, int] = {}
 
@@ -75,3 +83,15 @@ def disk_write(what: str) -> None:
     _writes[what] = _writes.get(what, 0) + 1
     if str(_writes[what]) == n.strip():
         raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+
+def die(name: str) -> None:
+    """If ``BATCHJOB_FAULT_KILL`` names this point, die here as if killed."""
+    if os.environ.get(KILL_ENV) == name:
+        os._exit(137)
+
+
+def read_error_line(source_name: str) -> int | None:
+    """The line of ``source_name`` whose read is to fail (``BATCHJOB_FAULT_EIO``)."""
+    target, _, line = os.environ.get(EIO_ENV, "").rpartition(":")
+    return int(line) if target and target == source_name else None

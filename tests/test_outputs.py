@@ -24,7 +24,8 @@ from tests.jobproc import read_results as results
 pytestmark = pytest.mark.timeout(300)
 
 N_ROWS = 40
-SMALL_POOL = ["--num-blocks", "3"]  # the long rows need more KV blocks than that: they become error rows
+# A transient read error at line 30: the rest of the file becomes one error row (and is not read)
+FLAKY_READ = {"BATCHJOB_FAULT_EIO": "reviews.jsonl:30"}
 SAMPLED = ["--n", "2", "--temperature", "1", "--seed", "5"]
 
 
@@ -133,16 +134,19 @@ def test_new_parts_never_reuse_a_live_name(reviews, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("sampling", [[], SAMPLED], ids=["greedy", "n2-sampled"])
-def test_retry_errors_redoes_rows_that_failed(reviews, tiny_model_dir, tmp_path, sampling):
+def test_retry_errors_redoes_rows_that_failed(reviews, tiny_model_dir, tmp_path, sampling, monkeypatch):
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(reviews, ref, tiny_model_dir, *sampling)
-    run(reviews, out, tiny_model_dir, *SMALL_POOL, *sampling)
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
+    text = run(reviews, out, tiny_model_dir, *sampling)
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    assert "complete: 30 of 30 rows done (1 errors)" in text, text  # the unread rest: one error row
     failed = [r for r in results(out) if r["error"]]
-    assert failed and all("KV blocks" in r["error"] for r in failed)
+    assert len(failed) == 1 and "line 30: cannot read the rest of the file" in failed[0]["error"]
     before = parts(out)
     assert any(0 < r.errors < r.result_rows for r in before)  # a part to rewrite, not only to drop
 
-    text = run(reviews, out, tiny_model_dir, *sampling)  # the pool is fine now, but without the flag...
+    text = run(reviews, out, tiny_model_dir, *sampling)  # the disk is fine now, but without the flag...
     assert "already complete" in text
     assert sum(r["error"] is not None for r in results(out)) == len(failed)
 
@@ -163,10 +167,12 @@ def test_a_crash_in_the_middle_of_a_rewrite_loses_and_doubles_nothing(
 ):
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(reviews, ref, tiny_model_dir)
-    run(reviews, out, tiny_model_dir, *SMALL_POOL)
+    proc = launch([str(a) for a in args(reviews, out, tiny_model_dir)], **FLAKY_READ)
+    text = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0 and "1 errors" in text, text
     before = {r.name for r in parts(out)}
     proc = launch(
-        [str(a) for a in args(reviews, out, tiny_model_dir, "--retry-errors")], BATCHJOB_FAULT=point
+        [str(a) for a in args(reviews, out, tiny_model_dir, "--retry-errors")], BATCHJOB_FAULT_KILL=point
     )
     text = proc.communicate(timeout=240)[0]
     assert proc.returncode == 137, text

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.job import make_spec, run_job
+from tests.faultproc import wait_for_points
 from tests.jobproc import launch as launch_run
 from tests.jobproc import read_results as results
 
@@ -124,18 +124,14 @@ def test_slurm_array_with_a_killed_and_restarted_worker(reviews, tiny_model_dir,
     out = tmp_path / "out"
     args = job_args(reviews, out, tiny_model_dir)
 
-    def array_task(i, count=3):
+    def array_task(i, count=3, **extra):
         env = {"SLURM_ARRAY_TASK_ID": str(10 + i), "SLURM_ARRAY_TASK_COUNT": str(count)}
-        return launch(args, SLURM_ARRAY_TASK_MIN="10", SLURM_ARRAY_JOB_ID="77", **env)
+        return launch(args, SLURM_ARRAY_TASK_MIN="10", SLURM_ARRAY_JOB_ID="77", **env, **extra)
 
-    procs = [array_task(i) for i in range(3)]
-    victim = procs[1]
-    mine = out / "_batchjob" / "shard-00001-of-00003"
-    deadline = time.monotonic() + 120
-    while not (mine / "manifest.jsonl").exists():  # it has committed its first rows
-        assert victim.poll() is None, victim.stdout.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # the victim stops after committing its first part (a fault point), then is killed there
+    victim = array_task(1, BATCHJOB_FAULT_PAUSE="part_committed")
+    procs = [array_task(0), victim, array_task(2)]
+    wait_for_points(victim)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     finish([procs[0], procs[2]])

@@ -9,6 +9,7 @@ stops the stream.
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchjob import faults
 from batchjob.errors import InputError
 from batchjob.io.sources import Source, _fsspec, open_binary
 
@@ -203,9 +205,12 @@ def compatible(saved: pa.Schema, source: Source) -> str | None:
 def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
     """(line number, object or None, error or None) for each non-blank line."""
     lineno = 0
+    fail_at = faults.read_error_line(source.name)
     try:
         with open_binary(source) as f:
             for raw in f:
+                if lineno + 1 == fail_at:  # as if reading this line failed
+                    raise OSError(errno.EIO, "Input/output error (fault injected)")
                 lineno += 1
                 raw = _strip_bom(raw, lineno)
                 if not raw.strip():

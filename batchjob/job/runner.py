@@ -271,6 +271,7 @@ class _Loop:
         )
         self.buffer = []
         self.buffer_ordinals = IntervalSet()
+        faults.point("part_committed")
 
     def checkpoint(self) -> None:
         """Commit finished rows, then save the unfinished requests; both atomic, in this order."""

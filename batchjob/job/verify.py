@@ -20,13 +20,12 @@ Order, so that a crash at any point leaves a state the next start repairs:
 3. the manifest is rewritten atomically without the dropped records, and with the rewritten ones;
 4. the dropped and replaced files are deleted (a crash before this leaves them as orphans, deleted likewise).
 
-``BATCHJOB_FAULT=after_part_rewrite`` (after 2) or ``after_manifest_rewrite`` (after 3) kills the process
-there, for the crash tests.
+``BATCHJOB_FAULT_KILL=after_part_rewrite`` (after 2) or ``after_manifest_rewrite`` (after 3) kills the
+process there, for the crash tests (``batchjob.faults``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,18 +34,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchjob import faults
 from batchjob.io.writers import PartWriter
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.state import JobInfo, StateDir
-
-FAULT_ENV = "BATCHJOB_FAULT"  # crash tests: the name of a point below at which the process dies
-
-
-def fault(point: str) -> None:
-    """Die here as if killed (exit 137, nothing flushed or cleaned up) when ``BATCHJOB_FAULT`` names ``point``."""
-    if os.environ.get(FAULT_ENV) == point:
-        os._exit(137)
 
 
 @dataclass
@@ -192,9 +184,9 @@ def repair_outputs(
     if info.complete:
         info.complete_for = None
         state.save_job(info)
-    fault("after_part_rewrite")
+    faults.die("after_part_rewrite")
     manifest.rewrite([written.get(r.name, r) for r in manifest.parts if r.name not in dropped])
-    fault("after_manifest_rewrite")
+    faults.die("after_manifest_rewrite")
     for name in dropped | set(written):
         (out_dir / name).unlink(missing_ok=True)
     return redo
