@@ -12,10 +12,15 @@ Derived ids (``<file>:<row>``) are unique by construction and need no index.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import sqlite3
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from batchjob.io.atomic import DiskFullError, disk_full_message
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS ids (key BLOB PRIMARY KEY, ordinal INTEGER NOT NULL) WITHOUT ROWID;
@@ -33,12 +38,14 @@ class IdIndex:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._open()
+            with self._writing():
+                self._open()
         except sqlite3.DatabaseError as e:
             print(f"batchjob: the id index {path} is damaged ({e}); building it again", file=sys.stderr)
             for p in (path, path.with_name(path.name + "-journal")):
                 p.unlink(missing_ok=True)
-            self._open()
+            with self._writing():
+                self._open()
 
     def _open(self) -> None:
         self.db = sqlite3.connect(self.path, isolation_level="DEFERRED")
@@ -48,10 +55,20 @@ class IdIndex:
         self.seen_to: int = row[0] if row else 0  # every ordinal below this one is in the index
         self._insert = "INSERT OR IGNORE INTO ids (key, ordinal) VALUES (?, ?)"
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            if "full" in str(e):  # SQLITE_FULL: the disk (or quota) is full
+                raise DiskFullError(disk_full_message(OSError(errno.ENOSPC, str(e)), self.path)) from e
+            raise
+
     def first(self, value: str, ordinal: int) -> int | None:
         """Record that the row ``ordinal`` holds id ``value``; return an earlier row's ordinal if one does."""
         key = _key(value)
-        cur = self.db.execute(self._insert, (key, ordinal))
+        with self._writing():
+            cur = self.db.execute(self._insert, (key, ordinal))
         if cur.rowcount:
             return None
         (held,) = self.db.execute("SELECT ordinal FROM ids WHERE key = ?", (key,)).fetchone()
@@ -66,8 +83,9 @@ class IdIndex:
         self.seen_to = max(self.seen_to, ordinal)
 
     def commit(self) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('seen_to', ?)", (self.seen_to,))
-        self.db.commit()
+        with self._writing():
+            self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('seen_to', ?)", (self.seen_to,))
+            self.db.commit()
 
     def close(self) -> None:
         self.db.close()
