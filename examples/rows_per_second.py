@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--code", action="append", help="a batchjob checkout to run (repeatable; default: this one)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--ids", choices=["both", "derived", "column"], default="both", help="which id modes to run")
     ap.add_argument("--work", help="folder for the data, model and outputs (default: a temporary one)")
     args = ap.parse_args()
     codes = [str(Path(c).resolve()) for c in (args.code or [str(ROOT)])]
@@ -44,6 +45,8 @@ def main() -> None:
             for i in range(args.rows):
                 f.write(json.dumps({"rid": f"row-{i}", "text": f"review {i}: fine"}) + "\n")
     configs = {"derived ids": [], "--id-column rid": ["--id-column", "rid"]}
+    if args.ids != "both":
+        configs = {k: v for k, v in configs.items() if (args.ids == "column") == bool(v)}
     print(f"{args.rows} rows, --max-new-tokens 1, tiny llama; {work}")
     for r in range(args.rounds):
         for name, extra in configs.items():

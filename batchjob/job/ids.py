@@ -3,9 +3,12 @@
 Ids are unique job-wide whatever the engine's settings: every row of the input stream (this worker's and, in a
 job split over several workers, the others' too) passes through the index in stream order, and a row whose id
 an earlier row already holds is a duplicate of that row. The index is a SQLite table of 16-byte id digests
-and ordinals under the worker's state folder, so memory stays flat for any number of rows. It is a cache of
-what the reader has seen: committed with every part (before the manifest records the part), it lets a
-resumed run skip re-reading ids it has; if it is lost or damaged it is simply built again from the inputs.
+and ordinals under the worker's state folder, so memory stays flat for any number of rows (SQLite's page cache
+is capped at 64 MiB). It is a cache of what the reader has seen, saved with the number of rows it covers
+(``seen_to``) in the same transaction: a resumed run reads the ids of the rows after that again, done or
+not, in stream order, so an index that lags behind the parts (it is committed at checkpoints only, in WAL
+mode, which costs a few microseconds a row) or is lost or damaged is simply brought up to date from the
+inputs.
 
 Derived ids (``<file>:<row>``) are unique by construction and need no index.
 """
@@ -42,14 +45,21 @@ class IdIndex:
                 self._open()
         except sqlite3.DatabaseError as e:
             print(f"batchjob: the id index {path} is damaged ({e}); building it again", file=sys.stderr)
-            for p in (path, path.with_name(path.name + "-journal")):
-                p.unlink(missing_ok=True)
+            self._remove()
             with self._writing():
                 self._open()
 
+    def _remove(self) -> None:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+
     def _open(self) -> None:
+        if not self.path.exists():
+            self._remove()  # a write-ahead log left without its database must not be applied to a new one
         self.db = sqlite3.connect(self.path, isolation_level="DEFERRED")
-        self.db.execute("PRAGMA synchronous=FULL")  # committed before the manifest line it vouches for
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # a lost last commit only means re-reading some ids
+        self.db.execute("PRAGMA cache_size=-65536")  # KiB
         self.db.executescript(_SCHEMA)
         row = self.db.execute("SELECT value FROM meta WHERE name = 'seen_to'").fetchone()
         self.seen_to: int = row[0] if row else 0  # every ordinal below this one is in the index

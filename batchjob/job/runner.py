@@ -255,8 +255,6 @@ class _Loop:
             return
         rows = sorted(self.buffer, key=lambda r: (r["ordinal"], r.get("sample_index", 0)))
         name = self.writer.write(self.writer.next_seq(self.manifest.names), rows)
-        if self.ids is not None:
-            self.ids.commit()  # the ids of these rows are durable before the manifest vouches for them
         self.manifest.append(
             PartRecord(
                 name=name,
@@ -290,7 +288,7 @@ class _Loop:
             record["samples"][str(snap.sample_index)] = list(snap.output_ids)
         requests += by_id.values()
         if self.ids is not None:
-            self.ids.commit()  # ids read so far (other workers' rows too) need not be read again
+            self.ids.commit()  # ids read so far (other workers' rows too) need not be read again next time
         for row_id, ids, output_ids in self.ready:  # restored from the last checkpoint, not yet re-added
             if output_ids:
                 ordinal = self.pending[row_id].row.ordinal
