@@ -65,6 +65,11 @@ def test_choices_give_a_label_and_its_confidence(data, tiny_model_dir, tmp_path)
         lp = json.loads(r["choice_logprobs"])
         assert set(lp) == set(LABELS) and all(math.isfinite(v) and v < 0 for v in lp.values())
         assert r["generated_text"] == max(lp, key=lp.get)  # greedy: the most likely label
+        probs = json.loads(r["choice_probs"])  # the same, renormalised over the labels: a readable confidence
+        assert list(probs) == list(lp) and sum(probs.values()) == pytest.approx(1.0, abs=1e-12)
+        total = sum(math.exp(v) for v in lp.values())
+        assert all(probs[k] == pytest.approx(math.exp(lp[k]) / total, rel=1e-9) for k in LABELS)
+        assert max(probs, key=probs.get) == r["generated_text"]
     assert "sample_index" not in result[0] and "logprobs" not in result[0]
 
 
@@ -151,10 +156,11 @@ def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp
         got, expected = sorted(rows(out), key=key), sorted(rows(want), key=key)
         assert [key(r) for r in got] == [key(r) for r in expected]  # each (id, sample_index) exactly once
         for g, e in zip(got, expected, strict=True):
-            lp_g, lp_e = g.pop("choice_logprobs", None), e.pop("choice_logprobs", None)
+            for column in ("choice_logprobs", "choice_probs"):
+                a, b = g.pop(column, None), e.pop(column, None)
+                if b is not None:  # float sums, batched differently: equal to rounding
+                    assert json.loads(a) == pytest.approx(json.loads(b), abs=1e-4)
             assert g == e
-            if lp_e is not None:  # float sums, batched differently: equal to rounding
-                assert json.loads(lp_g) == pytest.approx(json.loads(lp_e), abs=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -128,6 +128,7 @@ class ChoiceConstraint:
         return self.trie.nodes[self.node].choice if self.done else None
 
     def choice_logprobs(self) -> dict[str, float]:
+        """log P(choice | prompt) for each choice, under the model (not renormalised over the choices)."""
         out = {}
         for name, toks in zip(self.trie.choices, self.trie.token_ids, strict=True):
             total, node = 0.0, 0
@@ -382,3 +383,15 @@ def fill_bitmask(
 
 def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def normalize_choices(logprobs: dict[str, float]) -> dict[str, float] | None:
+    """The choices' probabilities renormalised over the choices alone (they sum to 1): a confidence a user
+    can read. Raw log-probabilities of labels are tiny when the model would rather say something else."""
+    finite = [v for v in logprobs.values() if math.isfinite(v)]
+    if not finite:
+        return None
+    top = max(finite)
+    weights = {k: math.exp(v - top) if math.isfinite(v) else 0.0 for k, v in logprobs.items()}
+    total = sum(weights.values())
+    return {k: w / total for k, w in weights.items()}

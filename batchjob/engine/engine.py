@@ -27,6 +27,7 @@ from batchjob.engine.constraints import (
     Constraint,
     GrammarCompiler,
     fill_bitmask,
+    normalize_choices,
 )
 from batchjob.engine.cpu_spin import SpinGuard
 from batchjob.engine.graphs import ROW_BUCKETS
@@ -53,6 +54,11 @@ class RequestOutput:
     sample_index: int = 0  # which of the prompt's n samples this is
     choice_logprobs: dict[str, float] | None = None  # with choices: log P(choice | prompt), each choice
     logprobs: list[list[tuple[int, float]]] | None = None  # with logprobs=K: per generated token
+
+    @property
+    def choice_probs(self) -> dict[str, float] | None:
+        """With choices: each choice's probability renormalised over the choices (they sum to 1)."""
+        return None if self.choice_logprobs is None else normalize_choices(self.choice_logprobs)
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Result rows to Parquet parts, with one explicit schema for every part, committed atomically.
 
 The schema is the input's columns (fixed when the job starts) followed by the result columns (and the
-columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``logprobs``). A value that
-does not fit its input column's type (JSONL rows disagree with each other all the time) is coerced: text
-columns store it as JSON text, other columns store null. An input column whose name clashes with a result
+columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``choice_probs``,
+``logprobs``). A value that does not fit its input column's type (JSONL rows disagree with each other all the
+time) is coerced: text columns store it as JSON text, other columns store null. An input column whose name clashes with a result
 column is written as ``input_<name>``.
 """
 
@@ -35,6 +35,7 @@ RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
     "sample_index": pa.field("sample_index", pa.int64()),  # --n: which of the row's samples
     "choice_logprobs": pa.field("choice_logprobs", pa.string()),  # --choices: JSON {choice: log-prob}
+    "choice_probs": pa.field("choice_probs", pa.string()),  # --choices: JSON {choice: prob}, sums to 1
     "logprobs": pa.field("logprobs", pa.string()),  # --logprobs: JSON [[[token id, log-prob], ...], ...]
 }
 

@@ -521,7 +521,7 @@ def extra_fields(params: Any) -> tuple[Any, ...]:
     if params.n > 1:
         names.append("sample_index")
     if params.choices is not None:
-        names.append("choice_logprobs")
+        names += ["choice_logprobs", "choice_probs"]
     if params.logprobs is not None:
         names.append("logprobs")
     return tuple(EXTRA_FIELDS[n] for n in names)
@@ -530,10 +530,12 @@ def extra_fields(params: Any) -> tuple[Any, ...]:
 def feature_columns(out: Any) -> dict[str, Any]:
     """The feature columns of one engine output (JSON text for the nested ones)."""
     choice_lp = getattr(out, "choice_logprobs", None)
+    choice_p = getattr(out, "choice_probs", None)
     logprobs = getattr(out, "logprobs", None)
     return {
         "sample_index": getattr(out, "sample_index", 0),
         "choice_logprobs": None if choice_lp is None else json.dumps(choice_lp),
+        "choice_probs": None if choice_p is None else json.dumps(choice_p),
         "logprobs": None if logprobs is None else json.dumps([[list(t) for t in top] for top in logprobs]),
     }
 
