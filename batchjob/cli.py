@@ -518,4 +518,37 @@ def status(dir: str) -> None:
         click.echo(line)
 
 
+@main.command()
+@click.argument("dir", type=click.Path())
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "csv", "openai"]),
+    default="jsonl",
+    show_default=True,
+    help="jsonl: one JSON object per result row; csv: a header and a line per row (nested values as JSON); "
+    "openai: the OpenAI Batch output format, one line per request (its samples as choices).",
+)
+@click.option("--to", "to", metavar="FILE", help="Write here (default: standard output).")
+@_errors
+def export(dir: str, fmt: str, to: str | None) -> None:
+    """Write a job's results in input order (by file, then row), streaming: any size, flat memory.
+
+    Reads what is committed: an unfinished job exports the rows done so far (and says so on stderr).
+    """
+    from batchjob.job.export import export_to
+    from batchjob.job.status import job_status
+
+    st = job_status(Path(dir))
+    n, where = export_to(Path(dir), fmt, to)
+    what = "requests" if fmt == "openai" else "rows"
+    click.echo(f"exported {n} {what} to {where}", err=True)
+    if not st.complete:
+        click.echo(
+            f"the job is not complete: {st.total('rows_done')} of {st.rows_total or 'unknown'} input rows "
+            "are done; run it again, then export",
+            err=True,
+        )
+
+
 from batchjob import bench as _bench  # noqa: E402,F401  (registers "batchjob bench")

@@ -334,7 +334,8 @@ def test_default_model_has_one_identity_whatever_it_is_called():
 
     names = [None, "default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
     identities = [model_fingerprint(n) for n in names]
-    assert all(i == identities[0] for i in identities) and "content" in identities[0]
+    assert all(i["content"] == identities[0]["content"] for i in identities)
+    assert all(i["files"] == identities[0]["files"] for i in identities)
 
 
 def test_reader_reports_ids_of_rows_it_passes_over(tmp_path):

@@ -41,11 +41,21 @@ def model_files(resolved: str) -> dict[str, str] | None:
     return None if folder is None else folder_digest(folder, _skip)
 
 
-def identity(files: dict[str, str] | None, resolved: str) -> dict[str, Any]:
-    """The model part of a job's fingerprint."""
+def display_name(model: str | None) -> str:
+    """How outputs name the model: a hub id as given, a folder by its name, else the default model's name."""
+    if model in (None, "", "default"):
+        from batchjob.models import DEFAULT_MODEL
+
+        return DEFAULT_MODEL
+    return Path(str(model)).name if Path(str(model)).exists() else str(model)
+
+
+def identity(files: dict[str, str] | None, resolved: str, model: str | None = None) -> dict[str, Any]:
+    """The model part of a job's fingerprint (``name`` is for display only: it is never compared)."""
+    name = display_name(model if model is not None else resolved)
     if files is None:
-        return {"hub_id": resolved}
-    return {"content": combine(files), "files": files}
+        return {"hub_id": resolved, "name": name}
+    return {"content": combine(files), "files": files, "name": name}
 
 
 def changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:

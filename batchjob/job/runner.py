@@ -87,7 +87,7 @@ def model_fingerprint(model: str | None) -> dict[str, Any]:
     from batchjob.models import resolve_model
 
     resolved = resolve_model(model)
-    return model_identity.identity(model_identity.model_files(resolved), resolved)
+    return model_identity.identity(model_identity.model_files(resolved), resolved, model)
 
 
 def _check_output(out_dir: Path) -> None:

@@ -1,0 +1,181 @@
+"""``batchjob export``: a job's results as JSONL, CSV or OpenAI Batch output lines, in input order.
+
+Results live in Parquet parts, each sorted by (row ordinal, sample index), and the manifests say which ordinals
+each part holds (half-open ranges). Reading every part as a stream of ``(ordinal, row)`` and merging the streams
+gives the rows in input order (by file, then row) with one batch per part in memory, however large the output.
+Only committed parts are read: an unfinished job exports what it has (and says so), a damaged part stops the
+export with its name.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import heapq
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow.parquet as pq
+
+from batchjob.errors import InputError, StateError
+from batchjob.job.inputs import split_ordinal
+from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.shard import Shard
+from batchjob.job.state import JobInfo, StateDir
+from batchjob.job.verify import check_parts
+
+FORMATS = ("jsonl", "csv", "openai")
+_BATCH = 1024
+
+
+@dataclass
+class Result:
+    ordinal: int
+    row: dict[str, Any]  # the output columns of one result row
+
+
+def _manifests(out_dir: Path, info: JobInfo) -> list[Manifest]:
+    count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
+    if count == 1:
+        return [Manifest(StateDir(out_dir).manifest_file)]
+    states = [StateDir(out_dir, Shard(i, count)) for i in range(count)]
+    return [Manifest(s.manifest_file) for s in states if s.manifest_file.exists()]
+
+
+def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:
+    """The rows of one part with their ordinals: each ordinal's rows are consecutive, sample 0 first."""
+    ordinals = (o for a, b in record.ordinals for o in range(a, b))
+    current = -1
+    for batch in pq.ParquetFile(out_dir / record.name).iter_batches(batch_size=_BATCH):
+        for row in batch.to_pylist():
+            if row.get("sample_index", 0) == 0:  # --n: a row's samples follow it; an error row has one
+                current = next(ordinals)
+            yield Result(current, row)
+
+
+def iter_results(out_dir: Path) -> tuple[JobInfo, Iterator[Result]]:
+    """The job's saved info and its committed result rows in input order (one batch per part in memory)."""
+    state = StateDir(out_dir)
+    if not state.exists():
+        raise InputError(f"{out_dir} holds no batchjob job (no {state.job_file})")
+    info = state.load_job()
+    streams = []
+    for manifest in _manifests(out_dir, info):
+        problems = check_parts(out_dir, manifest)
+        if problems:
+            raise StateError(
+                f"{out_dir}: {', '.join(str(p) for p in problems)}; run the job again (the same `batchjob "
+                "run` command) to redo those rows, then export"
+            )
+        streams += [_part_rows(out_dir, r) for r in manifest.parts]
+    merged = heapq.merge(*streams, key=lambda r: (r.ordinal, r.row.get("sample_index", 0)))
+    return info, merged
+
+
+def _id_of(result: Result, info: JobInfo, id_column: str | None) -> str:
+    if id_column is not None:
+        for name in (id_column, f"input_{id_column}"):
+            if result.row.get(name) is not None:
+                return str(result.row[name])
+    seq, index = split_ordinal(result.ordinal)
+    names = {r.seq: r.name for r in info.inputs}
+    return f"{names.get(seq, seq)}:{index}"
+
+
+def _json_default(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, model: str, created: int) -> dict:
+    """One OpenAI Batch output line for a request: its samples are the choices of one response."""
+    first = group[0].row
+    custom_id = _id_of(group[0], info, "custom_id" if "custom_id" in first else id_column)
+    digest = hashlib.sha256(f"{info.job_seed}:{custom_id}".encode()).hexdigest()[:24]
+    line: dict[str, Any] = {"id": f"batch_req_{digest}", "custom_id": custom_id, "response": None, "error": None}
+    if first.get("error") is not None:
+        line["error"] = {"code": "batchjob_error", "message": first["error"]}
+        return line
+    completions = str(first.get("url") or "").endswith("/v1/completions")
+    choices = []
+    for r in group:
+        choice: dict[str, Any] = {
+            "index": r.row.get("sample_index", 0),
+            "finish_reason": r.row["finish_reason"],
+            "logprobs": None,
+        }
+        if completions:
+            choice["text"] = r.row["generated_text"]
+        else:
+            choice["message"] = {"role": "assistant", "content": r.row["generated_text"], "refusal": None}
+        choices.append(choice)
+    prompt = first.get("num_prompt_tokens") or 0
+    generated = sum(r.row.get("num_generated_tokens") or 0 for r in group)
+    body = {
+        "id": f"{'cmpl' if completions else 'chatcmpl'}-{digest}",
+        "object": "text_completion" if completions else "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+    }
+    line["response"] = {"status_code": 200, "request_id": digest, "body": body}
+    return line
+
+
+def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
+    """Write the job's results to ``to`` in ``fmt``; returns the number of lines (rows, or requests) written."""
+    if fmt not in FORMATS:
+        raise InputError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    info, results = iter_results(out_dir)
+    id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
+    written = 0
+    if fmt == "jsonl":
+        for r in results:
+            to.write(json.dumps(r.row, ensure_ascii=False, default=_json_default) + "\n")
+            written += 1
+    elif fmt == "csv":
+        writer: Any = None
+        for r in results:
+            if writer is None:
+                writer = csv.DictWriter(to, fieldnames=list(r.row), lineterminator="\n")
+                writer.writeheader()
+            writer.writerow({k: _csv_value(v) for k, v in r.row.items()})
+            written += 1
+    else:
+        model = _model_name(info)
+        created = int(time.time())
+        for _, group in groupby(results, key=lambda r: r.ordinal):
+            line = _openai_line(list(group), info, id_column, model, created)
+            to.write(json.dumps(line, ensure_ascii=False) + "\n")
+            written += 1
+    return written
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False, default=_json_default)
+    return value
+
+
+def _model_name(info: JobInfo) -> str:
+    identity = (info.fingerprint.get("model") or {}).get("identity") or {}
+    return str(identity.get("name") or identity.get("hub_id") or "batchjob-local-model")
+
+
+def export_to(out_dir: Path, fmt: str, to: str | None) -> tuple[int, str]:
+    """``export`` into the file ``to`` (written to a temporary name, then renamed) or to stdout."""
+    if to is None or to == "-":
+        return export(out_dir, fmt, sys.stdout), "standard output"
+    target = Path(to)
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        n = export(out_dir, fmt, f)
+    tmp.replace(target)
+    return n, str(target)
+

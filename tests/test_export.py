@@ -1,0 +1,131 @@
+"""``batchjob export``: results in input order (by file, then row) as JSONL, CSV or OpenAI Batch output lines."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.job import make_spec, run_job
+from batchjob.job.shard import Shard
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Two JSONL files and a Parquet file: 25 + 1 (a torn line) + 12 + 9 rows."""
+    folder = tmp_path_factory.mktemp("in")
+    with open(folder / "a.jsonl", "w") as f:
+        for i in range(25):
+            f.write(json.dumps({"rid": f"a{i:02d}", "text": f"first file row {i}"}) + "\n")
+        f.write("{torn\n")
+    with open(folder / "b.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"rid": f"b{i:02d}", "text": f"second file row {i}"}) + "\n")
+    rows = {"rid": [f"c{i:02d}" for i in range(9)], "text": [f"parquet row {i}" for i in range(9)]}
+    pq.write_table(pa.table(rows), folder / "c.parquet")
+    return folder
+
+
+def run(inputs, out, shards=1, **kw):
+    spec = make_spec(
+        input=[str(inputs)],
+        output=str(out),
+        model=kw.pop("model"),
+        id_column="rid",
+        max_new_tokens=3,
+        max_num_seqs=3,
+        chat=False,
+        checkpoint_interval=1e-6,  # a part every step: many small parts to merge
+        **kw,
+    )
+    for i in range(shards):
+        assert run_job(spec, shard=Shard(i, shards)).status == "complete"
+
+
+def export(out, fmt, *extra):
+    result = CliRunner().invoke(main, ["export", str(out), "--format", fmt, *extra])
+    assert result.exit_code == 0, result.output
+    return result.stdout if hasattr(result, "stdout") else result.output
+
+
+def expected_order():
+    return [f"a{i:02d}" for i in range(25)] + [None] + [f"b{i:02d}" for i in range(12)] + [
+        f"c{i:02d}" for i in range(9)
+    ]
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_jsonl_and_csv_are_in_input_order(inputs, tiny_model_dir, tmp_path, shards):
+    out = tmp_path / "out"
+    run(inputs, out, shards, model=str(tiny_model_dir))
+    assert len(list(out.glob("*.parquet"))) > 3  # several parts, from several workers: a real merge
+    lines = export(out, "jsonl").splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["rid"] for r in rows] == expected_order()
+    table = ds.dataset(out, format="parquet").to_table().to_pylist()
+    by_id = {r["rid"]: r for r in table if r["rid"]}
+    assert all(r == by_id[r["rid"]] for r in rows if r["rid"])  # the same values as the parts hold
+    assert "bad JSON" in rows[25]["error"]
+
+    target = tmp_path / "out.csv"
+    CliRunner().invoke(main, ["export", str(out), "--format", "csv", "--to", str(target)])
+    got = list(csv.DictReader(io.StringIO(target.read_text())))
+    assert [r["rid"] or None for r in got] == expected_order()
+    assert got[0]["generated_text"] == by_id["a00"]["generated_text"]
+    assert list(got[0]) == list(table[0])  # the columns of the parts, in their order
+
+
+def test_openai_output_one_line_per_request_with_its_samples(inputs, tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    run(inputs, out, model=str(tiny_model_dir), n=2, temperature=1.0, seed=3)
+    lines = [json.loads(line) for line in export(out, "openai").splitlines() if line.startswith("{")]
+    assert len(lines) == 25 + 1 + 12 + 9  # one per input row, its two samples as two choices
+    ids = [line["custom_id"] for line in lines]
+    assert ids[:25] == [f"a{i:02d}" for i in range(25)] and ids[25] == "a.jsonl:25"
+    bad = lines[25]
+    assert bad["response"] is None and "bad JSON" in bad["error"]["message"]
+    table = ds.dataset(out, format="parquet").to_table().to_pylist()
+    for line in lines[:25] + lines[26:]:
+        assert line["error"] is None and line["id"].startswith("batch_req_")
+        response = line["response"]
+        assert response["status_code"] == 200
+        body = response["body"]
+        assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+        samples = sorted((r for r in table if r["rid"] == line["custom_id"]), key=lambda r: r["sample_index"])
+        assert [c["message"]["content"] for c in body["choices"]] == [r["generated_text"] for r in samples]
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        usage = body["usage"]
+        assert usage["completion_tokens"] == sum(r["num_generated_tokens"] for r in samples)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        _check_with_openai_types(body)
+
+
+def _check_with_openai_types(body):
+    """Parse with the openai package's own types where it is installed; else check the fields by hand."""
+    try:
+        from openai.types.chat import ChatCompletion
+    except ImportError:
+        assert {"id", "object", "created", "model", "choices", "usage"} <= set(body)
+        for c in body["choices"]:
+            assert c["finish_reason"] in ("stop", "length") and c["message"]["role"] == "assistant"
+        return
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == body["choices"][0]["message"]["content"]
+
+
+def test_export_refuses_a_damaged_output_and_names_the_part(inputs, tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    run(inputs, out, model=str(tiny_model_dir))
+    part = sorted(out.glob("part-*.parquet"))[1]
+    part.unlink()
+    result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
+    assert result.exit_code == 1 and part.name in result.output and "batchjob run" in result.output
