@@ -92,6 +92,26 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--id-column", metavar="COL", help="Column of unique row ids (default: '<file>:<row>')."
         ),
         click.option(
+            "--format",
+            "format",
+            type=click.Choice(["rows", "openai"]),
+            help="rows: each input row is a record with columns (default); openai: each line is an OpenAI "
+            "Batch API request (custom_id, method, url, body), its body giving the prompt and parameters.",
+        ),
+        click.option(
+            "--params-column",
+            metavar="COL",
+            help='Column of per-row sampling parameters: a JSON object (text or struct) such as '
+            '{"max_new_tokens": 3, "temperature": 0.7}; what a row leaves out takes the job\'s options.',
+        ),
+        click.option(
+            "--check-model-name",
+            is_flag=True,
+            default=None,
+            help="--format openai: a request whose body.model is not this job's model becomes an error row "
+            "(default: the name is ignored, with one warning listing the names seen).",
+        ),
+        click.option(
             "--model", help="Local model folder or hub id (default: embedded SmolLM2-135M-Instruct)."
         ),
         click.option(
@@ -104,7 +124,11 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES), help="Weights dtype (default: auto)."),
         click.option("--device", help="auto, cpu, cuda or cuda:N (default: auto)."),
         click.option("--max-new-tokens", type=int, help="Tokens to generate per row at most (default: 128)."),
-        click.option("--temperature", type=float, help="Sampling temperature; 0 is greedy (default: 0)."),
+        click.option(
+            "--temperature",
+            type=float,
+            help="Sampling temperature; 0 is greedy (default: 0; with --format openai, OpenAI's 1).",
+        ),
         click.option("--top-p", type=float, help="Nucleus sampling threshold in (0, 1] (default: 1)."),
         click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 keeps all (default: 0)."),
         click.option(

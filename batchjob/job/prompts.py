@@ -28,7 +28,7 @@ from batchjob.job.spec import JobSpec
 class PromptPlan:
     """How prompts are built, resolved against the input's columns before any work."""
 
-    kind: str  # "column" | "messages" | "template"
+    kind: str  # "column" | "messages" | "template" | "openai"
     column: str | None  # the text or messages column (kind "column" / "messages")
     template: str | None
     template_fields: tuple[str, ...]
@@ -158,8 +158,14 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
         if col not in columns:
             raise InputError(f"{option} {col!r}: the input has no such column (columns: {available})")
 
+    if spec.format == "openai":
+        for col in ("custom_id", "url", "body"):
+            need(col, "--format openai needs the request field")
+        return PromptPlan("openai", "body", None, (), spec.system, has_chat_template)
     if spec.id_column is not None:
         need(spec.id_column, "--id-column")
+    if spec.params_column is not None:
+        need(spec.params_column, "--params-column")
     chat = resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)
@@ -262,8 +268,27 @@ class PromptBuilder:
         text, error = self.text(values)
         if text is None:
             return None, error
+        return self._tokens(text, chat=self.plan.chat)
+
+    def build_request(self, request: dict[str, Any]) -> tuple[list[int] | None, str | None]:
+        """An OpenAI request's prompt (``requests.parse_request``): chat messages through the chat template,
+        a completions prompt as it is."""
+        if "prompt" in request:
+            return self._tokens(request["prompt"], chat=False)
+        if not self.plan.chat:
+            return None, "a chat request needs a model whose tokenizer has a chat template; this one has none"
+        messages = request["messages"]
+        if self.plan.system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.plan.system}, *messages]
+        try:
+            text = self._render(messages)
+        except Exception as e:  # the template itself may reject the conversation (e.g. role order)
+            return None, f"chat template rejects these messages: {e}"
+        return self._tokens(text, chat=True)
+
+    def _tokens(self, text: str, chat: bool) -> tuple[list[int] | None, str | None]:
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
-        ids = self.tokenizer(text, add_special_tokens=not self.plan.chat)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
         if not ids:
             return None, "the prompt has no tokens"
         if len(ids) >= self.max_model_len:

@@ -36,11 +36,13 @@ from batchjob.job.inputs import InputChangedError, new_records, ordered_sources,
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, PromptPlan, plan_prompts, resolve_chat
+from batchjob.job.requests import params_from_column, parse_request
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
 from batchjob.job.stats import RunStats
 from batchjob.job.verify import needs_repair, repair_outputs
+from batchjob.sampling import SamplingParams
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
 _PART_ROWS = 5000  # commit a part at least this often, checkpoint or not
@@ -80,6 +82,18 @@ class Prepared:
     shard: Shard = field(default_factory=Shard)  # this worker's share, chunk_rows as saved with the job
     taken: list[str] = field(default_factory=list)  # --append: a line per grown or new input file
     model_check: dict[str, Any] | None = None  # a saved model identity to compare once the model is loaded
+
+
+def model_names(model: str | None) -> set[str]:
+    """The names a request may give this job's model (``--check-model-name``)."""
+    from batchjob.models import DEFAULT_MODEL
+
+    names = {model_identity.display_name(model)}
+    if model not in (None, "", "default"):
+        names.add(str(model))
+    if DEFAULT_MODEL in names:
+        names.add(f"HuggingFaceTB/{DEFAULT_MODEL}")
+    return names
 
 
 def model_fingerprint(model: str | None) -> dict[str, Any]:
@@ -189,6 +203,7 @@ class _Pending:
     row: Row
     row_id: str
     num_prompt_tokens: int
+    params: SamplingParams
     first_run: float | None = None
     samples: dict[int, Any] = field(default_factory=dict)  # --n: finished samples, written together
 
@@ -203,10 +218,11 @@ class _Loop:
         self.builder = builder
         self.state = prep.state
         self.manifest = Manifest(self.state.manifest_file)
-        self.params = self.spec.sampling_params(prep.info.job_seed)
-        self.writer = PartWriter(
-            prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra_fields(self.params)
-        )
+        self.params = self.spec.sampling_params(prep.info.job_seed)  # what rows leave out, with per-row params
+        extra = extra_fields(self.params, every=self.spec.per_row_params)
+        self.writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        self.model_names = model_names(self.spec.model)  # --format openai: what body.model may say
+        self.models_seen: set[str] = set()
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.window = max(8, 2 * self.max_num_seqs)
         self.pending: dict[str, _Pending] = {}  # rows prepared or in the engine, by id
@@ -279,7 +295,9 @@ class _Loop:
         for snap in self.engine.snapshot():
             p = self.pending[snap.request_id]
             record = {"ordinal": p.row.ordinal, "id": snap.request_id, "prompt_ids": list(snap.prompt_ids)}
-            if self.params.n == 1:
+            if self.spec.per_row_params:
+                record["params"] = p.params.to_dict()
+            if p.params.n == 1:
                 requests.append(record | {"output_ids": list(snap.output_ids)})
                 continue
             # --n: one record per row, the unfinished samples' tokens by sample index (finished ones
@@ -291,8 +309,10 @@ class _Loop:
             self.ids.commit()  # ids read so far (other workers' rows too) need not be read again next time
         for row_id, ids, output_ids in self.ready:  # restored from the last checkpoint, not yet re-added
             if output_ids:
-                ordinal = self.pending[row_id].row.ordinal
-                record = {"ordinal": ordinal, "id": row_id, "prompt_ids": ids}
+                p = self.pending[row_id]
+                record = {"ordinal": p.row.ordinal, "id": row_id, "prompt_ids": ids}
+                if self.spec.per_row_params:
+                    record["params"] = p.params.to_dict()
                 if isinstance(output_ids, dict):
                     requests.append(record | {"samples": {str(k): v for k, v in output_ids.items()}})
                 else:
@@ -342,18 +362,46 @@ class _Loop:
                 )
                 return
         assert row_id not in self.pending, row_id
-        ids, error = self.builder.build(row.values)
-        if ids is None:
+        params, ids, error = self._request(row)
+        if ids is None or params is None:
             self._finish_row(row, None, "error", 0, 0, error)
             return
         saved = inflight.pop(row.ordinal, None)
         output_ids = None
-        if saved is not None and saved.get("id") == row_id and saved.get("prompt_ids") == ids:
+        if (
+            saved is not None
+            and saved.get("id") == row_id
+            and saved.get("prompt_ids") == ids
+            and saved.get("params", params.to_dict()) == params.to_dict()
+        ):
             output_ids = saved.get("output_ids") or None
-            if self.params.n > 1 and saved.get("samples"):
+            if params.n > 1 and saved.get("samples"):
                 output_ids = {int(k): v for k, v in saved["samples"].items()}
         self.ready.append((row_id, ids, output_ids))
-        self.pending[row_id] = _Pending(row, row_id, len(ids))
+        self.pending[row_id] = _Pending(row, row_id, len(ids), params)
+
+    def _request(self, row: Row) -> tuple[SamplingParams | None, list[int] | None, str | None]:
+        """A row's sampling parameters and prompt ids, or the reason it has none (naming line and field)."""
+        assert row.values is not None
+        where = f"{row.source} line {row.line}: " if row.line is not None else ""
+        params: SamplingParams | None = self.params
+        if self.spec.format == "openai":
+            body = row.values.get("body")
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                self.models_seen.add(body["model"])
+            check = self.model_names if self.spec.check_model_name else None
+            request, params, error = parse_request(row.values, self.params, check)
+            if request is None:
+                return None, None, where + str(error)
+            ids, error = self.builder.build_request(request)
+            return params, ids, error
+        if self.spec.params_column is not None:
+            column = self.spec.params_column
+            params, error = params_from_column(row.values.get(column), column, self.params)
+            if params is None:
+                return None, None, where + str(error)
+        ids, error = self.builder.build(row.values)
+        return params, ids, error
 
     def _read_ahead(self) -> int:
         """How many prepared rows to hold: a lookahead window to sort, or just what the engine can take."""
@@ -371,17 +419,18 @@ class _Loop:
                 del self.ready[i]
             else:
                 row_id, ids, output_ids = self.ready.popleft()
+            params = self.pending[row_id].params
             if isinstance(output_ids, dict):  # --n, resumed: each sample from its saved tokens (or afresh)
-                for k in range(self.params.n):
-                    self.engine.add_request(row_id, ids, self.params, output_ids.get(k), sample_index=k)
+                for k in range(params.n):
+                    self.engine.add_request(row_id, ids, params, output_ids.get(k), sample_index=k)
             else:
-                self.engine.add_request(row_id, ids, self.params, output_ids=output_ids)
+                self.engine.add_request(row_id, ids, params, output_ids=output_ids)
 
     def _finished(self, out: Any) -> None:
         p = self.pending[out.request_id]
         self.stats.request(out, p.first_run)
         p.samples[getattr(out, "sample_index", 0)] = out
-        if len(p.samples) < self.params.n:
+        if len(p.samples) < p.params.n:
             return  # --n: the row is written once all its samples are done
         del self.pending[out.request_id]
         for k in sorted(p.samples):
@@ -503,6 +552,14 @@ class _Loop:
             self.bar.close()
             if self.ids is not None:
                 self.ids.close()
+            other = sorted(self.models_seen - self.model_names)
+            if other and not self.spec.check_model_name:
+                print(
+                    f"batchjob: body.model ignored: the requests name {', '.join(map(repr, other))}, this job "
+                    f"runs {model_identity.display_name(self.spec.model)!r} (--check-model-name makes such "
+                    "requests errors)",
+                    file=sys.stderr,
+                )
 
     def _result(self, status: str) -> JobResult:
         return JobResult(
@@ -515,8 +572,11 @@ class _Loop:
         )
 
 
-def extra_fields(params: Any) -> tuple[Any, ...]:
-    """The feature columns a job's results carry, after the result columns."""
+def extra_fields(params: Any, every: bool = False) -> tuple[Any, ...]:
+    """The feature columns a job's results carry, after the result columns (``every``: all of them, for
+    jobs whose rows choose their own parameters)."""
+    if every:
+        return tuple(EXTRA_FIELDS.values())
     names = []
     if params.n > 1:
         names.append("sample_index")

@@ -28,6 +28,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 ADMISSION_CHOICES = ("fcfs", "longest-first", "shortest-first", "static")
+FORMAT_CHOICES = ("rows", "openai")
 
 
 @dataclass
@@ -43,6 +44,10 @@ class JobSpec:
     system: str | None = None
     chat: bool | None = None  # None: chat when the tokenizer has a chat template
     id_column: str | None = None
+    # "rows": each input row is a record with columns; "openai": each line is an OpenAI Batch API request
+    format: str = "rows"
+    params_column: str | None = None  # a column of per-row sampling parameters (JSON object or struct)
+    check_model_name: bool = False  # --format openai: a request whose body.model is not this model fails
     # model
     model: str | None = None  # None: the embedded default model
     trust_remote_code: bool = False  # run Python code the model's folder ships (not part of the identity)
@@ -50,7 +55,7 @@ class JobSpec:
     device: str = "auto"
     # sampling
     max_new_tokens: int = 128
-    temperature: float = 0.0
+    temperature: float | None = None  # None: 0 (greedy), or OpenAI's 1 for --format openai
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -126,6 +131,19 @@ class JobSpec:
             raise ConfigError(
                 f"admission must be one of {', '.join(ADMISSION_CHOICES)}; got {self.admission!r}"
             )
+        if self.format not in FORMAT_CHOICES:
+            raise ConfigError(f"format must be one of {', '.join(FORMAT_CHOICES)}; got {self.format!r}")
+        if self.format == "openai":
+            given = [n for n in ("prompt_column", "messages_column", "template", "params_column")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ConfigError(
+                    f"--format openai takes the prompt and parameters from each request's body; leave out "
+                    f"{', '.join('--' + g.replace('_', '-') for g in given)}"
+                )
+            if self.id_column not in (None, "custom_id"):
+                raise ConfigError("--format openai: the row id is each request's custom_id; leave out --id-column")
+            self.id_column = "custom_id"
         if self.lookahead < 1:
             raise ConfigError(f"lookahead must be >= 1 rows, got {self.lookahead!r}")
         if not self.checkpoint_interval > 0:
@@ -146,11 +164,23 @@ class JobSpec:
                 f"json_schema file {path} cannot be read: {getattr(e, 'strerror', None) or e}"
             ) from e
 
+    @property
+    def effective_temperature(self) -> float:
+        if self.temperature is not None:
+            return self.temperature
+        return 1.0 if self.format == "openai" else 0.0  # labels want the same answer twice; OpenAI samples
+
+    @property
+    def per_row_params(self) -> bool:
+        """Whether rows bring their own sampling parameters (which then fill in the job's)."""
+        return self.params_column is not None or self.format == "openai"
+
     def sampling_params(self, job_seed: int) -> SamplingParams:
-        """The sampling params of every request; ``job_seed`` stands in when no ``seed`` was given."""
+        """The sampling params of every request (with per-row parameters: what a row leaves out);
+        ``job_seed`` stands in when no ``seed`` was given."""
         return SamplingParams(
             max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
+            temperature=self.effective_temperature,
             top_k=self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
@@ -171,11 +201,16 @@ class JobSpec:
 
     def prompt_fingerprint(self) -> dict[str, Any]:
         keys = ("prompt_column", "messages_column", "template", "system", "chat", "id_column")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in keys}
+        if self.format != "rows":
+            out["format"] = self.format
+        if self.params_column is not None:  # per-row parameters: the rows themselves are identified
+            out["params_column"] = self.params_column
+        return out
 
     def sampling_fingerprint(self) -> dict[str, Any]:
-        keys = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
-        out = {k: getattr(self, k) for k in keys}
+        keys = ("max_new_tokens", "top_p", "top_k", "min_p", "seed", "stop")
+        out = {k: getattr(self, k) for k in keys} | {"temperature": self.effective_temperature}
         # Constraints and samples only when given, so a job without them keeps its old identity.
         extra = self.sampling_params(0).to_dict()
         for k in ("choices", "json_schema", "regex", "logprobs", "n"):

@@ -1,0 +1,212 @@
+"""Per-row requests: sampling parameters that come from the row, and OpenAI Batch API request lines.
+
+Two ways a row brings its own parameters, both filling in the job's options for what the row leaves out:
+
+- ``--params-column COL``: a JSON object (as text, or a struct column) of ``SamplingParams`` fields, e.g.
+  ``{"max_new_tokens": 3, "temperature": 0.7}``;
+- ``--format openai``: each line is a request of the OpenAI Batch API (``custom_id``, ``method``, ``url``,
+  ``body``); the body's ``messages`` (chat) or ``prompt`` (completions) is the prompt and its fields are the
+  parameters, with OpenAI's meaning (a request that leaves ``temperature`` out samples at 1).
+
+A field this tool does not support, a wrong type or value, or a malformed request is the row's error (naming
+the field), never a crash and never silently dropped. Everything here is a pure function of the row, so a
+resumed job builds the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Any
+
+from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
+
+_PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "max_new_tokens": (int,),
+    "temperature": (int, float),
+    "top_k": (int,),
+    "top_p": (int, float),
+    "min_p": (int, float),
+    "seed": (int,),
+    "logprobs": (int,),
+    "n": (int,),
+    "regex": (str,),
+    "ignore_eos": (bool,),
+}
+PARAM_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+def _check_type(name: str, value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if name in ("stop", "choices"):
+        if isinstance(value, str) and name == "stop":
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return f"{where}{name} must be a list of strings, got {value!r}"
+        return None
+    if name == "stop_token_ids":
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return f"{where}{name} must be a list of token ids, got {value!r}"
+        return None
+    if name == "json_schema":
+        return None if isinstance(value, (dict, str, bool)) else f"{where}{name} must be a JSON schema"
+    ok = _PARAM_TYPES.get(name, (object,))
+    if (isinstance(value, bool) and bool not in ok) or not isinstance(value, ok):
+        kind = " or ".join(t.__name__ for t in ok).replace("int or float", "number")
+        return f"{where}{name} must be {'an' if kind == 'int' else 'a'} {kind}, got {value!r}"
+    return None
+
+
+def with_params(base: SamplingParams, given: dict[str, Any], where: str) -> tuple[SamplingParams | None, str | None]:
+    """``base`` with the fields in ``given`` replaced: ``(params, None)`` or ``(None, why not)``."""
+    for name, value in given.items():
+        if name not in PARAM_NAMES:
+            return None, f"{where}unknown sampling parameter {name!r} (known: {', '.join(sorted(PARAM_NAMES))})"
+        problem = _check_type(name, value, where)
+        if problem:
+            return None, problem
+    merged = base.to_dict() | {k: v for k, v in given.items() if v is not None}
+    if any(given.get(k) is not None for k in ("choices", "json_schema", "regex")):  # one constraint at most
+        for k in ("choices", "json_schema", "regex"):
+            if given.get(k) is None:
+                merged.pop(k, None)
+    try:
+        return SamplingParams.from_dict(merged), None
+    except ConfigError as e:
+        return None, f"{where}{e}"
+
+
+def params_from_column(value: Any, column: str, base: SamplingParams) -> tuple[SamplingParams | None, str | None]:
+    """A row's ``--params-column`` value (JSON text or a struct) applied over the job's parameters."""
+    where = f"params column {column!r}: "
+    if value is None:
+        return base, None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as e:
+            return None, f"{where}not JSON ({e})"
+        if value is None:  # JSON null: nothing of its own
+            return base, None
+    if not isinstance(value, dict):
+        return None, f"{where}must be a JSON object of sampling parameters, got {type(value).__name__}"
+    return with_params(base, value, where)
+
+
+# -- OpenAI Batch API requests ----------------------------------------------------------------------------
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+# Fields accepted and ignored: they change nothing about the answer.
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
+# Fields accepted at their neutral value only.
+_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "stream": False, "logit_bias": {}, "echo": False,
+            "best_of": 1, "suffix": None}
+
+
+def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``SamplingParams`` fields a request body asks for, or the error naming the field it can't have."""
+    out: dict[str, Any] = {}
+    known = {"messages" if chat else "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+             "logprobs", "response_format"}
+    if chat:
+        known |= {"max_completion_tokens", "top_logprobs"}
+    for key, value in body.items():
+        if key in _IGNORED or key in known:
+            continue
+        if key in _NEUTRAL and value in (_NEUTRAL[key], None):
+            continue
+        return None, f"body.{key} is not supported by batchjob" + (
+            f" (only {_NEUTRAL[key]!r})" if key in _NEUTRAL else ""
+        )
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            out["max_new_tokens"] = body[key]
+            break
+    for key in ("temperature", "top_p", "seed", "stop", "n"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if chat:
+        if body.get("logprobs"):
+            out["logprobs"] = body.get("top_logprobs") or 0
+        elif body.get("top_logprobs") is not None:
+            return None, "body.top_logprobs needs body.logprobs: true"
+    elif body.get("logprobs") is not None:
+        out["logprobs"] = body["logprobs"]
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                return None, "body.response_format.json_schema.schema must be a JSON schema object"
+            out["json_schema"] = spec["schema"]
+        elif kind == "json_object":
+            out["json_schema"] = {"type": "object"}
+        elif kind != "text":
+            return None, f"body.response_format.type {kind!r} is not supported (json_schema, json_object, text)"
+    return out, None
+
+
+def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
+    if isinstance(content, str):
+        return content, None
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                return None, f"body.messages[{i}].content[{j}]: only text parts are supported (got {kind!r})"
+            parts.append(part["text"])
+        return "".join(parts), None
+    return None, f"body.messages[{i}].content must be text"
+
+
+def parse_request(
+    values: dict[str, Any], base: SamplingParams, model_names: set[str] | None
+) -> tuple[dict[str, Any] | None, SamplingParams | None, str | None]:
+    """An OpenAI Batch request line: ``({"messages": [...]} or {"prompt": str}, params, None)`` or the error.
+
+    ``model_names``: when given, a body whose ``model`` is none of them is an error (``--check-model-name``).
+    """
+    method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
+    if isinstance(body, str):  # a body column stored as JSON text
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            return None, None, f"body is not a JSON object ({e})"
+    if method != "POST":
+        return None, None, f"method {method!r} is not supported (POST)"
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        return None, None, f"url {url!r} is not supported ({CHAT_URL} or {COMPLETIONS_URL})"
+    if not isinstance(body, dict):
+        return None, None, "body must be a JSON object"
+    if model_names is not None and body.get("model") is not None and body["model"] not in model_names:
+        return None, None, f"body.model {body['model']!r} is not this job's model ({', '.join(sorted(model_names))})"
+    chat = url == CHAT_URL
+    given, error = _body_params(body, chat)
+    if given is None:
+        return None, None, error
+    params, error = with_params(base, given, "body: ")
+    if params is None:
+        return None, None, error
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None, None, "body.messages must be a non-empty list"
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return None, None, f"body.messages[{i}] must be an object with a role"
+            text, error = _message_text(m.get("content"), i)
+            if text is None:
+                return None, None, error
+            role = "system" if m["role"] == "developer" else m["role"]
+            out.append({"role": role, "content": text})
+        return {"messages": out}, params, None
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        return None, None, "body.prompt must be a non-empty string (lists of prompts are not supported)"
+    return {"prompt": prompt}, params, None
