@@ -105,6 +105,24 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             '{"max_new_tokens": 3, "temperature": 0.7}; what a row leaves out takes the job\'s options.',
         ),
         click.option(
+            "--chat-template-kwargs",
+            metavar="JSON",
+            help='Keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3).',
+        ),
+        click.option(
+            "--reasoning-tags",
+            metavar="OPEN,CLOSE",
+            help="A reasoning model's think tags (default: found in its tokenizer, e.g. <think>,</think>); "
+            "the text between them goes to a reasoning column, the rest is the answer.",
+        ),
+        click.option(
+            "--max-reasoning-tokens",
+            type=int,
+            metavar="N",
+            help="Close the thinking after N tokens; the answer (under --choices / --json-schema / --regex, "
+            "and --max-new-tokens) comes after it.",
+        ),
+        click.option(
             "--check-model-name",
             is_flag=True,
             default=None,

@@ -33,6 +33,7 @@ RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 
 
 EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
+    "reasoning": pa.field("reasoning", pa.string()),  # a reasoning model: the text between its think tags
     "sample_index": pa.field("sample_index", pa.int64()),  # --n: which of the row's samples
     "choice_logprobs": pa.field("choice_logprobs", pa.string()),  # --choices: JSON {choice: log-prob}
     "choice_probs": pa.field("choice_probs", pa.string()),  # --choices: JSON {choice: prob}, sums to 1

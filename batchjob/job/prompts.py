@@ -200,10 +200,13 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
 class PromptBuilder:
     """Builds prompt token ids for rows; the tokenizer is the engine's."""
 
-    def __init__(self, plan: PromptPlan, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self, plan: PromptPlan, tokenizer: Any, max_model_len: int, template_kwargs: dict[str, Any] | None = None
+    ) -> None:
         self.plan = plan
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs, e.g. {"enable_thinking": false}
         self._template = parse_template(plan.template) if plan.template is not None else ()
 
     def text(self, values: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -261,7 +264,9 @@ class PromptBuilder:
             return None, f"chat template rejects these messages: {e}"
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
 
     def build(self, values: dict[str, Any]) -> tuple[list[int] | None, str | None]:
         """(prompt token ids, None) or (None, error)."""

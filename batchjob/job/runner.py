@@ -20,12 +20,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tqdm import tqdm
 
 from batchjob import faults, signals
-from batchjob.errors import BatchjobError, InputError
+from batchjob.errors import BatchjobError, ConfigError, InputError
 from batchjob.io.atomic import write_json
 from batchjob.io.readers import Row, compatible, input_schema, iter_rows
 from batchjob.io.sources import ORDINAL_BITS, Source, count_rows, discover
@@ -36,6 +37,7 @@ from batchjob.job.inputs import InputChangedError, new_records, ordered_sources,
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, PromptPlan, plan_prompts, resolve_chat
+from batchjob.job.reasoning import find_tags, parse_tags
 from batchjob.job.requests import params_from_column, parse_request
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
@@ -203,9 +205,15 @@ class _Pending:
     row: Row
     row_id: str
     num_prompt_tokens: int
-    params: SamplingParams
+    params: SamplingParams  # of the row's request in the engine (with reasoning: of its thinking)
     first_run: float | None = None
     samples: dict[int, Any] = field(default_factory=dict)  # --n: finished samples, written together
+    # reasoning models (reasoning.py): whether the prompt ends inside a think block; with two requests, the
+    # thinking's prompt, the answer's parameters, and each sample's finished thinking
+    inside: bool = False
+    prompt: list[int] = field(default_factory=list)
+    answer_params: SamplingParams | None = None
+    thoughts: dict[int, Any] = field(default_factory=dict)
 
 
 class _Loop:
@@ -219,7 +227,15 @@ class _Loop:
         self.state = prep.state
         self.manifest = Manifest(self.state.manifest_file)
         self.params = self.spec.sampling_params(prep.info.job_seed)  # what rows leave out, with per-row params
-        extra = extra_fields(self.params, every=self.spec.per_row_params)
+        given = parse_tags(self.spec.reasoning_tags) if self.spec.reasoning_tags else None
+        self.tags = find_tags(engine.tokenizer, given)  # think tags: a reasoning column, two-phase rows
+        if self.tags is None and self.spec.max_reasoning_tokens is not None:
+            raise ConfigError(
+                "--max-reasoning-tokens needs the model's think tags, and its tokenizer names none: give them "
+                "with --reasoning-tags OPEN,CLOSE"
+            )
+        self.answer_of: dict[str, tuple[str, int]] = {}  # an answer request -> (its row's id, sample index)
+        extra = extra_fields(self.params, every=self.spec.per_row_params, reasoning=self.tags is not None)
         self.writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
         self.model_names = model_names(self.spec.model)  # --format openai: what body.model may say
         self.models_seen: set[str] = set()
@@ -293,6 +309,13 @@ class _Loop:
         requests = []
         by_id: dict[str, dict[str, Any]] = {}
         for snap in self.engine.snapshot():
+            if snap.request_id in self.answer_of:  # saved as its finished thinking: the answer is redone
+                row_id, k = self.answer_of[snap.request_id]
+                p = self.pending[row_id]
+                thought = p.thoughts[k]
+                snap = SimpleNamespace(
+                    request_id=row_id, prompt_ids=p.prompt, output_ids=thought.token_ids, sample_index=k
+                )
             p = self.pending[snap.request_id]
             record = {"ordinal": p.row.ordinal, "id": snap.request_id, "prompt_ids": list(snap.prompt_ids)}
             if self.spec.per_row_params:
@@ -366,6 +389,14 @@ class _Loop:
         if ids is None or params is None:
             self._finish_row(row, None, "error", 0, 0, error)
             return
+        pending = _Pending(row, row_id, len(ids), params)
+        if self.tags is not None:
+            pending.inside = self.tags.inside(ids)
+            closed = not pending.inside and self.tags.closed(ids)  # the template turned thinking off
+            if not closed and (params.constrained or self.spec.max_reasoning_tokens is not None):
+                ids = ids if pending.inside else ids + list(self.tags.open_ids)
+                pending.prompt, pending.answer_params = ids, params
+                pending.params = params = self._thinking_params(params)
         saved = inflight.pop(row.ordinal, None)
         output_ids = None
         if (
@@ -378,7 +409,22 @@ class _Loop:
             if params.n > 1 and saved.get("samples"):
                 output_ids = {int(k): v for k, v in saved["samples"].items()}
         self.ready.append((row_id, ids, output_ids))
-        self.pending[row_id] = _Pending(row, row_id, len(ids), params)
+        self.pending[row_id] = pending
+
+    def _thinking_params(self, params: SamplingParams) -> SamplingParams:
+        """A row's thinking: unconstrained, until the close tag or --max-reasoning-tokens (else
+        --max-new-tokens) tokens; its answer gets the row's own parameters after it."""
+        assert self.tags is not None
+        one = len(self.tags.close_ids) == 1
+        return params.replace(
+            choices=None,
+            json_schema=None,
+            regex=None,
+            logprobs=None,
+            max_new_tokens=self.spec.max_reasoning_tokens or params.max_new_tokens,
+            stop=None if one else [self.tags.close],
+            stop_token_ids=list(self.tags.close_ids) if one else None,
+        )
 
     def _request(self, row: Row) -> tuple[SamplingParams | None, list[int] | None, str | None]:
         """A row's sampling parameters and prompt ids, or the reason it has none (naming line and field)."""
@@ -427,27 +473,54 @@ class _Loop:
                 self.engine.add_request(row_id, ids, params, output_ids=output_ids)
 
     def _finished(self, out: Any) -> None:
-        p = self.pending[out.request_id]
+        if out.request_id in self.answer_of:  # a reasoning row's answer
+            row_id, k = self.answer_of.pop(out.request_id)
+            p = self.pending[row_id]
+        else:
+            row_id, k = out.request_id, getattr(out, "sample_index", 0)
+            p = self.pending[row_id]
+            if p.answer_params is not None and out.finish_reason != "error":
+                self._answer(p, k, out)  # the thinking is done: now the answer, after it
+                return
         self.stats.request(out, p.first_run)
-        p.samples[getattr(out, "sample_index", 0)] = out
+        p.samples[k] = out
         if len(p.samples) < p.params.n:
             return  # --n: the row is written once all its samples are done
-        del self.pending[out.request_id]
+        del self.pending[row_id]
         for k in sorted(p.samples):
             out = p.samples[k]
             error = out.error if out.finish_reason == "error" else None
             if out.finish_reason == "error" and error is None:
                 error = "the engine could not run this request"
-            text = None if error else out.text
+            text, reasoning, n_gen = None if error else out.text, None, len(out.token_ids)
+            thought = p.thoughts.get(k)
+            if self.tags is not None and text is not None:
+                if thought is not None:  # two requests: the thinking's text, then the answer's
+                    reasoning = self.tags.split(thought.text, inside=True)[0] or ""
+                    n_gen += len(thought.token_ids)
+                else:
+                    reasoning, text = self.tags.split(text, p.inside)
             self._finish_row(
                 p.row,
                 text,
                 out.finish_reason,
                 p.num_prompt_tokens,
-                len(out.token_ids),
+                n_gen,
                 error,
-                [feature_columns(out)],
+                [feature_columns(out) | {"reasoning": reasoning}],
             )
+
+    def _answer(self, p: _Pending, k: int, thought: Any) -> None:
+        """Queue sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
+        assert self.tags is not None and p.answer_params is not None
+        p.thoughts[k] = thought
+        ids = p.prompt + list(thought.token_ids)
+        close = list(self.tags.close_ids)
+        if ids[-len(close) :] != close:
+            ids += close
+        answer_id = f"{p.row_id}\x1fanswer{k}"
+        self.answer_of[answer_id] = (p.row_id, k)
+        self.engine.add_request(answer_id, ids, p.answer_params.replace(n=1))
 
     def _note_running(self) -> int:
         running = getattr(getattr(self.engine, "scheduler", None), "running", None)
@@ -572,12 +645,14 @@ class _Loop:
         )
 
 
-def extra_fields(params: Any, every: bool = False) -> tuple[Any, ...]:
+def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> tuple[Any, ...]:
     """The feature columns a job's results carry, after the result columns (``every``: all of them, for
-    jobs whose rows choose their own parameters)."""
+    jobs whose rows choose their own parameters; ``reasoning``: a model that thinks in tags)."""
+    names = ["reasoning"] if reasoning else []
     if every:
-        return tuple(EXTRA_FIELDS.values())
-    names = []
+        return tuple(EXTRA_FIELDS[n] for n in names) + tuple(
+            f for n, f in EXTRA_FIELDS.items() if n != "reasoning"
+        )
     if params.n > 1:
         names.append("sample_index")
     if params.choices is not None:
@@ -702,7 +777,8 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
         repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors)  # verify.py
         writer.remove_orphans(manifest.names)
-        loop = _Loop(prep, engine, PromptBuilder(plan, engine.tokenizer, engine.max_model_len))
+        builder = PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
+        loop = _Loop(prep, engine, builder)
         with _StopOnSignals(loop):
             return loop.run()
     finally:

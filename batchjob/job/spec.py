@@ -8,6 +8,7 @@ job file's folder, so a job file works from any working directory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -48,6 +49,8 @@ class JobSpec:
     format: str = "rows"
     params_column: str | None = None  # a column of per-row sampling parameters (JSON object or struct)
     check_model_name: bool = False  # --format openai: a request whose body.model is not this model fails
+    chat_template_kwargs: dict[str, Any] | str | None = None  # keyword arguments for the chat template: a JSON object (or its text)
+    reasoning_tags: str | None = None  # "OPEN,CLOSE": the think tags (default: found in the tokenizer)
     # model
     model: str | None = None  # None: the embedded default model
     trust_remote_code: bool = False  # run Python code the model's folder ships (not part of the identity)
@@ -67,6 +70,7 @@ class JobSpec:
     regex: str | None = None  # the answer matches this regular expression
     logprobs: int | None = None  # top-K log-probabilities of each generated token, in a column
     n: int = 1  # samples per row: n result rows, each with its sample_index
+    max_reasoning_tokens: int | None = None  # reasoning models: close the thinking after this many tokens
     # engine
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -131,6 +135,13 @@ class JobSpec:
             raise ConfigError(
                 f"admission must be one of {', '.join(ADMISSION_CHOICES)}; got {self.admission!r}"
             )
+        self.template_kwargs = self._template_kwargs()
+        if self.reasoning_tags is not None:
+            from batchjob.job.reasoning import parse_tags
+
+            parse_tags(self.reasoning_tags)
+        if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 1:
+            raise ConfigError(f"max_reasoning_tokens must be >= 1, got {self.max_reasoning_tokens!r}")
         if self.format not in FORMAT_CHOICES:
             raise ConfigError(f"format must be one of {', '.join(FORMAT_CHOICES)}; got {self.format!r}")
         if self.format == "openai":
@@ -163,6 +174,19 @@ class JobSpec:
             raise ConfigError(
                 f"json_schema file {path} cannot be read: {getattr(e, 'strerror', None) or e}"
             ) from e
+
+    def _template_kwargs(self) -> dict[str, Any]:
+        value = self.chat_template_kwargs
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r} ({e})") from e
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r}")
+        return value
 
     @property
     def effective_temperature(self) -> float:
@@ -206,6 +230,10 @@ class JobSpec:
             out["format"] = self.format
         if self.params_column is not None:  # per-row parameters: the rows themselves are identified
             out["params_column"] = self.params_column
+        if self.template_kwargs:
+            out["chat_template_kwargs"] = self.template_kwargs
+        if self.reasoning_tags is not None:
+            out["reasoning_tags"] = self.reasoning_tags
         return out
 
     def sampling_fingerprint(self) -> dict[str, Any]:
@@ -218,6 +246,8 @@ class JobSpec:
                 out[k] = extra[k]  # the schema's content, not its path
         if self.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")
             out["max_model_len"] = self.max_model_len
+        if self.max_reasoning_tokens is not None:
+            out["max_reasoning_tokens"] = self.max_reasoning_tokens
         return out
 
 

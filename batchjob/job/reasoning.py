@@ -1,0 +1,80 @@
+"""Reasoning models: the text between think tags is the ``reasoning`` column, the rest is the answer.
+
+A model "thinks" inside a pair of tags (``<think>`` ... ``</think>``), found in its tokenizer (as added tokens,
+or in its chat template) or given with ``--reasoning-tags OPEN,CLOSE``. A chat template may open the block
+itself at the end of the prompt; otherwise the model opens it.
+
+When the answer is constrained (``--choices``, ``--json-schema``, ``--regex``) or the thinking is bounded
+(``--max-reasoning-tokens N``), a row runs in two requests: the **reasoning** one, from the prompt (with the
+open tag) until the close tag or N tokens, then the **answer** one, from the prompt, the reasoning and the
+close tag (added when the thinking ran long), under the constraint and ``--max-new-tokens``. The answer request
+starts where the reasoning ended, so it reuses its KV through the prefix cache; both are seeded per row, so a
+resumed job writes what an uninterrupted one would. Otherwise a row is one request whose text is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+_KNOWN = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    open: str
+    close: str
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+
+    def inside(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside an open thinking block (the template opened it)."""
+        return _last(prompt_ids, self.open_ids) > _last(prompt_ids, self.close_ids)
+
+    def closed(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt holds a closed thinking block after its last open one (the template turned
+        thinking off, e.g. Qwen3's ``enable_thinking=False`` writes an empty one)."""
+        return _last(prompt_ids, self.close_ids) > _last(prompt_ids, self.open_ids) >= 0
+
+    def split(self, text: str, inside: bool) -> tuple[str | None, str]:
+        """``(reasoning, answer)`` of a generated text; reasoning None when the model did not think."""
+        if not inside:
+            start = text.find(self.open)
+            if start < 0 or text[:start].strip():
+                return None, text
+            text = text[start + len(self.open) :]
+        end = text.find(self.close)
+        if end < 0:
+            return text.strip(), ""  # still thinking when it stopped
+        return text[:end].strip(), text[end + len(self.close) :].lstrip()
+
+
+def _last(ids: list[int], sub: tuple[int, ...]) -> int:
+    n = len(sub)
+    for i in range(len(ids) - n, -1, -1):
+        if tuple(ids[i : i + n]) == sub:
+            return i
+    return -1
+
+
+def parse_tags(value: str) -> tuple[str, str]:
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--reasoning-tags must be OPEN,CLOSE such as '<think>,</think>', got {value!r}")
+    return parts[0], parts[1]
+
+
+def find_tags(tokenizer: Any, given: tuple[str, str] | None) -> ReasoningTags | None:
+    """The think tags of a tokenizer: given, else a known pair among its added tokens or in its template."""
+    pairs = [given] if given is not None else list(_KNOWN)
+    added = set(getattr(tokenizer, "get_added_vocab", dict)() or {})
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    for open_, close in pairs:
+        if given is not None or {open_, close} <= added or (open_ in template and close in template):
+            ids = [tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (open_, close)]
+            if not all(ids):
+                raise ConfigError(f"reasoning tag {open_ if not ids[0] else close!r} has no tokens")
+            return ReasoningTags(open_, close, ids[0], ids[1])
+    return None

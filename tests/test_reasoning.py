@@ -1,0 +1,179 @@
+"""Reasoning models: think tags, the reasoning column, answers constrained after the thinking, a bound on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pyarrow.dataset as ds
+import pytest
+import torch
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.engine import Engine
+from batchjob.sampling import SamplingParams
+from tests.tiny_models import make_model
+
+pytestmark = pytest.mark.timeout(300)
+
+THINKING_TEMPLATE = (  # Qwen3's shape: the model opens <think> itself; enable_thinking=false writes an empty block
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+LABELS = ["yes", "no"]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A tiny llama whose tokenizer has <think> and </think> tokens and a template that can turn them off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = make_model(tmp_path_factory.mktemp("thinker") / "m", "llama")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINKING_TEMPLATE
+    tok.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "q.jsonl"
+    with open(path, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"rid": f"q{i}", "question": f"Is review {i} positive?"}) + "\n")
+    return path
+
+
+def run(data, out, model, *extra, code=0):
+    args = [
+        "run",
+        "--input",
+        data,
+        "--output",
+        out,
+        "--model",
+        model,
+        "--template",
+        "{question}",
+        "--id-column",
+        "rid",
+        "--dtype",
+        "float64",
+        "--max-new-tokens",
+        "5",
+        *extra,
+    ]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+def rows(out):
+    return sorted(ds.dataset(out, format="parquet").to_table().to_pylist(), key=lambda r: r["rid"])
+
+
+def test_constrained_answer_after_bounded_thinking_is_exact(data, thinker, tmp_path):
+    out = tmp_path / "out"
+    run(data, out, thinker, "--choices", ",".join(LABELS), "--max-reasoning-tokens", "4")
+    engine = Engine.from_pretrained(str(thinker), dtype="float64", num_speculative_tokens=0)
+    tok = engine.tokenizer
+    think, close = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    for r in rows(out):
+        assert r["generated_text"] in LABELS and r["finish_reason"] == "stop"
+        assert sum(json.loads(r["choice_probs"]).values()) == pytest.approx(1.0)
+        # the same two steps by hand: think greedily from the prompt and <think>, then choose after </think>
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tok(prompt, add_special_tokens=False)["input_ids"] + [think]
+        params = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=[close])
+        [thought] = engine.generate([ids], params)
+        thought_ids = list(thought.token_ids)
+        assert (
+            r["reasoning"] == tok.decode(thought_ids, skip_special_tokens=True).split("</think>")[0].strip()
+        )
+        ids += thought_ids + ([] if thought_ids[-1:] == [close] else [close])
+        [answer] = engine.generate([ids], SamplingParams(choices=LABELS, temperature=0))
+        assert r["generated_text"] == answer.text
+        assert r["num_generated_tokens"] == len(thought_ids) + len(answer.token_ids)
+        assert json.loads(r["choice_logprobs"]) == pytest.approx(answer.choice_logprobs)
+
+
+def test_thinking_turned_off_by_the_template_and_free_answers(data, thinker, tmp_path):
+    off = tmp_path / "off"
+    run(
+        data,
+        off,
+        thinker,
+        "--choices",
+        ",".join(LABELS),
+        "--chat-template-kwargs",
+        '{"enable_thinking": false}',
+    )
+    for r in rows(off):  # the template closed the block: one constrained request, nothing to think
+        assert r["generated_text"] in LABELS and r["reasoning"] is None
+        assert r["num_generated_tokens"] <= 2  # "yes" or "no" and the stop token, no thinking
+    free = tmp_path / "free"
+    run(data, free, thinker, "--max-reasoning-tokens", "3")
+    for r in rows(free):  # bounded thinking, then a free answer of up to --max-new-tokens
+        assert r["reasoning"] is not None
+        assert 1 <= r["num_generated_tokens"] <= 3 + 5
+
+
+def test_reasoning_job_resumes_exactly(data, thinker, tmp_path, monkeypatch):
+    want, out = tmp_path / "want", tmp_path / "out"
+    extra = [
+        "--choices",
+        ",".join(LABELS),
+        "--max-reasoning-tokens",
+        "4",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "2",
+    ]
+    run(data, want, thinker, *extra)
+    step, count = Engine.step, {"n": 0}
+
+    def interrupting_step(self):
+        count["n"] += 1
+        if count["n"] == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", interrupting_step)
+    run(data, out, thinker, *extra, "--checkpoint-interval", "0.001", code=75)
+    saved = json.loads((out / "_batchjob" / "inflight.json").read_text())["body"]["requests"]
+    assert any(len(r["output_ids"]) == 4 for r in saved)  # rows stopped in their answer: saved as thinking
+    monkeypatch.setattr(Engine, "step", step)
+    run(data, out, thinker, *extra)
+    assert rows(out) == rows(want)
+
+
+def test_tags_given_by_hand_and_missing_tags(data, tiny_model_dir, tmp_path):
+    text = run(data, tmp_path / "a", tiny_model_dir, "--max-reasoning-tokens", "2", code=2)
+    assert "--max-reasoning-tokens needs the model's think tags" in text
+    out = tmp_path / "b"  # tags the tokenizer spells in several tokens: the thinking stops on the text
+    run(
+        data,
+        out,
+        tiny_model_dir,
+        "--reasoning-tags",
+        "[[,]]",
+        "--max-reasoning-tokens",
+        "3",
+        "--choices",
+        "a,b",
+    )
+    for r in rows(out):
+        assert r["generated_text"] in ("a", "b") and r["reasoning"] is not None
+    plain = tmp_path / "c"  # no tags: no reasoning column
+    run(data, plain, tiny_model_dir)
+    assert "reasoning" not in rows(plain)[0]
