@@ -469,8 +469,29 @@ def _launch(
 @_shard_options
 @click.pass_context
 @_errors
+@click.option(
+    "--estimate",
+    is_flag=True,
+    help="Also tokenize the prompts (a histogram of their lengths, the rows that will fail) and time a short "
+    "calibration run: the job's expected time on this machine, and with other --max-num-seqs and "
+    "--max-num-batched-tokens (loads the model; about a minute).",
+)
+@click.option(
+    "--estimate-rows",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    metavar="N",
+    help="Rows looked at for --estimate (from the start; the rest is extrapolated).",
+)
 def validate(
-    ctx: click.Context, job_file: str | None, num_shards: int | None, shard_index: int | None, **options: Any
+    ctx: click.Context,
+    job_file: str | None,
+    num_shards: int | None,
+    shard_index: int | None,
+    estimate: bool,
+    estimate_rows: int,
+    **options: Any,
 ) -> None:
     """Check a job (options, inputs, columns, model, saved state) without running it."""
     import os
@@ -491,6 +512,11 @@ def validate(
         f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {engine}; "
         f"{state} {prep.out_dir}"
     )
+    if estimate:
+        from batchjob.job.estimate import estimate as run_estimate
+
+        for line in run_estimate(prep, max_rows=estimate_rows).lines():
+            click.echo(line)
 
 
 def _check_tokenizer(prep: Any) -> None:
@@ -591,6 +617,19 @@ def export(dir: str, fmt: str, to: str | None) -> None:
             "are done; run it again, then export",
             err=True,
         )
+
+
+@main.command()
+@click.argument("dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--to", "to", metavar="FILE", help="Where to write the page (default: DIR/_batchjob/report.html).")
+@_errors
+def report(dirs: tuple[str, ...], to: str | None) -> None:
+    """Draw a job's progress and results into one self-contained HTML page (images embedded), and print
+    its path. Two output folders (a static-batching run and a continuous one, say) are drawn side by side.
+    Works on a running or killed job: it reads what is committed."""
+    from batchjob.job.report import build
+
+    click.echo(build([Path(d) for d in dirs], Path(to) if to else None))
 
 
 from batchjob import bench as _bench  # noqa: E402,F401  (registers "batchjob bench")

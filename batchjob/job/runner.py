@@ -23,8 +23,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tqdm import tqdm
-
 from batchjob import faults, signals
 from batchjob.errors import BatchjobError, ConfigError, InputError
 from batchjob.io.atomic import write_json
@@ -36,6 +34,7 @@ from batchjob.job.ids import IdIndex
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile, split_ordinal
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.progress import Progress
 from batchjob.job.prompts import PromptBuilder, PromptPlan, plan_prompts, resolve_chat
 from batchjob.job.reasoning import find_tags, parse_tags
 from batchjob.job.requests import params_from_column, parse_request
@@ -280,7 +279,7 @@ class _Loop:
             self.buffer.append(base | extra)
         self.buffer_ordinals.add(row.ordinal)
         self.stats.row(n_prompt, n_gen, error is not None)
-        self.bar.update(1)
+        self.bar.row(error is not None)
 
     def commit(self) -> None:
         if not self.buffer:
@@ -428,26 +427,12 @@ class _Loop:
 
     def _request(self, row: Row) -> tuple[SamplingParams | None, list[int] | None, str | None]:
         """A row's sampling parameters and prompt ids, or the reason it has none (naming line and field)."""
-        assert row.values is not None
-        where = f"{row.source} line {row.line}: " if row.line is not None else ""
-        params: SamplingParams | None = self.params
-        if self.spec.format == "openai":
+        if self.spec.format == "openai" and row.values is not None:
             body = row.values.get("body")
             if isinstance(body, dict) and isinstance(body.get("model"), str):
                 self.models_seen.add(body["model"])
-            check = self.model_names if self.spec.check_model_name else None
-            request, params, error = parse_request(row.values, self.params, check)
-            if request is None:
-                return None, None, where + str(error)
-            ids, error = self.builder.build_request(request)
-            return params, ids, error
-        if self.spec.params_column is not None:
-            column = self.spec.params_column
-            params, error = params_from_column(row.values.get(column), column, self.params)
-            if params is None:
-                return None, None, where + str(error)
-        ids, error = self.builder.build(row.values)
-        return params, ids, error
+        check = self.model_names if self.spec.check_model_name else None
+        return row_request(self.spec, self.builder, self.params, row, check)
 
     def _read_ahead(self) -> int:
         """How many prepared rows to hold: a lookahead window to sort, or just what the engine can take."""
@@ -561,14 +546,7 @@ class _Loop:
         )
         reader_done = False
         errors_before = self.manifest.errors
-        self.bar = tqdm(
-            total=self.total_hint,
-            initial=self.manifest.rows,
-            unit="row",
-            disable=None,
-            dynamic_ncols=True,
-            desc="batchjob",
-        )
+        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors)
         last_checkpoint = time.monotonic()
         try:
             while True:
@@ -582,6 +560,7 @@ class _Loop:
                         )
                         self.total_hint = self.prep.shard.share_of(info.row_counts)
                         self.stream_hint = info.total_rows
+                        self.bar.set_total(self.total_hint)
                     else:
                         self._admit(row, inflight)
                         if self.ids is not None:
@@ -590,11 +569,8 @@ class _Loop:
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._finished(out)
-                    self.stats.step(self._note_running())
-                    elapsed = max(self.stats.elapsed, 1e-9)
-                    self.bar.set_postfix_str(
-                        f"{self.stats.generated_tokens / elapsed:.1f} tok/s", refresh=False
-                    )
+                    self.stats.step(self._note_running(), getattr(self.engine, "stats", None))
+                    self.bar.step(self.stats.generated_tokens)
                 elif reader_done:
                     break
                 if self.stop_signal is not None:
@@ -643,6 +619,28 @@ class _Loop:
             self.manifest.errors,
             self.stats.to_json(),
         )
+
+
+def row_request(
+    spec: JobSpec, builder: PromptBuilder, base: SamplingParams, row: Row, model_names: set[str] | None = None
+) -> tuple[SamplingParams | None, list[int] | None, str | None]:
+    """A row's sampling parameters (``base`` and what the row brings) and prompt ids, or the reason it has
+    none, naming the line and the field. ``model_names``: what ``body.model`` may say (--check-model-name)."""
+    assert row.values is not None
+    where = f"{row.source} line {row.line}: " if row.line is not None else ""
+    params: SamplingParams | None = base
+    if spec.format == "openai":
+        request, params, error = parse_request(row.values, base, model_names)
+        if request is None:
+            return None, None, where + str(error)
+        ids, error = builder.build_request(request)
+        return params, ids, error
+    if spec.params_column is not None:
+        params, error = params_from_column(row.values.get(spec.params_column), spec.params_column, base)
+        if params is None:
+            return None, None, where + str(error)
+    ids, error = builder.build(row.values)
+    return params, ids, error
 
 
 def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> tuple[Any, ...]:

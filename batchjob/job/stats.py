@@ -1,18 +1,34 @@
 """Run statistics: token counts, throughput, per-request latencies and batch occupancy, in bounded memory.
 
 Latencies are kept in a fixed-size reservoir sample (exact percentiles up to 10,000 requests, a uniform
-sample beyond), and the occupancy timeline is halved whenever it grows past its cap, so a stats object is
-the same size after a thousand rows or a billion.
+sample beyond) and in log-spaced histograms with fixed edges (so workers' histograms add up), and the
+timeline (per step: occupancy, tokens, KV blocks in use, preemptions) is halved whenever it grows past its
+cap, so a stats object is the same size after a thousand rows or a billion. ``batchjob report`` draws them.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from typing import Any
 
 _RESERVOIR = 10_000
 _TIMELINE = 512
+# Histogram edges in seconds: 10 per decade from 1 ms to 100,000 s (and an overflow bin).
+HIST_EDGES = [round(10 ** (k / 10 - 3), 6) for k in range(81)]
+TIMELINE_FIELDS = ["t", "occupancy", "generated_tokens", "prompt_tokens", "kv_used", "preemptions"]
+
+
+class Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * (len(HIST_EDGES) + 1)
+
+    def add(self, x: float) -> None:
+        self.counts[bisect.bisect_right(HIST_EDGES, x)] += 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"edges": HIST_EDGES, "counts": self.counts}
 
 
 class Reservoir:
@@ -53,9 +69,13 @@ class RunStats:
         self.queue_wait = Reservoir(seed=1)
         self.ttft = Reservoir(seed=2)
         self.latency = Reservoir(seed=3)
-        self.occupancy: list[list[float]] = []  # [seconds since start, running / max_num_seqs]
+        self.histograms = {"queue_wait_s": Histogram(), "ttft_s": Histogram(), "latency_s": Histogram()}
+        # per recorded step, TIMELINE_FIELDS: seconds since start, running / max_num_seqs, and the engine's
+        # cumulative generated and computed prompt tokens, KV blocks in use / all, cumulative preemptions
+        self.timeline: list[list[float]] = []
         self._occ_every = 1
         self._occ_steps = 0
+        self._kv_sum = 0
 
     @property
     def elapsed(self) -> float:
@@ -73,20 +93,40 @@ class RunStats:
         ``first_run``: when the runner first saw it running (None: it finished in its first step).
         """
         scheduled = getattr(out, "first_scheduled_time", None) or first_run or out.first_token_time
+        values = {}
         if scheduled is not None:
-            self.queue_wait.add(max(0.0, scheduled - out.arrival_time))
+            values["queue_wait_s"] = max(0.0, scheduled - out.arrival_time)
         if out.first_token_time is not None:
-            self.ttft.add(max(0.0, out.first_token_time - out.arrival_time))
-        self.latency.add(max(0.0, out.finish_time - out.arrival_time))
+            values["ttft_s"] = max(0.0, out.first_token_time - out.arrival_time)
+        values["latency_s"] = max(0.0, out.finish_time - out.arrival_time)
+        for name, x in values.items():
+            {"queue_wait_s": self.queue_wait, "ttft_s": self.ttft, "latency_s": self.latency}[name].add(x)
+            self.histograms[name].add(x)
 
-    def step(self, running: int) -> None:
+    def step(self, running: int, engine: Any = None) -> None:
+        """After an engine step: ``running`` requests; ``engine``: its stats (``EngineStats``), if any."""
         self._occ_steps += 1
+        used = 0
+        if engine is not None:  # the engine adds up the blocks in use at each step: this step's is the rise
+            used, self._kv_sum = engine.kv_blocks_used_sum - self._kv_sum, engine.kv_blocks_used_sum
         if self._occ_steps % self._occ_every:
             return
-        self.occupancy.append([round(self.elapsed, 3), round(running / self.max_num_seqs, 4)])
-        if len(self.occupancy) >= _TIMELINE:
-            self.occupancy = self.occupancy[::2]
+        point = [round(self.elapsed, 3), round(running / self.max_num_seqs, 4)]
+        if engine is not None:
+            point += [
+                engine.generated_tokens,
+                engine.computed_prompt_tokens,
+                round(used / max(1, engine.num_blocks), 4),
+                engine.preemptions,
+            ]
+        self.timeline.append(point)
+        if len(self.timeline) >= _TIMELINE:
+            self.timeline = self.timeline[::2]
             self._occ_every *= 2
+
+    @property
+    def occupancy(self) -> list[list[float]]:
+        return [p[:2] for p in self.timeline]
 
     def to_json(self, engine_stats: dict[str, Any] | None = None) -> dict[str, Any]:
         elapsed = max(self.elapsed, 1e-9)
@@ -109,5 +149,7 @@ class RunStats:
                 "mean": round(sum(occ) / len(occ), 4) if occ else None,
                 "timeline": self.occupancy,
             },
+            "histograms": {k: h.to_json() for k, h in self.histograms.items()},
+            "timeline": {"fields": TIMELINE_FIELDS, "points": self.timeline},
             "engine": engine_stats or {},
         }

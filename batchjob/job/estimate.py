@@ -1,0 +1,283 @@
+"""``batchjob validate --estimate``: how long a job will take on this machine, and how many rows will fail,
+before a long run.
+
+1. Prompts: the job's first rows (all of them up to ``--estimate-rows``, else that many from the start of the
+   stream) go through the job's own prompt builder, streaming, with a progress bar: a histogram of prompt
+   lengths against the context, and the rows that will become errors (too long, no usable prompt).
+2. Calibration: the first usable prompts run through the engine with the job's settings (about a minute at
+   most), timing every step against its number of tokens: a step costs about ``alpha + beta * tokens``.
+   The whole job then takes as many steps as its tokens (the sampled prompt lengths, and the calibration's
+   output per row) fill at ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` rows a
+   step, whichever is more, plus the last batch's drain. Prefix caching and drafts are not counted, so the
+   figure errs on the slow side.
+3. The same short calibration with the settings that matter changed (``--max-num-seqs``,
+   ``--max-num-batched-tokens``, halved and doubled), on the loaded model, as a small table.
+
+The line ``estimated time: <duration>`` (``41 s``, ``12.5 min``, ``3.2 h``) is for scripts to read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from batchjob.io.readers import iter_rows
+from batchjob.job.progress import _duration as duration
+from batchjob.job.prompts import PromptBuilder, plan_prompts
+from batchjob.job.runner import Prepared, load_engine, row_request
+
+_LENGTH_EDGES = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 10**9]
+
+
+@dataclass
+class Calibration:
+    """A short run: its rate, and a fit of a step's time to its tokens (``alpha`` a step, and per prompt and
+    per decoded token)."""
+
+    settings: str
+    rows: float  # finished rows, and the share of their output budget the unfinished ones got through
+    seconds: float
+    generated_tokens: int
+    alpha: float = 0.0  # seconds a step costs whatever its size
+    beta_prompt: float = 0.0  # seconds per prompt token in a step
+    beta_out: float = 0.0  # seconds per decoded token in a step
+    max_num_seqs: int = 1
+    budget: int = 1  # max_num_batched_tokens
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / max(self.seconds, 1e-9)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def output_per_row(self) -> float:
+        return self.generated_tokens / max(self.rows, 1e-9)
+
+    def job_seconds(self, rows: float, prompt_tokens: float) -> float:
+        """A job of ``rows`` rows and ``prompt_tokens`` prompt tokens in steps of this calibration's cost:
+        as many steps as its tokens fill at the step budget, or as its outputs need at max_num_seqs rows a
+        step, whichever is more, and the last batch's drain."""
+        if self.rows <= 0:
+            return float("inf")
+        generated = rows * self.output_per_row
+        tokens = prompt_tokens + generated
+        steps = max(tokens / self.budget, generated / self.max_num_seqs) + self.output_per_row
+        return steps * self.alpha + prompt_tokens * self.beta_prompt + generated * self.beta_out
+
+
+@dataclass
+class Estimate:
+    sampled: int  # rows looked at
+    total: int | None  # rows of the job (this worker's share), when known
+    lengths: list[int]  # prompt lengths of the usable sampled rows
+    too_long: int
+    no_prompt: int
+    context: int
+    calibration: Calibration
+    alternatives: list[tuple[str, Calibration]]
+
+    @property
+    def ok(self) -> int:
+        return len(self.lengths)
+
+    def seconds(self, c: Calibration) -> float:
+        """The whole job at ``c``'s cost per step: its usable rows (the sample's share of them, when
+        extrapolated) with the sample's mean prompt length."""
+        rows = self.total if self.total is not None else self.sampled
+        usable = rows * self.ok / max(self.sampled, 1)
+        mean_prompt = sum(self.lengths) / max(1, len(self.lengths))
+        return c.job_seconds(usable, usable * mean_prompt)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"prompt lengths (tokens) of {self.ok:,} usable rows of the first {self.sampled:,}; context {self.context:,}:"
+        ]
+        counts = [0] * (len(_LENGTH_EDGES) - 1)
+        for n in self.lengths:
+            counts[next(i for i in range(len(counts)) if n < _LENGTH_EDGES[i + 1])] += 1
+        top = max(counts) or 1
+        for i, c in enumerate(counts):
+            if c:
+                lo, hi = _LENGTH_EDGES[i], _LENGTH_EDGES[i + 1] - 1
+                over = " (beyond the context)" if lo >= self.context else ""
+                out.append(f"  {lo:>6}-{hi:<6} {'#' * max(1, round(40 * c / top)):<40} {c:,}{over}")
+        scale = (
+            "" if self.total is None or self.total == self.sampled else f" (of {self.sampled:,} looked at)"
+        )
+        out.append(
+            f"rows that will be errors: {self.too_long:,} too long for the context, {self.no_prompt:,} with no "
+            f"usable prompt{scale}"
+        )
+        c = self.calibration
+        out.append(
+            f"calibration: {c.rows:.0f} rows in {c.seconds:.1f} s ({c.rows_per_s:.2f} rows/s, {c.tokens_per_s:.1f} "
+            f"generated tok/s) with {c.settings}"
+        )
+        rows = f"{self.total:,} rows" if self.total is not None else f"the {self.sampled:,} rows looked at"
+        out.append(f"estimated time: {duration(self.seconds(c))}")
+        out.append(
+            f"  ({rows}; a step took {1000 * c.alpha:.1f} ms + {1000 * c.beta_prompt:.3f} ms a prompt token + "
+            f"{1000 * c.beta_out:.3f} ms a decoded one, "
+            f"{c.output_per_row:.1f} tokens out a row; this machine, today's settings; plus model loading)"
+        )
+        if self.alternatives:
+            out.append(f"  {'with':<34}  estimated time")
+            for name, alt in self.alternatives:
+                out.append(f"  {name:<34}  {duration(self.seconds(alt))}")
+        return out
+
+
+def _fit(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Least squares of ``seconds = alpha + beta_prompt * prompt_tokens + beta_out * other_tokens`` over
+    steps (a prompt token and a decoded one cost differently); all three kept >= 0."""
+    import numpy as np
+
+    if not steps:
+        return 0.0, 0.0, 0.0
+    a = np.array([[1.0, p, d] for p, d, _ in steps])
+    y = np.array([t for _, _, t in steps])
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    if (coef < 0).any():  # too few kinds of step to tell the three apart: one cost per token
+        tokens = a[:, 1] + a[:, 2]
+        per = float(y.sum() / max(tokens.sum(), 1e-9))
+        return 0.0, per, per
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float) -> Calibration:
+    """Run ``prompts`` (ids, params) through ``engine`` until they finish or ``seconds`` pass, timing every
+    step with its token count (the first, which warms caches up, is left out of the fit)."""
+    cfg = engine.config
+    settings = f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}"
+    for i, (ids, params) in enumerate(prompts):
+        engine.add_request(f"calibrate-{i}", ids, params)
+    start = time.monotonic()
+    rows: float = 0
+    tokens = 0
+    steps: list[tuple[int, int, float]] = []  # (prompt tokens, other tokens, seconds) of each step
+    stats = engine.stats
+    while engine.has_unfinished() and time.monotonic() - start < seconds:
+        batched, prompt, t0 = stats.batched_tokens, stats.computed_prompt_tokens, time.perf_counter()
+        for out in engine.step():
+            rows += 1
+            tokens += len(out.token_ids)
+        p = stats.computed_prompt_tokens - prompt
+        steps.append((p, stats.batched_tokens - batched - p, time.perf_counter() - t0))
+    elapsed = time.monotonic() - start
+    for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
+        tokens += len(state.output_ids)
+        rows += len(state.output_ids) / max(1, state.params.max_new_tokens)
+        engine.abort(state.request_id)
+    alpha, beta_prompt, beta_out = _fit(steps[1:] or steps)
+    return Calibration(
+        settings,
+        rows,
+        elapsed,
+        tokens,
+        alpha,
+        beta_prompt,
+        beta_out,
+        cfg.max_num_seqs,
+        cfg.max_num_batched_tokens,
+    )
+
+
+def _warm_then_time(
+    engine: Any, prompts: list[tuple[list[int], Any]], warm: float, timed: float
+) -> Calibration:
+    """A first pass over a few prompts warms the kernels up (new batch shapes are slow the first time) and is
+    not timed; the prefix cache is emptied after it, so the timed pass computes its prompts."""
+    if prompts:
+        _calibrate(engine, prompts[:16], warm)
+        engine.reset_prefix_cache()
+    return _calibrate(engine, prompts, timed)
+
+
+def estimate(
+    prep: Prepared,
+    max_rows: int = 10_000,
+    calibration_rows: int = 64,
+    seconds: float = 60.0,
+) -> Estimate:
+    """Look at the job's first ``max_rows`` rows, calibrate on ``calibration_rows`` of them; ``seconds``: the
+    calibrations' budget (60% for today's settings, the rest for the table)."""
+    spec = prep.spec
+    engine = load_engine(spec)
+    tokenizer = engine.tokenizer
+    plan = plan_prompts(spec, prep.info.schema.names, bool(getattr(tokenizer, "chat_template", None)))
+    builder = PromptBuilder(plan, tokenizer, engine.max_model_len, spec.template_kwargs)
+    base = spec.sampling_params(prep.info.job_seed)
+    skip, covered = prep.shard.filters(_nothing())
+    lengths: list[int] = []
+    too_long = no_prompt = sampled = 0
+    prompts: list[tuple[list[int], Any]] = []
+    total = prep.shard.share_of(prep.info.row_counts)
+    bar = tqdm(
+        total=min(max_rows, total) if total is not None else max_rows,
+        unit="row",
+        desc="prompts",
+        disable=None,
+    )
+    for row in iter_rows(prep.sources, skip=skip, covered=covered):
+        if sampled >= max_rows:
+            break
+        sampled += 1
+        bar.update(1)
+        if row.values is None:
+            no_prompt += 1
+            continue
+        params, ids, error = row_request(spec, builder, base, row)
+        if ids is None or params is None:
+            if error and "does not fit the context" in error:
+                too_long += 1
+            else:
+                no_prompt += 1
+            continue
+        lengths.append(len(ids))
+        if len(prompts) < calibration_rows:
+            prompts.append((ids, params))
+    bar.close()
+    if total is None and sampled < max_rows:
+        total = sampled  # the whole stream was read
+    main = _warm_then_time(engine, prompts, 0.1 * seconds, 0.4 * seconds)
+    per = 0.1 * seconds
+    alternatives = []
+    cfg = engine.config
+    model, tok = engine.model, engine.tokenizer
+    from batchjob.engine import Engine
+
+    for name, change in (
+        (f"--max-num-seqs {max(1, cfg.max_num_seqs // 2)}", {"max_num_seqs": max(1, cfg.max_num_seqs // 2)}),
+        (f"--max-num-seqs {cfg.max_num_seqs * 2}", {"max_num_seqs": cfg.max_num_seqs * 2}),
+        (
+            f"--max-num-batched-tokens {max(16, cfg.max_num_batched_tokens // 2)}",
+            {"max_num_batched_tokens": max(16, cfg.max_num_batched_tokens // 2)},
+        ),
+        (
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens * 2}",
+            {"max_num_batched_tokens": cfg.max_num_batched_tokens * 2},
+        ),
+    ):
+        if not prompts:
+            break
+        try:
+            other = Engine(model, tok, dataclasses.replace(cfg, **change), model_id=engine.model_id)
+        except Exception as e:  # a setting this machine can't hold (the KV pool, say)
+            alternatives.append((f"{name} (not possible: {str(e)[:40]})", Calibration(name, 0, 1.0, 0)))
+            continue
+        alternatives.append((name, _warm_then_time(other, prompts, 0.025 * seconds, per)))
+        del other
+    return Estimate(sampled, total, lengths, too_long, no_prompt, engine.max_model_len, main, alternatives)
+
+
+def _nothing() -> Any:
+    from batchjob.job.intervals import IntervalSet
+
+    return IntervalSet()

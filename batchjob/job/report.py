@@ -1,0 +1,383 @@
+"""``batchjob report``: one self-contained HTML page of plots about a job, to look at rather than read.
+
+It draws what the job's state already holds: each worker's ``stats.json`` (its last run's timeline of batch
+occupancy, tokens, KV blocks in use and preemptions, and histograms of queue wait, time to first token and
+latency) and the committed parts (prompt and output lengths, finish reasons, errors by kind with example rows,
+and for a ``--choices`` job the labels), read a batch at a time. It reads what is committed, so it works on a
+job that is running or was killed. Given two jobs (a static-batching run and a continuous one of the same
+data, say), it draws their occupancy and throughput side by side. Images are embedded PNGs: the page opens
+offline. Needs matplotlib (``pip install 'batchjob[report]'``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from batchjob.errors import ConfigError
+from batchjob.job.manifest import Manifest
+from batchjob.job.state import STATE_DIR, StateDir
+from batchjob.job.stats import HIST_EDGES
+from batchjob.job.status import JobStatus, job_status
+
+_LENGTH_EDGES = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 10**9]
+_EXAMPLES = 3
+
+
+@dataclass
+class Outputs:
+    """What the committed parts of a job say, gathered a batch at a time."""
+
+    rows: int = 0
+    prompt_lengths: list[int] = field(default_factory=lambda: [0] * (len(_LENGTH_EDGES) - 1))
+    output_lengths: list[int] = field(default_factory=lambda: [0] * (len(_LENGTH_EDGES) - 1))
+    finish_reasons: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    error_examples: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    labels: Counter = field(default_factory=Counter)
+
+
+def _bucket(edges: list[int], x: int) -> int:
+    for i in range(len(edges) - 1):
+        if x < edges[i + 1]:
+            return i
+    return len(edges) - 2
+
+
+def error_kind(message: str) -> str:
+    """An error message without its particulars (names, numbers, ids): what kind of error it is."""
+    kind = re.sub(r"^\S+ line \d+: ", "", message)
+    kind = re.sub(r"'[^']*'|\"[^\"]*\"", "…", kind)
+    kind = re.sub(r"\d+", "N", kind)
+    return kind[:120]
+
+
+def read_outputs(out_dir: Path, choices: bool, id_column: str | None) -> Outputs:
+    info = StateDir(out_dir).load_job()
+    count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
+    from batchjob.job.shard import Shard
+
+    manifests = [StateDir(out_dir, Shard(i, count)).manifest_file for i in range(count)]
+    out = Outputs()
+    for path in manifests:
+        if not path.exists():
+            continue
+        for record in Manifest(path).parts:
+            part = out_dir / record.name
+            if not part.exists():
+                continue
+            names = set(pq.ParquetFile(part).schema_arrow.names)
+            columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error"]
+            id_col = next((c for c in (id_column, f"input_{id_column}") if c and c in names), None)
+            columns += [c for c in (id_col, "generated_text" if choices else None) if c]
+            for batch in pq.ParquetFile(part).iter_batches(batch_size=4096, columns=columns):
+                for r in batch.to_pylist():
+                    out.rows += 1
+                    out.finish_reasons[r["finish_reason"] or "unknown"] += 1
+                    if r["error"] is not None:
+                        kind = error_kind(r["error"])
+                        out.errors[kind] += 1
+                        examples = out.error_examples.setdefault(kind, [])
+                        if len(examples) < _EXAMPLES:
+                            examples.append((str(r.get(id_col) if id_col else "") or "", r["error"]))
+                        continue
+                    out.prompt_lengths[_bucket(_LENGTH_EDGES, r["num_prompt_tokens"] or 0)] += 1
+                    out.output_lengths[_bucket(_LENGTH_EDGES, r["num_generated_tokens"] or 0)] += 1
+                    if choices and r.get("generated_text") is not None:
+                        out.labels[r["generated_text"]] += 1
+    return out
+
+
+# -- figures ----------------------------------------------------------------------------------------------
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ConfigError("batchjob report draws with matplotlib: pip install 'batchjob[report]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    _plt().close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _timeline(stats: dict[str, Any]) -> tuple[list[str], list[list[float]]]:
+    t = stats.get("timeline") or {}
+    return t.get("fields") or [], t.get("points") or []
+
+
+def _series(stats: dict[str, Any], name: str) -> tuple[list[float], list[float]]:
+    fields, points = _timeline(stats)
+    if name not in fields:
+        return [], []
+    i = fields.index(name)
+    pts = [p for p in points if len(p) > i]
+    return [p[0] for p in pts], [p[i] for p in pts]
+
+
+def _rate(ts: list[float], cum: list[float], points: int = 60) -> tuple[list[float], list[float]]:
+    """The rise per second of a cumulative series, over windows of about 1/``points`` of the run (a step's
+    own rate is too jumpy to read)."""
+    if len(ts) < 2:
+        return [], []
+    k = max(1, len(ts) // points)
+    xs, ys = [], []
+    for i in range(k, len(ts), k):
+        dt = ts[i] - ts[i - k]
+        if dt > 0:
+            xs.append(ts[i])
+            ys.append((cum[i] - cum[i - k]) / dt)
+    return xs, ys
+
+
+@dataclass
+class Figure:
+    key: str
+    title: str
+    png: str
+
+
+def _line_figure(
+    key: str, title: str, ylabel: str, curves: list[tuple[str, list[float], list[float]]]
+) -> Figure | None:
+    curves = [c for c in curves if c[1]]
+    if not curves:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    for label, xs, ys in curves:
+        ax.plot(xs, ys, label=label, linewidth=1.2)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(curves) > 1:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return Figure(key, title, _png(fig))
+
+
+def _bar_figure(
+    key: str, title: str, labels: list[str], values: list[float], xlabel: str = ""
+) -> Figure | None:
+    if not labels or not any(values):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    ax.bar(range(len(labels)), values, color="#4c72b0")
+    ax.set_xticks(range(len(labels)), labels, rotation=45 if len(labels) > 6 else 0, ha="right", fontsize=7)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("rows")
+    ax.grid(alpha=0.3, axis="y")
+    return Figure(key, title, _png(fig))
+
+
+def _seconds_label(x: float) -> str:
+    if x < 1:
+        return f"{x * 1000:.2g} ms"
+    return f"{x:.2g} s" if x < 100 else f"{x / 60:.2g} min"
+
+
+def _histogram_figure(key: str, title: str, counts: list[int]) -> Figure | None:
+    if not any(counts):
+        return None
+    first = next(i for i, c in enumerate(counts) if c)
+    last = max(i for i, c in enumerate(counts) if c)
+    lo, hi = max(0, first - 1), min(len(counts), last + 2)
+    labels = [
+        ("< " if i == 0 else "") + _seconds_label(HIST_EDGES[min(i, len(HIST_EDGES) - 1)])
+        for i in range(lo, hi)
+    ]
+    return _bar_figure(key, title, labels, counts[lo:hi], "seconds (bins start at)")
+
+
+def _sum_histograms(workers: list[dict[str, Any]], name: str) -> list[int]:
+    total = [0] * (len(HIST_EDGES) + 1)
+    for stats in workers:
+        h = (stats.get("histograms") or {}).get(name) or {}
+        for i, c in enumerate(h.get("counts") or []):
+            if i < len(total):
+                total[i] += c
+    return total
+
+
+def job_figures(st: JobStatus, outputs: Outputs, label: str = "") -> list[Figure]:
+    """Every figure of one job (``label`` prefixes the titles when two jobs are compared)."""
+    runs = [
+        (f"shard {w.shard.index}" if len(st.workers) > 1 else "this job", w.stats)
+        for w in st.workers
+        if w.stats
+    ]
+    pre = f"{label}: " if label else ""
+    figs: list[Figure | None] = []
+    figs.append(
+        _line_figure(
+            "occupancy",
+            f"{pre}batch occupancy (running requests / max_num_seqs)",
+            "occupancy",
+            [(name, *_series(s, "occupancy")) for name, s in runs],
+        )
+    )
+    curves = []
+    for name, s in runs:
+        ts, gen = _series(s, "generated_tokens")
+        curves.append((f"{name} generated", *_rate(ts, gen)))
+        ts, prompt = _series(s, "prompt_tokens")
+        curves.append((f"{name} prompt", *_rate(ts, prompt)))
+    figs.append(_line_figure("throughput", f"{pre}tokens per second", "tokens/s", curves))
+    figs.append(
+        _line_figure(
+            "kv", f"{pre}KV cache in use", "share of blocks", [(n, *_series(s, "kv_used")) for n, s in runs]
+        )
+    )
+    figs.append(
+        _line_figure(
+            "preemptions",
+            f"{pre}preemptions (cumulative)",
+            "preemptions",
+            [(n, *_series(s, "preemptions")) for n, s in runs],
+        )
+    )
+    stats = [s for _, s in runs]
+    figs.append(_histogram_figure("queue_wait", f"{pre}queue wait", _sum_histograms(stats, "queue_wait_s")))
+    figs.append(_histogram_figure("ttft", f"{pre}time to first token", _sum_histograms(stats, "ttft_s")))
+    figs.append(
+        _histogram_figure(
+            "latency", f"{pre}latency (request added to finished)", _sum_histograms(stats, "latency_s")
+        )
+    )
+    length_labels = [
+        f"{_LENGTH_EDGES[i]}-{_LENGTH_EDGES[i + 1] - 1}" for i in range(len(_LENGTH_EDGES) - 2)
+    ] + [f">= {_LENGTH_EDGES[-2]}"]
+
+    def trimmed(counts: list[int]) -> tuple[list[str], list[int]]:
+        used = [i for i, c in enumerate(counts) if c]
+        if not used:
+            return [], []
+        return length_labels[used[0] : used[-1] + 1], counts[used[0] : used[-1] + 1]
+
+    figs.append(
+        _bar_figure("prompt_lengths", f"{pre}prompt lengths", *trimmed(outputs.prompt_lengths), "tokens")
+    )
+    figs.append(
+        _bar_figure("output_lengths", f"{pre}output lengths", *trimmed(outputs.output_lengths), "tokens")
+    )
+    reasons = outputs.finish_reasons.most_common()
+    figs.append(
+        _bar_figure(
+            "finish_reasons", f"{pre}finish reasons", [r for r, _ in reasons], [c for _, c in reasons]
+        )
+    )
+    if outputs.labels:
+        labels = outputs.labels.most_common(30)
+        figs.append(_bar_figure("labels", f"{pre}labels", [k for k, _ in labels], [c for _, c in labels]))
+    return [f for f in figs if f is not None]
+
+
+# -- the page ---------------------------------------------------------------------------------------------
+
+
+def _img(fig: Figure) -> str:
+    return (
+        f'<figure id="{fig.key}"><img alt="{html.escape(fig.title)}" src="data:image/png;base64,{fig.png}">'
+        f"<figcaption>{html.escape(fig.title)}</figcaption></figure>"
+    )
+
+
+def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
+    done, total = st.total("rows_done"), st.rows_total
+    state = "complete" if st.complete else "incomplete (a running or stopped job: what is committed so far)"
+    rate = st.rate("generated_tokens_per_s")
+    lines = [
+        f"<b>{html.escape(str(out_dir))}</b>: {state}",
+        f"rows: {done:,} of {total:,}" if total is not None else f"rows: {done:,} of unknown",
+        f"errors: {st.total('errors'):,}; tokens: {st.total('prompt_tokens'):,} in, {st.total('generated_tokens'):,} out",
+        f"generated tokens/s (workers' last runs, summed): {rate:.1f}; workers: {len(st.workers)}",
+    ]
+    return "<p>" + "<br>".join(lines) + "</p>"
+
+
+def _errors_table(outputs: Outputs) -> str:
+    if not outputs.errors:
+        return "<p>No error rows.</p>"
+    rows = []
+    for kind, n in outputs.errors.most_common(20):
+        examples = "<br>".join(
+            f"<code>{html.escape(i)}</code> {html.escape(m)}" if i else html.escape(m)
+            for i, m in outputs.error_examples.get(kind, [])
+        )
+        rows.append(f"<tr><td>{n:,}</td><td>{html.escape(kind)}</td><td>{examples}</td></tr>")
+    return (
+        '<table id="errors"><tr><th>rows</th><th>kind</th><th>examples (id, message)</th></tr>'
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222}figure{display:inline-block;margin:.5em}
+img{max-width:100%}figcaption{font-size:.8em;color:#555}table{border-collapse:collapse;font-size:.85em}
+td,th{border:1px solid #ccc;padding:.3em .6em;vertical-align:top}.pair{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+"""
+
+
+def build(out_dirs: list[Path], to: Path | None = None) -> Path:
+    """Write the report of one job, or two side by side; returns the file's path."""
+    if not 1 <= len(out_dirs) <= 2:
+        raise ConfigError("batchjob report takes one output folder, or two to compare")
+    jobs = []
+    for out_dir in out_dirs:
+        st = job_status(out_dir)
+        info = StateDir(out_dir).load_job()
+        choices = "choices" in (info.fingerprint.get("sampling") or {})
+        id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
+        jobs.append((out_dir, st, read_outputs(out_dir, choices, id_column)))
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>batchjob report</title><style>{_STYLE}</style></head><body>"
+    ]
+    parts.append("<h1>batchjob report</h1>")
+    if len(jobs) == 2:
+        parts.append("<h2>Side by side</h2><div class='pair'>")
+        for out_dir, st, outputs in jobs:
+            figs = {f.key: f for f in job_figures(st, outputs, out_dir.name)}
+            parts.append("<div>" + _summary(out_dir, st, outputs))
+            parts += [_img(figs[k]) for k in ("occupancy", "throughput") if k in figs]
+            parts.append("</div>")
+        parts.append("</div>")
+    for out_dir, st, outputs in jobs:
+        parts.append(f"<h2>{html.escape(str(out_dir))}</h2>" + _summary(out_dir, st, outputs))
+        if not any(w.stats for w in st.workers):
+            parts.append("<p>No run statistics yet (stats.json is written at the first checkpoint).</p>")
+        parts += [_img(f) for f in job_figures(st, outputs)]
+        parts.append("<h3>Errors by kind</h3>" + _errors_table(outputs))
+        if len(st.workers) > 1:
+            parts.append(
+                "<h3>Workers</h3><table><tr><th>worker</th><th>state</th><th>rows</th><th>errors</th></tr>"
+            )
+            for w in st.workers:
+                share = w.rows_total if w.rows_total is not None else "?"
+                parts.append(
+                    f"<tr><td>{w.shard}</td><td>{w.state}</td><td>{w.rows_done} of {share}</td><td>{w.errors}</td></tr>"
+                )
+            parts.append("</table>")
+    parts.append("</body></html>")
+    target = to or out_dirs[0] / STATE_DIR / "report.html"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(parts), encoding="utf-8")
+    return target

@@ -1,0 +1,181 @@
+"""Seeing a job: `batchjob report` (an HTML page of plots), `validate --estimate`, progress lines in logs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import signal
+
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.job import make_spec, run_job
+from tests.faultproc import wait_for_points
+from tests.jobproc import launch
+
+pytestmark = pytest.mark.timeout(300)
+
+FIGURES = [
+    "occupancy",
+    "throughput",
+    "kv",
+    "preemptions",
+    "queue_wait",
+    "ttft",
+    "latency",
+    "prompt_lengths",
+    "output_lengths",
+    "finish_reasons",
+]
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "reviews.jsonl"
+    with open(path, "w") as f:
+        for i in range(120):
+            words = " ".join(["fine", "broke", "great", "slow"][j % 4] for j in range(3 + (i * 7) % 40))
+            f.write(json.dumps({"rid": f"r{i:03d}", "review": f"Review {i}: {words}"}) + "\n")
+        f.write(json.dumps({"rid": "empty", "review": None}) + "\n")
+        f.write("{torn\n")
+    return path
+
+
+def args(reviews, out, model, *extra):
+    return [
+        "--input",
+        str(reviews),
+        "--output",
+        str(out),
+        "--model",
+        str(model),
+        "--template",
+        "{review}",
+        "--id-column",
+        "rid",
+        "--max-new-tokens",
+        "6",
+        "--max-num-seqs",
+        "8",
+        "--checkpoint-interval",
+        "0.05",
+        *extra,
+    ]
+
+
+def invoke(*argv):
+    result = CliRunner().invoke(main, [str(a) for a in argv])
+    return result.exit_code, result.output
+
+
+def figures(page: str) -> dict[str, bytes]:
+    found = re.findall(r'<figure id="(\w+)"><img alt="[^"]*" src="data:image/png;base64,([^"]+)">', page)
+    return {key: base64.b64decode(data) for key, data in found}
+
+
+def assert_images(figs: dict[str, bytes]) -> None:
+    from PIL import Image
+
+    for key, png in figs.items():
+        image = Image.open(io.BytesIO(png))
+        image.verify()  # a real, decodable PNG
+        assert image.size[0] > 100, key
+
+
+def test_report_of_a_finished_choices_job(reviews, tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--choices", "good,bad,meh"))
+    assert code == 0, text
+    code, text = invoke("report", out)
+    assert code == 0, text
+    path = out / "_batchjob" / "report.html"
+    assert text.strip() == str(path)
+    page = path.read_text()
+    figs = figures(page)
+    assert set(FIGURES) | {"labels"} <= set(figs), sorted(figs)
+    assert_images(figs)
+    assert ": complete" in page and "rows: 122 of 122" in page
+    assert 'id="errors"' in page and "bad JSON" in page and "is null" in page  # errors by kind, with examples
+    assert "<code>empty</code>" in page  # an example row named by its id
+
+
+def test_report_of_a_killed_job_and_side_by_side(reviews, tiny_model_dir, tmp_path):
+    killed = tmp_path / "killed"
+    proc = launch(args(reviews, killed, tiny_model_dir), BATCHJOB_FAULT_PAUSE="part_committed")
+    wait_for_points(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    code, text = invoke("report", killed, "--to", tmp_path / "killed.html")
+    assert code == 0, text
+    page = (tmp_path / "killed.html").read_text()
+    assert "incomplete" in page
+    assert {"prompt_lengths", "finish_reasons"} <= set(figures(page))  # from what was committed
+    static = tmp_path / "static"
+    assert invoke("run", *args(reviews, static, tiny_model_dir, "--admission", "static"))[0] == 0
+    cont = tmp_path / "continuous"
+    assert invoke("run", *args(reviews, cont, tiny_model_dir))[0] == 0
+    code, text = invoke("report", static, cont, "--to", tmp_path / "both.html")
+    assert code == 0, text
+    page = (tmp_path / "both.html").read_text()
+    side = page.split("<h2>Side by side</h2>")[1].split("<h2>")[0]
+    assert side.count('<figure id="occupancy">') == 2 and side.count('<figure id="throughput">') == 2
+    assert "static: batch occupancy" in side and "continuous: batch occupancy" in side
+    assert_images(figures(page))
+
+
+def _seconds(text: str) -> float:
+    match = re.search(r"^estimated time: ([\d.]+) (s|min|h)$", text, re.M)
+    assert match, text
+    return float(match.group(1)) * {"s": 1, "min": 60, "h": 3600}[match.group(2)]
+
+
+def test_estimate_is_within_a_factor_two_of_the_real_run(tiny_model_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    with open(data, "w") as f:
+        for i in range(600):
+            f.write(json.dumps({"text": f"item {i} " + "word " * (5 + i % 60)}) + "\n")
+    out = tmp_path / "out"
+    common = [
+        "--input",
+        data,
+        "--output",
+        out,
+        "--model",
+        tiny_model_dir,
+        "--max-new-tokens",
+        "24",
+        "--no-chat",
+        "--num-speculative-tokens",
+        "0",
+    ]
+    code, text = invoke("validate", *common, "--estimate")
+    assert code == 0, text
+    assert "prompt lengths (tokens) of 600 usable rows" in text and "rows that will be errors: 0" in text
+    assert "--max-num-seqs" in text and "--max-num-batched-tokens" in text  # the table of other settings
+    estimated = _seconds(text)
+    spec = make_spec(
+        input=[str(data)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        max_new_tokens=24,
+        chat=False,
+        num_speculative_tokens=0,
+    )
+    result = run_job(spec)
+    actual = result.stats["elapsed_s"]
+    assert actual / 2 <= estimated <= actual * 2, (estimated, actual)
+
+
+def test_progress_lines_in_a_log(reviews, tiny_model_dir, tmp_path):
+    proc = launch(args(reviews, tmp_path / "out", tiny_model_dir), BATCHJOB_PROGRESS_SECONDS="0")
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, text
+    lines = re.findall(
+        r"^batchjob: [\d,]+ of 122 rows \([\d.]+%\), [\d.]+ rows/s, [\d.]+ tok/s, \d+ errors.*$", text, re.M
+    )
+    assert len(lines) > 2, text
+    assert "ETA" in lines[-1]
+    assert "\r" not in text  # no bar drawn into a log
