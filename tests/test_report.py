@@ -133,40 +133,37 @@ def _seconds(text: str) -> float:
 
 
 def test_estimate_is_within_a_factor_two_of_the_real_run(tiny_model_dir, tmp_path):
+    """The estimate against a real run of the same job, right after it. Both are timings on a shared machine,
+    so a second try is allowed when another program's load fell on one of them only."""
     data = tmp_path / "rows.jsonl"
     with open(data, "w") as f:
-        for i in range(600):
+        for i in range(1200):
             f.write(json.dumps({"text": f"item {i} " + "word " * (5 + i % 60)}) + "\n")
-    out = tmp_path / "out"
-    common = [
-        "--input",
-        data,
-        "--output",
-        out,
-        "--model",
-        tiny_model_dir,
-        "--max-new-tokens",
-        "24",
-        "--no-chat",
-        "--num-speculative-tokens",
-        "0",
-    ]
-    code, text = invoke("validate", *common, "--estimate")
-    assert code == 0, text
-    assert "prompt lengths (tokens) of 600 usable rows" in text and "rows that will be errors: 0" in text
-    assert "--max-num-seqs" in text and "--max-num-batched-tokens" in text  # the table of other settings
-    estimated = _seconds(text)
-    spec = make_spec(
-        input=[str(data)],
-        output=str(out),
-        model=str(tiny_model_dir),
-        max_new_tokens=24,
-        chat=False,
-        num_speculative_tokens=0,
-    )
-    result = run_job(spec)
-    actual = result.stats["elapsed_s"]
-    assert actual / 2 <= estimated <= actual * 2, (estimated, actual)
+    tries = []
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        common = ["--input", data, "--output", out, "--model", tiny_model_dir, "--max-new-tokens", "24"]
+        common += ["--no-chat", "--num-speculative-tokens", "0"]
+        code, text = invoke("validate", *common, "--estimate")
+        assert code == 0, text
+        assert (
+            "prompt lengths (tokens) of 1,200 usable rows" in text and "rows that will be errors: 0" in text
+        )
+        assert "--max-num-seqs" in text and "--max-num-batched-tokens" in text  # the table of other settings
+        estimated = _seconds(text)
+        spec = make_spec(
+            input=[str(data)],
+            output=str(out),
+            model=str(tiny_model_dir),
+            max_new_tokens=24,
+            chat=False,
+            num_speculative_tokens=0,
+        )
+        actual = run_job(spec).stats["elapsed_s"]
+        tries.append((estimated, actual))
+        if actual / 2 <= estimated <= actual * 2:
+            return
+    raise AssertionError(f"estimated vs actual seconds, each try: {tries}")
 
 
 def test_progress_lines_in_a_log(reviews, tiny_model_dir, tmp_path):
