@@ -162,6 +162,9 @@ class ModelRunner:
         # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
         pack = cpu_linear.available(dtype, device) and not compile_model
         self.packed_linears = cpu_linear.prepack_linears(model) if pack else 0
+        # transformers' MoE experts default to grouped_mm, which has no float64 kernel; its eager loop has.
+        if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+            model.set_experts_implementation("eager")
         self.hand_over = _HandOver.install(model)
         if compile_model:
             # Attention stays eager (its batch layout is Python data, fresh every step); the layers between
