@@ -47,6 +47,7 @@ def _model_class(config, model):
 
 
 def _own_attention(config, model) -> str | None:
+    # transformers' own test (private, hence looked up): does the class's module call the attention interface?
     cls = _model_class(config, model)
     uses_interface = getattr(cls, "_can_set_attn_implementation", None)
     if cls is None or uses_interface is None or uses_interface():
@@ -55,6 +56,8 @@ def _own_attention(config, model) -> str | None:
 
 
 def _softcap(config, model) -> str | None:
+    # Refused whenever set: Gemma-2 passes it to attention; a family that stores it without applying it (Gemma-3
+    # in transformers 5.x) has it unset in its released checkpoints, so erring towards refusal costs nothing.
     cap = getattr(config, "attn_logit_softcapping", None)
     return None if cap is None else f"attn_logit_softcapping={cap}"
 
