@@ -1,7 +1,9 @@
 """Tiny random models and a tokenizer trained in a second, saved to folders and loaded the normal way.
 
 No downloads: the tokenizer is a byte-level BPE trained on a few sentences; the models are built from
-``LlamaConfig`` (with grouped-query attention), ``Qwen2Config`` and ``GPT2Config`` with random weights.
+``LlamaConfig`` (with grouped-query attention), ``Qwen2Config``, ``MistralConfig`` and ``GPT2Config`` with
+random weights, and for the family matrix (:data:`FAMILIES`, :func:`make_family_model`) from the configs of
+twenty more families, each with its distinctive features turned on.
 """
 
 from __future__ import annotations
@@ -50,8 +52,162 @@ def make_tokenizer(folder: Path, vocab_size: int = 512):
     return fast
 
 
-def make_model(folder: Path, family: str = "llama", *, seed: int = 0, vocab_size: int = 512, **overrides):
-    """Build a tiny random ``family`` model (llama | qwen2 | mistral | gpt2), save it with a tokenizer to ``folder``."""
+WINDOW = 6  # the sliding attention window of the matrix's windowed families: shorter than their prompts
+_ALTERNATE = ["sliding_attention", "full_attention"]  # layer 0 windowed, layer 1 full
+
+
+def _family_configs() -> dict:
+    """Config builders of the family matrix: each takes the shared ``common`` (tokenizer ids) and ``decoder``
+    (tiny shape) settings and turns on what makes its family distinct."""
+    import transformers as tf
+
+    def no_ffn(d: dict) -> dict:  # for configs that name the MLP's width differently
+        return {k: v for k, v in d.items() if k != "intermediate_size"}
+
+    return {
+        "mixtral": lambda c, d: tf.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, **d
+        ),
+        "qwen2_moe": lambda c, d: tf.Qwen2MoeConfig(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            **d,
+        ),
+        "qwen3": lambda c, d: tf.Qwen3Config(num_key_value_heads=2, head_dim=16, **d),  # q/k norms
+        "qwen3_moe": lambda c, d: tf.Qwen3MoeConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            **d,
+        ),
+        "gemma": lambda c, d: tf.GemmaConfig(num_key_value_heads=1, head_dim=16, **d),  # tied head
+        "gemma2": lambda c, d: tf.Gemma2Config(
+            num_key_value_heads=2,
+            head_dim=16,
+            layer_types=_ALTERNATE,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            **d,
+        ),
+        "gemma3_text": lambda c, d: tf.Gemma3TextConfig(  # q/k norms
+            num_key_value_heads=2,
+            head_dim=16,
+            layer_types=_ALTERNATE,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            **d,
+        ),
+        "phi": lambda c, d: tf.PhiConfig(  # parallel attention and MLP, partial rotary, q/k layer norms
+            qk_layernorm=True, partial_rotary_factor=0.5, **d
+        ),
+        "phi3": lambda c, d: tf.Phi3Config(
+            num_key_value_heads=2, sliding_window=WINDOW, partial_rotary_factor=0.75, **d
+        ),
+        "olmo2": lambda c, d: tf.Olmo2Config(num_key_value_heads=2, **d),  # q/k norms
+        "granite": lambda c, d: tf.GraniteConfig(
+            num_key_value_heads=2,
+            attention_multiplier=0.2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            logits_scaling=0.5,
+            **d,
+        ),
+        "stablelm": lambda c, d: tf.StableLmConfig(
+            num_key_value_heads=2,
+            partial_rotary_factor=0.25,
+            qk_layernorm=True,
+            use_qkv_bias=True,
+            use_parallel_residual=True,
+            **d,
+        ),
+        "gpt_neox": lambda c, d: tf.GPTNeoXConfig(  # parallel residual, partial rotary
+            use_parallel_residual=True, partial_rotary_factor=0.25, **d
+        ),
+        "opt": lambda c, d: tf.OPTConfig(
+            hidden_size=64,
+            ffn_dim=128,
+            word_embed_proj_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=1024,
+            **c,
+        ),
+        "bloom": lambda c, d: tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **c),  # ALiBi
+        "falcon": lambda c, d: tf.FalconConfig(  # the new decoder architecture, rotary, parallel attention
+            new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=128, **no_ffn(d)
+        ),
+        "starcoder2": lambda c, d: tf.Starcoder2Config(num_key_value_heads=2, sliding_window=WINDOW, **d),
+        "cohere": lambda c, d: tf.CohereConfig(  # parallel residual, q/k norms, logit scale
+            num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5, **d
+        ),
+        "smollm3": lambda c, d: tf.SmolLM3Config(  # layer 1 without rotary embeddings (NoPE)
+            num_key_value_heads=2, no_rope_layers=[1, 0], **d
+        ),
+        "gpt_oss": lambda c, d: tf.GptOssConfig(  # attention sinks, alternating windows, MoE
+            num_key_value_heads=2,
+            head_dim=16,
+            layer_types=_ALTERNATE,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            **no_ffn(d),
+        ),
+    }
+
+
+_CONFIGS = _family_configs()
+
+# The family matrix (tests/test_families.py): the four families above plus every builder of _CONFIGS.
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", *_CONFIGS]
+
+# Larger random weights where the default initialisation leaves a family's answers nearly blind to their
+# context, which would leave its attention untested (test_families checks that the context matters).
+_INIT_RANGE = {
+    "gpt2": 0.2,
+    "gemma": 0.2,
+    "granite": 0.2,
+    "opt": 0.2,
+    "bloom": 0.2,
+    "falcon": 0.2,
+    "smollm3": 0.2,
+    "starcoder2": 0.1,
+    "cohere": 0.1,
+    "gpt_neox": 0.1,
+    "stablelm": 0.05,
+}
+
+
+def make_family_model(folder: Path, family: str, **kwargs):
+    """A model of the family matrix: :func:`make_model` with weights large enough that answers depend on
+    their context."""
+    if family in _INIT_RANGE:
+        kwargs.setdefault("initializer_range", _INIT_RANGE[family])
+    return make_model(folder, family, **kwargs)
+
+
+def make_model(
+    folder: Path,
+    family: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    head_scale: float = 8.0,
+    **overrides,
+):
+    """Build a tiny random ``family`` model, save it with a tokenizer to ``folder``.
+
+    ``family``: llama | qwen2 | mistral | gpt2, or one of :data:`FAMILIES` (the family matrix).
+    ``head_scale``: an untied output head is multiplied by it (1.0: the random init as it comes).
+    """
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     folder = Path(folder)
@@ -91,6 +247,8 @@ def make_model(folder: Path, family: str = "llama", *, seed: int = 0, vocab_size
         )
     elif family == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
+    elif family in _CONFIGS:
+        cfg = _CONFIGS[family](common, decoder)
     else:
         raise ValueError(f"unknown family {family!r}")
     for k, v in overrides.items():
@@ -101,8 +259,8 @@ def make_model(folder: Path, family: str = "llama", *, seed: int = 0, vocab_size
     # keeps comparisons meaningful (a tie would make either engine's answer right).
     with torch.no_grad():
         head = model.get_output_embeddings()
-        if head is not None and not cfg.tie_word_embeddings:
-            head.weight.mul_(8.0)
+        if head is not None and not cfg.get_text_config().tie_word_embeddings and head_scale != 1.0:
+            head.weight.mul_(head_scale)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(folder))

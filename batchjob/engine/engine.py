@@ -36,6 +36,7 @@ from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.request import Request, RequestStatus, request_key
 from batchjob.engine.sampler import apply_bitmask, log_softmax, sample, top_logprobs
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
+from batchjob.engine.support import check_supported
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
@@ -117,6 +118,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, model_id: str = "") -> None:
+        check_supported(model.config, model)  # a model our attention would answer wrongly, refused by name
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

@@ -100,6 +100,33 @@ class _Layout:
         return bool(((self.n == 1) | (self.drafts > 0)).all())
 
 
+class _HandOver:
+    """Forward pre-hooks that hand the step's metadata to the modules our attention serves (those with a
+    ``layer_idx``) when their caller did not pass it on: some models' layers call their attention without the
+    keyword arguments they were given (StableLM; transformers marks such a model not "backend compatible").
+    Installed once per model; the runner sets ``meta`` for the length of each forward."""
+
+    def __init__(self) -> None:
+        self.meta: AttentionMetadata | None = None
+
+    @classmethod
+    def install(cls, model) -> _HandOver | None:
+        if model.is_backend_compatible():
+            return None
+        hand_over = getattr(model, "_batchjob_hand_over", None)
+        if hand_over is None:
+            hand_over = model._batchjob_hand_over = cls()
+            for module in model.modules():
+                if isinstance(getattr(module, "layer_idx", None), int):
+                    module.register_forward_pre_hook(hand_over, with_kwargs=True)
+        return hand_over
+
+    def __call__(self, module, args, kwargs):
+        if kwargs.get(attention.META_KWARG) is None and self.meta is not None:
+            kwargs[attention.META_KWARG] = self.meta
+        return args, kwargs
+
+
 class ModelRunner:
     """Runs scheduler plans through the model.
 
@@ -135,6 +162,10 @@ class ModelRunner:
         # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
         pack = cpu_linear.available(dtype, device) and not compile_model
         self.packed_linears = cpu_linear.prepack_linears(model) if pack else 0
+        # transformers' MoE experts default to grouped_mm, which has no float64 kernel; its eager loop has.
+        if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+            model.set_experts_implementation("eager")
+        self.hand_over = _HandOver.install(model)
         if compile_model:
             # Attention stays eager (its batch layout is Python data, fresh every step); the layers between
             # attentions compile with dynamic lengths.
@@ -254,6 +285,15 @@ class ModelRunner:
     def call_model(self, **kwargs):
         """The model's forward. Should torch.compile fail, the model runs eagerly from then on (one warning):
         a real error of the forward then raises from the eager call, unmasked."""
+        if self.hand_over is None:
+            return self._call_model(**kwargs)
+        self.hand_over.meta = kwargs.get(attention.META_KWARG)
+        try:
+            return self._call_model(**kwargs)
+        finally:
+            self.hand_over.meta = None
+
+    def _call_model(self, **kwargs):
         if self.forward is self.model:
             return self.model(**kwargs)
         try:

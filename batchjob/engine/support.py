@@ -1,0 +1,176 @@
+"""Which model features batchjob's attention computes exactly, and the refusal of the others at load.
+
+The engine runs unmodified Hugging Face models and replaces only their attention (see :mod:`attention`). A
+model whose attention needs something our attention function does not apply would run without an error and
+answer wrongly, so such a model is refused when the engine is built, naming its family and the feature.
+
+What our attention honours, so nothing here refuses it: the ``scaling`` each layer passes (Granite's
+``attention_multiplier``, Gemma's ``query_pre_attn_scalar``, OPT's pre-scaled queries), the ``sliding_window``
+each layer passes (Mistral, Phi-3, Starcoder2; per layer in Gemma-2/3, Qwen2/3, SmolLM3, gpt-oss), grouped
+queries. What the model computes itself is not our concern: rotary embeddings (partial or none: Phi,
+StableLM, GPT-NeoX; SmolLM3's NoPE layers), q/k norms, parallel residuals, MoE routing, and final logit
+soft-capping and logit scales (Gemma-2/3, Cohere, Granite apply them in their own forward, after the head).
+
+A backend that implements a feature exactly adds its name to :data:`SUPPORTED`; the table stays as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+# Feature names (the ``name`` of a row of FEATURES) that the attention backend computes exactly.
+SUPPORTED: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str  # the key SUPPORTED lists
+    uses: str  # what the model does, as the refusal says it: "uses attention logit soft-capping"
+    consequence: str  # why that is wrong here: "which batchjob's attention does not apply yet"
+    detect: Callable[[Any, Any], str | None]  # (text config, model or None) -> detail, None: not used
+
+
+def _model_class(config, model):
+    """The model's class, else the class transformers would build for this config (None if it has none)."""
+    if model is not None:
+        return type(model)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def _own_attention(config, model) -> str | None:
+    # transformers' own test (private, hence looked up): does the class's module call the attention interface?
+    cls = _model_class(config, model)
+    uses_interface = getattr(cls, "_can_set_attn_implementation", None)
+    if cls is None or uses_interface is None or uses_interface():
+        return None
+    return f"{cls.__name__} does not call transformers' attention interface"
+
+
+def _softcap(config, model) -> str | None:
+    # Refused whenever set: Gemma-2 passes it to attention; a family that stores it without applying it (Gemma-3
+    # in transformers 5.x) has it unset in its released checkpoints, so erring towards refusal costs nothing.
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return None if cap is None else f"attn_logit_softcapping={cap}"
+
+
+def _alibi(config, model) -> str | None:
+    if config.model_type == "bloom":
+        return "in every Bloom layer"
+    for name in ("alibi", "use_alibi"):
+        if getattr(config, name, False) is True:
+            return f"{name}=True"
+    if getattr(getattr(config, "attn_config", None), "alibi", False) is True:  # MPT
+        return "attn_config.alibi=True"
+    if getattr(config, "position_embedding_type", None) == "alibi":
+        return "position_embedding_type='alibi'"
+    return None
+
+
+# Families whose attention layers add a learned sink logit per head (``s_aux``) in transformers 5.x; with a
+# model at hand, its modules decide.
+_SINK_FAMILIES = {
+    "gpt_oss",
+    "granite_swa",
+    "granitemoe_swa",
+    "mimo_v2_flash",
+    "flint",
+    "hy_v4",
+    "deepseek_v4",
+}
+
+
+def _sinks(config, model) -> str | None:
+    if model is None:
+        return "a learned sink logit per head" if config.model_type in _SINK_FAMILIES else None
+    layers = [m for m in model.modules() if getattr(m, "sinks", None) is not None]
+    return f"a learned sink logit per head in {len(layers)} layers" if layers else None
+
+
+def _bidirectional(config, model) -> str | None:
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    return "use_bidirectional_attention=True" if bidirectional else None
+
+
+_KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _other_layer_types(config, model) -> str | None:
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - _KNOWN_LAYER_TYPES)
+    return None if not other else "layer_types include " + ", ".join(repr(t) for t in other)
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "own_attention",
+        "computes attention inside its own layers",
+        "so batchjob's paged attention is never called",
+        _own_attention,
+    ),
+    Feature(
+        "softcap",
+        "uses attention logit soft-capping",
+        "which batchjob's attention does not apply yet",
+        _softcap,
+    ),
+    Feature("alibi", "uses ALiBi position biases", "which batchjob's attention does not apply yet", _alibi),
+    Feature("sinks", "uses attention sinks", "which batchjob's attention does not apply yet", _sinks),
+    Feature(
+        "bidirectional",
+        "uses bidirectional attention",
+        "and batchjob's attention is causal",
+        _bidirectional,
+    ),
+    Feature(
+        "layer_types",
+        "has attention layers that are neither full nor sliding-window",
+        "which batchjob's attention does not compute",
+        _other_layer_types,
+    ),
+)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def unsupported_features(
+    config, model=None, supported: Collection[str] | None = None
+) -> list[tuple[str, str]]:
+    """(feature name, detail) for each feature of the model that batchjob's attention does not compute.
+
+    ``config`` is the model's config; ``model``, when given, is looked at too (its class and modules), which
+    is exact where the config alone only knows the families of this transformers version. ``supported``:
+    the feature names the attention backend computes (default :data:`SUPPORTED`).
+    """
+    supported = SUPPORTED if supported is None else supported
+    text = _text_config(config)
+    found = []
+    for feature in FEATURES:
+        if feature.name in supported:
+            continue
+        detail = feature.detect(text, model)
+        if detail is not None:
+            found.append((feature.name, detail))
+    return found
+
+
+def check_supported(config, model=None, supported: Collection[str] | None = None) -> None:
+    """Raise ``ConfigError`` naming the family and each feature when the model would get wrong answers."""
+    found = unsupported_features(config, model, supported)
+    if not found:
+        return
+    features = {f.name: f for f in FEATURES}
+    reasons = "; and ".join(
+        f"{features[name].uses} ({detail}), {features[name].consequence}" for name, detail in found
+    )
+    family = getattr(config, "model_type", None) or type(config).__name__
+    raise ConfigError(f"model family {family!r} {reasons}; it would give wrong answers, so it is refused")

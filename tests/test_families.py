@@ -1,0 +1,231 @@
+"""The family matrix: each model family either matches Hugging Face ``generate`` token for token, or is refused
+at load with an error that names the family and the feature. Never a silent mismatch, never a crash mid-run.
+
+Every family runs under the same pressure: prompts longer than the sliding windows, a token budget that chunks
+every prompt, a KV pool small enough to force preemptions, and prefix caching with a prompt prefix shared by
+all requests. Tiny random models (hidden 64, 2 layers: a windowed and a full layer where a family alternates),
+float64 for all of them, MoE ones included (the engine runs transformers' experts eagerly in float64, as the
+reference does here). Untied output heads are scaled by 8 so greedy picks are decisive (see tiny_models);
+``test_unscaled_head_is_exact_in_float64`` runs without that.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine import engine as engine_module
+from batchjob.engine import support
+from batchjob.engine.config import EngineConfig
+from batchjob.errors import ConfigError
+from tests.tiny_models import FAMILIES, make_family_model
+
+pytestmark = pytest.mark.timeout(120)
+
+# Refused families and the feature names their refusal must carry. A backend that computes one of these
+# features exactly (support.SUPPORTED) must move the family out of here: the matrix then checks it is exact.
+REFUSED = {
+    "gemma2": {"softcap": "attention logit soft-capping"},
+    "bloom": {"own_attention": "computes attention inside its own layers", "alibi": "ALiBi"},
+    "falcon": {"own_attention": "computes attention inside its own layers"},
+    "gpt_oss": {"sinks": "attention sinks"},
+}
+# Families without a full-attention layer: tokens beyond the window cannot change their answers.
+WINDOWED_EVERYWHERE = {"mistral", "mixtral", "phi3", "starcoder2"}
+
+BLOCK, BUDGET, SEQS, NUM_BLOCKS = 4, 8, 4, 12
+PREFIX, SUFFIXES, NEW = 12, (5, 14, 9, 18), 6  # prompts of 17..30 tokens, all longer than the window of 6
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The saved model of a family, built once per module."""
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, object] = {}
+
+    def get(family: str, **kwargs):
+        key = family + repr(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = make_family_model(root / f"{family}-{len(built)}", family, **kwargs)
+        return built[key]
+
+    return get
+
+
+def _engine_options():
+    return dict(
+        device="cpu",
+        block_size=BLOCK,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=SEQS,
+        num_blocks=NUM_BLOCKS,
+        enable_prefix_caching=True,
+    )
+
+
+def _reference(path, dtype=torch.float64):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager").eval()
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(PREFIX)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in SUFFIXES]
+
+
+def _hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _generate(engine, prompts, max_new_tokens: int = NEW) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def _flips(hf, prompt: list[int], changed: range, seen: slice, rng: random.Random) -> int:
+    """Positions of ``seen`` whose greedy pick changes when the tokens at ``changed`` are replaced."""
+    other = list(prompt)
+    for i in changed:
+        other[i] = rng.randrange(3, hf.config.get_text_config().vocab_size)
+    with torch.inference_mode():
+        a = hf(torch.tensor([prompt])).logits[0, seen].argmax(-1)
+        b = hf(torch.tensor([other])).logits[0, seen].argmax(-1)
+    return int((a != b).sum())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_hf_generate_or_is_refused(folder, family, decode_path):
+    """``decode_path``: decode attention by the compiled CPU kernel, then by the torch reference."""
+    path = folder(family)
+    config = AutoConfig.from_pretrained(path)
+    if family in REFUSED:
+        with pytest.raises(ConfigError) as err:
+            Engine.from_pretrained(str(path), dtype="float64", **_engine_options())
+        message = str(err.value)
+        assert f"model family '{config.model_type}'" in message and "refused" in message
+        for words in REFUSED[family].values():
+            assert words in message
+        # The config alone (what `batchjob validate` has) finds the same features.
+        assert {name for name, _ in support.unsupported_features(config)} == set(REFUSED[family])
+        return
+
+    assert support.unsupported_features(config) == []
+    engine = Engine.from_pretrained(str(path), dtype="float64", **_engine_options())
+    assert engine.runner.decode_kernel == (decode_path == "kernel")
+    hf = _reference(path)
+    prompts = _prompts(engine.vocab_size)
+    outs = _generate(engine, prompts)
+    for p, toks in zip(prompts, outs, strict=True):
+        assert toks == _hf_greedy(hf, p, NEW), f"{family}: prompt of {len(p)} tokens"
+    stats = engine.stats
+    assert stats.preemptions > 0 and stats.cached_prompt_tokens > 0, stats
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    # The answers depend on the context, so the comparison above really tests attention: replacing four
+    # prompt tokens changes later greedy picks (within the window), and so does replacing the first eight
+    # (beyond the window) where a layer attends to everything.
+    rng = random.Random(1)
+    assert sum(_flips(hf, p, range(10, 14), slice(14, 20), rng) for p in prompts[1:]) > 0, family
+    if family not in WINDOWED_EVERYWHERE:
+        assert sum(_flips(hf, p, range(0, 8), slice(20, None), rng) for p in prompts[1:]) > 0, family
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refused_families_would_answer_wrongly(folder, family, monkeypatch):
+    """Without the refusal, each refused family runs and silently answers differently from HF."""
+    path = folder(family)
+    hf = _reference(path)
+    if family == "gemma2":
+        # Soft-capping at 50 barely touches a tiny random model's attention logits (about 0.01); sharpen
+        # the queries and keys and cap at 1 so that applying it or not changes the answers.
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.q_proj.weight.mul_(10.0)
+                layer.self_attn.k_proj.weight.mul_(10.0)
+                layer.self_attn.attn_logit_softcapping = 1.0
+    model = copy.deepcopy(hf)
+    monkeypatch.setattr(engine_module, "check_supported", lambda *a, **k: None)
+    options = _engine_options()
+    config = EngineConfig(torch.device(options.pop("device")), torch.float64, **options)
+    engine = Engine(model, AutoTokenizer.from_pretrained(path), config)
+    prompts = _prompts(engine.vocab_size)
+    outs = _generate(engine, prompts)
+    wrong = sum(toks != _hf_greedy(hf, p, NEW) for p, toks in zip(prompts, outs, strict=True))
+    assert wrong > 0, f"{family}: every answer matched; the refusal would be needless"
+
+
+def test_unscaled_head_is_exact_in_float64(folder, capsys):
+    """The matrix scales untied heads for decisive picks; without that, float64 is still exact."""
+    path = folder("llama", head_scale=1.0)
+    engine = Engine.from_pretrained(str(path), dtype="float64", **_engine_options())
+    hf = _reference(path)
+    prompts = _prompts(engine.vocab_size, seed=3)
+    outs = _generate(engine, prompts, max_new_tokens=10)
+    refs = [_hf_greedy(hf, p, 10) for p in prompts]
+    with torch.inference_mode():
+        top2 = hf(torch.tensor([prompts[0]])).logits[0].topk(2, -1).values
+    margin = float((top2[:, 0] - top2[:, 1]).median())
+    same = sum(a == b for out, ref in zip(outs, refs, strict=True) for a, b in zip(out, ref, strict=True))
+    with capsys.disabled():
+        print(
+            f"\nunscaled llama head, float64: {same}/{sum(map(len, refs))} tokens agree with HF generate "
+            f"(median top-1/top-2 logit margin {margin:.3f})"
+        )
+    assert outs == refs
+
+
+# -- the support table, from configs alone ---------------------------------------------------------------
+
+
+def _configs():
+    import transformers as tf
+
+    return {
+        # What our attention honours is never refused: windows per layer, scaling overrides, final soft-capping.
+        "gemma2 without attention soft-capping": (tf.Gemma2Config(attn_logit_softcapping=None), set()),
+        "gemma3 (final soft-capping, windows)": (tf.Gemma3TextConfig(final_logit_softcapping=30.0), set()),
+        "granite attention_multiplier": (tf.GraniteConfig(attention_multiplier=0.1), set()),
+        "mistral window": (tf.MistralConfig(sliding_window=4), set()),
+        "stablelm": (tf.StableLmConfig(), set()),
+        "gemma2": (tf.Gemma2Config(), {"softcap"}),
+        "falcon with alibi": (tf.FalconConfig(alibi=True), {"own_attention", "alibi"}),
+        "mpt": (tf.MptConfig(), {"own_attention", "alibi"}),
+        "gpt-oss": (tf.GptOssConfig(), {"sinks"}),
+        "bidirectional gemma3": (tf.Gemma3TextConfig(use_bidirectional_attention=True), {"bidirectional"}),
+        "llama4 chunked attention": (tf.Llama4TextConfig(), {"layer_types"}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_configs()))
+def test_unsupported_features_from_config(case):
+    config, expected = _configs()[case]
+    assert {name for name, _ in support.unsupported_features(config)} == expected
+    if expected:
+        with pytest.raises(ConfigError, match=f"model family '{config.model_type}'"):
+            support.check_supported(config)
+    else:
+        support.check_supported(config)
+
+
+def test_a_feature_the_backend_supports_is_not_refused(monkeypatch):
+    import transformers as tf
+
+    config = tf.Gemma2Config()
+    assert support.unsupported_features(config, supported={"softcap"}) == []
+    monkeypatch.setattr(support, "SUPPORTED", frozenset({"softcap"}))
+    support.check_supported(config)
