@@ -229,3 +229,18 @@ def test_a_feature_the_backend_supports_is_not_refused(monkeypatch):
     assert support.unsupported_features(config, supported={"softcap"}) == []
     monkeypatch.setattr(support, "SUPPORTED", frozenset({"softcap"}))
     support.check_supported(config)
+
+
+def test_validate_and_run_refuse_a_family_before_any_work(folder, tmp_path):
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    for command in ("validate", "run"):
+        out = tmp_path / command
+        args = [command, "--input", str(data), "--output", str(out), "--model", str(folder("bloom")), "--no-chat"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and "model family 'bloom'" in result.output, result.output
+        assert not list(out.glob("*.parquet"))

@@ -711,13 +711,16 @@ def load_engine(spec: JobSpec) -> Any:
 
 def check_engine(spec: JobSpec) -> str:
     """What ``load_engine`` refuses, checked from the model's config without its weights: code the model
-    ships (without ``trust_remote_code``), ``max_model_len`` beyond the model's context, a KV pool that can't
-    hold one request of the context. Returns a line saying what the engine will get."""
+    ships (without ``trust_remote_code``), a model family or feature the attention would get wrong,
+    ``max_model_len`` beyond the model's context, a KV pool that can't hold one request of the context.
+    Returns a line saying what the engine will get."""
     from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
     from batchjob.engine.kv_cache import KVShape
+    from batchjob.engine.support import check_supported
     from batchjob.models import load_config
 
     model_config, _ = load_config(spec.model, spec.trust_remote_code)
+    check_supported(model_config)
     options = _engine_options(spec)
     device = resolve_device(options.pop("device"))
     config = EngineConfig(device=device, dtype=resolve_dtype(options.pop("dtype"), device), **options)
