@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pyarrow.dataset as ds
 
@@ -24,3 +26,24 @@ def launch(args, **env) -> subprocess.Popen:
         text=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
     )
+
+
+@contextmanager
+def sigterm_after_steps(n: int):
+    """Within the block, this process gets SIGTERM at the engine's n-th step (an in-process job then
+    checkpoints and stops with exit 75): an interruption at a known point, not after a sleep."""
+    from batchjob.engine import Engine
+
+    step, count = Engine.step, [0]
+
+    def interrupting_step(self):
+        count[0] += 1
+        if count[0] == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+
+    Engine.step = interrupting_step
+    try:
+        yield
+    finally:
+        Engine.step = step

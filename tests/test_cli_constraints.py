@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 
 import jsonschema
 import pyarrow.dataset as ds
@@ -15,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
+from tests.jobproc import sigterm_after_steps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +121,6 @@ def test_n_samples_with_logprobs(data, tiny_model_dir, tmp_path):
 
 def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp_path, monkeypatch):
     """SIGTERM after a few engine steps (state saved, exit 75), rerun: equal to an uninterrupted run."""
-    from batchjob.engine.engine import Engine
 
     for extra in (
         ["--choices", ",".join(LABELS), "--n", "2", "--temperature", "1"],
@@ -132,21 +130,11 @@ def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp
         want = tmp_path / f"want{len(extra)}"
         assert invoke(*base(data, want, tiny_model_dir), *args)[0] == 0
         out = tmp_path / f"out{len(extra)}"
-        step = Engine.step
-        count = {"n": 0}
-
-        def interrupting_step(self, _count=count, _step=step):
-            _count["n"] += 1
-            if _count["n"] == 4:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return _step(self)
-
-        monkeypatch.setattr(Engine, "step", interrupting_step)
-        code, text = invoke(*base(data, out, tiny_model_dir), *args)
+        with sigterm_after_steps(4):
+            code, text = invoke(*base(data, out, tiny_model_dir), *args)
         assert code == 75, text
         saved = [json.loads(f.read_text()) for f in (out / "_batchjob").rglob("*inflight*.json")]
         assert any("samples" in json.dumps(body) for body in saved)  # samples were checkpointed mid-way
-        monkeypatch.setattr(Engine, "step", step)
         code, text = invoke(*base(data, out, tiny_model_dir), *args)
         assert code == 0, text
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pyarrow.dataset as ds
 import pytest
@@ -14,6 +12,7 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.engine import Engine
 from batchjob.sampling import SamplingParams
+from tests.jobproc import sigterm_after_steps
 from tests.tiny_models import make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,19 +139,10 @@ def test_reasoning_job_resumes_exactly(data, thinker, tmp_path, monkeypatch):
         "2",
     ]
     run(data, want, thinker, *extra)
-    step, count = Engine.step, {"n": 0}
-
-    def interrupting_step(self):
-        count["n"] += 1
-        if count["n"] == 6:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return step(self)
-
-    monkeypatch.setattr(Engine, "step", interrupting_step)
-    run(data, out, thinker, *extra, "--checkpoint-interval", "0.001", code=75)
+    with sigterm_after_steps(6):
+        run(data, out, thinker, *extra, "--checkpoint-interval", "0.001", code=75)
     saved = json.loads((out / "_batchjob" / "inflight.json").read_text())["body"]["requests"]
     assert any(len(r["output_ids"]) == 4 for r in saved)  # rows stopped in their answer: saved as thinking
-    monkeypatch.setattr(Engine, "step", step)
     run(data, out, thinker, *extra)
     assert rows(out) == rows(want)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -13,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
-from batchjob.engine import Engine
 from batchjob.job.requests import params_from_column, parse_request
 from batchjob.sampling import SamplingParams
+from tests.jobproc import sigterm_after_steps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -189,21 +187,12 @@ def test_params_column_job(params_data, tiny_model_dir, tmp_path):
 def test_params_column_job_resumes_exactly(params_data, tiny_model_dir, tmp_path, monkeypatch):
     want, out = tmp_path / "want", tmp_path / "out"
     assert invoke(*params_args(params_data / "rows.jsonl", want, tiny_model_dir))[0] == 0
-    step, count = Engine.step, {"n": 0}
-
-    def interrupting_step(self):
-        count["n"] += 1
-        if count["n"] == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return step(self)
-
-    monkeypatch.setattr(Engine, "step", interrupting_step)
     args = params_args(params_data / "rows.jsonl", out, tiny_model_dir, "--checkpoint-interval", "0.001")
-    code, text = invoke(*args)
+    with sigterm_after_steps(5):
+        code, text = invoke(*args)
     assert code == 75, text
     saved = json.loads((out / "_batchjob" / "inflight.json").read_text())["body"]["requests"]
     assert saved and all("params" in r for r in saved)  # each row's own parameters are checkpointed
-    monkeypatch.setattr(Engine, "step", step)
     assert invoke(*args)[0] == 0
 
     def key(r):
