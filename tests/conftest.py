@@ -1,12 +1,42 @@
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from tests.tiny_models import make_model
 
+# Tiers: `unit` (pure Python and tensors, no model: the inner loop, well under a minute), `engine` (tiny
+# models in this process), `process` (real `batchjob` processes: kills, signals, shards, Slurm).
+PROCESS_MODULES = {
+    "test_resume",
+    "test_scale",
+    "test_signals",
+    "test_disk",
+    "test_checkpoint_damage",
+    "test_cluster",
+}
+ENGINE_MODULES = {"test_families", "test_gpu", "test_graphs", "test_engine", "test_bench"}
+MODEL_FIXTURES = {"tiny_model_dir", "tiny_model_dirs", "decode_path"}
+
+
+def _tier(item) -> str:
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        source = ""
+    if module in PROCESS_MODULES or "launch(" in source or "subprocess." in source:
+        return "process"
+    if module in ENGINE_MODULES or MODEL_FIXTURES & set(item.fixturenames):
+        return "engine"
+    return "unit"
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, _tier(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
