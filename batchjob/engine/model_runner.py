@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu_kernel, cpu_linear
-from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_usable
+from batchjob.engine import attention, cpu_linear, flex
+from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -106,6 +106,8 @@ class ModelRunner:
     ``scratch_block``: a KV block no request owns; with it, steps without prompt chunks go through
     :class:`~batchjob.engine.graphs.DecodeGraphs` (CUDA graphs on a GPU, the same padded buffers eagerly on
     the CPU). ``compile_model``: the model runs under ``torch.compile``, attention left out of the graph.
+    ``attention_backend``: force one (see :func:`~batchjob.engine.attention.choose_attention`, which
+    otherwise picks by device, dtype and what the model needs).
     """
 
     def __init__(
@@ -119,19 +121,28 @@ class ModelRunner:
         max_graph_rows: int = ROW_BUCKETS[-1],
         max_model_len: int = 2048,
         compile_model: bool = False,
+        attention_backend: str | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        # flash-attn's paged varlen kernel needs pages of a multiple of 256 tokens.
-        kv_dtype = kv_caches[0][0].dtype if kv_caches else None
-        self.use_flash = flash_attn_usable(device, kv_dtype) and block_size % 256 == 0
-        # CPU: decode attention by the compiled kernel when it builds here (float32/float64 caches).
-        self.decode_kernel = cpu_kernel.supports(kv_caches[0][0].dtype, device) if kv_caches else False
+        dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+        kv_dtype = kv_caches[0][0].dtype if kv_caches else dtype
+        self.features = attention.attention_features(model.config, model)
+        choice = attention.choose_attention(device, kv_dtype, self.features, block_size, attention_backend)
+        self.backend = choice.backend
+        # The flash-attn metadata (cu_seqlens, int32 block tables): flash-attn's kernel, or torch's varlen.
+        self.use_flash = self.backend in ("flash_attn", "varlen")
+        self.decode_kernel = self.backend == "cpu_kernel"
+        self.flex: flex.FlexState | None = None
+        if self.backend == "flex":
+            num_blocks = kv_caches[0][0].shape[0] if kv_caches else 1
+            self.flex = flex.FlexState(
+                num_blocks, block_size, kv_dtype, device, max(max_graph_rows, ROW_BUCKETS[-1])
+            )
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         # CPU, float32: linear layers with weights packed once for oneDNN (see cpu_linear).
-        dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
         # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
         pack = cpu_linear.available(dtype, device) and not compile_model
         self.packed_linears = cpu_linear.prepack_linears(model) if pack else 0
@@ -203,7 +214,10 @@ class ModelRunner:
         h_decode: list[tuple] = []
         h_prefill: list[tuple[int, int, int, tuple | None]] = []
         h_flash = None
-        if self.use_flash:
+        h_flex: list[tuple] = []
+        if self.flex is not None:
+            h_flex = self._flex_sets(lay, pk)
+        elif self.use_flash:
             cu_q = offsets
             cu_k = np.concatenate([[0], np.cumsum(ends)])
             h_flash = (pk.add(cu_q), pk.add(cu_k), pk.add(table), int(n.max()), int(ends.max()))
@@ -235,8 +249,17 @@ class ModelRunner:
         buf = pk.send(self.device)
         v = pk.view
         meta = AttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=v(buf, h_slots), decode_kernel=self.decode_kernel
+            kv_caches=self.kv_caches,
+            slot_mapping=v(buf, h_slots),
+            decode_kernel=self.decode_kernel,
+            varlen=self.backend == "varlen",
         )
+        if self.flex is not None:
+            sets = [
+                flex.FlexSeqs(v(buf, r).view(-1), v(buf, t), v(buf, s0), v(buf, q), n, kind)
+                for r, t, s0, q, n, kind in h_flex
+            ]
+            meta.flex = self.flex.begin(sets)
         meta.decode_groups = [DecodeGroup(*(v(buf, h) for h in hs)) for hs in h_decode]
         for q_start, q_len, ctx, h in h_prefill:
             meta.prefills.append(PrefillChunk(q_start, q_len, ctx, None if h is None else v(buf, h)))
@@ -250,6 +273,53 @@ class ModelRunner:
                 max_k,
             )
         return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample)
+
+    def _flex_sets(self, lay: _Layout, pk: _Packer) -> list[tuple]:
+        """The step's FlexAttention calls: one-token requests together, then requests with several tokens
+        (prompt chunks, drafts), their queries padded to one length of at least two query blocks (folded:
+        the model's query heads per KV head times the length)."""
+        bs, n, starts, ends = self.block_size, lay.n, lay.starts, lay.ends
+        heads = self.model.config.get_text_config().num_attention_heads
+        group = heads // self.kv_caches[0][0].shape[2]
+        out = []
+        for kind, sel in ((flex.DECODE, np.flatnonzero(n == 1)), (flex.CHUNKS, np.flatnonzero(n > 1))):
+            if sel.size == 0:
+                continue
+            length = 1 if kind == flex.DECODE else max(int(n[sel].max()), self.flex.q_block // group + 1)
+            nblk = -(-ends[sel] // bs)
+            width = int(nblk.max())
+            table = lay.table[sel, :width].copy()
+            table[np.arange(width)[None, :] >= nblk[:, None]] = -1
+            rows = np.full((sel.size, length), -1, dtype=np.int64)
+            within = _ramps(n[sel])
+            rows[np.repeat(np.arange(sel.size), n[sel]), within] = (
+                np.repeat(lay.offsets[sel], n[sel]) + within
+            )
+            out.append((pk.add(rows), pk.add(table), pk.add(starts[sel]), pk.add(n[sel]), length, kind))
+        return out
+
+    def decode_meta(self, slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a step whose row i is one query at position ``lens[i] - 1`` attending through block
+        table ``table[i]`` (the padded buffers of a decode graph; device tensors, so it can be captured)."""
+        rows = table.shape[0]
+        meta = AttentionMetadata(
+            self.kv_caches,
+            slot_mapping=slots,
+            decode_kernel=self.decode_kernel,
+            varlen=self.backend == "varlen",
+        )
+        if self.use_flash:
+            cu_q = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+            cu_k = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+            meta.flash = (cu_q, cu_k, table.to(torch.int32), 1, table.shape[1] * self.block_size)
+        elif self.flex is not None:
+            seqs = flex.FlexSeqs(
+                torch.arange(rows, device=self.device), table, lens - 1, torch.ones_like(lens), 1, flex.DECODE
+            )
+            meta.flex = self.flex.begin([seqs])
+        else:
+            meta.decode_groups = [DecodeGroup(torch.arange(rows, device=self.device), table, lens)]
+        return meta
 
     def call_model(self, **kwargs):
         """The model's forward. Should torch.compile fail, the model runs eagerly from then on (one warning):
