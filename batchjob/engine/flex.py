@@ -36,6 +36,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
@@ -70,6 +71,35 @@ class FlexMeta:
     sets: list[FlexSeqs]
 
 
+def plan_calls(
+    n: np.ndarray,  # [R] tokens each request computes in this step
+    starts: np.ndarray,  # [R] tokens it had computed before
+    offsets: np.ndarray,  # [R + 1] its first row in the packed sequence
+    table: np.ndarray,  # [R, >= max blocks] its block table (padding arbitrary)
+    block_size: int,
+    min_chunk: int,  # the shortest padded chunk length (at least two query blocks once folded)
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]]:
+    """A step's calls, host side: one-token requests together (decode), then requests with several tokens
+    (prompt chunks, drafts) padded to one length. Each call: rows [B, L] (-1: padding), table [B, W] (-1
+    past a request's context), start [B], qlen [B], L, and its kind."""
+    out = []
+    ends = starts + n
+    for kind, sel in ((DECODE, np.flatnonzero(n == 1)), (CHUNKS, np.flatnonzero(n > 1))):
+        if sel.size == 0:
+            continue
+        length = 1 if kind == DECODE else max(int(n[sel].max()), min_chunk)
+        nblk = -(-ends[sel] // block_size)
+        width = int(nblk.max())
+        tab = table[sel, :width].astype(np.int64)
+        tab[np.arange(width)[None, :] >= nblk[:, None]] = -1
+        rows = np.full((sel.size, length), -1, dtype=np.int64)
+        counts = n[sel]
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows[np.repeat(np.arange(sel.size), counts), within] = np.repeat(offsets[sel], counts) + within
+        out.append((rows, tab, starts[sel].astype(np.int64), counts.astype(np.int64), length, kind))
+    return out
+
+
 def visible(qpos, kpos, qvalid, window: int | None):
     """The mask: key position ``kpos`` is seen by the query at ``qpos`` (bottom-right causal, window)."""
     ok = (kpos <= qpos) & qvalid
@@ -93,7 +123,8 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> to
     [KVH * G]: the output with each head's sink logit in the softmax's denominator."""
     b, kvh, rows = lse.shape
     g = sinks.shape[0] // kvh
-    keep = torch.sigmoid(lse.float().view(b, kvh, rows // g, g) - sinks.float().view(1, kvh, 1, g))
+    work = torch.promote_types(lse.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(work).view(b, kvh, rows // g, g) - sinks.to(work).view(1, kvh, 1, g))
     return out * keep.view(b, kvh, rows, 1).to(out.dtype)
 
 
@@ -149,6 +180,10 @@ def _paged_kernel(
 ):  # fmt: skip
     """One FlexAttention call over the paged cache (the function ``torch.compile`` compiles).
     q [B, KVH, L * G, D], query heads folded; returns the same shape."""
+    if not torch.compiler.is_compiling():
+        # Run eagerly, FlexAttention would evaluate mask_mod on every slot of the cache, ignoring the
+        # BlockMask that keeps each request to its own pages (the caller then runs the dense path).
+        raise RuntimeError("the paged FlexAttention kernel only runs compiled")
     _, kvh, rows, _ = q.shape
     nb, bs, _, d = k_cache.shape
     k = k_cache.view(nb * bs, kvh, d).transpose(0, 1).unsqueeze(0)
@@ -238,7 +273,8 @@ class FlexState:
         self.kernel_options = None
         if device.type != "cpu" and block_size % 64:
             self.kernel_options = {"BLOCK_N": math.gcd(block_size, 64)}
-        self._kernel = torch.compile(_paged_kernel, fullgraph=True, dynamic=False)
+        # fullgraph: a compile that fails (or runs out of recompiles) raises, and never falls back to eager.
+        self._kernel = torch.compile(_paged_kernel, fullgraph=True, dynamic=False, recompile_limit=64)
 
     def begin(self, sets: list[FlexSeqs]) -> FlexMeta:
         """Once per step, before the first layer: pad the calls (see :func:`pad_batch`), record where each

@@ -275,28 +275,13 @@ class ModelRunner:
         return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample)
 
     def _flex_sets(self, lay: _Layout, pk: _Packer) -> list[tuple]:
-        """The step's FlexAttention calls: one-token requests together, then requests with several tokens
-        (prompt chunks, drafts), their queries padded to one length of at least two query blocks (folded:
-        the model's query heads per KV head times the length)."""
-        bs, n, starts, ends = self.block_size, lay.n, lay.starts, lay.ends
+        """The step's FlexAttention calls (see :func:`~batchjob.engine.flex.plan_calls`), in the packer."""
         heads = self.model.config.get_text_config().num_attention_heads
         group = heads // self.kv_caches[0][0].shape[2]
-        out = []
-        for kind, sel in ((flex.DECODE, np.flatnonzero(n == 1)), (flex.CHUNKS, np.flatnonzero(n > 1))):
-            if sel.size == 0:
-                continue
-            length = 1 if kind == flex.DECODE else max(int(n[sel].max()), self.flex.q_block // group + 1)
-            nblk = -(-ends[sel] // bs)
-            width = int(nblk.max())
-            table = lay.table[sel, :width].copy()
-            table[np.arange(width)[None, :] >= nblk[:, None]] = -1
-            rows = np.full((sel.size, length), -1, dtype=np.int64)
-            within = _ramps(n[sel])
-            rows[np.repeat(np.arange(sel.size), n[sel]), within] = (
-                np.repeat(lay.offsets[sel], n[sel]) + within
-            )
-            out.append((pk.add(rows), pk.add(table), pk.add(starts[sel]), pk.add(n[sel]), length, kind))
-        return out
+        calls = flex.plan_calls(
+            lay.n, lay.starts, lay.offsets, lay.table, self.block_size, self.flex.q_block // group + 1
+        )
+        return [(pk.add(r), pk.add(t), pk.add(s), pk.add(q), n, kind) for r, t, s, q, n, kind in calls]
 
     def decode_meta(self, slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> AttentionMetadata:
         """Metadata of a step whose row i is one query at position ``lens[i] - 1`` attending through block
