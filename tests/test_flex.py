@@ -54,7 +54,7 @@ def _step(seed, requests, *, heads, kv_heads, dim, block_size, dtype, num_blocks
     return q, k_cache, v_cache, tables
 
 
-def _flex_meta(state, requests, tables, group):
+def _flex_meta(state, requests, tables, group, device=CPU):
     n = np.array([r[1] for r in requests], dtype=np.int64)
     starts = np.array([r[0] - r[1] for r in requests], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(n)])
@@ -63,7 +63,7 @@ def _flex_meta(state, requests, tables, group):
         table[i, : len(t)] = t
     calls = flex.plan_calls(n, starts, offsets, table, state.block_size, state.q_block // group + 1)
     sets = [
-        flex.FlexSeqs(*(torch.from_numpy(a) for a in (r.reshape(-1), t, s, q)), length, kind)
+        flex.FlexSeqs(*(torch.from_numpy(a).to(device) for a in (r.reshape(-1), t, s, q)), length, kind)
         for r, t, s, q, length, kind in calls
     ]
     return state.begin(sets)
@@ -334,10 +334,12 @@ def test_flex_engine_equals_hf_generate(tiny_model_dirs, mistral_dir, family, cu
         cuda_graphs=cuda_graphs,
     )
     assert engine.runner.backend == "flex"
-    prompts = _prompts(7, [1, 2, 7, 16, 17, 33, 50], engine.vocab_size)
+    prompts = _prompts(7, [1, 2, 7, 16, 17, 33, 50], engine.vocab_size) + [[21, 22, 23, 24] * 6]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(folder, prompts, 12)
     assert engine.stats.preemptions > 0
+    if family != "mistral":  # (its answers never repeat their prompt: nothing to draft)
+        assert engine.stats.draft_tokens > 0  # prompt-lookup drafts verified: several rows of one request
     if cuda_graphs:
         assert engine.runner.graphs.replays > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -21,9 +21,11 @@ denominator and adds no value) are a correction of the output by the log-sum-exp
 ``out * sigmoid(lse - sink)``, since ``Z / (Z + e^sink) = 1 / (1 + e^(sink - log Z))``.
 
 Compiled (``torch.compile``): fp32/bf16/fp16 on CUDA (Triton) and on x86 CPUs (inductor's C++ template;
-it returns no log-sum-exp, so sinks run dense there). The batch size, chunk length and table width are
-dynamic dimensions and every buffer the mods read has a fixed size, so a model compiles once per kind of
-call (decode, chunks) and per window; it does not recompile as steps change shape. Batches are padded to at
+it returns no log-sum-exp, so sinks run dense there). The batch size, chunk length, table width and pool
+size are dynamic dimensions and every buffer the mods read has a fixed size, so a model compiles once per
+kind of call (decode, chunks) and per window; it does not recompile as steps change shape. The kernel never
+runs uncompiled: eager FlexAttention evaluates ``mask_mod`` on every slot and ignores the BlockMask, which
+is what keeps a request to its own pages. Batches are padded to at
 least two requests and chunks to at least two query blocks, so no dynamic dimension is ever 0 or 1 (torch
 specializes those). Where it does not compile (float64, or a compile error), the same mask and score code
 runs dense: scores of each request's gathered keys, written out with broadcasting (what FlexAttention's
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 FEATURES = frozenset({"sliding_window", "softcap", "sinks"})
 
 COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Q_BLOCK = {"cpu": 16, "cuda": 128}  # query rows per BlockMask block of a chunk call (decode: one block)
+Q_BLOCK = {"cpu": 16, "cuda": 128}  # folded query rows per BlockMask block (a decode call: mostly one)
 DECODE, CHUNKS = 0, 1  # the two kinds of call; each has its own fixed-size buffers
 
 

@@ -135,12 +135,8 @@ class ModelRunner:
         # The flash-attn metadata (cu_seqlens, int32 block tables): flash-attn's kernel, or torch's varlen.
         self.use_flash = self.backend in ("flash_attn", "varlen")
         self.decode_kernel = self.backend == "cpu_kernel"
-        self.flex: flex.FlexState | None = None
-        if self.backend == "flex":
-            num_blocks = kv_caches[0][0].shape[0] if kv_caches else 1
-            self.flex = flex.FlexState(
-                num_blocks, block_size, kv_dtype, device, max(max_graph_rows, ROW_BUCKETS[-1])
-            )
+        self._max_rows = max(max_graph_rows, ROW_BUCKETS[-1])  # rows one step can have
+        self.flex = self.new_flex_state() if self.backend == "flex" else None
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         # CPU, float32: linear layers with weights packed once for oneDNN (see cpu_linear).
         # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
@@ -273,6 +269,11 @@ class ModelRunner:
                 max_k,
             )
         return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample)
+
+    def new_flex_state(self) -> flex.FlexState:
+        """FlexAttention's state for this runner's cache (examples/attention_ab.py swaps one in and out)."""
+        k = self.kv_caches[0][0]
+        return flex.FlexState(k.shape[0], self.block_size, k.dtype, self.device, self._max_rows)
 
     def _flex_sets(self, lay: _Layout, pk: _Packer) -> list[tuple]:
         """The step's FlexAttention calls (see :func:`~batchjob.engine.flex.plan_calls`), in the packer."""
