@@ -186,7 +186,12 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--max-num-batched-tokens", type=int, help="Tokens per engine step (default: per device)."
         ),
         click.option("--max-num-seqs", type=int, help="Requests running at once (default: per device)."),
-        click.option("--block-size", type=int, help="Tokens per KV block (default: 16)."),
+        click.option(
+            "--block-size",
+            type=int,
+            help="Tokens per KV block (default: the engine decides with its attention backend: 256 for "
+            "flash-attn's paged kernel on a GPU, else 16).",
+        ),
         click.option("--kv-memory-gb", type=float, help="KV cache budget in GiB (default: per device)."),
         click.option("--num-blocks", type=int, help="KV cache size in blocks (overrides --kv-memory-gb)."),
         click.option(

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from batchjob import Engine, SamplingParams
+from batchjob.engine import attention
 from batchjob.engine import engine as engine_module
 from batchjob.engine import support
 from batchjob.engine.config import EngineConfig
@@ -28,13 +29,14 @@ from tests.tiny_models import FAMILIES, make_family_model
 pytestmark = pytest.mark.timeout(120)
 
 # Refused families and the feature names their refusal must carry. A backend that computes one of these
-# features exactly (support.SUPPORTED) must move the family out of here: the matrix then checks it is exact.
+# features exactly (attention.BACKEND_FEATURES) must move the family out of here: the matrix then checks it
+# is exact.
 REFUSED = {
-    "gemma2": {"softcap": "attention logit soft-capping"},
     "bloom": {"own_attention": "computes attention inside its own layers", "alibi": "ALiBi"},
     "falcon": {"own_attention": "computes attention inside its own layers"},
-    "gpt_oss": {"sinks": "attention sinks"},
 }
+# Families whose attention only the flex backend computes (the feature it needs): the engine picks it.
+NEED_FLEX = {"gemma2": "softcap", "gpt_oss": "sinks"}
 # Families without a full-attention layer: tokens beyond the window cannot change their answers.
 WINDOWED_EVERYWHERE = {"mistral", "mixtral", "phi3", "starcoder2"}
 
@@ -126,7 +128,10 @@ def test_family_matches_hf_generate_or_is_refused(folder, family, decode_path):
 
     assert support.unsupported_features(config) == []
     engine = Engine.from_pretrained(str(path), dtype="float64", **_engine_options())
-    assert engine.runner.decode_kernel == (decode_path == "kernel")
+    if family in NEED_FLEX:
+        assert engine.runner.backend == "flex" and NEED_FLEX[family] in engine.runner.features
+    else:
+        assert engine.runner.decode_kernel == (decode_path == "kernel")
     hf = _reference(path)
     prompts = _prompts(engine.vocab_size)
     outs = _generate(engine, prompts)
@@ -150,16 +155,9 @@ def test_refused_families_would_answer_wrongly(folder, family, monkeypatch):
     """Without the refusal, each refused family runs and silently answers differently from HF."""
     path = folder(family)
     hf = _reference(path)
-    if family == "gemma2":
-        # Soft-capping at 50 barely touches a tiny random model's attention logits (about 0.01); sharpen
-        # the queries and keys and cap at 1 so that applying it or not changes the answers.
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                layer.self_attn.q_proj.weight.mul_(10.0)
-                layer.self_attn.k_proj.weight.mul_(10.0)
-                layer.self_attn.attn_logit_softcapping = 1.0
     model = copy.deepcopy(hf)
     monkeypatch.setattr(engine_module, "check_supported", lambda *a, **k: None)
+    monkeypatch.setattr(attention, "attention_features", lambda *a: frozenset())  # nor the backend choice
     options = _engine_options()
     config = EngineConfig(torch.device(options.pop("device")), torch.float64, **options)
     engine = Engine(model, AutoTokenizer.from_pretrained(path), config)
@@ -167,6 +165,38 @@ def test_refused_families_would_answer_wrongly(folder, family, monkeypatch):
     outs = _generate(engine, prompts)
     wrong = sum(toks != _hf_greedy(hf, p, NEW) for p, toks in zip(prompts, outs, strict=True))
     assert wrong > 0, f"{family}: every answer matched; the refusal would be needless"
+
+
+@pytest.mark.parametrize("family", sorted(NEED_FLEX))
+def test_what_only_flex_computes_changes_the_answers(folder, family):
+    """The feature flex is chosen for matters: HF without it answers differently, so a backend ignoring it would
+    be silently wrong (the others refuse such a model: test_flex), and with it the engine equals HF."""
+    path = folder(family)
+    hf = _reference(path)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if family == "gemma2":
+                # Soft-capping at 50 barely touches a tiny random model's attention logits (about 0.01):
+                # sharpen the queries and keys and cap at 1 so that applying it or not changes the answers.
+                layer.self_attn.q_proj.weight.mul_(10.0)
+                layer.self_attn.k_proj.weight.mul_(10.0)
+                layer.self_attn.attn_logit_softcapping = 1.0
+            else:
+                layer.self_attn.sinks.mul_(0.0).add_(4.0)  # a sink that takes a good share of each softmax
+    without = copy.deepcopy(hf)
+    for layer in without.model.layers:
+        if family == "gemma2":
+            layer.self_attn.attn_logit_softcapping = None
+        else:
+            layer.self_attn.sinks.data.fill_(-1e4)  # exp(-1e4) is 0: no sink
+    options = _engine_options()
+    config = EngineConfig(torch.device(options.pop("device")), torch.float64, **options)
+    engine = Engine(copy.deepcopy(hf), AutoTokenizer.from_pretrained(path), config)
+    assert engine.runner.backend == "flex"
+    prompts = _prompts(engine.vocab_size)
+    refs = [_hf_greedy(hf, p, NEW) for p in prompts]
+    assert _generate(engine, prompts) == refs
+    assert sum(_hf_greedy(without, p, NEW) != ref for p, ref in zip(prompts, refs, strict=True)) > 0
 
 
 def test_unscaled_head_is_exact_in_float64(folder, capsys):
@@ -202,10 +232,8 @@ def _configs():
         "granite attention_multiplier": (tf.GraniteConfig(attention_multiplier=0.1), set()),
         "mistral window": (tf.MistralConfig(sliding_window=4), set()),
         "stablelm": (tf.StableLmConfig(), set()),
-        "gemma2": (tf.Gemma2Config(), {"softcap"}),
         "falcon with alibi": (tf.FalconConfig(alibi=True), {"own_attention", "alibi"}),
         "mpt": (tf.MptConfig(), {"own_attention", "alibi"}),
-        "gpt-oss": (tf.GptOssConfig(), {"sinks"}),
         "bidirectional gemma3": (tf.Gemma3TextConfig(use_bidirectional_attention=True), {"bidirectional"}),
         "llama4 chunked attention": (tf.Llama4TextConfig(), {"layer_types"}),
     }
@@ -222,13 +250,19 @@ def test_unsupported_features_from_config(case):
         support.check_supported(config)
 
 
-def test_a_feature_the_backend_supports_is_not_refused(monkeypatch):
+def test_features_only_flex_computes_are_refused_without_it():
+    """Soft-capping and sinks are found from the config alone; with flex's features they pass, without they are
+    refused by family and feature."""
     import transformers as tf
 
-    config = tf.Gemma2Config()
-    assert support.unsupported_features(config, supported={"softcap"}) == []
-    monkeypatch.setattr(support, "SUPPORTED", frozenset({"softcap"}))
-    support.check_supported(config)
+    for config, feature in ((tf.Gemma2Config(), "softcap"), (tf.GptOssConfig(), "sinks")):
+        assert feature in attention.attention_features(config)
+        assert feature in attention.BACKEND_FEATURES["flex"]
+        support.check_supported(config)
+        without = attention.SUPPORTED_FEATURES - {feature}
+        assert [name for name, _ in support.unsupported_features(config, None, without)] == [feature]
+        with pytest.raises(ConfigError, match=f"model family '{config.model_type}'"):
+            support.check_supported(config, None, without)
 
 
 def test_validate_and_run_refuse_a_family_before_any_work(folder, tmp_path):

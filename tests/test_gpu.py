@@ -9,9 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchjob import Engine, SamplingParams
+from batchjob.engine import attention, flex
 from batchjob.engine.attention import flash_attn_available
+from tests.test_flex import MIXED, _alibi_slopes, _flex_meta, _reference, _step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+DEVICE = "cuda"
 
 
 def _prompts(n_tokens, vocab, seed=0):
@@ -36,11 +39,14 @@ def _hf_greedy_cuda(folder, prompts, max_new_tokens):
     return outs
 
 
-def test_cuda_reference_attention_equals_hf_generate(tiny_model_dir):
+@pytest.mark.parametrize("backend", ["flex", "torch"])
+def test_cuda_attention_equals_hf_generate(tiny_model_dir, monkeypatch, backend):
+    """float64: flex runs its dense path (the metadata and mask code of the kernel), torch the reference."""
+    monkeypatch.setenv(attention.BACKEND_ENV, backend)
     engine = Engine.from_pretrained(
         str(tiny_model_dir), dtype="float64", device="cuda", block_size=16, max_num_batched_tokens=64
     )
-    assert not engine.runner.use_flash  # float64 and 16-token blocks take the reference path
+    assert engine.runner.backend == backend
     prompts = _prompts([1, 9, 40, 130], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy_cuda(tiny_model_dir, prompts, 12)
@@ -91,3 +97,73 @@ def test_cuda_graphs_and_compile_keep_seeded_sampling(tiny_model_dir):
     eager = Engine.from_pretrained(str(tiny_model_dir), cuda_graphs=False, **kw).generate(prompts, params)
     graphs = Engine.from_pretrained(str(tiny_model_dir), compile=True, **kw).generate(prompts, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+
+
+# -- FlexAttention compiled by Triton (the default CUDA path without flash-attn) ---------------------------------
+
+
+def test_default_cuda_backend_is_flex_at_16_token_blocks(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv(attention.BACKEND_ENV, raising=False)
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cuda", max_num_batched_tokens=64)
+    expected = ("flash_attn", 256) if flash_attn_available() else ("flex", 16)
+    assert (engine.runner.backend, engine.config.block_size) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("softcap", "alibi", "sinks", "window"), [(None, False, False, None), (2.0, True, True, 6)]
+)
+def test_compiled_flex_kernel_on_cuda(dtype, softcap, alibi, sinks, window):
+    """The Triton kernel against the float64 reference: it must compile (no fall-back to the dense path)."""
+    heads, kv_heads, bs = 8, 2, 16
+    q, k_cache, v_cache, tables = _step(
+        4, MIXED, heads=heads, kv_heads=kv_heads, dim=64, block_size=bs, dtype=dtype, num_blocks=64
+    )
+    q, k_cache, v_cache = q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE)
+    state = flex.FlexState(k_cache.shape[0], bs, dtype, torch.device(DEVICE), 64)
+    meta = _flex_meta(state, MIXED, tables, heads // kv_heads, torch.device(DEVICE))
+    slopes = _alibi_slopes(heads).float().to(DEVICE) if alibi else None
+    sink = torch.linspace(-2.0, 3.0, heads, device=DEVICE) if sinks else None
+    out = flex.paged_flex_attention(q, k_cache, v_cache, meta, 0.125, window, softcap, slopes, sink)
+    assert state.compiled, "Triton did not compile the paged FlexAttention kernel"
+    ref = _reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), MIXED, tables, 0.125, window, softcap,
+                     None if slopes is None else slopes.cpu(), None if sink is None else sink.cpu())  # fmt: skip
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
+
+
+def test_compiled_flex_engine_on_cuda_equals_hf_generate(tiny_model_dir, monkeypatch):
+    """float32 through Triton, with chunked prefill and graph-captured decode steps: HF generate's tokens."""
+    monkeypatch.setenv(attention.BACKEND_ENV, "flex")
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir), dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64
+    )
+    prompts = _prompts([1, 9, 40, 130, 5], engine.vocab_size, seed=6) + [[7, 8, 9, 10] * 10]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    assert engine.runner.flex.compiled
+    assert engine.runner.graphs.replays > 0
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda").eval()
+    hf.generation_config.eos_token_id = None
+    for p, o in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )
+        assert o.token_ids == ref[0, len(p) :].tolist()
+
+
+def test_varlen_agrees_with_flex_in_bf16(tiny_model_dir, monkeypatch):
+    """torch's built-in FlashAttention-2 (varlen_attn, 256-token pages) against flex (16-token pages)."""
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    prompts = _prompts([3, 50, 300], 400, seed=2)
+    outs = {}
+    for backend in ("varlen", "flex"):
+        monkeypatch.setenv(attention.BACKEND_ENV, backend)
+        engine = Engine.from_pretrained(
+            str(tiny_model_dir), dtype="bfloat16", device="cuda", max_num_batched_tokens=128
+        )
+        assert engine.runner.backend == backend
+        assert engine.config.block_size == (256 if backend == "varlen" else 16)
+        outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+    agree = sum(a == b for a, b in zip(outs["varlen"], outs["flex"], strict=True))
+    assert agree >= 2, outs  # bf16 rounding may flip a token of a random model, not most of them

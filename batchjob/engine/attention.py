@@ -9,22 +9,35 @@ Everything that describes the batch travels in one private keyword argument, ``b
 per step by the model runner and shared by all layers. The registered name has no mask function, so the
 model skips building its own mask.
 
-Requests with a single query token (decoding) are attended together: on the CPU by the compiled kernel of
-:mod:`batchjob.engine.cpu_kernel`, which reads the paged cache in place, else (the torch reference) in
-batched SDPA calls over gathered keys padded to the longest request of a length group. Requests with a chunk
-of several tokens (prefill) get one SDPA call each.
+Backends, chosen in one place (:func:`choose_attention`) by device, dtype and the attention features the
+model needs (:func:`attention_features`):
+
+- ``flex``: FlexAttention over the paged cache (:mod:`batchjob.engine.flex`), on every device with nothing
+  but torch, at any block size; the only one with logit soft-capping and attention sinks. The default on CUDA
+  without flash-attn, and wherever a model needs what the others lack.
+- ``flash_attn``: flash-attn's paged varlen kernel (CUDA, bf16/fp16, pages of a multiple of 256 tokens),
+  when the package is installed: an optional speed-up.
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn``, the same FlashAttention-2 kernel built into torch's
+  CUDA wheels (bf16/fp16, sm80+), with the same 256-token page rule; only when asked for.
+- ``cpu_kernel``: the CPU default. Single-token rows (and draft verification) by the compiled kernel of
+  :mod:`batchjob.engine.cpu_kernel`, which reads the paged cache in place; prompt chunks by one SDPA call
+  each over their gathered keys.
+- ``torch``: the reference: single-token rows in batched SDPA calls over gathered keys padded to the longest
+  request of a length group, prompt chunks by one SDPA call each.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from batchjob.engine import cpu_kernel
+from batchjob.engine import cpu_kernel, flex, support
+from batchjob.errors import ConfigError
 
 ATTN_NAME = "batchjob_paged"
 ATTN_NAME_UNCOMPILED = "batchjob_paged_uncompiled"  # the same, kept out of torch.compile's graphs
@@ -91,10 +104,113 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # flash-attn path (CUDA): cu_seqlens_q, cu_seqlens_k, block_table (int32), max_seqlen_q, max_seqlen_k
     flash: tuple | None = None
+    varlen: bool = False  # the flash metadata goes to torch's varlen_attn instead of flash-attn
     decode_kernel: bool = False  # decode groups go to the compiled CPU kernel (one group, any lengths)
+    flex: flex.FlexMeta | None = None  # the FlexAttention path: its calls and state
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what flash-attn's kernels take
+BACKEND_ENV = "BATCHJOB_ATTENTION_BACKEND"  # forces a backend (e.g. to compare them in `batchjob bench`)
+
+# The model attention features each backend computes exactly. A model needing one no backend has is refused
+# at load, by name.
+BACKEND_FEATURES: dict[str, frozenset[str]] = {
+    "flash_attn": frozenset({"sliding_window"}),
+    "varlen": frozenset({"sliding_window"}),
+    "flex": flex.FEATURES,
+    "cpu_kernel": frozenset({"sliding_window"}),
+    "torch": frozenset({"sliding_window"}),
+}
+SUPPORTED_FEATURES = frozenset().union(*BACKEND_FEATURES.values())  # what some backend handles
+BACKENDS = tuple(BACKEND_FEATURES)
+PAGED_FLASH_BLOCK = 256  # FlashAttention-2's paged kernels take pages of a multiple of this
+DEFAULT_BLOCK_SIZE = 16
+@dataclass(frozen=True)
+class AttentionChoice:
+    backend: str  # one of BACKENDS
+    block_size: int  # tokens per KV block
+
+
+def attention_features(config, model: torch.nn.Module | None = None) -> frozenset[str]:
+    """The attention features a model needs beyond plain causal attention (see :mod:`support`):
+    ``sliding_window``, ``softcap`` (attention logit soft-capping), ``sinks`` (a learned sink logit per
+    head), ``alibi``, and those no backend has (``own_attention``, ``bidirectional``, ...)."""
+    return frozenset(name for name, _ in support.model_features(config, model))
+
+
+@functools.cache
+def _import_varlen():
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None
+    return varlen
+
+
+def _unusable(name: str, device: torch.device, dtype: torch.dtype, features, block_size) -> str | None:
+    """Why backend ``name`` cannot run this model here; None when it can."""
+    missing = features - BACKEND_FEATURES[name]
+    if missing:
+        return f"it does not implement {', '.join(sorted(missing))}"
+    if name in ("flash_attn", "varlen"):
+        if device.type != "cuda":
+            return "it needs a CUDA device"
+        if dtype not in FLASH_DTYPES:
+            return f"it takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+        if block_size is not None and block_size % PAGED_FLASH_BLOCK:
+            return (
+                f"its paged kernel needs blocks of a multiple of {PAGED_FLASH_BLOCK} tokens, not {block_size}"
+            )
+        if name == "flash_attn" and not flash_attn_available():
+            return "flash-attn is not installed"
+        if name == "varlen" and _import_varlen() is None:
+            return "this torch has no torch.nn.attention.varlen"
+    if name == "cpu_kernel" and not cpu_kernel.supports(dtype, device):
+        return "it runs float32/float64 on a CPU with a C++ compiler"
+    return None
+
+
+def choose_attention(
+    device: torch.device,
+    dtype: torch.dtype,
+    features: frozenset[str] = frozenset(),
+    block_size: int | None = None,
+    backend: str | None = None,
+) -> AttentionChoice:
+    """The one place that picks the attention backend, and with it the default block size.
+
+    ``backend``: one of :data:`BACKENDS`; None or "auto": ``$BATCHJOB_ATTENTION_BACKEND`` if set, else
+    the first that can run this model here: on CUDA flash-attn (pages of 256 tokens) if installed, else
+    flex; on the CPU the decode kernel, else flex (models needing soft-capping or sinks), else the torch
+    reference. ``block_size`` None: 256 for the flash-attn kernels, else 16. Raises ``ConfigError`` for a
+    feature no backend implements, or a forced backend that cannot run here.
+    """
+    unknown = features - SUPPORTED_FEATURES
+    if unknown:
+        raise ConfigError(
+            f"the model needs attention features no backend implements exactly: {', '.join(sorted(unknown))}"
+        )
+    forced = backend if backend not in (None, "auto") else os.environ.get(BACKEND_ENV, "").strip() or None
+    if forced == "auto":
+        forced = None
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ConfigError(
+                f"attention backend must be auto or one of {', '.join(BACKENDS)}; got {forced!r}"
+            )
+        why = _unusable(forced, device, dtype, features, block_size)
+        if why is not None:
+            raise ConfigError(f"attention backend {forced} cannot run here: {why}")
+        order = [forced]
+    elif device.type == "cuda":
+        order = ["flash_attn", "flex", "torch"]
+    else:
+        order = ["cpu_kernel", "flex", "torch"]
+    for name in order:
+        if _unusable(name, device, dtype, features, block_size) is None:
+            default = PAGED_FLASH_BLOCK if name in ("flash_attn", "varlen") else DEFAULT_BLOCK_SIZE
+            return AttentionChoice(name, block_size or default)
+    raise AssertionError(f"no attention backend for {device} {dtype} {sorted(features)}")  # flex runs all
 
 
 def flash_attn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -135,6 +251,28 @@ def _flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling, slid
     )
 
 
+def _varlen_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling, sliding_window):
+    """torch's own FlashAttention-2 (``varlen_attn``) over the paged cache: the flash-attn metadata, the
+    context lengths as ``seqused_k``. A window of W keys is (W - 1, 0): causal, bottom-right aligned."""
+    varlen = _import_varlen()
+    cu_q, cu_k, block_table, max_q, max_k = meta.flash
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
+    return varlen.varlen_attn(
+        q,
+        k_cache,
+        v_cache,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        scale=scaling,
+        window_size=window,
+        enable_gqa=k_cache.shape[2] != q.shape[1],
+        seqused_k=(cu_k[1:] - cu_k[:-1]).to(torch.int32),
+        block_table=block_table,
+    )
+
+
 # torch >= 2.5 attends grouped-query heads without repeating the keys.
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -164,6 +302,7 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     meta: AttentionMetadata = kwargs[META_KWARG]
+    softcap, sinks, slopes = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("alibi_slopes")
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
@@ -173,8 +312,19 @@ def paged_attention(
     flat_k.index_copy_(0, meta.slot_mapping, k_new.to(flat_k.dtype))
     flat_v.index_copy_(0, meta.slot_mapping, v_new.to(flat_v.dtype))
 
+    scale = scaling if scaling is not None else head_dim**-0.5
+    if meta.flex is not None:
+        out = flex.paged_flex_attention(
+            query[0], k_cache, v_cache, meta.flex, scale, sliding_window, softcap, slopes, sinks
+        )
+        return out.unsqueeze(0), None
+    # Chosen at load so that this never happens: the other backends would silently ignore these.
+    assert softcap is None and sinks is None and slopes is None, (
+        "this model needs soft-capping, sinks or ALiBi, which only the flex attention backend computes"
+    )
     if meta.flash is not None:
-        out = _flash_attention(query[0].transpose(0, 1), k_cache, v_cache, meta, scaling, sliding_window)
+        call = _varlen_attention if meta.varlen else _flash_attention
+        out = call(query[0].transpose(0, 1), k_cache, v_cache, meta, scaling, sliding_window)
         return out.unsqueeze(0), None
 
     q = query[0]  # [H, T, D]
@@ -184,7 +334,6 @@ def paged_attention(
     for group in meta.decode_groups:
         if meta.decode_kernel:
             qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]
-            scale = scaling if scaling is not None else head_dim**-0.5
             out[group.rows] = cpu_kernel.paged_decode(
                 qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, sliding_window
             )

@@ -60,7 +60,7 @@ class EngineConfig:
     dtype: torch.dtype
     max_num_batched_tokens: int | None = None  # tokens per forward; None: a default for the device
     max_num_seqs: int | None = None  # running requests at once; None: a default for the device
-    block_size: int | None = None  # tokens per KV block; None: 256 where flash-attn runs, else 16
+    block_size: int | None = None  # tokens per KV block; None: the attention backend's (256 for flash-attn)
     num_blocks: int | None = None  # None: size the pool from kv_memory_gb (or free memory on CUDA)
     kv_memory_gb: float | None = None  # KV pool budget; None: a default for the device
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
@@ -82,10 +82,10 @@ class EngineConfig:
             self.max_num_batched_tokens = 8192 if cuda else 512
         if self.max_num_seqs is None:
             self.max_num_seqs = 256 if cuda else 64
-        if self.block_size is None:
-            from batchjob.engine.attention import flash_attn_usable
+        if self.block_size is None:  # the attention backend's: 256 for flash-attn's paged kernel, else 16
+            from batchjob.engine.attention import choose_attention
 
-            self.block_size = 256 if flash_attn_usable(self.device, self.dtype) else 16
+            self.block_size = choose_attention(self.device, self.dtype).block_size
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from batchjob.engine import attention
-from batchjob.engine.attention import AttentionMetadata, DecodeGroup
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +121,7 @@ class DecodeGraphs:
     def _forward(self, g: _Graph) -> torch.Tensor:
         ids, positions, slots, lens, table = self._views(g)
         runner = self.runner
-        meta = AttentionMetadata(runner.kv_caches, slot_mapping=slots, decode_kernel=runner.decode_kernel)
-        if runner.use_flash:
-            cu_q = torch.arange(g.rows + 1, dtype=torch.int32, device=runner.device)
-            cu_k = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
-            meta.flash = (cu_q, cu_k, table.to(torch.int32), 1, g.blocks * runner.block_size)
-        else:
-            rows = torch.arange(g.rows, device=runner.device)
-            meta.decode_groups = [DecodeGroup(rows, table, lens)]
+        meta = runner.decode_meta(slots, table, lens)
         out = runner.call_model(
             input_ids=ids[None],
             position_ids=positions[None],

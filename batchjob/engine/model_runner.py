@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu_kernel, cpu_linear
-from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, flash_attn_usable
+from batchjob.engine import attention, cpu_linear, flex
+from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -133,6 +133,8 @@ class ModelRunner:
     ``scratch_block``: a KV block no request owns; with it, steps without prompt chunks go through
     :class:`~batchjob.engine.graphs.DecodeGraphs` (CUDA graphs on a GPU, the same padded buffers eagerly on
     the CPU). ``compile_model``: the model runs under ``torch.compile``, attention left out of the graph.
+    ``attention_backend``: force one (see :func:`~batchjob.engine.attention.choose_attention`, which
+    otherwise picks by device, dtype and what the model needs).
     """
 
     def __init__(
@@ -146,19 +148,24 @@ class ModelRunner:
         max_graph_rows: int = ROW_BUCKETS[-1],
         max_model_len: int = 2048,
         compile_model: bool = False,
+        attention_backend: str | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        # flash-attn's paged varlen kernel needs pages of a multiple of 256 tokens.
-        kv_dtype = kv_caches[0][0].dtype if kv_caches else None
-        self.use_flash = flash_attn_usable(device, kv_dtype) and block_size % 256 == 0
-        # CPU: decode attention by the compiled kernel when it builds here (float32/float64 caches).
-        self.decode_kernel = cpu_kernel.supports(kv_caches[0][0].dtype, device) if kv_caches else False
+        dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+        kv_dtype = kv_caches[0][0].dtype if kv_caches else dtype
+        self.features = attention.attention_features(model.config, model)
+        choice = attention.choose_attention(device, kv_dtype, self.features, block_size, attention_backend)
+        self.backend = choice.backend
+        # The flash-attn metadata (cu_seqlens, int32 block tables): flash-attn's kernel, or torch's varlen.
+        self.use_flash = self.backend in ("flash_attn", "varlen")
+        self.decode_kernel = self.backend == "cpu_kernel"
+        self._max_rows = max(max_graph_rows, ROW_BUCKETS[-1])  # rows one step can have
+        self.flex = self.new_flex_state() if self.backend == "flex" else None
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         # CPU, float32: linear layers with weights packed once for oneDNN (see cpu_linear).
-        dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
         # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
         pack = cpu_linear.available(dtype, device) and not compile_model
         self.packed_linears = cpu_linear.prepack_linears(model) if pack else 0
@@ -234,7 +241,10 @@ class ModelRunner:
         h_decode: list[tuple] = []
         h_prefill: list[tuple[int, int, int, tuple | None]] = []
         h_flash = None
-        if self.use_flash:
+        h_flex: list[tuple] = []
+        if self.flex is not None:
+            h_flex = self._flex_sets(lay, pk)
+        elif self.use_flash:
             cu_q = offsets
             cu_k = np.concatenate([[0], np.cumsum(ends)])
             h_flash = (pk.add(cu_q), pk.add(cu_k), pk.add(table), int(n.max()), int(ends.max()))
@@ -266,8 +276,17 @@ class ModelRunner:
         buf = pk.send(self.device)
         v = pk.view
         meta = AttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=v(buf, h_slots), decode_kernel=self.decode_kernel
+            kv_caches=self.kv_caches,
+            slot_mapping=v(buf, h_slots),
+            decode_kernel=self.decode_kernel,
+            varlen=self.backend == "varlen",
         )
+        if self.flex is not None:
+            sets = [
+                flex.FlexSeqs(v(buf, r).view(-1), v(buf, t), v(buf, s0), v(buf, q), n, kind)
+                for r, t, s0, q, n, kind in h_flex
+            ]
+            meta.flex = self.flex.begin(sets)
         meta.decode_groups = [DecodeGroup(*(v(buf, h) for h in hs)) for hs in h_decode]
         for q_start, q_len, ctx, h in h_prefill:
             meta.prefills.append(PrefillChunk(q_start, q_len, ctx, None if h is None else v(buf, h)))
@@ -281,6 +300,43 @@ class ModelRunner:
                 max_k,
             )
         return v(buf, h_ids)[None], v(buf, h_pos)[None], meta, v(buf, h_sample)
+
+    def new_flex_state(self) -> flex.FlexState:
+        """FlexAttention's state for this runner's cache (examples/attention_ab.py swaps one in and out)."""
+        k = self.kv_caches[0][0]
+        return flex.FlexState(k.shape[0], self.block_size, k.dtype, self.device, self._max_rows)
+
+    def _flex_sets(self, lay: _Layout, pk: _Packer) -> list[tuple]:
+        """The step's FlexAttention calls (see :func:`~batchjob.engine.flex.plan_calls`), in the packer."""
+        heads = self.model.config.get_text_config().num_attention_heads
+        group = heads // self.kv_caches[0][0].shape[2]
+        calls = flex.plan_calls(
+            lay.n, lay.starts, lay.offsets, lay.table, self.block_size, self.flex.q_block // group + 1
+        )
+        return [(pk.add(r), pk.add(t), pk.add(s), pk.add(q), n, kind) for r, t, s, q, n, kind in calls]
+
+    def decode_meta(self, slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a step whose row i is one query at position ``lens[i] - 1`` attending through block
+        table ``table[i]`` (the padded buffers of a decode graph; device tensors, so it can be captured)."""
+        rows = table.shape[0]
+        meta = AttentionMetadata(
+            self.kv_caches,
+            slot_mapping=slots,
+            decode_kernel=self.decode_kernel,
+            varlen=self.backend == "varlen",
+        )
+        if self.use_flash:
+            cu_q = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+            cu_k = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+            meta.flash = (cu_q, cu_k, table.to(torch.int32), 1, table.shape[1] * self.block_size)
+        elif self.flex is not None:
+            seqs = flex.FlexSeqs(
+                torch.arange(rows, device=self.device), table, lens - 1, torch.ones_like(lens), 1, flex.DECODE
+            )
+            meta.flex = self.flex.begin([seqs])
+        else:
+            meta.decode_groups = [DecodeGroup(torch.arange(rows, device=self.device), table, lens)]
+        return meta
 
     def call_model(self, **kwargs):
         """The model's forward. Should torch.compile fail, the model runs eagerly from then on (one warning):

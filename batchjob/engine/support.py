@@ -1,4 +1,5 @@
-"""Which model features batchjob's attention computes exactly, and the refusal of the others at load.
+"""The attention features a model needs, found from its config (and modules), and the refusal at load of those
+no attention backend computes exactly.
 
 The engine runs unmodified Hugging Face models and replaces only their attention (see :mod:`attention`). A
 model whose attention needs something our attention function does not apply would run without an error and
@@ -11,7 +12,9 @@ queries. What the model computes itself is not our concern: rotary embeddings (p
 StableLM, GPT-NeoX; SmolLM3's NoPE layers), q/k norms, parallel residuals, MoE routing, and final logit
 soft-capping and logit scales (Gemma-2/3, Cohere, Granite apply them in their own forward, after the head).
 
-A backend that implements a feature exactly adds its name to :data:`SUPPORTED`; the table stays as it is.
+Soft-capping and sinks are computed by the flex backend, which the engine then picks (see
+:func:`batchjob.engine.attention.choose_attention`); what each backend computes is its row of
+``attention.BACKEND_FEATURES``, and a feature no row has is refused here, by family and feature.
 """
 
 from __future__ import annotations
@@ -22,13 +25,9 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 
-# Feature names (the ``name`` of a row of FEATURES) that the attention backend computes exactly.
-SUPPORTED: frozenset[str] = frozenset()
-
-
 @dataclass(frozen=True)
 class Feature:
-    name: str  # the key SUPPORTED lists
+    name: str  # the name attention.BACKEND_FEATURES lists when a backend computes it
     uses: str  # what the model does, as the refusal says it: "uses attention logit soft-capping"
     consequence: str  # why that is wrong here: "which batchjob's attention does not apply yet"
     detect: Callable[[Any, Any], str | None]  # (text config, model or None) -> detail, None: not used
@@ -118,11 +117,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "softcap",
         "uses attention logit soft-capping",
-        "which batchjob's attention does not apply yet",
+        "which no attention backend of batchjob applies",
         _softcap,
     ),
-    Feature("alibi", "uses ALiBi position biases", "which batchjob's attention does not apply yet", _alibi),
-    Feature("sinks", "uses attention sinks", "which batchjob's attention does not apply yet", _sinks),
+    Feature("alibi", "uses ALiBi position biases", "which no attention backend of batchjob applies", _alibi),
+    Feature("sinks", "uses attention sinks", "which no attention backend of batchjob applies", _sinks),
     Feature(
         "bidirectional",
         "uses bidirectional attention",
@@ -142,30 +141,39 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def unsupported_features(
-    config, model=None, supported: Collection[str] | None = None
-) -> list[tuple[str, str]]:
-    """(feature name, detail) for each feature of the model that batchjob's attention does not compute.
+def model_features(config, model=None) -> list[tuple[str, str]]:
+    """(feature name, detail) for each feature of :data:`FEATURES` the model uses, and ``sliding_window``.
 
     ``config`` is the model's config; ``model``, when given, is looked at too (its class and modules), which
-    is exact where the config alone only knows the families of this transformers version. ``supported``:
-    the feature names the attention backend computes (default :data:`SUPPORTED`).
+    is exact where the config alone only knows the families of this transformers version.
     """
-    supported = SUPPORTED if supported is None else supported
     text = _text_config(config)
-    found = []
-    for feature in FEATURES:
-        if feature.name in supported:
-            continue
-        detail = feature.detect(text, model)
-        if detail is not None:
-            found.append((feature.name, detail))
+    found = [(f.name, detail) for f in FEATURES if (detail := f.detect(text, model)) is not None]
+    window = getattr(text, "sliding_window", None)
+    if window:
+        found.append(("sliding_window", f"sliding_window={window}"))
     return found
 
 
-def check_supported(config, model=None, supported: Collection[str] | None = None) -> None:
+def supported() -> frozenset[str]:
+    """The features some attention backend computes exactly."""
+    from batchjob.engine.attention import SUPPORTED_FEATURES
+
+    return SUPPORTED_FEATURES
+
+
+def unsupported_features(
+    config, model=None, supported_features: Collection[str] | None = None
+) -> list[tuple[str, str]]:
+    """(feature name, detail) for each feature of the model that no attention backend computes exactly
+    (``supported_features``: those that are computed, default :func:`supported`)."""
+    computed = supported() if supported_features is None else supported_features
+    return [(name, detail) for name, detail in model_features(config, model) if name not in computed]
+
+
+def check_supported(config, model=None, supported_features: Collection[str] | None = None) -> None:
     """Raise ``ConfigError`` naming the family and each feature when the model would get wrong answers."""
-    found = unsupported_features(config, model, supported)
+    found = unsupported_features(config, model, supported_features)
     if not found:
         return
     features = {f.name: f for f in FEATURES}

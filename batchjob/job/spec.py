@@ -74,7 +74,7 @@ class JobSpec:
     # engine
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: the engine decides (its attention backend)
     kv_memory_gb: float | None = None
     num_blocks: int | None = None
     max_model_len: int | None = None  # tokens per row (prompt + output) at most; None: the model's context
