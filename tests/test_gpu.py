@@ -167,3 +167,49 @@ def test_varlen_agrees_with_flex_in_bf16(tiny_model_dir, monkeypatch):
         outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     agree = sum(a == b for a, b in zip(outs["varlen"], outs["flex"], strict=True))
     assert agree >= 2, outs  # bf16 rounding may flip a token of a random model, not most of them
+
+
+def family_agreement(folder, device: str, dtype: torch.dtype, new_tokens: int = 8) -> tuple[int, int]:
+    """(tokens equal to HF ``generate`` up to each sequence's first difference, tokens in all) for one family
+    of the matrix, our engine and HF on the same device and dtype, under the matrix's pressure (chunked
+    prompts longer than the windows, prefix caching)."""
+    from tests.test_families import _engine_options, _hf_greedy, _prompts, _reference
+
+    options = _engine_options() | {"device": device, "num_blocks": 64}
+    engine = Engine.from_pretrained(str(folder), dtype=str(dtype).removeprefix("torch."), **options)
+    hf = _reference(folder, dtype).to(device)
+    same = total = 0
+    prompts = _prompts(engine.vocab_size) + _prompts(engine.vocab_size, seed=1)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
+        hf.generation_config.eos_token_id = None
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=device)
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        first = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b), len(ref))
+        same, total = same + first, total + len(ref)
+    return same, total
+
+
+def test_family_matrix_in_bf16_agreement_rate(tmp_path, capsys):
+    """The family matrix in bf16 on the GPU against HF ``generate`` in bf16 there: ties flip in bf16, so the
+    agreement rate (tokens equal before a sequence's first difference) is measured and printed per family.
+    A broken attention path agrees on a token or two at most; each family must agree on most."""
+    from tests.test_families import REFUSED
+    from tests.tiny_models import FAMILIES, make_family_model
+
+    rates = {}
+    with capsys.disabled():  # printed as it goes: a run cut short by a time limit keeps what it measured
+        print("\nbf16 family matrix on", torch.cuda.get_device_name(), "(engine vs HF generate, both bf16):")
+        for family in FAMILIES:
+            if family in REFUSED:
+                continue
+            folder = make_family_model(tmp_path / family, family)
+            same, total = family_agreement(folder, DEVICE, torch.bfloat16)
+            rates[family] = same / total
+            print(f"  {family:12s} {same}/{total} tokens agree ({same / total:.0%})", flush=True)
+        print(f"  all          {sum(rates.values()) / len(rates):.0%} (mean of families)")
+    assert min(rates.values()) >= 0.5, rates

