@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# `batchjob bench --baselines ours` on two (or more) checkouts of this repository, in alternating rounds, so
+# each sees the same machine load; prints each run's total tokens/s. Compare the ratios, not the figures.
+#   bash examples/bench_ab.sh /tmp/before /path/to/after      (ROUNDS=3 by default; extra bench flags: BENCH_ARGS)
+set -u
+rounds=${ROUNDS:-3}
+for r in $(seq "$rounds"); do
+  for code in "$@"; do
+    json=$(mktemp --suffix=.json)
+    PYTHONPATH=$code python -m batchjob bench --baselines ours --device cpu ${BENCH_ARGS:-} --json "$json" \
+      > /dev/null 2>&1
+    python - "$code" "$r" "$json" <<'PY'
+import json, sys
+res = json.load(open(sys.argv[3]))["results"][0]
+print(f"round {sys.argv[2]}  {sys.argv[1]}: {res['total_tokens_per_s']:.1f} total tok/s, {res['wall_s']:.1f} s")
+PY
+  done
+done
