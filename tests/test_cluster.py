@@ -6,7 +6,7 @@ Needs a Slurm that this user can submit to, with an idle node of at least two CP
 one on this machine (root, Debian's slurm-wlm and munge; README, "Development"), and ``.ci/run`` does so.
 Without one the tests are skipped, saying why. A task is stopped where the test needs it by a fault point
 (``BATCHJOB_FAULT_PAUSE=part_committed``: it waits there for a signal), never after a sleep. With that
-Slurm's short requeue delay (``AuthInfo=cred_expire=10``) the array test takes about a minute; on a cluster
+Slurm's short requeue delay (``AuthInfo=cred_expire=5``) the array test takes about a minute; on a cluster
 with Slurm's defaults, a few.
 """
 
