@@ -33,13 +33,13 @@ def worst_exit(codes: Sequence[int]) -> int:
 
 
 def parse_devices(value: str) -> list[str]:
-    from batchjob.job.spec import _DEVICE
+    from batchjob.engine.options import DEVICE_NAME
 
     devices = [d.strip() for d in value.split(",") if d.strip()]
     if not devices:
         raise ConfigError("--devices needs a list such as cuda:0,cuda:1")
     for d in devices:
-        if not _DEVICE.match(d) or d == "auto":
+        if not DEVICE_NAME.match(d) or d == "auto":
             raise ConfigError(f"--devices: {d!r} is not a device (cpu, cuda or cuda:N)")
     return devices
 

@@ -680,25 +680,7 @@ def part_prefix(shard: Shard) -> str:
 
 def _engine_options(spec: JobSpec) -> dict[str, Any]:
     """The spec's engine settings, as ``Engine.from_pretrained`` and ``EngineConfig`` name them."""
-    return dict(
-        dtype=spec.dtype,
-        device=spec.device,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_num_seqs=spec.max_num_seqs,
-        block_size=spec.block_size,
-        num_blocks=spec.num_blocks,
-        kv_memory_gb=spec.kv_memory_gb,
-        gpu_memory_utilization=spec.gpu_memory_utilization,
-        enable_prefix_caching=spec.prefix_caching,
-        static_batching=spec.admission == "static",
-        num_speculative_tokens=spec.num_speculative_tokens,
-        cuda_graphs=spec.cuda_graphs,
-        compile=spec.compile,
-        max_model_len=spec.max_model_len,
-        # A job always wants a pool that fits one request of the full context, however it was sized: a
-        # smaller one would turn rows into errors for a reason that is about the setup, not the row.
-        check_kv_pool=True,
-    )
+    return spec.engine_options()
 
 
 def load_engine(spec: JobSpec) -> Any:
@@ -714,16 +696,15 @@ def check_engine(spec: JobSpec) -> str:
     ships (without ``trust_remote_code``), a model family or feature the attention would get wrong,
     ``max_model_len`` beyond the model's context, a KV pool that can't hold one request of the context.
     Returns a line saying what the engine will get."""
-    from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
+    from batchjob.engine.config import EngineConfig
     from batchjob.engine.kv_cache import KVShape
     from batchjob.engine.support import check_supported
     from batchjob.models import load_config
 
     model_config, _ = load_config(spec.model, spec.trust_remote_code)
     check_supported(model_config)
-    options = _engine_options(spec)
-    device = resolve_device(options.pop("device"))
-    config = EngineConfig(device=device, dtype=resolve_dtype(options.pop("dtype"), device), **options)
+    config = EngineConfig(**_engine_options(spec))
+    device = config.device
     max_len = config.resolve_max_model_len(model_config)
     blocks = config.planned_num_blocks(KVShape.from_config(model_config), max_len)
     if blocks is None:
