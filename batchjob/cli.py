@@ -15,6 +15,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.program import Failure as _Failure  # noqa: F401  (re-exported: tests use these names)
 from batchjob.program import engine_flags, main
 from batchjob.program import errors as _errors
@@ -158,7 +159,7 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         *engine_flags(),  # the engine's options, each declared once (engine/options.py)
         click.option(
             "--admission",
-            type=click.Choice(["fcfs", "longest-first", "shortest-first", "static"]),
+            type=click.Choice(ADMISSION_CHOICES),
             help="Order rows enter the engine: input order, longest or shortest prompt first within "
             "--lookahead rows, or static batches (a baseline) (default: fcfs).",
         ),
@@ -423,11 +424,10 @@ def validate(
 
 
 def _check_tokenizer(prep: Any) -> None:
-    from batchjob.job.prompts import plan_prompts
     from batchjob.models import load_tokenizer
 
     tokenizer = load_tokenizer(prep.spec.model, prep.spec.trust_remote_code)
-    plan_prompts(prep.spec, prep.info.schema.names, bool(getattr(tokenizer, "chat_template", None)))
+    prep.plan.for_tokenizer(prep.spec, bool(getattr(tokenizer, "chat_template", None)))
 
 
 @main.command()

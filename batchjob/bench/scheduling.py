@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from batchjob.engine.options import by_engine_name, job_options
+from batchjob.job import admission
 from batchjob.program import apply, engine_flags, errors, main
 
 ENGINE_FLAGS = [name for name, _, _ in job_options()]
@@ -121,12 +122,7 @@ def bench_scheduling(
         rng.randint(150, 200) if rng.random() < 0.1 else rng.randint(4, 16) for _ in range(skew_requests)
     ]
     size = [len(p) + o for p, o in zip(prompts, outputs, strict=True)]
-    orders = {
-        "fcfs": list(range(skew_requests)),
-        "longest-first": sorted(range(skew_requests), key=lambda i: -size[i]),
-        "shortest-first": sorted(range(skew_requests), key=lambda i: size[i]),
-        "static": list(range(skew_requests)),
-    }
+    orders = {policy: admission.order(policy, size) for policy in admission.ADMISSION_CHOICES}
     for policy, order in orders.items():
         name = f"skewed admission={policy}"
         click.echo(f"running {name} ...", err=True)

@@ -20,14 +20,13 @@ from typing import Any
 
 from batchjob.engine.options import job_options
 from batchjob.errors import ConfigError
+from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.sampling import SamplingParams
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-ADMISSION_CHOICES = ("fcfs", "longest-first", "shortest-first", "static")
 FORMAT_CHOICES = ("rows", "openai")
 
 
