@@ -2,12 +2,12 @@
 
 Each command parses its options, builds a JobSpec (job file first, command-line options on top), calls the
 library, and maps our errors to exit codes in one place (``_errors``): no traceback for anything a user
-controls. Other commands (``bench``) register themselves on the ``main`` group from their own modules.
+controls. The ``main`` group, that mapping and the engine's flags live in ``program.py``, which ``bench/``
+uses too; importing this module registers every command.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,10 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from batchjob.errors import BatchjobError
-from batchjob.job.spec import DTYPE_CHOICES
+from batchjob.job.admission import ADMISSION_CHOICES
+from batchjob.program import Failure as _Failure  # noqa: F401  (re-exported: tests use these names)
+from batchjob.program import engine_flags, main
+from batchjob.program import errors as _errors
 
 EXIT_CODES = """\b
 Exit codes:
@@ -30,32 +32,6 @@ Exit codes:
   75  interrupted by SIGTERM/SIGINT: finished rows committed, in-flight requests saved (during start-up:
       nothing to save yet); run the same command again to resume (EX_TEMPFAIL: "requeue me")
   With --devices or --ray: the worst of the workers' codes (2, then 1, then 75, then 0)."""
-
-
-class _Failure(click.ClickException):
-    """A one-line error with our exit code."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except BatchjobError as e:
-            raise _Failure(str(e), e.exit_code) from e
-        except OSError as e:  # disk full, permission denied: the world, not a bug
-            from batchjob.io.atomic import disk_full_message, is_disk_full
-
-            if is_disk_full(e):
-                where = e.filename or (f"under {kwargs['output']}" if kwargs.get("output") else None)
-                raise _Failure(disk_full_message(e, where), 1) from e
-            raise _Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
-
-    return wrapper
 
 
 def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -139,8 +115,6 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Let a model folder run the Python code it ships (auto_map in its config). Off by default: "
             "such a model is refused.",
         ),
-        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), help="Weights dtype (default: auto)."),
-        click.option("--device", help="auto, cpu, cuda or cuda:N (default: auto)."),
         click.option("--max-new-tokens", type=int, help="Tokens to generate per row at most (default: 128)."),
         click.option(
             "--temperature",
@@ -182,55 +156,10 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             metavar="N",
             help="Samples per row: N result rows with a sample_index column; the prompt is computed once.",
         ),
-        click.option(
-            "--max-num-batched-tokens", type=int, help="Tokens per engine step (default: per device)."
-        ),
-        click.option("--max-num-seqs", type=int, help="Requests running at once (default: per device)."),
-        click.option(
-            "--block-size",
-            type=int,
-            help="Tokens per KV block (default: the engine decides with its attention backend: 256 for "
-            "flash-attn's paged kernel on a GPU, else 16).",
-        ),
-        click.option("--kv-memory-gb", type=float, help="KV cache budget in GiB (default: per device)."),
-        click.option("--num-blocks", type=int, help="KV cache size in blocks (overrides --kv-memory-gb)."),
-        click.option(
-            "--max-model-len",
-            type=int,
-            metavar="TOKENS",
-            help="Cap the context (prompt + output) the engine accepts, at most the model's own; longer "
-            "prompts become error rows (default: the model's context). The KV pool must hold one request "
-            "of this length.",
-        ),
-        click.option(
-            "--gpu-memory-utilization",
-            type=float,
-            help="CUDA: share of GPU memory for weights, activations and KV (default: 0.9).",
-        ),
-        click.option(
-            "--prefix-caching/--no-prefix-caching",
-            default=None,
-            help="Share the KV of equal prompt prefixes between rows (default: on).",
-        ),
-        click.option(
-            "--num-speculative-tokens",
-            type=int,
-            help="Draft tokens per row and step copied from the row's own context, verified in the same "
-            "forward: the same answers in fewer steps when outputs repeat their context (default: 4; 0: off).",
-        ),
-        click.option(
-            "--cuda-graphs/--no-cuda-graphs",
-            default=None,
-            help="CUDA: replay decode steps from CUDA graphs bucketed by batch size (default: on).",
-        ),
-        click.option(
-            "--compile/--no-compile",
-            default=None,
-            help="Run the model under torch.compile (compiles on first use; default: off).",
-        ),
+        *engine_flags(),  # the engine's options, each declared once (engine/options.py)
         click.option(
             "--admission",
-            type=click.Choice(["fcfs", "longest-first", "shortest-first", "static"]),
+            type=click.Choice(ADMISSION_CHOICES),
             help="Order rows enter the engine: input order, longest or shortest prompt first within "
             "--lookahead rows, or static batches (a baseline) (default: fcfs).",
         ),
@@ -351,36 +280,6 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
         if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT) and v not in ((), None)
     }
     return make_spec(job_file, **given)
-
-
-class _Program(click.Group):
-    """The ``batchjob`` group. Called as a program (the console script, ``python -m batchjob``), it handles
-    SIGTERM/SIGINT from the start: one that comes before the job loop runs exits 75 with one line."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import sys
-
-        from batchjob import faults, signals
-
-        signals.install()  # already done by `import batchjob` or __main__; here for any other entry
-        try:
-            signals.arm()
-            faults.point("startup")
-            return super().__call__(*args, **kwargs)
-        except signals.Interrupted as e:
-            print(f"batchjob: {e}", file=sys.stderr)
-            sys.exit(signals.EXIT_INTERRUPTED)
-
-
-@click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="batchjob")
-@click.pass_context
-def main(ctx: click.Context) -> None:
-    """batchjob: offline batch inference over large datasets, resumable, Parquet out."""
-    if ctx.invoked_subcommand != "run":
-        from batchjob import signals
-
-        signals.release()  # only `run` has state to save; the others keep Python's usual signals
 
 
 @main.command(epilog=EXIT_CODES)
@@ -525,11 +424,10 @@ def validate(
 
 
 def _check_tokenizer(prep: Any) -> None:
-    from batchjob.job.prompts import plan_prompts
     from batchjob.models import load_tokenizer
 
     tokenizer = load_tokenizer(prep.spec.model, prep.spec.trust_remote_code)
-    plan_prompts(prep.spec, prep.info.schema.names, bool(getattr(tokenizer, "chat_template", None)))
+    prep.plan.for_tokenizer(prep.spec, bool(getattr(tokenizer, "chat_template", None)))
 
 
 @main.command()
@@ -637,4 +535,4 @@ def report(dirs: tuple[str, ...], to: str | None) -> None:
     click.echo(build([Path(d) for d in dirs], Path(to) if to else None))
 
 
-from batchjob import bench as _bench  # noqa: E402,F401  (registers "batchjob bench")
+from batchjob import bench as _bench  # noqa: E402,F401  (registers "batchjob bench", "bench-scheduling")

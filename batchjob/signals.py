@@ -8,7 +8,8 @@ The command's handlers go through three stages:
 - during start-up (input checks, loading the model): the handler raises ``Interrupted``. It unwinds like
   any exception (the state folder's lock is released; state files are only ever replaced atomically, so
   none is left half written) and the entry point turns it into one line and exit 75;
-- while the job loop runs, the loop's own handler (``runner._StopOnSignals``) has it checkpoint and stop;
+- while the job loop runs, the loop's own handler (``handling``, from ``runner.run_job``) has it checkpoint
+  and stop;
   after the loop (``finishing``) a signal is only noted: the process is already on its way out.
 
 Only the command-line entry point installs these handlers; importing the library (or calling ``run_job``
@@ -125,6 +126,23 @@ def finishing() -> None:
     global _stage
     if _installed:
         _stage = "finishing"
+
+
+@contextmanager
+def handling(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """While inside, SIGTERM/SIGINT call ``handler`` (in the main thread, which alone gets signals; elsewhere
+    nothing changes). On the way out a signal is only noted (``finishing``) and the handlers from before are
+    back. The job loop (checkpoint and stop), the ``--devices`` launcher (pass it on) and the Ray launcher
+    (cancel the tasks) each stop this way."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        finishing()
+        for sig, before in previous.items():
+            signal.signal(sig, before)
 
 
 @contextmanager

@@ -111,7 +111,7 @@ def test_max_model_len_beyond_the_models_context_is_refused(command, data, tiny_
     assert "max_model_len 1025" in text and "context of 1024 tokens" in text and "Traceback" not in text
     assert parts(out) == []
     code, text = invoke(command, *job_args(data, out, tiny_model_dir, "--max-model-len", "1"))
-    assert code == 2 and "max_model_len must be >= 2" in text
+    assert code == 2 and "max_model_len must be an integer >= 2" in text
 
 
 def test_a_job_under_max_model_len_makes_long_prompts_error_rows(data, tiny_model_dir, tmp_path):

@@ -14,9 +14,9 @@ import click
 
 from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static, workload_num_blocks
 from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
-from batchjob.cli import _errors, main
+from batchjob.engine.options import by_engine_name
 from batchjob.errors import ConfigError
-from batchjob.job.spec import DTYPE_CHOICES
+from batchjob.program import apply, engine_flags, errors, main
 
 BASELINES = ("ours", "hf-cb", "static")
 
@@ -220,14 +220,6 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
 
 @main.command("bench")
 @click.option("--model", default=None, help="Local model folder or hub id (default: embedded SmolLM2-135M).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option(
-    "--dtype",
-    type=click.Choice(DTYPE_CHOICES),
-    default="auto",
-    show_default=True,
-    help="Weights dtype (auto: float32 on CPU, bfloat16 on CUDA).",
-)
 @click.option("--num-requests", type=int, default=64, show_default=True, callback=_positive)
 @click.option(
     "--prompt-len",
@@ -282,32 +274,6 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
 )
-@click.option("--max-num-batched-tokens", type=int, callback=_positive, help="Our engine's tokens per step.")
-@click.option("--max-num-seqs", type=int, callback=_positive, help="Our engine's running requests at once.")
-@click.option(
-    "--max-model-len",
-    type=int,
-    callback=_positive,
-    help="Our engine's context cap (prompt + output), at most the model's own (default: the model's).",
-)
-@click.option(
-    "--num-speculative-tokens",
-    type=click.IntRange(0, 64),
-    default=None,
-    help="Our engine's prompt-lookup drafts per request and step (default: the engine's, 4; 0 turns them off).",
-)
-@click.option(
-    "--cuda-graphs/--no-cuda-graphs",
-    default=None,
-    help="Our engine on CUDA: decode steps from CUDA graphs (default: on).",
-)
-@click.option(
-    "--compile/--no-compile",
-    "compile_model",
-    default=False,
-    show_default=True,
-    help="Our engine's model under torch.compile (compiled during the warm-up).",
-)
 @click.option(
     "--threads",
     type=int,
@@ -329,11 +295,10 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
     help="Run ours and static generate in a worker thread, as transformers CB runs its loop (on a busy "
     "machine the main thread can be several times slower).",
 )
-@_errors
+@apply(engine_flags())  # our engine's options, as `batchjob run` has them (engine/options.py)
+@errors
 def bench(
     model: str | None,
-    device: str,
-    dtype: str,
     num_requests: int,
     prompt_len: tuple[int, int],
     output_len: tuple[int, int],
@@ -344,15 +309,10 @@ def bench(
     hf_cb_num_blocks: int | str | None,
     baselines: list[str],
     json_path: Path | None,
-    max_num_batched_tokens: int | None,
-    max_num_seqs: int | None,
-    max_model_len: int | None,
-    num_speculative_tokens: int | None,
-    cuda_graphs: bool | None,
-    compile_model: bool,
     threads: int | None,
     repeat: int,
     worker_thread: bool,
+    **engine_options: Any,
 ) -> None:
     """Benchmark our engine against transformers' continuous batching and static generate, in one process.
 
@@ -378,17 +338,7 @@ def bench(
     transformers.logging.set_verbosity_error()
     try:
         progress("loading our engine ...")
-        engine = Engine.from_pretrained(
-            model,
-            dtype=dtype,
-            device=device,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            num_speculative_tokens=num_speculative_tokens,
-            cuda_graphs=cuda_graphs,
-            compile=compile_model,
-        )
+        engine = Engine.from_pretrained(model, **by_engine_name(engine_options))
         vocab_size = int(engine.vocab_size)
         longest = engine.max_model_len
         if dataset is not None:

@@ -22,7 +22,11 @@ from typing import Any
 
 import click
 
-from batchjob.cli import _errors, main
+from batchjob.engine.options import by_engine_name, job_options
+from batchjob.job import admission
+from batchjob.program import apply, engine_flags, errors, main
+
+ENGINE_FLAGS = [name for name, _, _ in job_options()]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -66,35 +70,27 @@ def _run(engine: Any, prompts: list[list[int]], outputs: list[int], order: list[
 
 @main.command("bench-scheduling")
 @click.option("--model", default=None, help="Local model folder or hub id (default: embedded SmolLM2-135M).")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
 @click.option(
     "--prefix-len", type=click.IntRange(1), default=1000, show_default=True, help="Shared instruction tokens."
 )
 @click.option("--prefix-requests", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--skew-requests", type=click.IntRange(1), default=96, show_default=True)
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(1),
-    default=16,
-    show_default=True,
-    help="Seats, fewer than requests.",
-)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
 )
-@_errors
+# Our engine's options (engine/options.py); 16 seats by default, fewer than requests. Prefix caching and
+# static batching are what the runs compare: each run sets them itself.
+@apply(engine_flags([n for n in ENGINE_FLAGS if n != "prefix_caching"], defaults={"max_num_seqs": 16}))
+@errors
 def bench_scheduling(
     model: str | None,
-    device: str,
-    dtype: str,
     prefix_len: int,
     prefix_requests: int,
     skew_requests: int,
-    max_num_seqs: int,
     seed: int,
     json_path: Path | None,
+    **engine_options: Any,
 ) -> None:
     """Prefix caching on/off on a shared-prefix workload; fcfs vs longest-first vs static on skewed outputs."""
     from batchjob import Engine
@@ -103,7 +99,7 @@ def bench_scheduling(
     results: dict[str, dict[str, Any]] = {}
 
     def engine(**kw: Any) -> Any:
-        return Engine.from_pretrained(model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, **kw)
+        return Engine.from_pretrained(model, **by_engine_name(engine_options), **kw)
 
     first = engine()
     vocab = first.vocab_size
@@ -126,12 +122,7 @@ def bench_scheduling(
         rng.randint(150, 200) if rng.random() < 0.1 else rng.randint(4, 16) for _ in range(skew_requests)
     ]
     size = [len(p) + o for p, o in zip(prompts, outputs, strict=True)]
-    orders = {
-        "fcfs": list(range(skew_requests)),
-        "longest-first": sorted(range(skew_requests), key=lambda i: -size[i]),
-        "shortest-first": sorted(range(skew_requests), key=lambda i: size[i]),
-        "static": list(range(skew_requests)),
-    }
+    orders = {policy: admission.order(policy, size) for policy in admission.ADMISSION_CHOICES}
     for policy, order in orders.items():
         name = f"skewed admission={policy}"
         click.echo(f"running {name} ...", err=True)

@@ -1,4 +1,5 @@
-"""Engine configuration: resolved device and dtype, batch limits and KV pool size, validated on creation.
+"""Engine configuration: the engine's options (declared in ``options.py``) resolved for the device: device
+and dtype, batch limits and KV pool size.
 
 Also the KV pool arithmetic that needs no weights (how many blocks a setting gives, whether one request of
 the full context fits), so ``batchjob validate`` can check a pool from the model's config alone.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.engine.kv_cache import KVShape
+from batchjob.engine.options import DEFAULT_SPECULATIVE_TOKENS, DTYPE_CHOICES, EngineOptions
 from batchjob.errors import ConfigError
 
 DTYPES = {
@@ -41,42 +43,29 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype}")
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype}")
         return dtype
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     return DTYPES[dtype]
 
 
 CPU_KV_MEMORY_GB = 2.0  # default KV pool on CPU; --kv-memory-gb changes it
-DEFAULT_SPECULATIVE_TOKENS = 4  # most prompt-lookup drafts a request takes per step (it starts at one)
 
 
 @dataclass
-class EngineConfig:
-    device: torch.device
-    dtype: torch.dtype
-    max_num_batched_tokens: int | None = None  # tokens per forward; None: a default for the device
-    max_num_seqs: int | None = None  # running requests at once; None: a default for the device
-    block_size: int | None = None  # tokens per KV block; None: the attention backend's (256 for flash-attn)
-    num_blocks: int | None = None  # None: size the pool from kv_memory_gb (or free memory on CUDA)
-    kv_memory_gb: float | None = None  # KV pool budget; None: a default for the device
-    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
-    enable_prefix_caching: bool = True  # share computed blocks of equal prefixes between requests
-    static_batching: bool = False  # the baseline: admit a batch, then nothing until all of it finished
-    num_speculative_tokens: int | None = None  # prompt-lookup drafts per request and step; None: 4; 0: off
-    # Steps without prompt chunks replay CUDA graphs bucketed by rows; None: on for CUDA. True on a CPU runs
-    # the same padded buckets eagerly (nothing to capture there; the tests use it).
-    cuda_graphs: bool | None = None
-    compile: bool = False  # run the model under torch.compile (attention stays eager)
-    max_model_len: int | None = None  # tokens per request (prompt + output); None: the model's context
-    # Refuse a KV pool that cannot hold one request of max_model_len tokens. None: only when the engine sized
-    # the pool itself; an explicit num_blocks may be small on purpose (tests force preemption that way).
-    check_kv_pool: bool | None = None
+class EngineConfig(EngineOptions):
+    """The engine's options (each declared once, in ``EngineOptions``), checked and resolved for the device:
+    after creation ``device`` is a ``torch.device``, ``dtype`` a ``torch.dtype``, and every limit that was
+    None ("the engine decides") an integer."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # each given value checked; None: the declared default
+        if not isinstance(self.device, torch.device):  # a torch.device is taken as its caller resolved it
+            self.device = resolve_device(self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
         cuda = self.device.type == "cuda"
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if cuda else 512
@@ -86,30 +75,10 @@ class EngineConfig:
             from batchjob.engine.attention import choose_attention
 
             self.block_size = choose_attention(self.device, self.dtype).block_size
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.cuda_graphs is None:
             self.cuda_graphs = cuda
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64:
-            raise ConfigError(f"num_speculative_tokens must be an integer in [0, 64], got {k!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise ConfigError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
-            raise ConfigError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
-        n = self.max_model_len
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 2):
-            raise ConfigError(
-                f"max_model_len must be an integer >= 2 (a prompt token and one more), got {n!r}"
-            )
 
     def resolve_max_model_len(self, model_config) -> int:
         """The context the engine accepts: ``max_model_len``, which may only shorten the model's own."""

@@ -14,16 +14,17 @@ turns it off.
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
+
+from batchjob import env
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env.flag(DISABLE_ENV):  # on unless turned off
         return False
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 

@@ -20,7 +20,7 @@ import torch
 
 from batchjob.engine import speculative
 from batchjob.engine.block_manager import BlockManager
-from batchjob.engine.config import EngineConfig, resolve_device, resolve_dtype
+from batchjob.engine.config import EngineConfig
 from batchjob.engine.constraints import (
     ChoiceConstraint,
     ChoiceTrie,
@@ -165,55 +165,21 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls,
-        model: str | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        block_size: int | None = None,
-        num_blocks: int | None = None,
-        kv_memory_gb: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        static_batching: bool = False,
-        num_speculative_tokens: int | None = None,
-        cuda_graphs: bool | None = None,
-        compile: bool = False,
-        max_model_len: int | None = None,
-        check_kv_pool: bool | None = None,
-        trust_remote_code: bool = False,
+        cls, model: str | None = None, *, trust_remote_code: bool = False, **options: Any
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
-        ``max_model_len`` caps the context (prompt + output) below the model's own. ``check_kv_pool``: refuse
-        a KV pool that cannot hold one request of that context (None: only when the engine sized the pool).
-        ``trust_remote_code``: run Python code shipped in the model's folder; without it such a model is
-        refused (transformers is never left to ask on stdin).
+        ``options``: any of ``EngineConfig``'s (``engine/config.py`` declares each with its default and
+        check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
+        cap the context below the model's own, ``check_kv_pool=True`` to refuse a KV pool that cannot hold
+        one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;
+        without it such a model is refused (transformers is never left to ask on stdin).
         """
         from batchjob.models import load_model_and_tokenizer
 
-        dev = resolve_device(device)
-        config = EngineConfig(
-            device=dev,
-            dtype=resolve_dtype(dtype, dev),
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_memory_gb=kv_memory_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            static_batching=static_batching,
-            num_speculative_tokens=num_speculative_tokens,
-            cuda_graphs=cuda_graphs,
-            compile=compile,
-            max_model_len=max_model_len,
-            check_kv_pool=check_kv_pool,
-        )
+        config = EngineConfig(**options)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
-            model, config.dtype, dev, trust_remote_code=trust_remote_code
+            model, config.dtype, config.device, trust_remote_code=trust_remote_code
         )
         return cls(hf_model, tokenizer, config, model_id=resolved)
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from batchjob.io.readers import iter_rows
 from batchjob.job.progress import _duration as duration
-from batchjob.job.prompts import PromptBuilder, plan_prompts
+from batchjob.job.prompts import PromptBuilder
 from batchjob.job.runner import Prepared, load_engine, row_request
 
 _LENGTH_EDGES = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 10**9]
@@ -211,7 +211,7 @@ def estimate(
     spec = prep.spec
     engine = load_engine(spec)
     tokenizer = engine.tokenizer
-    plan = plan_prompts(spec, prep.info.schema.names, bool(getattr(tokenizer, "chat_template", None)))
+    plan = prep.plan.for_tokenizer(spec, bool(getattr(tokenizer, "chat_template", None)))
     builder = PromptBuilder(plan, tokenizer, engine.max_model_len, spec.template_kwargs)
     base = spec.sampling_params(prep.info.job_seed)
     skip, covered = prep.shard.filters(_nothing())

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from batchjob import signals
 from batchjob.errors import BatchjobError, ConfigError
-from batchjob.job.runner import EXIT_INTERRUPTED
+from batchjob.job.loop import EXIT_INTERRUPTED
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 
@@ -33,34 +32,27 @@ def worst_exit(codes: Sequence[int]) -> int:
 
 
 def parse_devices(value: str) -> list[str]:
-    from batchjob.job.spec import _DEVICE
+    from batchjob.engine.options import DEVICE_NAME
 
     devices = [d.strip() for d in value.split(",") if d.strip()]
     if not devices:
         raise ConfigError("--devices needs a list such as cuda:0,cuda:1")
     for d in devices:
-        if not _DEVICE.match(d) or d == "auto":
+        if not DEVICE_NAME.match(d) or d == "auto":
             raise ConfigError(f"--devices: {d!r} is not a device (cpu, cuda or cuda:N)")
     return devices
 
 
 class _Forward:
     """While the workers start and run, a SIGTERM/SIGINT to the launcher goes to each of them (once), and no
-    further worker is started."""
+    further worker is started (``handle`` is the launcher's handler, under ``signals.handling``)."""
 
     def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
         self.procs = procs
-        self.previous: dict[int, Any] = {}
         self.signum: int | None = None  # the signal received, if any
         self._sent: set[int] = set()  # pids it has been passed on to
 
-    def __enter__(self) -> _Forward:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
+    def handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
         self.forward()
 
@@ -74,13 +66,6 @@ class _Forward:
                 p.send_signal(self.signum)
                 self._sent.add(p.pid)
 
-    def __exit__(self, *exc: object) -> None:
-        from batchjob import signals
-
-        signals.finishing()
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
 
 def run_devices(devices: list[str], outer: Shard, worker_args: list[str]) -> list[int]:
     """One ``batchjob run`` process per device; returns their exit codes.
@@ -91,14 +76,15 @@ def run_devices(devices: list[str], outer: Shard, worker_args: list[str]) -> lis
     reached before its handlers were in place (killed by it) also counts as interrupted. The workers die
     with the launcher: SIGTERM from the kernel on Linux, else their own watch (``signals.py``).
     """
-    from batchjob import faults, signals
+    from batchjob import faults
 
     n = len(devices)
     procs: list[subprocess.Popen[bytes]] = []
     labels = [f"{Shard(outer.index * n + pos, outer.count * n)} on {d}" for pos, d in enumerate(devices)]
     env = dict(os.environ, **{signals.PARENT_ENV: str(os.getpid())})
     faults.point("launch")
-    with _Forward(procs) as fwd:
+    fwd = _Forward(procs)
+    with signals.handling(fwd.handle):
         for pos, device in enumerate(devices):
             if fwd.signum is not None:
                 break
@@ -200,9 +186,8 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
                 ray.cancel(ref)  # a running task gets a KeyboardInterrupt: it saves its state and stops
 
         # in place before the first task: a signal from here on cancels what was submitted and submits no more
-        previous = {s: signal.signal(s, cancel) for s in (signal.SIGTERM, signal.SIGINT)}
         codes = []
-        try:
+        with signals.handling(cancel):
             for i in range(count):
                 if stopping:
                     codes.append(EXIT_INTERRUPTED)
@@ -218,12 +203,6 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
                     code, line = (EXIT_INTERRUPTED if stopping else 1), f"{type(e).__name__}: {e}"
                 codes.append(code)
                 print(f"batchjob: {line}", file=sys.stderr)
-        finally:
-            from batchjob import signals
-
-            signals.finishing()
-            for s, h in previous.items():
-                signal.signal(s, h)
         return codes
     finally:
         ray.shutdown()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from batchjob.errors import ConfigError, InputError
@@ -38,6 +38,20 @@ class PromptPlan:
     @property
     def columns(self) -> list[str]:
         return [self.column] if self.column else list(self.template_fields)
+
+    def for_tokenizer(self, spec: JobSpec, has_chat_template: bool) -> PromptPlan:
+        """This plan for the model's tokenizer, with or without a chat template (what the plan assumed
+        before the tokenizer was known); raises for what a tokenizer without one cannot do."""
+        chat = resolve_chat(spec, has_chat_template)
+        if self.kind == "openai":  # each request's messages go through the template when there is one
+            return replace(self, chat=has_chat_template)
+        if self.kind == "messages":
+            if not has_chat_template:
+                raise ConfigError(
+                    f"messages column {self.column!r} needs a tokenizer with a chat template; this one has none"
+                )
+            return replace(self, chat=True)
+        return replace(self, chat=chat)
 
 
 TEMPLATE_RULES = (
@@ -161,18 +175,19 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
     if spec.format == "openai":
         for col in ("custom_id", "url", "body"):
             need(col, "--format openai needs the request field")
-        return PromptPlan("openai", "body", None, (), spec.system, has_chat_template)
+        plan = PromptPlan("openai", "body", None, (), spec.system, has_chat_template)
+        return plan.for_tokenizer(spec, has_chat_template)
     if spec.id_column is not None:
         need(spec.id_column, "--id-column")
     if spec.params_column is not None:
         need(spec.params_column, "--params-column")
-    chat = resolve_chat(spec, has_chat_template)
+    resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)
         for f in fields:
             need(f, "--template field")
-        return PromptPlan("template", None, spec.template, fields, spec.system, chat)
-    if spec.messages_column is not None or (
+        plan = PromptPlan("template", None, spec.template, fields, spec.system, False)
+    elif spec.messages_column is not None or (
         spec.prompt_column is None
         and "messages" in columns
         and "prompt" not in columns
@@ -180,21 +195,19 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
     ):
         col = spec.messages_column or "messages"
         need(col, "--messages-column")
-        if not has_chat_template:
-            raise ConfigError(
-                f"messages column {col!r} needs a tokenizer with a chat template; this one has none"
-            )
-        return PromptPlan("messages", col, None, (), spec.system, True)
-    if spec.prompt_column is not None:
+        plan = PromptPlan("messages", col, None, (), spec.system, True)
+    elif spec.prompt_column is not None:
         need(spec.prompt_column, "--prompt-column")
-        return PromptPlan("column", spec.prompt_column, None, (), spec.system, chat)
-    for col in ("prompt", "text"):
-        if col in columns:
-            return PromptPlan("column", col, None, (), spec.system, chat)
-    raise InputError(
-        f"no prompt column: the input has no 'prompt' or 'text' column; choose one with --prompt-column, "
-        f"--messages-column or --template (columns: {available})"
-    )
+        plan = PromptPlan("column", spec.prompt_column, None, (), spec.system, False)
+    else:
+        col = next((c for c in ("prompt", "text") if c in columns), None)
+        if col is None:
+            raise InputError(
+                "no prompt column: the input has no 'prompt' or 'text' column; choose one with "
+                f"--prompt-column, --messages-column or --template (columns: {available})"
+            )
+        plan = PromptPlan("column", col, None, (), spec.system, False)
+    return plan.for_tokenizer(spec, has_chat_template)
 
 
 class PromptBuilder:

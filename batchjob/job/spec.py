@@ -1,5 +1,8 @@
 """A job's specification: every option of ``batchjob run`` in one validated dataclass, and TOML job files.
 
+The engine's options are not declared here: ``EngineConfig`` (``engine/config.py``) declares each one once,
+and ``JobSpec`` gets a field for each (same name, default and check; ``None``: the engine decides).
+
 A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``); options given
 on the command line override it. Relative ``input`` and ``output`` paths in a job file are relative to the
 job file's folder, so a job file works from any working directory.
@@ -10,31 +13,42 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchjob.engine.options import job_options
 from batchjob.errors import ConfigError
+from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.sampling import SamplingParams
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-ADMISSION_CHOICES = ("fcfs", "longest-first", "shortest-first", "static")
 FORMAT_CHOICES = ("rows", "openai")
 
 
+def _with_engine_options(cls: type) -> type:
+    """Give the (not yet dataclass) ``cls`` a field per engine option jobs have, as ``EngineConfig`` declares
+    it: its job name (``prefix_caching`` for ``enable_prefix_caching``), type, default and declaration."""
+    for name, f, opt in job_options():
+        cls.__annotations__[name] = opt.kind.__name__ + (" | None" if f.default is None else "")
+        setattr(cls, name, field(default=f.default, metadata={"option": opt}))
+    return cls
+
+
 @dataclass
+@_with_engine_options
 class JobSpec:
-    """What to run. Defaults here are the command line's defaults (temperature 0: greedy, reproducible)."""
+    """What to run. Defaults here are the command line's defaults (temperature 0: greedy, reproducible).
+
+    Besides the fields below, one per engine option (``EngineConfig``'s, by their job names): ``device``,
+    ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``block_size``, ``kv_memory_gb``, ``num_blocks``,
+    ``max_model_len``, ``gpu_memory_utilization``, ``prefix_caching``, ``num_speculative_tokens``,
+    ``cuda_graphs``, ``compile``.
+    """
 
     input: list[str] = field(default_factory=list)
     output: str | None = None
@@ -54,8 +68,6 @@ class JobSpec:
     # model
     model: str | None = None  # None: the embedded default model
     trust_remote_code: bool = False  # run Python code the model's folder ships (not part of the identity)
-    dtype: str = "auto"
-    device: str = "auto"
     # sampling
     max_new_tokens: int = 128
     temperature: float | None = None  # None: 0 (greedy), or OpenAI's 1 for --format openai
@@ -71,18 +83,7 @@ class JobSpec:
     logprobs: int | None = None  # top-K log-probabilities of each generated token, in a column
     n: int = 1  # samples per row: n result rows, each with its sample_index
     max_reasoning_tokens: int | None = None  # reasoning models: close the thinking after this many tokens
-    # engine
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    block_size: int | None = None  # tokens per KV block; None: the engine decides (its attention backend)
-    kv_memory_gb: float | None = None
-    num_blocks: int | None = None
-    max_model_len: int | None = None  # tokens per row (prompt + output) at most; None: the model's context
-    gpu_memory_utilization: float = 0.9
-    prefix_caching: bool = True
-    num_speculative_tokens: int | None = None  # prompt-lookup drafts per row and step (None: the engine's)
-    cuda_graphs: bool | None = None  # CUDA graphs for decode steps (None: on for CUDA)
-    compile: bool = False  # the model under torch.compile
+    # admission (with --admission static, the engine's static_batching)
     admission: str = "fcfs"  # fcfs | longest-first | shortest-first | static
     lookahead: int = 512  # rows read ahead to choose from (longest-first, shortest-first)
     # state
@@ -102,35 +103,17 @@ class JobSpec:
             self.choices = [c.strip() for c in self.choices.split(",")]
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        for name in ("temperature", "top_p", "min_p", "kv_memory_gb", "checkpoint_interval"):
+        for name in ("temperature", "top_p", "min_p", "checkpoint_interval"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number, got {value!r}")
         modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
         if len(modes) > 1:
             raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {self.dtype!r}")
-        if not _DEVICE.match(self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(
-                f"max_model_len must be >= 2 tokens (a prompt token and one more), got {self.max_model_len!r}"
-            )
-        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 64:
-            raise ConfigError(
-                f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens!r}"
-            )
-        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
-            raise ConfigError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
+        for name, _, opt in job_options():  # the engine's own checks (engine/config.py)
+            wrong = opt.complaint(name, getattr(self, name))
+            if wrong is not None:
+                raise ConfigError(wrong)
         if self.admission not in ADMISSION_CHOICES:
             raise ConfigError(
                 f"admission must be one of {', '.join(ADMISSION_CHOICES)}; got {self.admission!r}"
@@ -216,6 +199,15 @@ class JobSpec:
             logprobs=self.logprobs,
             n=self.n,
         )
+
+    def engine_options(self) -> dict[str, Any]:
+        """The job's engine settings as ``EngineConfig`` (and ``Engine.from_pretrained``) name them."""
+        options = {f.name: getattr(self, name) for name, f, _ in job_options()}
+        options["static_batching"] = self.admission == "static"
+        # A job always wants a pool that fits one request of the full context, however it was sized: a
+        # smaller one would turn rows into errors for a reason that is about the setup, not the row.
+        options["check_kv_pool"] = True
+        return options
 
     def require_io(self) -> None:
         if not self.input:

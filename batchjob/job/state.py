@@ -4,7 +4,8 @@
   of each input file (``inputs.py``: identity by content, row count once known), and for what inputs the job
   was complete. A resume whose fingerprint differs is refused, naming what changed.
 - ``manifest.jsonl``: committed parts (see ``manifest.py``).
-- ``inflight.json``: the unfinished requests at the last checkpoint: row ordinal, id, prompt ids, generated ids.
+- ``inflight.json``: the unfinished rows at the last checkpoint (``checkpoint.InFlight``): row ordinal, id,
+  prompt ids, generated ids.
 - ``stats.json``: see ``stats.py``. ``lock``: held by the running process, so two runs never share a folder.
 
 A job split over several workers (``shard.py``) shares one ``job.json``, created once by whichever worker
@@ -34,6 +35,7 @@ import pyarrow as pa
 
 from batchjob.errors import StateError
 from batchjob.io.atomic import CorruptStateError, fsync_dir, read_json, write_json
+from batchjob.job.checkpoint import InFlight
 from batchjob.job.inputs import InputRecord, digest_records
 from batchjob.job.shard import Shard
 
@@ -240,7 +242,7 @@ class StateDir:
         shared.inputs, shared.input_paths = info.inputs, info.input_paths
         write_json(self.job_file, shared.to_json())
 
-    def load_inflight(self) -> dict[int, dict[str, Any]]:
+    def load_inflight(self) -> dict[int, InFlight]:
         """The checkpointed unfinished requests by row ordinal (empty when there is no checkpoint).
 
         A torn or corrupt checkpoint costs only recomputation: it is set aside (renamed, kept for a look)
@@ -251,7 +253,7 @@ class StateDir:
             return {}
         try:
             body = read_json(self.inflight_file)
-            return {int(r["ordinal"]): r for r in body["requests"]}
+            return {r.ordinal: r for r in map(InFlight.from_json, body["requests"])}
         except (CorruptStateError, KeyError, TypeError, ValueError) as e:
             reason = e.reason if isinstance(e, CorruptStateError) else f"is malformed ({e!r})"
             aside = self._set_aside(self.inflight_file)
@@ -276,8 +278,8 @@ class StateDir:
         fsync_dir(path.parent)
         return aside
 
-    def save_inflight(self, requests: list[dict[str, Any]]) -> None:
-        write_json(self.inflight_file, {"requests": requests})
+    def save_inflight(self, requests: list[InFlight]) -> None:
+        write_json(self.inflight_file, {"requests": [r.to_json() for r in requests]})
 
     def clear_inflight(self) -> None:
         if self.inflight_file.exists():

@@ -59,7 +59,8 @@ class Reservoir:
 class RunStats:
     """What one process run measured; job totals come from the manifest."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, engine: Any = None) -> None:
+        """``engine``: the engine's stats now (an engine used before counts from here)."""
         self.start = time.monotonic()
         self.max_num_seqs = max_num_seqs
         self.rows = 0
@@ -75,7 +76,8 @@ class RunStats:
         self.timeline: list[list[float]] = []
         self._occ_every = 1
         self._occ_steps = 0
-        self._kv_sum = 0
+        self._kv_sum = engine.kv_blocks_used_sum if engine is not None else 0
+        self._running_sum = engine.running_sum if engine is not None else 0
 
     @property
     def elapsed(self) -> float:
@@ -103,22 +105,23 @@ class RunStats:
             {"queue_wait_s": self.queue_wait, "ttft_s": self.ttft, "latency_s": self.latency}[name].add(x)
             self.histograms[name].add(x)
 
-    def step(self, running: int, engine: Any = None) -> None:
-        """After an engine step: ``running`` requests; ``engine``: its stats (``EngineStats``), if any."""
+    def step(self, engine: Any) -> None:
+        """After an engine step, from the engine's stats (``EngineStats``): it adds up, at each step, the
+        requests that ran and the blocks in use, so this step's are the rise (one count of occupancy, the
+        engine's)."""
         self._occ_steps += 1
-        used = 0
-        if engine is not None:  # the engine adds up the blocks in use at each step: this step's is the rise
-            used, self._kv_sum = engine.kv_blocks_used_sum - self._kv_sum, engine.kv_blocks_used_sum
+        running, self._running_sum = engine.running_sum - self._running_sum, engine.running_sum
+        used, self._kv_sum = engine.kv_blocks_used_sum - self._kv_sum, engine.kv_blocks_used_sum
         if self._occ_steps % self._occ_every:
             return
-        point = [round(self.elapsed, 3), round(running / self.max_num_seqs, 4)]
-        if engine is not None:
-            point += [
-                engine.generated_tokens,
-                engine.computed_prompt_tokens,
-                round(used / max(1, engine.num_blocks), 4),
-                engine.preemptions,
-            ]
+        point = [
+            round(self.elapsed, 3),
+            round(running / self.max_num_seqs, 4),
+            engine.generated_tokens,
+            engine.computed_prompt_tokens,
+            round(used / max(1, engine.num_blocks), 4),
+            engine.preemptions,
+        ]
         self.timeline.append(point)
         if len(self.timeline) >= _TIMELINE:
             self.timeline = self.timeline[::2]

@@ -1,0 +1,539 @@
+"""The job loop: read rows, build their prompts, keep the engine fed in the order ``--admission`` asks
+for, turn finished requests into result rows, commit and checkpoint (``checkpoint.py``), stop cleanly.
+
+Rows are keyed two ways: the id (``--id-column``, else ``"<file>:<row>"``) that the engine and the seeded
+sampler see, and the ordinal (the row's position in the input stream) that says what is done. Whatever moment
+the process dies at, a resume skips committed ordinals, continues the checkpointed requests from their saved
+tokens, and recomputes everything else: because a request's tokens are a pure function of (prompt, seed, id,
+position), the result equals an uninterrupted run's. The loop talks to the engine through its public API
+(``add_request``, ``step``, ``snapshot``, ``has_unfinished``, ``num_unfinished``, ``stats``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import BatchjobError, ConfigError
+from batchjob.io.atomic import write_json
+from batchjob.io.readers import Row, iter_rows
+from batchjob.io.sources import ORDINAL_BITS, count_rows
+from batchjob.io.writers import EXTRA_FIELDS, PartWriter
+from batchjob.job import admission, model_identity
+from batchjob.job.checkpoint import InFlight, Parts
+from batchjob.job.ids import IdIndex
+from batchjob.job.inputs import split_ordinal
+from batchjob.job.manifest import Manifest
+from batchjob.job.prepare import Prepared
+from batchjob.job.progress import Progress
+from batchjob.job.prompts import PromptBuilder
+from batchjob.job.reasoning import find_tags, parse_tags
+from batchjob.job.requests import params_from_column, parse_request
+from batchjob.job.shard import Shard
+from batchjob.job.spec import JobSpec
+from batchjob.job.stats import RunStats
+from batchjob.sampling import SamplingParams
+
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
+_PART_ROWS = 5000  # commit a part at least this often, checkpoint or not
+
+
+class TooManyErrors(BatchjobError):
+    """``--max-errors`` rows have failed; the state is saved and the job stops."""
+
+    exit_code = 1
+
+
+@dataclass
+class JobResult:
+    status: str  # "complete" | "already complete" | "interrupted"
+    out_dir: Path
+    rows_done: int
+    rows_total: int | None
+    errors: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.status == "interrupted" else 0
+
+
+def model_names(model: str | None) -> set[str]:
+    """The names a request may give this job's model (``--check-model-name``)."""
+    from batchjob.models import DEFAULT_MODEL
+
+    names = {model_identity.display_name(model)}
+    if model not in (None, "", "default"):
+        names.add(str(model))
+    if DEFAULT_MODEL in names:
+        names.add(f"HuggingFaceTB/{DEFAULT_MODEL}")
+    return names
+
+
+@dataclass
+class _Pending:
+    row: Row
+    row_id: str
+    num_prompt_tokens: int
+    params: SamplingParams  # of the row's request in the engine (with reasoning: of its thinking)
+    first_run: float | None = None
+    samples: dict[int, Any] = field(default_factory=dict)  # --n: finished samples, written together
+    # reasoning models (reasoning.py): whether the prompt ends inside a think block; with two requests, the
+    # thinking's prompt, the answer's parameters, and each sample's finished thinking
+    inside: bool = False
+    prompt: list[int] = field(default_factory=list)
+    answer_params: SamplingParams | None = None
+    thoughts: dict[int, Any] = field(default_factory=dict)
+
+
+class JobLoop:
+    """One process's run of a job: rows in, the engine kept fed, results and checkpoints out."""
+
+    def __init__(self, prep: Prepared, engine: Any, builder: PromptBuilder) -> None:
+        self.prep = prep
+        self.spec = prep.spec
+        self.engine = engine
+        self.builder = builder
+        self.state = prep.state
+        self.manifest = Manifest(self.state.manifest_file)
+        self.params = self.spec.sampling_params(
+            prep.info.job_seed
+        )  # what rows leave out, with per-row params
+        given = parse_tags(self.spec.reasoning_tags) if self.spec.reasoning_tags else None
+        self.tags = find_tags(engine.tokenizer, given)  # think tags: a reasoning column, two-phase rows
+        if self.tags is None and self.spec.max_reasoning_tokens is not None:
+            raise ConfigError(
+                "--max-reasoning-tokens needs the model's think tags, and its tokenizer names none: give them "
+                "with --reasoning-tags OPEN,CLOSE"
+            )
+        self.answer_of: dict[str, tuple[str, int]] = {}  # an answer request -> (its row's id, sample index)
+        extra = extra_fields(self.params, every=self.spec.per_row_params, reasoning=self.tags is not None)
+        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        self.parts = Parts(prep.out_dir, self.manifest, writer)
+        self.model_names = model_names(self.spec.model)  # --format openai: what body.model may say
+        self.models_seen: set[str] = set()
+        self.max_num_seqs = int(engine.config.max_num_seqs)
+        self.window = max(8, 2 * self.max_num_seqs)
+        self.pending: dict[str, _Pending] = {}  # rows prepared or in the engine, by id
+        # prepared, not yet in the engine: (id, prompt ids, tokens saved by the last checkpoint by sample)
+        self.ready: deque[tuple[str, list[int], dict[int, list[int]]]] = deque()
+        self.stats = RunStats(self.max_num_seqs, engine.stats)
+        self.stop_signal: int | None = None
+        # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
+        self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
+        self.names = {s.base >> ORDINAL_BITS: s.name for s in prep.sources}
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM/SIGINT while the loop runs: checkpoint and stop after this step."""
+        if self.stop_signal is not None:
+            print("batchjob: second signal, still saving state...", file=sys.stderr)
+        self.stop_signal = signum
+
+    # -- committing -----------------------------------------------------------------------------------
+
+    def _finish_row(
+        self,
+        row: Row,
+        text: str | None,
+        reason: str,
+        n_prompt: int,
+        n_gen: int,
+        error: str | None,
+        samples: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Buffer a row's result; ``samples``: the feature columns of each of its result rows."""
+        result = {
+            "values": row.values,
+            "generated_text": text,
+            "finish_reason": reason,
+            "num_prompt_tokens": n_prompt,
+            "num_generated_tokens": n_gen,
+            "error": error,
+        }
+        self.parts.add(row.ordinal, result, samples or [{"sample_index": 0}])
+        self.stats.row(n_prompt, n_gen, error is not None)
+        self.bar.row(error is not None)
+
+    def commit(self) -> None:
+        self.parts.commit()
+
+    def checkpoint(self) -> None:
+        """Commit finished rows, then save the unfinished ones; both atomic, in this order."""
+        self.parts.commit()
+        requests = self._in_flight()
+        if self.ids is not None:
+            self.ids.commit()  # ids read so far (other workers' rows too) need not be read again next time
+        self.state.save_inflight(requests)
+        self.write_stats()
+
+    def _in_flight(self) -> list[InFlight]:
+        """Every unfinished row: those in the engine (a reasoning row's answer saved as its finished
+        thinking: the answer is redone), then those restored by the last checkpoint and not yet re-added."""
+        by_id: dict[str, InFlight] = {}
+        for snap in self.engine.snapshot():
+            row_id, k, prompt, output = snap.request_id, snap.sample_index, snap.prompt_ids, snap.output_ids
+            if row_id in self.answer_of:
+                row_id, k = self.answer_of[row_id]
+                p = self.pending[row_id]
+                prompt, output = p.prompt, p.thoughts[k].token_ids
+            record = by_id.get(row_id) or by_id.setdefault(row_id, self._record(row_id, list(prompt)))
+            # --n: finished samples that wait for their siblings are not saved: they are recomputed on
+            # resume (same tokens, they are seeded)
+            record.samples[k] = list(output)
+        for row_id, ids, samples in self.ready:
+            if samples:
+                by_id[row_id] = self._record(row_id, ids, samples)
+        return list(by_id.values())
+
+    def _record(
+        self, row_id: str, prompt: list[int], samples: dict[int, list[int]] | None = None
+    ) -> InFlight:
+        p = self.pending[row_id]
+        params = p.params.to_dict() if self.spec.per_row_params else None
+        return InFlight(p.row.ordinal, row_id, prompt, dict(samples or {}), params, p.params.n > 1)
+
+    def write_stats(self) -> None:
+        body = self.stats.to_json(
+            self.engine.stats.as_dict() if hasattr(self.engine.stats, "as_dict") else {}
+        )
+        stream_total = self.prep.info.total_rows or self.stream_hint
+        body["job"] = {
+            "rows_done": self.manifest.rows,
+            "rows_total": self.total_hint,  # this worker's share
+            "job_rows_total": stream_total,  # all workers'
+            "shard_index": self.prep.shard.index,
+            "num_shards": self.prep.shard.count,
+            "errors": self.manifest.errors,
+            "prompt_tokens": self.manifest.prompt_tokens,
+            "generated_tokens": self.manifest.generated_tokens,
+            "complete": self.prep.info.complete,
+        }
+        write_json(self.state.stats_file, body)
+
+    # -- feeding the engine ---------------------------------------------------------------------------
+
+    def _admit(self, row: Row, inflight: dict[int, InFlight]) -> None:
+        if row.error is not None or row.values is None:
+            self._finish_row(row, None, "error", 0, 0, row.error or "unreadable row")
+            return
+        row_id = row.derived_id
+        if self.spec.id_column is not None:
+            value = row.values.get(self.spec.id_column)
+            if value is None:
+                self._finish_row(
+                    row, None, "error", 0, 0, f"id column {self.spec.id_column!r} is null or missing"
+                )
+                return
+            row_id = str(value)
+            first = self.ids.first(row_id, row.ordinal) if self.ids is not None else None
+            if first is not None:
+                seq, index = split_ordinal(first)
+                where = f"{self.names.get(seq, f'file #{seq}')}:{index}"
+                self._finish_row(
+                    row,
+                    None,
+                    "error",
+                    0,
+                    0,
+                    f"duplicate id {row_id!r}: first used by row {where}; ids must be unique",
+                )
+                return
+        assert row_id not in self.pending, row_id
+        params, ids, error = self._request(row)
+        if ids is None or params is None:
+            self._finish_row(row, None, "error", 0, 0, error)
+            return
+        pending = _Pending(row, row_id, len(ids), params)
+        if self.tags is not None:
+            pending.inside = self.tags.inside(ids)
+            closed = not pending.inside and self.tags.closed(ids)  # the template turned thinking off
+            if not closed and (params.constrained or self.spec.max_reasoning_tokens is not None):
+                ids = ids if pending.inside else ids + list(self.tags.open_ids)
+                pending.prompt, pending.answer_params = ids, params
+                pending.params = params = self._thinking_params(params)
+        saved = inflight.pop(row.ordinal, None)
+        samples: dict[int, list[int]] = {}
+        if (
+            saved is not None
+            and saved.several == (params.n > 1)
+            and saved.matches(row_id, ids, params.to_dict())
+        ):
+            samples = saved.samples
+        self.ready.append((row_id, ids, samples))
+        self.pending[row_id] = pending
+
+    def _thinking_params(self, params: SamplingParams) -> SamplingParams:
+        """A row's thinking: unconstrained, until the close tag or --max-reasoning-tokens (else
+        --max-new-tokens) tokens; its answer gets the row's own parameters after it."""
+        assert self.tags is not None
+        one = len(self.tags.close_ids) == 1
+        return params.replace(
+            choices=None,
+            json_schema=None,
+            regex=None,
+            logprobs=None,
+            max_new_tokens=self.spec.max_reasoning_tokens or params.max_new_tokens,
+            stop=None if one else [self.tags.close],
+            stop_token_ids=list(self.tags.close_ids) if one else None,
+        )
+
+    def _request(self, row: Row) -> tuple[SamplingParams | None, list[int] | None, str | None]:
+        """A row's sampling parameters and prompt ids, or the reason it has none (naming line and field)."""
+        if self.spec.format == "openai" and row.values is not None:
+            body = row.values.get("body")
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                self.models_seen.add(body["model"])
+        check = self.model_names if self.spec.check_model_name else None
+        return row_request(self.spec, self.builder, self.params, row, check)
+
+    def _read_ahead(self) -> int:
+        """How many prepared rows to hold: a lookahead window to sort, or just what the engine can take."""
+        if self.spec.admission in admission.SORTED:
+            return self.spec.lookahead
+        return max(0, self.window - self.engine.num_unfinished)
+
+    def _feed(self) -> None:
+        """Move prepared rows into the engine while it has room, in the order ``--admission`` asks for."""
+        while self.ready and self.engine.num_unfinished < self.window:
+            i = admission.next_index(self.spec.admission, [len(ids) for _, ids, _ in self.ready])
+            row_id, ids, samples = self.ready[i]
+            del self.ready[i]
+            params = self.pending[row_id].params
+            if params.n > 1 and samples:  # --n, resumed: each sample from its saved tokens (or afresh)
+                for k in range(params.n):
+                    self.engine.add_request(row_id, ids, params, samples.get(k), sample_index=k)
+            else:
+                self.engine.add_request(row_id, ids, params, output_ids=samples.get(0))
+
+    def _finished(self, out: Any) -> None:
+        if out.request_id in self.answer_of:  # a reasoning row's answer
+            row_id, k = self.answer_of.pop(out.request_id)
+            p = self.pending[row_id]
+        else:
+            row_id, k = out.request_id, getattr(out, "sample_index", 0)
+            p = self.pending[row_id]
+            if p.answer_params is not None and out.finish_reason != "error":
+                self._answer(p, k, out)  # the thinking is done: now the answer, after it
+                return
+        self.stats.request(out, p.first_run)
+        p.samples[k] = out
+        if len(p.samples) < p.params.n:
+            return  # --n: the row is written once all its samples are done
+        del self.pending[row_id]
+        for k in sorted(p.samples):
+            out = p.samples[k]
+            error = out.error if out.finish_reason == "error" else None
+            if out.finish_reason == "error" and error is None:
+                error = "the engine could not run this request"
+            text, reasoning, n_gen = None if error else out.text, None, len(out.token_ids)
+            thought = p.thoughts.get(k)
+            if self.tags is not None and text is not None:
+                if thought is not None:  # two requests: the thinking's text, then the answer's
+                    reasoning = self.tags.split(thought.text, inside=True)[0] or ""
+                    n_gen += len(thought.token_ids)
+                else:
+                    reasoning, text = self.tags.split(text, p.inside)
+            self._finish_row(
+                p.row,
+                text,
+                out.finish_reason,
+                p.num_prompt_tokens,
+                n_gen,
+                error,
+                [feature_columns(out) | {"reasoning": reasoning}],
+            )
+
+    def _answer(self, p: _Pending, k: int, thought: Any) -> None:
+        """Queue sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
+        assert self.tags is not None and p.answer_params is not None
+        p.thoughts[k] = thought
+        ids = p.prompt + list(thought.token_ids)
+        close = list(self.tags.close_ids)
+        if ids[-len(close) :] != close:
+            ids += close
+        answer_id = f"{p.row_id}\x1fanswer{k}"
+        self.answer_of[answer_id] = (p.row_id, k)
+        self.engine.add_request(answer_id, ids, p.answer_params.replace(n=1))
+
+    def _note_started(self) -> None:
+        """When each row was first seen running (its queue wait): the one place the loop reads the engine's
+        scheduler, until engine outputs carry when they were first scheduled (``RunStats.request`` prefers
+        that)."""
+        running = getattr(getattr(self.engine, "scheduler", None), "running", None)
+        now = time.monotonic()
+        for req in running or ():
+            p = self.pending.get(getattr(req, "group_id", req.request_id))
+            if p is not None and p.first_run is None:
+                p.first_run = now
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        info = self.prep.info
+        done = self.manifest.done
+        inflight = self.state.load_inflight()
+        counts = info.row_counts
+        for source in self.prep.sources:
+            if counts.get(source.base >> ORDINAL_BITS) is None:
+                counts[source.base >> ORDINAL_BITS] = count_rows(source)
+        self.stream_hint = None if None in counts.values() else sum(counts.values())  # type: ignore[arg-type]
+        self.total_hint = self.prep.shard.share_of(counts)
+        skip, covered = self.prep.shard.filters(done)
+        on_skipped = None
+        if self.ids is not None:
+            ids = self.ids
+            seen_to = ids.seen_to
+
+            def on_skipped(ordinal: int, value: Any) -> None:  # rows of other workers, or done already
+                if ordinal >= seen_to and value is not None:
+                    ids.first(str(value), ordinal)
+                ids.seen(ordinal + 1)
+
+        reader = iter_rows(
+            self.prep.sources,
+            skip=skip,
+            covered=covered,
+            on_skipped=on_skipped,
+            id_column=self.spec.id_column,
+        )
+        reader_done = False
+        errors_before = self.manifest.errors
+        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors)
+        last_checkpoint = time.monotonic()
+        try:
+            while True:
+                while not reader_done and len(self.ready) < self._read_ahead():
+                    try:
+                        row = next(reader)
+                    except StopIteration as stop:
+                        reader_done = True
+                        info.set_counts(
+                            {
+                                s.base >> ORDINAL_BITS: n
+                                for s, n in zip(self.prep.sources, stop.value, strict=True)
+                            }
+                        )
+                        self.total_hint = self.prep.shard.share_of(info.row_counts)
+                        self.stream_hint = info.total_rows
+                        self.bar.set_total(self.total_hint)
+                    else:
+                        self._admit(row, inflight)
+                        if self.ids is not None:
+                            self.ids.seen(row.ordinal + 1)
+                self._feed()
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._finished(out)
+                    self._note_started()
+                    self.stats.step(self.engine.stats)
+                    self.bar.step(self.stats.generated_tokens)
+                elif reader_done:
+                    break
+                if self.stop_signal is not None:
+                    self.checkpoint()
+                    return self._result("interrupted")
+                max_errors = self.spec.max_errors
+                if max_errors is not None and errors_before + self.stats.errors >= max_errors:
+                    self.checkpoint()
+                    raise TooManyErrors(
+                        f"stopped after {errors_before + self.stats.errors} failed rows (--max-errors "
+                        f"{max_errors}); state saved in {self.prep.out_dir}. See the error column; "
+                        "raise --max-errors to go on"
+                    )
+                if len(self.parts.buffer) >= _PART_ROWS:
+                    self.commit()
+                if time.monotonic() - last_checkpoint >= self.spec.checkpoint_interval:
+                    self.checkpoint()
+                    last_checkpoint = time.monotonic()
+            self.commit()
+            if self.ids is not None:
+                self.ids.commit()
+            info.mark_complete()
+            self.prep.state.save_job(info)
+            self.state.clear_inflight()
+            self.write_stats()
+            return self._result("complete")
+        finally:
+            self.bar.close()
+            if self.ids is not None:
+                self.ids.close()
+            other = sorted(self.models_seen - self.model_names)
+            if other and not self.spec.check_model_name:
+                print(
+                    f"batchjob: body.model ignored: the requests name {', '.join(map(repr, other))}, this job "
+                    f"runs {model_identity.display_name(self.spec.model)!r} (--check-model-name makes such "
+                    "requests errors)",
+                    file=sys.stderr,
+                )
+
+    def _result(self, status: str) -> JobResult:
+        return JobResult(
+            status,
+            self.prep.out_dir,
+            self.manifest.rows,
+            self.total_hint,
+            self.manifest.errors,
+            self.stats.to_json(),
+        )
+
+
+def row_request(
+    spec: JobSpec, builder: PromptBuilder, base: SamplingParams, row: Row, model_names: set[str] | None = None
+) -> tuple[SamplingParams | None, list[int] | None, str | None]:
+    """A row's sampling parameters (``base`` and what the row brings) and prompt ids, or the reason it has
+    none, naming the line and the field. ``model_names``: what ``body.model`` may say (--check-model-name)."""
+    assert row.values is not None
+    where = f"{row.source} line {row.line}: " if row.line is not None else ""
+    params: SamplingParams | None = base
+    if spec.format == "openai":
+        request, params, error = parse_request(row.values, base, model_names)
+        if request is None:
+            return None, None, where + str(error)
+        ids, error = builder.build_request(request)
+        return params, ids, error
+    if spec.params_column is not None:
+        params, error = params_from_column(row.values.get(spec.params_column), spec.params_column, base)
+        if params is None:
+            return None, None, where + str(error)
+    ids, error = builder.build(row.values)
+    return params, ids, error
+
+
+def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> tuple[Any, ...]:
+    """The feature columns a job's results carry, after the result columns (``every``: all of them, for
+    jobs whose rows choose their own parameters; ``reasoning``: a model that thinks in tags)."""
+    names = ["reasoning"] if reasoning else []
+    if every:
+        return tuple(EXTRA_FIELDS[n] for n in names) + tuple(
+            f for n, f in EXTRA_FIELDS.items() if n != "reasoning"
+        )
+    if params.n > 1:
+        names.append("sample_index")
+    if params.choices is not None:
+        names += ["choice_logprobs", "choice_probs"]
+    if params.logprobs is not None:
+        names.append("logprobs")
+    return tuple(EXTRA_FIELDS[n] for n in names)
+
+
+def feature_columns(out: Any) -> dict[str, Any]:
+    """The feature columns of one engine output (JSON text for the nested ones)."""
+    choice_lp = getattr(out, "choice_logprobs", None)
+    choice_p = getattr(out, "choice_probs", None)
+    logprobs = getattr(out, "logprobs", None)
+    return {
+        "sample_index": getattr(out, "sample_index", 0),
+        "choice_logprobs": None if choice_lp is None else json.dumps(choice_lp),
+        "choice_probs": None if choice_p is None else json.dumps(choice_p),
+        "logprobs": None if logprobs is None else json.dumps([[list(t) for t in top] for top in logprobs]),
+    }
+
+
+def part_prefix(shard: Shard) -> str:
+    """Part file names of one worker: ``part-000012.parquet``, or ``part-00003-of-00008-000012.parquet``."""
+    return "part-" if shard.single else f"part-{shard.index:05d}-of-{shard.count:05d}-"

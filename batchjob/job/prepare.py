@@ -1,0 +1,179 @@
+"""Preparing a job: everything checked before any work, and without the model's weights.
+
+The output folder, the inputs (discovered, and against the saved job: grown, changed, new files that don't
+fit), the prompt plan against the input's columns, and the job's identity (``fingerprint``: the model by
+content, the prompts, the sampling, the split) against the saved one. The inputs are discovered and the model
+identified once per start; ``reload`` checks the same start again against a job.json another worker wrote.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchjob.errors import InputError
+from batchjob.io.readers import compatible, input_schema
+from batchjob.io.sources import Source, discover
+from batchjob.job import model_identity
+from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
+from batchjob.job.prompts import PromptPlan, plan_prompts
+from batchjob.job.shard import Shard, choose_chunk_rows
+from batchjob.job.spec import JobSpec
+from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
+
+
+@dataclass
+class Prepared:
+    """Everything checked before any work: inputs, schema, prompt plan, identity, saved state."""
+
+    spec: JobSpec
+    out_dir: Path
+    state: StateDir
+    sources: list[Source]
+    info: JobInfo  # saved (resume) or new
+    resumed: bool
+    plan: PromptPlan
+    shard: Shard = field(default_factory=Shard)  # this worker's share, chunk_rows as saved with the job
+    taken: list[str] = field(default_factory=list)  # --append: a line per grown or new input file
+    model_check: dict[str, Any] | None = None  # a saved model identity to compare once the model is loaded
+    found: list[Source] = field(default_factory=list)  # the input files discovered at the start
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # this start's identity, as computed
+
+
+def model_fingerprint(model: str | None) -> dict[str, Any]:
+    """The model's identity by content (``model_identity.py``), whatever it is called."""
+    from batchjob.models import resolve_model
+
+    resolved = resolve_model(model)
+    return model_identity.identity(model_identity.model_files(resolved), resolved, model)
+
+
+def _check_output(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--output {out_dir} is a file, not a folder")
+    existing = next((p for p in [out_dir, *out_dir.absolute().parents] if p.exists()), None)
+    if existing is not None and existing != out_dir and not os.access(existing, os.W_OK):
+        raise InputError(f"--output {out_dir} cannot be created: {existing} is not writable")
+    if out_dir.is_dir() and not (out_dir / STATE_DIR).exists():
+        visible = [e for e in out_dir.iterdir() if not e.name.startswith((".", "_"))]
+        if visible:
+            raise InputError(
+                f"--output {out_dir} already holds other files (e.g. {visible[0].name}) and no batchjob job; "
+                "give a new or empty folder"
+            )
+
+
+def input_paths(spec: JobSpec) -> list[str]:
+    """The --input values, local ones made absolute: where ``batchjob status`` looks at the inputs again."""
+    return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in spec.input]
+
+
+def _changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a saved job's fingerprint and this run's, in words."""
+    saved = {"sharding": {"num_shards": 1}} | saved
+    model = model_identity.changes(saved.get("model", {}).get("identity", {}), now["model"]["identity"])
+
+    def without_identity(fp: dict[str, Any]) -> dict[str, Any]:
+        return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
+
+    return ([model] if model else []) + fingerprint_changes(without_identity(saved), without_identity(now))
+
+
+def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:
+    """Check the job against its inputs and saved state, without loading the model.
+
+    ``shard``: this worker's share of a job split over several workers (default: the whole job).
+    ``has_chat_template``: what the plan assumes until the tokenizer is known (``PromptPlan.for_tokenizer``).
+    """
+    spec.require_io()
+    shard = shard or Shard()
+    out_dir = Path(spec.output)  # type: ignore[arg-type]
+    _check_output(out_dir)
+    found = discover(spec.input, exclude=out_dir)
+    state = StateDir(out_dir, shard)
+
+    def identity(schema: pa.Schema) -> tuple[PromptPlan, dict[str, Any]]:
+        plan = plan_prompts(spec, schema.names, has_chat_template)
+        fingerprint = {
+            "model": {"identity": model_fingerprint(spec.model), "dtype": spec.dtype},
+            "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},
+            "sampling": spec.sampling_fingerprint(),
+            "sharding": {"num_shards": shard.count},
+        }
+        return plan, fingerprint
+
+    if state.exists():
+        return _resume(spec, state, found, shard, identity)
+    schema = input_schema(found)
+    records = new_records(found)
+    sources = ordered_sources(found, records)
+    plan, fingerprint = identity(schema)
+    info = JobInfo(
+        copy.deepcopy(fingerprint), random.getrandbits(62), schema, records, input_paths=input_paths(spec)
+    )
+    if not shard.single:
+        info.chunk_rows = choose_chunk_rows(info.total_rows, shard.count)
+        shard = replace(shard, chunk_rows=info.chunk_rows)
+    return Prepared(
+        spec, out_dir, state, sources, info, False, plan, shard, found=found, fingerprint=fingerprint
+    )
+
+
+def reload(prep: Prepared) -> Prepared:
+    """``prep`` checked again against the job as saved now (another worker created it first, or took in
+    new inputs): the same discovered inputs, plan and identity, not computed again."""
+    return _resume(
+        prep.spec, prep.state, prep.found, prep.shard, lambda schema: (prep.plan, prep.fingerprint)
+    )
+
+
+def _resume(
+    spec: JobSpec,
+    state: StateDir,
+    found: list[Source],
+    shard: Shard,
+    identity: Callable[[pa.Schema], tuple[PromptPlan, dict[str, Any]]],
+) -> Prepared:
+    """Against a saved job: its inputs reconciled with what was found, its identity compared with this one."""
+    out_dir = state.out_dir
+    saved = state.load_job()
+    records, taken = reconcile(saved.inputs, found, spec.append, out_dir)
+    known = {r.name for r in saved.inputs}
+    misfits = [
+        f"{s.path}: {why}"
+        for s in found
+        if s.name not in known and (why := compatible(saved.schema, s)) is not None
+    ]
+    if misfits:
+        raise InputChangedError(
+            "new input files don't fit the job's columns:\n  "
+            + "\n  ".join(misfits)
+            + "\nPut data with other columns in a job of its own (a new --output)"
+        )
+    sources = ordered_sources(found, records)
+    plan, computed = identity(saved.schema)
+    fingerprint = copy.deepcopy(computed)
+    deferred = None
+    saved_identity = saved.fingerprint.get("model", {}).get("identity", {})
+    if "hub_id" in fingerprint["model"]["identity"] and "content" in saved_identity:
+        # the hub model is not on this machine now: compare it by content once it is loaded
+        deferred = saved_identity
+        fingerprint["model"]["identity"] = saved_identity
+    changes = _changes(saved.fingerprint, fingerprint)
+    if changes:
+        raise JobMismatchError(
+            f"--output {out_dir} holds a different job; changed: {'; '.join(changes)}. "
+            "Use the original options to resume, or a new --output folder"
+        )
+    shard = replace(shard, chunk_rows=saved.chunk_rows or shard.chunk_rows)
+    saved.inputs = records
+    if taken:
+        saved.input_paths = input_paths(spec)
+    return Prepared(spec, out_dir, state, sources, saved, True, plan, shard, taken, deferred, found, computed)

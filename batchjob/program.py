@@ -1,0 +1,116 @@
+"""The ``batchjob`` program: the root click group, the mapping of our errors to exit codes, and the engine's
+options as command-line flags.
+
+``cli.py`` (run, validate, status, export, report) and ``bench/`` add their commands to ``main`` here; neither
+imports the other's commands. Nothing heavy is imported: the command installs its signal handlers first.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import click
+
+from batchjob.engine.options import job_options
+from batchjob.errors import BatchjobError
+
+
+class Failure(click.ClickException):
+    """A one-line error with our exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map what a user or the world controls to one line and an exit code: our errors carry theirs (2 for a
+    usage error), a full disk or other OSError is 1. No traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BatchjobError as e:
+            raise Failure(str(e), e.exit_code) from e
+        except OSError as e:  # disk full, permission denied: the world, not a bug
+            from batchjob.io.atomic import disk_full_message, is_disk_full
+
+            if is_disk_full(e):
+                where = e.filename or (f"under {kwargs['output']}" if kwargs.get("output") else None)
+                raise Failure(disk_full_message(e, where), 1) from e
+            raise Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
+
+    return wrapper
+
+
+def engine_flags(
+    names: Iterable[str] | None = None, defaults: dict[str, Any] | None = None
+) -> list[Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """Click options for the engine's options (``engine/options.py``), by their job names: ``names`` (default:
+    every one jobs have), each with its declared help and type. Left out, an option's value is None (the
+    job file's, else the engine's default decides) unless ``defaults`` gives one; the checks run where the
+    values are used (``JobSpec``, ``EngineConfig``), with the messages the library gives."""
+    wanted = None if names is None else set(names)
+    defaults = defaults or {}
+    options = []
+    for name, _, opt in job_options():
+        if wanted is not None and name not in wanted:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kw: dict[str, Any] = {"help": opt.help, "default": defaults.get(name)}
+        if name in defaults:  # this command's own default, shown instead of the engine's
+            kw["help"] = re.sub(r" \(default: .*\)\.$", ".", opt.help)
+            kw["show_default"] = True
+        if opt.kind is bool:
+            decls = [f"{flag}/--no-{flag[2:]}", name]
+        else:
+            decls = [flag, name]
+            kw["type"] = click.Choice(opt.choices) if opt.choices else opt.kind
+            if opt.metavar:
+                kw["metavar"] = opt.metavar
+        options.append(click.option(*decls, **kw))
+    return options
+
+
+def apply(options: list[Callable[[Callable[..., Any]], Callable[..., Any]]]) -> Callable[..., Any]:
+    """A decorator adding ``options`` (click's decorators) in their order."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+class _Program(click.Group):
+    """The ``batchjob`` group. Called as a program (the console script, ``python -m batchjob``), it handles
+    SIGTERM/SIGINT from the start: one that comes before the job loop runs exits 75 with one line."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from batchjob import faults, signals
+
+        signals.install()  # already done by `import batchjob` or __main__; here for any other entry
+        try:
+            signals.arm()
+            faults.point("startup")
+            return super().__call__(*args, **kwargs)
+        except signals.Interrupted as e:
+            print(f"batchjob: {e}", file=sys.stderr)
+            sys.exit(signals.EXIT_INTERRUPTED)
+
+
+@click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchjob")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """batchjob: offline batch inference over large datasets, resumable, Parquet out."""
+    if ctx.invoked_subcommand != "run":
+        from batchjob import signals
+
+        signals.release()  # only `run` has state to save; the others keep Python's usual signals

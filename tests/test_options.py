@@ -1,0 +1,115 @@
+"""The engine's options, declared once (``engine/options.py``): the job spec, job files, the command line and
+``Engine.from_pretrained`` all take their names, defaults and checks from the declarations."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from batchjob.cli import main
+from batchjob.engine.config import EngineConfig
+from batchjob.engine.options import EngineOptions, by_engine_name, declared, job_options
+from batchjob.errors import ConfigError
+from batchjob.job.spec import JobSpec, make_spec
+
+
+def test_every_job_option_is_a_spec_field_with_the_declared_default():
+    spec_fields = {f.name: f for f in dataclasses.fields(JobSpec)}
+    for name, f, opt in job_options():
+        assert name in spec_fields, name
+        assert spec_fields[name].default == f.default, name
+        assert spec_fields[name].metadata["option"] is opt
+    names = {name for name, _, _ in job_options()}
+    assert "prefix_caching" in names and "enable_prefix_caching" not in names
+    assert not {"static_batching", "check_kv_pool"} & names  # the job layer sets these itself
+    options = JobSpec(admission="static", prefix_caching=False).engine_options()
+    assert options["static_batching"] and not options["enable_prefix_caching"] and options["check_kv_pool"]
+    assert set(options) == {f.name for f, _ in declared()}
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "bench"])
+def test_every_job_option_is_a_flag_with_the_declared_help(command):
+    params = {p.name: p for p in main.commands[command].params}
+    for name, _, opt in job_options():
+        assert name in params, (command, name)
+        assert params[name].help == opt.help
+        assert params[name].default is None  # left out: the job file's value, else the engine's default
+        flag = "--" + name.replace("_", "-")
+        assert flag in params[name].opts, (command, name)
+        if opt.kind is bool:
+            assert "--no-" + flag[2:] in params[name].secondary_opts
+
+
+def test_from_pretrained_takes_every_option_by_name():
+    from batchjob import Engine
+
+    signature = inspect.signature(Engine.from_pretrained)
+    assert any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    with pytest.raises(TypeError, match="no_such_option"):
+        Engine.from_pretrained(no_such_option=1)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("max_num_seqs", 0, "max_num_seqs must be an integer >= 1, got 0"),
+        ("max_num_batched_tokens", 0, "max_num_batched_tokens must be an integer >= 1, got 0"),
+        ("block_size", -1, "block_size must be an integer >= 1"),
+        ("num_blocks", 0, "num_blocks must be an integer >= 1"),
+        ("max_model_len", 1, "max_model_len must be an integer >= 2 (a prompt token and one more), got 1"),
+        ("num_speculative_tokens", 65, "num_speculative_tokens must be an integer in [0, 64], got 65"),
+        ("kv_memory_gb", 0, "kv_memory_gb must be a finite number > 0, got 0"),
+        ("kv_memory_gb", float("inf"), "kv_memory_gb must be a finite number > 0, got inf"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in (0, 1], got 1.5"),
+        ("device", "tpu", "device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        ("dtype", "int8", "dtype must be one of auto, float32, float64, bfloat16, float16; got 'int8'"),
+    ],
+)
+def test_one_check_for_the_library_and_the_job(name, value, message):
+    with pytest.raises(ConfigError) as engine_error:
+        EngineConfig(**{name: value})
+    with pytest.raises(ConfigError) as job_error:
+        JobSpec(**{name: value})
+    assert message in str(engine_error.value)
+    assert str(job_error.value) == str(engine_error.value)
+
+
+def test_the_engine_checks_types_too():
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be an integer >= 1, got True"):
+        EngineConfig(max_num_batched_tokens=True)
+    with pytest.raises(ConfigError, match="compile must be true or false, got 'yes'"):
+        EngineConfig(compile="yes")
+
+
+def test_none_means_the_engine_decides():
+    given = EngineOptions(gpu_memory_utilization=None, enable_prefix_caching=None, device=None)
+    assert given.gpu_memory_utilization == 0.9 and given.enable_prefix_caching is True
+    assert given.device == "auto" and given.max_num_seqs is None  # for EngineConfig to decide
+    config = EngineConfig(device="cpu", max_num_seqs=None, cuda_graphs=None)
+    assert config.device == torch.device("cpu") and config.dtype == torch.float32
+    assert (config.max_num_seqs, config.block_size, config.cuda_graphs) == (64, 16, False)
+    # a job's options left out are the engine's defaults too
+    assert EngineConfig(**JobSpec(device="cpu").engine_options()).max_num_seqs == 64
+
+
+def test_job_files_keep_their_names(tmp_path):
+    (tmp_path / "j.toml").write_text("prefix-caching = false\nmax_num_seqs = 3\ndtype = 'float64'\n")
+    spec = make_spec(tmp_path / "j.toml", max_num_seqs=5)
+    assert spec.prefix_caching is False and spec.max_num_seqs == 5 and spec.dtype == "float64"
+    assert by_engine_name({"prefix_caching": False, "max_num_seqs": 5}) == {
+        "enable_prefix_caching": False,
+        "max_num_seqs": 5,
+    }
+    with pytest.raises(ConfigError, match="max_num_seqs must be an int, got 2.5"):
+        JobSpec(max_num_seqs=2.5)
+
+
+def test_the_command_line_loads_no_torch():
+    code = "import sys, batchjob.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
