@@ -381,10 +381,6 @@ def fill_bitmask(
     return bitmask, rows
 
 
-def canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
 def normalize_choices(logprobs: dict[str, float]) -> dict[str, float] | None:
     """The choices' probabilities renormalised over the choices alone (they sum to 1): a confidence a user
     can read. Raw log-probabilities of labels are tiny when the model would rather say something else."""

@@ -60,7 +60,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
 
     def add(self, req: Request, front: bool = False) -> None:
@@ -88,9 +87,6 @@ class Scheduler:
             if best is None or req.params.max_new_tokens > best.params.max_new_tokens:
                 best = req
         return best
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -152,7 +148,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.priority = True
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a finished request out (running or waiting) and free its blocks at once."""
