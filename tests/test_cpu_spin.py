@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import cpu_spin
-from batchjob.engine.cpu_spin import SpinGuard, busy_ticks, own_ticks
+from batchjob.engine.cpu import spin as cpu_spin
+from batchjob.engine.cpu.spin import SpinGuard, busy_ticks, own_ticks
 
 linux_libgomp = pytest.mark.skipif(
     not cpu_spin._libgomp_loaded(), reason="torch's OpenMP runtime here is not libgomp (or no /proc)"

@@ -29,7 +29,7 @@ from batchjob.engine.constraints import (
     fill_bitmask,
     normalize_choices,
 )
-from batchjob.engine.cpu_spin import SpinGuard
+from batchjob.engine.cpu.spin import SpinGuard
 from batchjob.engine.graphs import ROW_BUCKETS
 from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
 from batchjob.engine.model_runner import ModelRunner

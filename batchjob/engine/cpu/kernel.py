@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from batchjob.engine.cpu import env_flag
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
@@ -73,7 +75,7 @@ def _build(cxx: str, target: Path) -> None:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None (logged once) when it is turned off or can't be built."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(DISABLE_ENV, True):
         return None
     cxx = _compiler()
     if cxx is None:

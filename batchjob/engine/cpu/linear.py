@@ -14,16 +14,17 @@ turns it off.
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
+
+from batchjob.engine.cpu import env_flag
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(DISABLE_ENV, True):
         return False
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 

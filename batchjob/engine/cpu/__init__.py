@@ -1,0 +1,46 @@
+"""CPU-only machinery, switched on here and nowhere else; other devices never reach it.
+
+- :mod:`~batchjob.engine.cpu.kernel`: decode attention compiled on first use (``csrc/paged_decode.cpp``),
+  the ``cpu_kernel`` attention backend (chosen with the others in ``attention.choose_attention``).
+- :mod:`~batchjob.engine.cpu.linear`: float32 linear layers with weights packed once for oneDNN
+  (:func:`prepare_model`, called by the model runner at load).
+- :mod:`~batchjob.engine.cpu.spin`: short OpenMP spins while other programs share our CPUs. Opt-in
+  (``BATCHJOB_CPU_SPIN_GUARD=1``, :func:`spin_guard`): side by side with ``batchjob bench`` it did not make a
+  run measurably faster (BENCHMARKS.md), so a normal run does not pay for it at every step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from batchjob.engine.cpu.spin import SpinGuard
+
+SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment switch: 0, false, no, off (any case) are off; anything else set is on."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, compiled: bool) -> int:
+    """Pack the model's float32 linear weights for oneDNN on a CPU (not under torch.compile: inductor lowers
+    the packed call only for weights it froze itself). Returns how many layers were packed."""
+    from batchjob.engine.cpu import linear
+
+    if device.type != "cpu" or compiled or not linear.available(dtype, device):
+        return 0
+    return linear.prepack_linears(model)
+
+
+def spin_guard(device: torch.device) -> SpinGuard | None:
+    """The spin guard when asked for (``BATCHJOB_CPU_SPIN_GUARD=1``) and the device is the CPU; else None."""
+    if device.type != "cpu" or not env_flag(SPIN_GUARD_ENV, False):
+        return None
+    guard = SpinGuard(device)
+    return guard if guard.enabled else None
