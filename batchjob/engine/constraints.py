@@ -89,6 +89,7 @@ class ChoiceConstraint:
         self.node = 0
         self.done = False
         self.node_logprobs: dict[int, dict[int, float]] = {}  # node -> {child token: log-prob}
+        self.pending_scores = 0  # scoring requests of the nodes off its path not yet run (choices.py)
 
     def allowed(self) -> list[int]:
         node = self.trie.nodes[self.node]
@@ -120,7 +121,7 @@ class ChoiceConstraint:
 
     @property
     def missing_nodes(self) -> list[int]:
-        """Inner nodes whose log-probabilities were not seen on the decoded path (to be probed)."""
+        """Inner nodes whose log-probabilities were not seen on the decoded path (to be scored)."""
         return [i for i in self.trie.inner_nodes if i not in self.node_logprobs]
 
     @property

@@ -6,7 +6,7 @@ through its prompt takes a chunk of what is left of the budget. Then waiting req
 budget, seats and blocks last (skipping a request ``held`` until a sibling with the same prompt has computed
 it, so it then takes those blocks from the prefix cache). Prompt chunks and decode tokens share one forward.
 
-Admission order: requests put back at the front (preempted ones, choice probes) first; then, among the
+Admission order: requests put back at the front (preempted ones, choices' scoring requests) first; then, among the
 next few waiting requests, the one with the largest ``max_new_tokens``, ties in arrival order. When output
 budgets differ, the long ones start decoding early and the run does not end with one long request
 decoding alone in many small steps (with equal budgets, as in a job, this is first come, first served).
@@ -19,6 +19,7 @@ plain plan, and no tensor is touched here.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -134,6 +135,8 @@ class Scheduler:
                 else:
                     self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 self.running.append(req)
                 out.requests.append(req)
                 out.num_tokens.append(n)
