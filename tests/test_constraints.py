@@ -21,7 +21,7 @@ from batchjob.errors import ConfigError
 pytestmark = pytest.mark.timeout(120)
 
 # "neutral" ends where "neutrality" goes on, "negative" shares a first token with both, "pos" is a prefix of
-# "positive": the trie has inner nodes off any one decoded path, so the probes run.
+# "positive": the trie has inner nodes off any one decoded path, so the scoring requests run.
 CHOICES = ["positive", "pos", "negative", "neutral", "neutrality", "not sure"]
 SCHEMA = {
     "type": "object",

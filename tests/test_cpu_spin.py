@@ -121,8 +121,9 @@ def test_two_spinning_processes_turn_the_guard_on(two_threads):
 
 @linux_libgomp
 def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads, monkeypatch):
+    monkeypatch.setenv(cpu.SPIN_GUARD_ENV, "0")
     assert Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu").spin_guard is None
-    monkeypatch.setenv(cpu.SPIN_GUARD_ENV, "1")  # opt-in
+    monkeypatch.delenv(cpu.SPIN_GUARD_ENV)  # on by default
     engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
     assert engine.spin_guard is not None and engine.spin_guard.enabled
     engine.spin_guard.observe(3.0)  # as if other programs were busy

@@ -9,6 +9,8 @@
 - ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
   conditions; finished requests are freed and returned as outputs.
 
+A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
+schedule; on the CPU a spin guard checks, about once a second, whether other programs share our cores.
 Around it, each in its own module: text (detokenizing, stop strings, finish reasons) in output.py; the
 scoring requests behind choices' log-probabilities in choices.py; KV pool sizing in kv_cache.py; CPU-only
 machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
@@ -148,7 +150,7 @@ class Engine:
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._mask_pool: ThreadPoolExecutor | None = None  # computes masks while the forward runs
         self.output = OutputProcessor(tokenizer)
-        self.spin_guard = cpu.spin_guard(config.device)  # None unless opted in (BATCHJOB_CPU_SPIN_GUARD=1)
+        self.spin_guard = cpu.spin_guard(config.device)  # CPU only (BATCHJOB_CPU_SPIN_GUARD=0: off)
 
     @classmethod
     def from_pretrained(
@@ -258,11 +260,11 @@ class Engine:
         constraint = self._new_constraint(params) if params.constrained else None
         prompt = [int(t) for t in prompt_ids]
         output = [int(t) for t in output_ids] if output_ids else []
-        req = Request(rid, prompt, len(prompt), params, time.monotonic(), group_id=group_id)
-        req.sample_index, req.constraint = sample_index, constraint
+        logprobs = None
         if params.logprobs is not None:  # resumed tokens are replayed, to recompute their log-probabilities
-            req.logprobs, output = LogprobState(replay=output or None), []
-        req.token_ids += output
+            logprobs, output = LogprobState(replay=output or None), []
+        req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
+        req.sample_index, req.constraint, req.logprobs = sample_index, constraint, logprobs
         if key is not None:
             req.key = key
         self._requests[rid] = req
@@ -361,7 +363,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute one forward, update. Returns the requests that finished in this step."""
         t0 = time.perf_counter()
-        if self.spin_guard is not None:  # CPU, opt-in (engine/cpu/)
+        if self.spin_guard is not None:  # CPU only (engine/cpu/)
             self.spin_guard.check()
             self.stats.short_spin_steps += self.spin_guard.on
         finished = self._flush_failed()

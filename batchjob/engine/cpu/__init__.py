@@ -4,9 +4,9 @@
   the ``cpu_kernel`` attention backend (chosen with the others in ``attention.choose_attention``).
 - :mod:`~batchjob.engine.cpu.linear`: float32 linear layers with weights packed once for oneDNN
   (:func:`prepare_model`, called by the model runner at load).
-- :mod:`~batchjob.engine.cpu.spin`: short OpenMP spins while other programs share our CPUs. Opt-in
-  (``BATCHJOB_CPU_SPIN_GUARD=1``, :func:`spin_guard`): side by side with ``batchjob bench`` it did not make a
-  run measurably faster (BENCHMARKS.md), so a normal run does not pay for it at every step.
+- :mod:`~batchjob.engine.cpu.spin`: short OpenMP spins while other programs share our CPUs
+  (:func:`spin_guard`; ``BATCHJOB_CPU_SPIN_GUARD=0`` turns it off). It stays on by default: on a shared
+  machine, ``batchjob bench`` ran 4.5x slower without it (BENCHMARKS.md); on a quiet one it never comes on.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
 
 
 def spin_guard(device: torch.device) -> SpinGuard | None:
-    """The spin guard when asked for (``BATCHJOB_CPU_SPIN_GUARD=1``) and the device is the CPU; else None."""
-    if device.type != "cpu" or not env_flag(SPIN_GUARD_ENV, False):
+    """The spin guard on a CPU device where it can work (Linux, libgomp, more than one thread) and unless
+    turned off (``BATCHJOB_CPU_SPIN_GUARD=0``); else None, and the engine never checks it."""
+    if device.type != "cpu" or not env_flag(SPIN_GUARD_ENV, True):
         return None
     guard = SpinGuard(device)
     return guard if guard.enabled else None
