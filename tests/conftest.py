@@ -61,7 +61,7 @@ def tiny_model_dir(tiny_model_dirs):
 @pytest.fixture(params=["kernel", "reference"])
 def decode_path(request, monkeypatch):
     """Run a test with CPU decode attention by the compiled kernel, then by the torch reference."""
-    from batchjob.engine import cpu_kernel
+    from batchjob.engine.cpu import kernel as cpu_kernel
 
     if request.param == "kernel" and cpu_kernel._compiler() is None:
         pytest.skip("no C++ compiler on this machine: the kernel cannot be built")

@@ -21,7 +21,7 @@ from batchjob.errors import ConfigError
 pytestmark = pytest.mark.timeout(120)
 
 # "neutral" ends where "neutrality" goes on, "negative" shares a first token with both, "pos" is a prefix of
-# "positive": the trie has inner nodes off any one decoded path, so the probes run.
+# "positive": the trie has inner nodes off any one decoded path, so the scoring requests run.
 CHOICES = ["positive", "pos", "negative", "neutral", "neutrality", "not sure"]
 SCHEMA = {
     "type": "object",
@@ -271,7 +271,7 @@ def test_constrained_rows_are_exact_after_resume(engine):
         assert states  # something was in flight
         for i in range(len(prompts)):
             engine.abort(f"row-{i}")
-        assert not engine.has_unfinished() and not engine.scheduler.has_unfinished()
+        assert not engine.has_unfinished() and not engine.scheduler.waiting and not engine.scheduler.running
         for st in states:
             engine.add_request(
                 st.request_id, st.prompt_ids, st.params, st.output_ids, sample_index=st.sample_index

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchjob.engine import cpu_kernel
+from batchjob.engine.cpu import kernel as cpu_kernel
 
 needs_kernel = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C++ compiler on this machine")
 

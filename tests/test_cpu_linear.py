@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import cpu_linear
+from batchjob.engine.cpu import linear as cpu_linear
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import cpu_spin
-from batchjob.engine.cpu_spin import SpinGuard, busy_ticks, own_ticks
+from batchjob.engine import cpu
+from batchjob.engine.cpu import spin as cpu_spin
+from batchjob.engine.cpu.spin import SpinGuard, busy_ticks, own_ticks
 
 linux_libgomp = pytest.mark.skipif(
     not cpu_spin._libgomp_loaded(), reason="torch's OpenMP runtime here is not libgomp (or no /proc)"
@@ -119,9 +120,12 @@ def test_two_spinning_processes_turn_the_guard_on(two_threads):
 
 
 @linux_libgomp
-def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads):
+def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads, monkeypatch):
+    monkeypatch.setenv(cpu.SPIN_GUARD_ENV, "0")
+    assert Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu").spin_guard is None
+    monkeypatch.delenv(cpu.SPIN_GUARD_ENV)  # on by default
     engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
-    assert engine.spin_guard.enabled
+    assert engine.spin_guard is not None and engine.spin_guard.enabled
     engine.spin_guard.observe(3.0)  # as if other programs were busy
     assert engine.spin_guard.on
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))

@@ -35,7 +35,7 @@ def test_slow_start_grows_on_kept_drafts_and_rests_after_a_miss():
     record(req, 2, 2)
     assert propose(req, 4) == [3, 1, 2]  # window 4: all that followed the latest "3 1 2"
     record(req, 4, 1)  # one kept, then a miss: back to one draft
-    assert req.spec_window == 1 and req.spec_backoff == 0
+    assert req.spec.window == 1 and req.spec.backoff == 0
     record(req, 1, 0)  # nothing kept: rest
     assert [propose(req, 4) for _ in range(BACKOFF_STEPS)] == [[]] * BACKOFF_STEPS
     assert propose(req, 4) == [3]

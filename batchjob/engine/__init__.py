@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchjob.engine.engine import Engine, EngineStats, RequestOutput, RequestState
+    from batchjob.engine.engine import Engine, EngineStats, RequestState
+    from batchjob.engine.output import RequestOutput
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "RequestState"]
 

@@ -20,7 +20,7 @@ model needs (:func:`attention_features`):
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn``, the same FlashAttention-2 kernel built into torch's
   CUDA wheels (bf16/fp16, sm80+), with the same 256-token page rule; only when asked for.
 - ``cpu_kernel``: the CPU default. Single-token rows (and draft verification) by the compiled kernel of
-  :mod:`batchjob.engine.cpu_kernel`, which reads the paged cache in place; prompt chunks by one SDPA call
+  :mod:`batchjob.engine.cpu.kernel`, which reads the paged cache in place; prompt chunks by one SDPA call
   each over their gathered keys.
 - ``torch``: the reference: single-token rows in batched SDPA calls over gathered keys padded to the longest
   request of a length group, prompt chunks by one SDPA call each.
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from batchjob.engine import cpu_kernel, flex, support
+from batchjob.engine import flex, support
+from batchjob.engine.cpu import kernel as cpu_kernel
 from batchjob.errors import ConfigError
 
 ATTN_NAME = "batchjob_paged"
@@ -125,6 +126,8 @@ SUPPORTED_FEATURES = frozenset().union(*BACKEND_FEATURES.values())  # what some 
 BACKENDS = tuple(BACKEND_FEATURES)
 PAGED_FLASH_BLOCK = 256  # FlashAttention-2's paged kernels take pages of a multiple of this
 DEFAULT_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True)
 class AttentionChoice:
     backend: str  # one of BACKENDS

@@ -89,6 +89,7 @@ class ChoiceConstraint:
         self.node = 0
         self.done = False
         self.node_logprobs: dict[int, dict[int, float]] = {}  # node -> {child token: log-prob}
+        self.pending_scores = 0  # scoring requests of the nodes off its path not yet run (choices.py)
 
     def allowed(self) -> list[int]:
         node = self.trie.nodes[self.node]
@@ -120,7 +121,7 @@ class ChoiceConstraint:
 
     @property
     def missing_nodes(self) -> list[int]:
-        """Inner nodes whose log-probabilities were not seen on the decoded path (to be probed)."""
+        """Inner nodes whose log-probabilities were not seen on the decoded path (to be scored)."""
         return [i for i in self.trie.inner_nodes if i not in self.node_logprobs]
 
     @property
@@ -379,10 +380,6 @@ def fill_bitmask(
             if c.finishing:
                 c.narrow(bitmask[j].numpy().view(np.uint32))
     return bitmask, rows
-
-
-def canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def normalize_choices(logprobs: dict[str, float]) -> dict[str, float] | None:

@@ -1,14 +1,25 @@
 """The engine: requests in, one scheduling iteration per ``step()``, finished requests out.
 
-``Engine.step()`` does exactly three things: schedule, execute one forward, update the requests with the
-sampled tokens (and free the ones that finished). Loops, progress, files and checkpoints live outside it;
-the engine knows token ids, KV blocks, the model and the device, and nothing about rows or jobs.
+``Engine.step()`` is schedule, execute, update:
+
+- ``_schedule``: the scheduler's plan for one forward (running requests first, then admissions, preempting
+  when blocks run out); running requests that can draft propose speculative tokens first (speculative.py).
+- ``_execute``: the model runner's forward of the plan, then the sampler (constrained rows masked, the masks
+  computed on a thread beside the forward): the tokens each sampling request drew.
+- ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
+  conditions; finished requests are freed and returned as outputs.
+
+A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
+schedule; on the CPU a spin guard checks, about once a second, whether other programs share our cores.
+Around it, each in its own module: text (detokenizing, stop strings, finish reasons) in output.py; the
+scoring requests behind choices' log-probabilities in choices.py; KV pool sizing in kv_cache.py; CPU-only
+machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
+blocks, the model and the device, and nothing about rows or jobs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import time
 from collections.abc import Sequence
@@ -18,7 +29,7 @@ from typing import Any
 
 import torch
 
-from batchjob.engine import speculative
+from batchjob.engine import choices, cpu, speculative
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.constraints import (
@@ -27,39 +38,16 @@ from batchjob.engine.constraints import (
     Constraint,
     GrammarCompiler,
     fill_bitmask,
-    normalize_choices,
 )
-from batchjob.engine.cpu_spin import SpinGuard
-from batchjob.engine.graphs import ROW_BUCKETS
-from batchjob.engine.kv_cache import KVShape, allocate_kv_cache
+from batchjob.engine.kv_cache import KVShape, allocate_kv_cache, size_kv_pool
 from batchjob.engine.model_runner import ModelRunner
-from batchjob.engine.request import Request, RequestStatus, request_key
-from batchjob.engine.sampler import apply_bitmask, log_softmax, sample, top_logprobs
+from batchjob.engine.output import OutputProcessor, RequestOutput
+from batchjob.engine.request import LogprobState, Request, RequestStatus, request_key
+from batchjob.engine.sampler import apply_bitmask, sample, top_logprobs
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.support import check_supported
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids only
-    text: str
-    finish_reason: str  # "stop" | "length" | "error"
-    error: str | None
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float
-    sample_index: int = 0  # which of the prompt's n samples this is
-    choice_logprobs: dict[str, float] | None = None  # with choices: log P(choice | prompt), each choice
-    logprobs: list[list[tuple[int, float]]] | None = None  # with logprobs=K: per generated token
-
-    @property
-    def choice_probs(self) -> dict[str, float] | None:
-        """With choices: each choice's probability renormalised over the choices (they sum to 1)."""
-        return None if self.choice_logprobs is None else normalize_choices(self.choice_logprobs)
 
 
 @dataclass
@@ -130,7 +118,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
         shape = KVShape.from_config(model.config)
-        num_blocks = config.num_blocks or self._auto_num_blocks(shape)
+        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, self.max_model_len)
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
             config.check_kv_fits(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -161,7 +149,8 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first json_schema or regex
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._mask_pool: ThreadPoolExecutor | None = None  # computes masks while the forward runs
-        self.spin_guard = SpinGuard(config.device)  # short OpenMP spins while other programs share the CPUs
+        self.output = OutputProcessor(tokenizer)
+        self.spin_guard = cpu.spin_guard(config.device)  # CPU only (BATCHJOB_CPU_SPIN_GUARD=0: off)
 
     @classmethod
     def from_pretrained(
@@ -182,54 +171,6 @@ class Engine:
             model, config.dtype, config.device, trust_remote_code=trust_remote_code
         )
         return cls(hf_model, tokenizer, config, model_id=resolved)
-
-    def _auto_num_blocks(self, shape: KVShape) -> int:
-        """Size the KV pool: explicit ``kv_memory_gb``; on CUDA, what is left of ``gpu_memory_utilization``
-        after the weights and a warm-up forward at the full token budget; on CPU a fixed budget."""
-        planned = self.config.planned_num_blocks(shape, self.max_model_len)
-        if planned is not None:
-            return planned
-        per_block = shape.bytes_per_block(self.config.block_size, self.dtype)
-        _, total = torch.cuda.mem_get_info(self.device)
-        peak = self._profile_peak_memory(shape)
-        budget = total * self.config.gpu_memory_utilization - peak - self._cuda_reserve(peak)
-        if budget < per_block:
-            raise ConfigError(
-                f"no GPU memory left for the KV cache: the model and a forward of "
-                f"{self.config.max_num_batched_tokens} tokens peak at {peak / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization"
-            )
-        return self.config.blocks_for_budget(shape, self.max_model_len, budget)
-
-    def _cuda_reserve(self, peak: int) -> int:
-        """Memory the warm-up forward does not show (an estimate): logits of every row that may sample in one
-        step (with drafts, several per request; the sampler makes float32 copies), and with CUDA graphs
-        their pool, about the activations of a forward of the largest bucket."""
-        cfg = self.config
-        rows = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
-        reserve = 3 * rows * self.vocab_size * 4
-        if cfg.cuda_graphs:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            graph_rows = min(ROW_BUCKETS[-1], cfg.max_num_batched_tokens)
-            reserve += max(0, peak - weights) * graph_rows // cfg.max_num_batched_tokens
-            reserve += graph_rows * self.vocab_size * 4  # the graphs' shared logits output (and slack)
-        return reserve
-
-    def _profile_peak_memory(self, shape: KVShape) -> int:
-        """Peak CUDA memory of the weights plus one forward at the full token budget (a dummy prompt)."""
-        bs = self.config.block_size
-        n = max(1, min(self.config.max_num_batched_tokens, self.max_model_len - 1))
-        kv = allocate_kv_cache(shape, -(-n // bs), bs, self.dtype, self.device)
-        runner = ModelRunner(self.model, kv, bs, self.device)
-        req = Request("warmup", [0] * n, n, SamplingParams(max_new_tokens=1, temperature=0), 0.0)
-        req.block_ids = list(range(-(-n // bs)))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.execute(SchedulerOutput([req], [n]))
-        peak = torch.cuda.max_memory_allocated(self.device)
-        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-        del kv, runner
-        torch.cuda.empty_cache()
-        return peak - kv_bytes
 
     # -- the incremental API the job runner drives ---------------------------------------------------
 
@@ -285,12 +226,11 @@ class Engine:
         constraint = self._new_constraint(params) if params.constrained else None
         prompt = [int(t) for t in prompt_ids]
         output = [int(t) for t in output_ids] if output_ids else []
-        forced = None
-        if params.logprobs is not None and output:  # replay the tokens to recompute their log-probabilities
-            forced, output = output, []
+        logprobs = None
+        if params.logprobs is not None:  # resumed tokens are replayed, to recompute their log-probabilities
+            logprobs, output = LogprobState(replay=output or None), []
         req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
-        req.sample_index, req.constraint, req.forced = sample_index, constraint, forced
-        req.logprobs = [] if params.logprobs is not None else None
+        req.sample_index, req.constraint, req.logprobs = sample_index, constraint, logprobs
         if key is not None:
             req.key = key
         self._requests[rid] = req
@@ -351,15 +291,19 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_running(self) -> int:
+        """Requests holding a seat in the running batch (the scheduler's, after the last step)."""
+        return len(self.scheduler.running)
+
     def snapshot(self) -> list[RequestState]:
-        """Every unfinished request (a finished one still waiting for its choice probes included)."""
+        """Every unfinished request (a finished one still waiting for its choice scores included)."""
         states = []
         for r in self._requests.values():
-            if r.probe_of is not None or (r.is_finished and not r.pending_probes):
+            if r.score is not None or (r.is_finished and not choices.pending(r)):
                 continue
-            output = (
-                r.forced if r.forced is not None and len(r.forced) > r.num_output_tokens else r.output_ids
-            )
+            replay = r.logprobs.replay if r.logprobs is not None else None
+            output = replay if replay is not None and len(replay) > r.num_output_tokens else r.output_ids
             states.append(RequestState(r.group_id, r.prompt_ids, list(output), r.params, r.sample_index))
         return states
 
@@ -371,9 +315,9 @@ class Engine:
         self.block_manager.reset_prefix_cache()
 
     def abort(self, request_id: str) -> None:
-        """Drop ``request_id`` (all its samples, and their probes) without an output."""
+        """Drop ``request_id`` (all its samples, and their scoring requests) without an output."""
         for rid, req in list(self._requests.items()):
-            owner = req.probe_of or req
+            owner = req.score.owner if req.score is not None else req
             if owner.group_id != request_id:
                 continue
             del self._requests[rid]
@@ -385,16 +329,22 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute one forward, update. Returns the requests that finished in this step."""
         t0 = time.perf_counter()
-        self.spin_guard.check()
-        self.stats.short_spin_steps += self.spin_guard.on
-        finished: list[Request] = []
-        for req in self._failed:
-            status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, req.token_ids[-1])
-            req.status = status or RequestStatus.FINISHED_LENGTH
-            if self._ready(req):
-                finished.append(req)
-        self._failed.clear()
+        if self.spin_guard is not None:  # CPU only (engine/cpu/)
+            self.spin_guard.check()
+            self.stats.short_spin_steps += self.spin_guard.on
+        finished = self._flush_failed()
+        plan = self._schedule()
+        if not plan.is_empty:
+            finished += self._update(plan, *self._execute(plan))
+        outputs = self._collect(finished)
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
 
+    # -- the three parts of a step -------------------------------------------------------------------
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan for one forward; the running requests that can draft propose their next
+        tokens first (speculative.py), and keep the drafts the plan has room for."""
         k = self.config.num_speculative_tokens
         drafted = (
             speculative.draft(self.scheduler.running, self.block_manager, k, self.max_model_len) if k else []
@@ -404,52 +354,82 @@ class Engine:
             speculative.trim(drafted, plan)
         self.stats.preemptions += len(plan.preempted)
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
-        if not plan.is_empty:
-            will_sample = [
-                r
-                for r, n in zip(plan.requests, plan.num_tokens, strict=True)
-                if r.num_computed_tokens + n == r.num_tokens
-            ]
-            masks = self._start_masks(will_sample)
-            logits, sampling = self.runner.execute(plan)
-            for req, n in zip(plan.requests, plan.num_tokens, strict=True):
-                prompt_part = max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
-                self.stats.computed_prompt_tokens += prompt_part
-                req.num_computed_tokens += n
-                if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
-                    self.block_manager.register_full_blocks(req)
-            if sampling:
-                assert masks is None or sampling == will_sample
-                rows, positions = [], []
-                for req in sampling:  # a request with d drafts draws at each of its d + 1 positions
-                    first = req.num_output_tokens - req.num_draft_tokens
-                    rows += [req] * (req.num_draft_tokens + 1)
-                    positions += range(first, first + req.num_draft_tokens + 1)
-                tokens = self._sample(logits, rows, masks, positions)
-                now = time.monotonic()
-                i = 0
-                for req in sampling:
-                    drawn = tokens[i : i + req.num_draft_tokens + 1]
-                    i += len(drawn)
-                    if req.probe_of is not None:
-                        self._finish_probe(req, finished)
-                        continue
-                    status = self._take_tokens(req, drawn, now)
-                    if status is not None:
-                        self.scheduler.finish(req, status)
-                        if self._ready(req):
-                            finished.append(req)
-            self.stats.steps += 1
-            self.stats.batched_tokens += plan.total_tokens
-            self.stats.running_sum += len(plan.requests)
-            self.stats.kv_blocks_used_sum += self.block_manager.num_used_blocks
+        return plan
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[list[int]]]:
+        """One forward of the plan, then the sampler. Returns the requests that sampled and the tokens each
+        drew: one, or with d drafts one at each of its d + 1 positions."""
+        will_sample = [
+            r
+            for r, n in zip(plan.requests, plan.num_tokens, strict=True)
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
+        masks = self._start_masks(will_sample)
+        logits, sampling = self.runner.execute(plan)
+        if not sampling:
+            return [], []
+        assert masks is None or sampling == will_sample
+        rows, positions = [], []
+        for req in sampling:
+            first = req.num_output_tokens - req.num_draft_tokens
+            rows += [req] * (req.num_draft_tokens + 1)
+            positions += range(first, first + req.num_draft_tokens + 1)
+        tokens = self._sample(logits, rows, masks, positions)
+        drawn, i = [], 0
+        for req in sampling:
+            drawn.append(tokens[i : i + req.num_draft_tokens + 1])
+            i += req.num_draft_tokens + 1
+        return sampling, drawn
+
+    def _update(
+        self, plan: SchedulerOutput, sampling: list[Request], drawn: list[list[int]]
+    ) -> list[Request]:
+        """Advance the counters, give each request its tokens, take out the ones that finished. Returns
+        those that can be reported now."""
+        for req, n in zip(plan.requests, plan.num_tokens, strict=True):
+            self.stats.computed_prompt_tokens += max(
+                0, min(req.num_prompt_tokens - req.num_computed_tokens, n)
+            )
+            req.num_computed_tokens += n
+            if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
+                self.block_manager.register_full_blocks(req)
+        finished: list[Request] = []
+        now = time.monotonic()
+        for req, tokens in zip(sampling, drawn, strict=True):
+            if req.score is not None:
+                self._finish_score(req, finished)
+                continue
+            status = self._take_tokens(req, tokens, now)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                if self._ready(req):
+                    finished.append(req)
+        self.stats.steps += 1
+        self.stats.batched_tokens += plan.total_tokens
+        self.stats.running_sum += len(plan.requests)
+        self.stats.kv_blocks_used_sum += self.block_manager.num_used_blocks
         self.stats.forward_seconds = self.runner.forward_seconds
-        outputs = [self._output(req) for req in finished]
+        return finished
+
+    # -- around the step ------------------------------------------------------------------------------
+
+    def _flush_failed(self) -> list[Request]:
+        """The requests refused at admission (or resumed already complete), finished."""
+        finished = []
+        for req in self._failed:
+            status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, req.token_ids[-1])
+            req.status = status or RequestStatus.FINISHED_LENGTH
+            if self._ready(req):
+                finished.append(req)
+        self._failed.clear()
+        return finished
+
+    def _collect(self, finished: list[Request]) -> list[RequestOutput]:
+        outputs = [self.output.output(req) for req in finished]
         for req in finished:
             del self._requests[req.request_id]
-        if not self._requests:
+        if not self._requests and self.spin_guard is not None:
             self.spin_guard.release()  # idle: leave the OpenMP runtime as we found it
-        self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 
     def _take_tokens(self, req: Request, drawn: list[int], now: float) -> RequestStatus | None:
@@ -485,11 +465,26 @@ class Engine:
             self.block_manager.register_full_blocks(req)
         return status
 
-    # -- constraints, log-probabilities and choice probes ----------------------------------------------
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        c = req.constraint
+        if c is not None and c.done:
+            return RequestStatus.FINISHED_STOPPED
+        if isinstance(c, ChoiceConstraint):  # the trie bounds the answer; only the context can cut it
+            return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
+        p = req.params
+        if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if p.stop and self.output.stop_string_found(req):
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- constraints, log-probabilities and choice scores ---------------------------------------------
 
     def _start_masks(self, rows: list[Request]) -> Future | None:
         """Compute the bitmask of the constrained rows about to sample, on a thread beside the forward."""
-        constraints = [r.constraint if r.probe_of is None else None for r in rows]
+        constraints = [r.constraint for r in rows]
         if all(c is None for c in constraints):
             return None
         if self._mask_pool is None:
@@ -499,20 +494,9 @@ class Engine:
     def _sample(
         self, logits: torch.Tensor, rows: list[Request], masks: Future | None, positions: list[int]
     ) -> list[int]:
-        """Record what needs the model's own distribution, mask the constrained rows, draw, replay forced."""
-        scored = [
-            i
-            for i, r in enumerate(rows)
-            if r.probe_of is not None or isinstance(r.constraint, ChoiceConstraint)
-        ]
-        if scored:
-            lp = log_softmax(logits.index_select(0, torch.tensor(scored, device=logits.device)))
-            for j, i in enumerate(scored):
-                r = rows[i]
-                if r.probe_of is not None:
-                    r.probe_of.constraint.record(lp[j], node=r.probe_node)
-                else:
-                    r.constraint.record(lp[j])
+        """Record what needs the model's own distribution, mask the constrained rows, draw, replay resumed
+        tokens."""
+        choices.record(rows, logits)
         want = [i for i, r in enumerate(rows) if r.logprobs is not None]
         raw = logits.index_select(0, torch.tensor(want, device=logits.device)) if want else None
         if masks is not None:
@@ -523,106 +507,42 @@ class Engine:
                 bitmask, owners = mask
                 first = [i for i, r in enumerate(rows) if i == 0 or rows[i - 1] is not r]
                 logits = apply_bitmask(logits, bitmask, [first[j] for j in owners])
-        tokens = sample(
-            logits,
-            [r.params for r in rows],
-            [r.key for r in rows],
-            positions,
-        )
-        for i, r in enumerate(rows):
-            if r.forced is not None:
-                tokens[i] = r.forced[r.num_output_tokens]
-                if r.num_output_tokens + 1 == len(r.forced):
-                    r.forced = None
-        if raw is not None:
-            ks = [rows[i].params.logprobs for i in want]
-            tops = top_logprobs(raw, list(range(len(want))), ks, [tokens[i] for i in want])
-            for i, top in zip(want, tops, strict=True):
-                rows[i].logprobs.append(top)
+        tokens = sample(logits, [r.params for r in rows], [r.key for r in rows], positions)
+        if raw is None:
+            return tokens
+        for i in want:
+            lp = rows[i].logprobs
+            assert lp is not None
+            if lp.replay is not None:
+                n = rows[i].num_output_tokens
+                tokens[i] = lp.replay[n]
+                if n + 1 == len(lp.replay):
+                    lp.replay = None
+        ks = [rows[i].params.logprobs for i in want]
+        tops = top_logprobs(raw, list(range(len(want))), ks, [tokens[i] for i in want])
+        for i, top in zip(want, tops, strict=True):
+            rows[i].logprobs.top.append(top)  # type: ignore[union-attr]
         return tokens
 
     def _ready(self, req: Request) -> bool:
-        """Whether a finished request can be reported now; a choice answer first probes the trie nodes
-        whose log-probabilities its decoding did not see (one-token requests sharing the prompt's KV)."""
+        """Whether a finished request can be reported now: a choice answer first scores the trie nodes its
+        decoding did not see (choices.py), with requests that share its prompt's KV blocks."""
         c = req.constraint
-        if not isinstance(c, ChoiceConstraint) or req.error or not c.done:
-            return True
-        for node in c.missing_nodes:
-            prefix = list(c.trie.nodes[node].prefix)
-            probe = Request(
-                f"{req.request_id}@{node}",
-                req.prompt_ids + prefix,
-                req.num_prompt_tokens + len(prefix),
-                SamplingParams(max_new_tokens=1, temperature=0.0),
-                time.monotonic(),
-            )
-            probe.probe_of, probe.probe_node = req, node
-            if self._check(probe) is not None:
+        for scorer in choices.scoring_requests(req):
+            if self._check(scorer) is not None:
                 continue  # cannot be scored (past the context): the choices through it get NaN
-            self._requests[probe.request_id] = probe
-            self.scheduler.add(probe, front=True)
-            req.pending_probes += 1
-        return req.pending_probes == 0
+            assert isinstance(c, ChoiceConstraint)
+            self._requests[scorer.request_id] = scorer
+            self.scheduler.add(scorer, front=True)
+            c.pending_scores += 1
+        return choices.pending(req) == 0
 
-    def _finish_probe(self, probe: Request, finished: list[Request]) -> None:
-        self.scheduler.finish(probe, RequestStatus.FINISHED_STOPPED)
-        del self._requests[probe.request_id]
-        owner = probe.probe_of
-        assert owner is not None and owner.pending_probes > 0
-        owner.pending_probes -= 1
-        if owner.pending_probes == 0 and owner.request_id in self._requests:
+    def _finish_score(self, scorer: Request, finished: list[Request]) -> None:
+        self.scheduler.finish(scorer, RequestStatus.FINISHED_STOPPED)
+        del self._requests[scorer.request_id]
+        owner = choices.scored(scorer)
+        if owner is not None and owner.request_id in self._requests:
             finished.append(owner)
-
-    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
-        c = req.constraint
-        if c is not None and c.done:
-            return RequestStatus.FINISHED_STOPPED
-        if isinstance(c, ChoiceConstraint):  # the trie bounds the answer; only the context can cut it
-            return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
-        p = req.params
-        if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if p.stop:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                req.stop_text_pos = min(hits)
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _output(self, req: Request) -> RequestOutput:
-        output = req.output_ids
-        text = self.tokenizer.decode(output, skip_special_tokens=True) if output else ""
-        if req.stop_text_pos is not None:
-            text = text[: req.stop_text_pos]
-        choice_logprobs = None
-        c = req.constraint
-        if isinstance(c, ChoiceConstraint):
-            choice_logprobs = c.choice_logprobs()
-            best = c.choice
-            if req.params.greedy and all(math.isfinite(v) for v in choice_logprobs.values()):
-                # Greedy means the most likely answer: the best whole choice, which a token-by-token walk
-                # can miss when choices share a first token.
-                best = max(range(len(c.trie.choices)), key=lambda i: choice_logprobs[c.trie.choices[i]])
-            if best is not None:
-                output, text = list(c.trie.token_ids[best]), c.trie.choices[best]
-        req.finish_time = time.monotonic()
-        return RequestOutput(
-            request_id=req.group_id,
-            prompt_ids=req.prompt_ids,
-            token_ids=output,
-            text=text,
-            finish_reason=req.status.finish_reason or "error",
-            error=req.error,
-            arrival_time=req.arrival_time,
-            first_token_time=req.first_token_time,
-            finish_time=req.finish_time,
-            sample_index=req.sample_index,
-            choice_logprobs=choice_logprobs,
-            logprobs=req.logprobs,
-        )
 
     # -- convenience ---------------------------------------------------------------------------------
 

@@ -1,4 +1,11 @@
-"""KV storage: per layer, K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""KV storage: per layer, K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim], and how
+many blocks the pool gets.
+
+The arithmetic that needs no weights (blocks for a memory budget, whether one request of the full context
+fits) is ``EngineConfig``'s, so ``batchjob validate`` can check a pool from a model's config alone. On CUDA,
+without an explicit size, :func:`size_kv_pool` measures: the memory left of ``gpu_memory_utilization``
+after the weights and a warm-up forward at the full token budget, less what that forward does not show.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,14 @@ import ctypes
 import ctypes.util
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from batchjob.errors import ConfigError
+
+if TYPE_CHECKING:
+    from batchjob.engine.config import EngineConfig
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -69,3 +82,65 @@ def allocate_kv_cache(
     per_tensor = num_blocks * block_size * shape.num_kv_heads * shape.head_dim
     pool = _cpu_zeros(2 * shape.num_layers * per_tensor, dtype).view(2 * shape.num_layers, *dims)
     return [(pool[2 * i], pool[2 * i + 1]) for i in range(shape.num_layers)]
+
+
+def size_kv_pool(model, config: EngineConfig, shape: KVShape, max_model_len: int) -> int:
+    """The KV pool in blocks: as the settings say (``num_blocks``, ``kv_memory_gb``, the CPU default), else
+    on CUDA what is left of ``gpu_memory_utilization`` after the weights and a warm-up forward."""
+    planned = config.planned_num_blocks(shape, max_model_len)
+    if planned is not None:
+        return planned
+    assert config.block_size is not None and config.max_num_batched_tokens is not None
+    per_block = shape.bytes_per_block(config.block_size, config.dtype)
+    _, total = torch.cuda.mem_get_info(config.device)
+    peak = _profile_peak_memory(model, config, shape, max_model_len)
+    budget = total * config.gpu_memory_utilization - peak - _cuda_reserve(model, config, peak)
+    if budget < per_block:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: the model and a forward of "
+            f"{config.max_num_batched_tokens} tokens peak at {peak / 2**30:.1f} GiB of "
+            f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization"
+        )
+    return config.blocks_for_budget(shape, max_model_len, budget)
+
+
+def _cuda_reserve(model, config: EngineConfig, peak: int) -> int:
+    """Memory the warm-up forward does not show (an estimate): logits of every row that may sample in one
+    step (with drafts, several per request; the sampler makes float32 copies), and with CUDA graphs their
+    pool, about the activations of a forward of the largest bucket."""
+    from batchjob.engine.graphs import ROW_BUCKETS
+
+    assert config.max_num_batched_tokens is not None and config.max_num_seqs is not None
+    assert config.num_speculative_tokens is not None
+    vocab = model.get_input_embeddings().weight.shape[0]
+    rows = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens))
+    reserve = 3 * rows * vocab * 4
+    if config.cuda_graphs:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        graph_rows = min(ROW_BUCKETS[-1], config.max_num_batched_tokens)
+        reserve += max(0, peak - weights) * graph_rows // config.max_num_batched_tokens
+        reserve += graph_rows * vocab * 4  # the graphs' shared logits output (and slack)
+    return reserve
+
+
+def _profile_peak_memory(model, config: EngineConfig, shape: KVShape, max_model_len: int) -> int:
+    """Peak CUDA memory of the weights plus one forward at the full token budget (a dummy prompt)."""
+    from batchjob.engine.model_runner import ModelRunner
+    from batchjob.engine.request import Request
+    from batchjob.engine.scheduler import SchedulerOutput
+    from batchjob.sampling import SamplingParams
+
+    bs, device = config.block_size, config.device
+    assert bs is not None and config.max_num_batched_tokens is not None
+    n = max(1, min(config.max_num_batched_tokens, max_model_len - 1))
+    kv = allocate_kv_cache(shape, -(-n // bs), bs, config.dtype, device)
+    runner = ModelRunner(model, kv, bs, device)
+    req = Request("warmup", [0] * n, n, SamplingParams(max_new_tokens=1, temperature=0), 0.0)
+    req.block_ids = list(range(-(-n // bs)))
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.execute(SchedulerOutput([req], [n]))
+    peak = torch.cuda.max_memory_allocated(device)
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+    del kv, runner
+    torch.cuda.empty_cache()
+    return peak - kv_bytes

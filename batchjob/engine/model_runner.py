@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu_linear, flex
+from batchjob.engine import attention, cpu, flex
 from batchjob.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
 from batchjob.engine.request import Request
@@ -165,10 +165,7 @@ class ModelRunner:
         self._max_rows = max(max_graph_rows, ROW_BUCKETS[-1])  # rows one step can have
         self.flex = self.new_flex_state() if self.backend == "flex" else None
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
-        # CPU, float32: linear layers with weights packed once for oneDNN (see cpu_linear).
-        # (Not under torch.compile: inductor lowers the packed call only for weights it froze itself.)
-        pack = cpu_linear.available(dtype, device) and not compile_model
-        self.packed_linears = cpu_linear.prepack_linears(model) if pack else 0
+        self.packed_linears = cpu.prepare_model(model, dtype, device, compile_model)  # CPU, float32 only
         # transformers' MoE experts default to grouped_mm, which has no float64 kernel; its eager loop has.
         if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) == "grouped_mm":
             model.set_experts_implementation("eager")

@@ -10,9 +10,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchjob.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from batchjob.engine.choices import ScoreTarget
+    from batchjob.engine.constraints import Constraint
+    from batchjob.engine.output import StopScan
+    from batchjob.engine.speculative import SpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -45,39 +51,48 @@ def request_key(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
 
 
+@dataclass
+class LogprobState:
+    """A request that asked for its tokens' top-K log-probabilities."""
+
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per generated token, K + its own
+    # A resumed request's tokens, replayed one per step (instead of drawn) so that their log-probabilities
+    # are computed again; None once replayed.
+    replay: list[int] | None = None
+
+
 @dataclass(eq=False)
 class Request:
+    """Core state first (ids, counters, blocks, times); then each optional feature's state as one small
+    object, None when the request does not use the feature."""
+
     request_id: str
-    token_ids: list[int]  # prompt ids followed by generated ids
+    token_ids: list[int]  # prompt ids followed by generated ids (and, during a step, drafts)
     num_prompt_tokens: int
     params: SamplingParams
-    arrival_time: float
+    arrival_time: float  # time.monotonic() when added
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_draft_tokens: int = 0  # speculative drafts at the end of token_ids, during a step only
     block_ids: list[int] = field(default_factory=list)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    error: str | None = None
-    stop_text_pos: int | None = None  # where a matched stop string starts in the decoded output text
-    key: int = 0  # request_key(request_id), cached
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache digests of its full blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
-    # Constraints and samples (engine/constraints.py):
-    constraint: Any = None  # ChoiceConstraint | GrammarConstraint, rebuilt from the output ids on resume
+    key: int = 0  # request_key(request_id), cached: the sampler's per-request stream
+    error: str | None = None
+    first_scheduled_time: float | None = None  # monotonic seconds: first admitted to a step
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # A prompt sampled n > 1 times: one request per sample, sharing the prompt's KV blocks.
     group_id: str = ""  # the caller's id; request_id adds "#k" when the prompt is sampled n > 1 times
     sample_index: int = 0
     wait_for: Request | None = None  # not admitted before this one has computed its prompt (shares its KV)
-    logprobs: list[list[tuple[int, float]]] | None = None  # top-K per generated token, when asked for
-    forced: list[int] | None = None  # resumed tokens to replay (recomputing their log-probabilities)
-    probe_of: Request | None = None  # a one-step request scoring trie node ``probe_node`` of this request
-    probe_node: int = 0
-    pending_probes: int = 0  # probes this finished request still waits for
-    priority: bool = False  # admitted before the other waiting requests (preempted, probes)
-    # Speculative decoding (engine/speculative.py): drafts at the end of token_ids during a step only.
-    num_draft_tokens: int = 0
-    ngrams: Any = None  # NgramIndex of its tokens, built on its first draft
-    spec_backoff: int = 0  # steps left before it drafts again
-    spec_window: int = 1  # most drafts it may take next (slow start)
+    priority: bool = False  # admitted before the other waiting requests (preempted, scoring requests)
+    # Feature state:
+    constraint: Constraint | None = None  # constraints.py; rebuilt from the output ids on resume
+    logprobs: LogprobState | None = None  # top-K log-probabilities asked for
+    spec: SpecState | None = None  # speculative.py: prompt-lookup state, from its first draft on
+    score: ScoreTarget | None = None  # choices.py: this request scores a choice trie node, never samples
+    stop: StopScan | None = None  # output.py: the incremental text its stop strings are looked for in
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

@@ -6,7 +6,7 @@ through its prompt takes a chunk of what is left of the budget. Then waiting req
 budget, seats and blocks last (skipping a request ``held`` until a sibling with the same prompt has computed
 it, so it then takes those blocks from the prefix cache). Prompt chunks and decode tokens share one forward.
 
-Admission order: requests put back at the front (preempted ones, choice probes) first; then, among the
+Admission order: requests put back at the front (preempted ones, choices' scoring requests) first; then, among the
 next few waiting requests, the one with the largest ``max_new_tokens``, ties in arrival order. When output
 budgets differ, the long ones start decoding early and the run does not end with one long request
 decoding alone in many small steps (with equal budgets, as in a job, this is first come, first served).
@@ -19,6 +19,7 @@ plain plan, and no tensor is touched here.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,7 +61,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
 
     def add(self, req: Request, front: bool = False) -> None:
@@ -88,9 +88,6 @@ class Scheduler:
             if best is None or req.params.max_new_tokens > best.params.max_new_tokens:
                 best = req
         return best
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -138,6 +135,8 @@ class Scheduler:
                 else:
                     self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 self.running.append(req)
                 out.requests.append(req)
                 out.num_tokens.append(n)
@@ -152,7 +151,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.priority = True
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a finished request out (running or waiting) and free its blocks at once."""

@@ -15,6 +15,8 @@ gave the request, resolved after sampling. A checkpoint or a preemption never se
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -48,26 +50,35 @@ class NgramIndex:
         return []
 
 
+@dataclass
+class SpecState:
+    """A request's prompt-lookup state, from its first draft on."""
+
+    ngrams: NgramIndex = field(default_factory=NgramIndex)  # of its tokens
+    backoff: int = 0  # steps left before it drafts again
+    window: int = 1  # most drafts it may take next (slow start)
+
+
 def can_draft(req: Request) -> bool:
-    """Decoding, and nothing that needs the model's distribution token by token (constraints, log-probs,
-    choice probes, replayed tokens)."""
+    """Decoding, and nothing that needs the model's distribution token by token (constraints, log-probs
+    and their replayed tokens, scoring requests)."""
     return (
         req.num_computed_tokens == req.num_tokens - 1
         and req.constraint is None
         and req.logprobs is None
-        and req.probe_of is None
-        and req.forced is None
+        and req.score is None
     )
 
 
 def propose(req: Request, k: int) -> list[int]:
-    """At most ``req.spec_window`` drafts (which grows while drafts are kept, see ``record``)."""
-    if req.spec_backoff > 0:
-        req.spec_backoff -= 1
+    """At most ``req.spec.window`` drafts (which grows while drafts are kept, see ``record``)."""
+    if req.spec is None:
+        req.spec = SpecState()
+    spec = req.spec
+    if spec.backoff > 0:
+        spec.backoff -= 1
         return []
-    if req.ngrams is None:
-        req.ngrams = NgramIndex()
-    return req.ngrams.propose(req.token_ids, min(k, req.spec_window))
+    return spec.ngrams.propose(req.token_ids, min(k, spec.window))
 
 
 def record(req: Request, proposed: int, kept: int) -> None:
@@ -75,12 +86,14 @@ def record(req: Request, proposed: int, kept: int) -> None:
     are kept; a rejection sends it back to one, and a draft rejected outright rests it a few steps. Text
     that rarely repeats its context then costs about one wasted row per few steps, while a request that
     loops soon drafts the full window."""
+    if req.spec is None:
+        req.spec = SpecState()
     if kept == proposed:
-        req.spec_window = min(2 * req.spec_window, 64)
+        req.spec.window = min(2 * req.spec.window, 64)
     else:
-        req.spec_window = 1
+        req.spec.window = 1
         if kept == 0:
-            req.spec_backoff = BACKOFF_STEPS
+            req.spec.backoff = BACKOFF_STEPS
 
 
 def draft(running: list[Request], bm: BlockManager, max_drafts: int, max_model_len: int) -> list[Request]:

@@ -81,7 +81,6 @@ class _Pending:
     row_id: str
     num_prompt_tokens: int
     params: SamplingParams  # of the row's request in the engine (with reasoning: of its thinking)
-    first_run: float | None = None
     samples: dict[int, Any] = field(default_factory=dict)  # --n: finished samples, written together
     # reasoning models (reasoning.py): whether the prompt ends inside a think block; with two requests, the
     # thinking's prompt, the answer's parameters, and each sample's finished thinking
@@ -320,7 +319,7 @@ class JobLoop:
             if p.answer_params is not None and out.finish_reason != "error":
                 self._answer(p, k, out)  # the thinking is done: now the answer, after it
                 return
-        self.stats.request(out, p.first_run)
+        self.stats.request(out)
         p.samples[k] = out
         if len(p.samples) < p.params.n:
             return  # --n: the row is written once all its samples are done
@@ -359,17 +358,6 @@ class JobLoop:
         answer_id = f"{p.row_id}\x1fanswer{k}"
         self.answer_of[answer_id] = (p.row_id, k)
         self.engine.add_request(answer_id, ids, p.answer_params.replace(n=1))
-
-    def _note_started(self) -> None:
-        """When each row was first seen running (its queue wait): the one place the loop reads the engine's
-        scheduler, until engine outputs carry when they were first scheduled (``RunStats.request`` prefers
-        that)."""
-        running = getattr(getattr(self.engine, "scheduler", None), "running", None)
-        now = time.monotonic()
-        for req in running or ():
-            p = self.pending.get(getattr(req, "group_id", req.request_id))
-            if p is not None and p.first_run is None:
-                p.first_run = now
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -429,7 +417,6 @@ class JobLoop:
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._finished(out)
-                    self._note_started()
                     self.stats.step(self.engine.stats)
                     self.bar.step(self.stats.generated_tokens)
                 elif reader_done:

@@ -89,12 +89,9 @@ class RunStats:
         self.prompt_tokens += prompt_tokens
         self.generated_tokens += generated_tokens
 
-    def request(self, out: Any, first_run: float | None) -> None:
-        """Timings of a finished engine request (monotonic seconds from when it was added).
-
-        ``first_run``: when the runner first saw it running (None: it finished in its first step).
-        """
-        scheduled = getattr(out, "first_scheduled_time", None) or first_run or out.first_token_time
+    def request(self, out: Any) -> None:
+        """Timings of a finished engine request (``RequestOutput``: monotonic seconds)."""
+        scheduled = out.first_scheduled_time
         values = {}
         if scheduled is not None:
             values["queue_wait_s"] = max(0.0, scheduled - out.arrival_time)

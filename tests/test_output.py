@@ -1,0 +1,93 @@
+"""The output processor: stop strings found incrementally stop a request at the same token, and cut its text at
+the same place, as decoding the whole output after every token (byte-level BPE with multi-byte characters cut
+between tokens, and a SentencePiece-style tokenizer that drops the first token's leading space)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchjob.engine.output import OutputProcessor
+from batchjob.engine.request import Request
+from batchjob.sampling import SamplingParams
+from tests.tiny_models import make_tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+TEXT = "the cat sat. The dog ran, and the bird — très vite — flew: naïve café, 東京 and 🎉!\n"
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def metaspace():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", *bytes_])
+    tok.train_from_iterator([TEXT] * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def _naive(tokenizer, output: list[int], stops: list[str]) -> tuple[int, int] | None:
+    """(tokens, position): the first prefix of ``output`` whose text holds a stop string, and where."""
+    for n in range(1, len(output) + 1):
+        text = tokenizer.decode(output[:n], skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            return n, min(hits)
+    return None
+
+
+def _incremental(tokenizer, prompt: list[int], output: list[int], stops: list[str]) -> tuple[int, int] | None:
+    proc = OutputProcessor(tokenizer)
+    req = Request("r", list(prompt), len(prompt), SamplingParams(stop=stops), 0.0)
+    for tok in output:
+        req.token_ids.append(tok)
+        if proc.stop_string_found(req):
+            assert req.stop is not None and req.stop.match is not None
+            return req.num_output_tokens, req.stop.match
+    return None
+
+
+@pytest.mark.parametrize("which", ["byte_level", "metaspace"])
+def test_incremental_stop_strings_match_decoding_the_whole_output(which, request):
+    tokenizer = request.getfixturevalue(which)
+    rng = random.Random(0)
+    words = TEXT.split(" ")
+    cases = 0
+    for _ in range(150):
+        text = " ".join(rng.choice(words) for _ in range(rng.randrange(3, 30)))
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if rng.random() < 0.3:  # random ids too: byte tokens that do not make whole characters
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            if full and rng.random() < 0.8:
+                i = rng.randrange(len(full))
+                stops.append(full[i : i + rng.randrange(1, 8)])
+            else:
+                stops.append(rng.choice(["zzz", "é,", ". T", "🎉", "\n"]))
+        stops = [s for s in stops if s] or ["zzz"]
+        want = _naive(tokenizer, ids, stops)
+        assert _incremental(tokenizer, [1, 2], ids, stops) == want, (ids, stops)
+        cases += want is not None
+    assert cases > 50  # most cases stop somewhere
+
+
+def test_found_stays_found(byte_level):
+    """A resumed request already past its stop string is checked twice (at admission, at the next step)."""
+    proc = OutputProcessor(byte_level)
+    ids = byte_level("the cat sat. The dog", add_special_tokens=False).input_ids
+    req = Request("r", [1] + ids, 1, SamplingParams(stop=["cat"]), 0.0)
+    assert proc.stop_string_found(req) and proc.stop_string_found(req)
+    assert req.stop is not None and req.stop.match == 4
