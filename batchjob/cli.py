@@ -77,13 +77,13 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--params-column",
             metavar="COL",
-            help='Column of per-row sampling parameters: a JSON object (text or struct) such as '
+            help="Column of per-row sampling parameters: a JSON object (text or struct) such as "
             '{"max_new_tokens": 3, "temperature": 0.7}; what a row leaves out takes the job\'s options.',
         ),
         click.option(
             "--chat-template-kwargs",
             metavar="JSON",
-            help='Keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3).',
+            help="Keyword arguments for the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3).",
         ),
         click.option(
             "--reasoning-tags",
@@ -449,7 +449,9 @@ def status(dir: str) -> None:
     workers = f" ({finished} of {len(st.workers)} workers complete)" if len(st.workers) > 1 else ""
     click.echo(f"{dir}: {'complete' if st.complete else 'incomplete'}{workers}")
     if st.input_changes:
-        click.echo("inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):")
+        click.echo(
+            "inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):"
+        )
         for line in st.input_changes:
             click.echo(f"  {line}")
     for p in st.problems:
@@ -524,7 +526,9 @@ def export(dir: str, fmt: str, to: str | None) -> None:
 
 @main.command()
 @click.argument("dirs", nargs=-1, required=True, type=click.Path())
-@click.option("--to", "to", metavar="FILE", help="Where to write the page (default: DIR/_batchjob/report.html).")
+@click.option(
+    "--to", "to", metavar="FILE", help="Where to write the page (default: DIR/_batchjob/report.html)."
+)
 @_errors
 def report(dirs: tuple[str, ...], to: str | None) -> None:
     """Draw a job's progress and results into one self-contained HTML page (images embedded), and print

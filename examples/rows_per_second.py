@@ -27,9 +27,13 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--code", action="append", help="a batchjob checkout to run (repeatable; default: this one)")
+    ap.add_argument(
+        "--code", action="append", help="a batchjob checkout to run (repeatable; default: this one)"
+    )
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--ids", choices=["both", "derived", "column"], default="both", help="which id modes to run")
+    ap.add_argument(
+        "--ids", choices=["both", "derived", "column"], default="both", help="which id modes to run"
+    )
     ap.add_argument("--work", help="folder for the data, model and outputs (default: a temporary one)")
     args = ap.parse_args()
     codes = [str(Path(c).resolve()) for c in (args.code or [str(ROOT)])]

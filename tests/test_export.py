@@ -58,9 +58,12 @@ def export(out, fmt, *extra):
 
 
 def expected_order():
-    return [f"a{i:02d}" for i in range(25)] + [None] + [f"b{i:02d}" for i in range(12)] + [
-        f"c{i:02d}" for i in range(9)
-    ]
+    return (
+        [f"a{i:02d}" for i in range(25)]
+        + [None]
+        + [f"b{i:02d}" for i in range(12)]
+        + [f"c{i:02d}" for i in range(9)]
+    )
 
 
 @pytest.mark.parametrize("shards", [1, 3])

@@ -19,9 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import attention
+from batchjob.engine import attention, support
 from batchjob.engine import engine as engine_module
-from batchjob.engine import support
 from batchjob.engine.config import EngineConfig
 from batchjob.errors import ConfigError
 from tests.tiny_models import FAMILIES, make_family_model
@@ -308,7 +307,16 @@ def test_validate_and_run_refuse_a_family_before_any_work(folder, tmp_path):
     data.write_text('{"text": "hello"}\n')
     for command in ("validate", "run"):
         out = tmp_path / command
-        args = [command, "--input", str(data), "--output", str(out), "--model", str(folder("bloom")), "--no-chat"]
+        args = [
+            command,
+            "--input",
+            str(data),
+            "--output",
+            str(out),
+            "--model",
+            str(folder("bloom")),
+            "--no-chat",
+        ]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "model family 'bloom'" in result.output, result.output
         assert not list(out.glob("*.parquet"))

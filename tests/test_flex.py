@@ -284,13 +284,13 @@ def test_block_mask_lists_only_the_requests_own_pages():
 # -- the engine with flex forced, against Hugging Face ------------------------------------------------------
 
 
-def _hf_greedy(folder, prompts, max_new_tokens, dtype=torch.float64, **load):
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **load).eval()
+def _hf_greedy(folder, prompts, max_new_tokens, dtype=torch.float64, device="cpu", **load):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **load).to(device).eval()
     hf.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             out = hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from batchjob import Engine, SamplingParams
 from batchjob.engine import attention, flex
 from batchjob.engine.attention import flash_attn_available
-from tests.test_flex import MIXED, _alibi_slopes, _flex_meta, _reference, _step
+from tests.test_flex import MIXED, _alibi_slopes, _flex_meta, _hf_greedy, _reference, _step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 DEVICE = "cuda"
@@ -23,20 +23,7 @@ def _prompts(n_tokens, vocab, seed=0):
 
 
 def _hf_greedy_cuda(folder, prompts, max_new_tokens):
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).to("cuda").eval()
-    hf.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outs.append(out[0, len(p) :].tolist())
-    return outs
+    return _hf_greedy(folder, prompts, max_new_tokens, device="cuda")
 
 
 @pytest.mark.parametrize("backend", ["flex", "torch"])
@@ -173,7 +160,7 @@ def family_agreement(folder, device: str, dtype: torch.dtype, new_tokens: int = 
     """(tokens equal to HF ``generate`` up to each sequence's first difference, tokens in all) for one family
     of the matrix, our engine and HF on the same device and dtype, under the matrix's pressure (chunked
     prompts longer than the windows, prefix caching)."""
-    from tests.test_families import _engine_options, _hf_greedy, _prompts, _reference
+    from tests.test_families import _engine_options, _prompts, _reference
 
     options = _engine_options() | {"device": device, "num_blocks": 64}
     engine = Engine.from_pretrained(str(folder), dtype=str(dtype).removeprefix("torch."), **options)

@@ -102,7 +102,11 @@ def test_parquet_and_hf_folder_and_skip(tmp_path):
     rows = list(iter_rows(sources))
     assert len(rows) == 3002 and rows[2999].values == {"text": "t2999", "n": 2999}
     hf = 1 << 40  # the second file's rows start at ordinal 1 << 40 (batchjob.job.inputs)
-    assert rows[3001].values == {"text": "h1"} and rows[3001].ordinal == hf + 1 and rows[3001].derived_id == "hf:1"
+    assert (
+        rows[3001].values == {"text": "h1"}
+        and rows[3001].ordinal == hf + 1
+        and rows[3001].derived_id == "hf:1"
+    )
     done = IntervalSet([(0, 2500), (hf, hf + 1)])
     gen = iter_rows(sources, skip=done.__contains__, covered=done.covers)
     left = []

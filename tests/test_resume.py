@@ -102,7 +102,9 @@ def test_sigkill_any_number_of_times_then_resume_equals_uninterrupted(
     # waits there, so it can never finish before the kill, however fast the machine: the kill falls anywhere
     # from loading the model to just after a commit.
     for _ in range(3):
-        proc = launch(job_args(reviews, out, tiny_model_dir, *sampling), BATCHJOB_FAULT_PAUSE="part_committed")
+        proc = launch(
+            job_args(reviews, out, tiny_model_dir, *sampling), BATCHJOB_FAULT_PAUSE="part_committed"
+        )
         wait_started(out, proc)
         time.sleep(rng.uniform(0.0, 1.2))
         assert proc.poll() is None, proc.stdout.read()

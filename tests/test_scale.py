@@ -96,7 +96,9 @@ def test_three_workers_by_flags_equal_one_worker(reviews, tiny_model_dir, tmp_pa
     parts = sorted(p.name for p in out.glob("*.parquet"))
     assert {p.split("-of-")[0] for p in parts} == {"part-00000", "part-00001", "part-00002"}
     body = json.loads((out / "_batchjob" / "job.json").read_text())["body"]
-    assert set(body["fingerprint"]) == {"model", "prompt", "sampling", "sharding"} and len(body["inputs"]) == 1
+    assert (
+        set(body["fingerprint"]) == {"model", "prompt", "sampling", "sharding"} and len(body["inputs"]) == 1
+    )
 
     code, text = invoke("status", out)
     assert code == 0 and "complete (3 of 3 workers complete)" in text, text

@@ -25,6 +25,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 
+
 @dataclass(frozen=True)
 class Feature:
     name: str  # the name attention.BACKEND_FEATURES lists when a backend computes it

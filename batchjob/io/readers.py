@@ -167,8 +167,10 @@ def input_schema(sources: list[Source]) -> pa.Schema:
         raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
     if kinds:
         text = pa.schema([pa.field(k, _json_type(v)) for k, v in kinds.items()])
-        jsonl_name = "the JSONL inputs" if sum(s.kind == "jsonl" for s in sources) > 1 else next(
-            s.path for s in sources if s.kind == "jsonl"
+        jsonl_name = (
+            "the JSONL inputs"
+            if sum(s.kind == "jsonl" for s in sources) > 1
+            else next(s.path for s in sources if s.kind == "jsonl")
         )
         named.insert(jsonl_at or 0, (jsonl_name, text))
     if not named:

@@ -97,7 +97,12 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
     first = group[0].row
     custom_id = _id_of(group[0], info, "custom_id" if "custom_id" in first else id_column)
     digest = hashlib.sha256(f"{info.job_seed}:{custom_id}".encode()).hexdigest()[:24]
-    line: dict[str, Any] = {"id": f"batch_req_{digest}", "custom_id": custom_id, "response": None, "error": None}
+    line: dict[str, Any] = {
+        "id": f"batch_req_{digest}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": None,
+    }
     if first.get("error") is not None:
         line["error"] = {"code": "batchjob_error", "message": first["error"]}
         return line
@@ -122,7 +127,11 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+        },
     }
     line["response"] = {"status_code": 200, "request_id": digest, "body": body}
     return line
@@ -178,4 +187,3 @@ def export_to(out_dir: Path, fmt: str, to: str | None) -> tuple[int, str]:
         n = export(out_dir, fmt, f)
     tmp.replace(target)
     return n, str(target)
-

@@ -94,7 +94,9 @@ class IdIndex:
 
     def commit(self) -> None:
         with self._writing():
-            self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('seen_to', ?)", (self.seen_to,))
+            self.db.execute(
+                "INSERT OR REPLACE INTO meta (name, value) VALUES ('seen_to', ?)", (self.seen_to,)
+            )
             self.db.commit()
 
     def close(self) -> None:

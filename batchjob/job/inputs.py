@@ -197,17 +197,33 @@ def _check_one(
             return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False
         old = _identify(source, prefix=saved.size)
         if old.digest != saved.digest:
-            return None, f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)", False
+            return (
+                None,
+                f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)",
+                False,
+            )
         grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
         if source.kind != "jsonl" or is_compressed(source):
-            what = "a Parquet file" if source.kind == "parquet" else "a compressed file" if source.kind == "jsonl" else "a saved dataset"
+            what = (
+                "a Parquet file"
+                if source.kind == "parquet"
+                else "a compressed file"
+                if source.kind == "jsonl"
+                else "a saved dataset"
+            )
             return None, f"{grown}, but {what} can't be appended to: add new rows as new files", False
         if not saved.ends_newline:
             return None, f"{grown}, but its last row had no newline, so that row changed", False
         if not append:
             return None, f"{grown}: run with --append to process the new rows", True
         ends = _ends_newline(source, now.size)
-        return replace(saved, size=now.size, mtime_ns=now.mtime_ns, digest=now.digest, ends_newline=ends, rows=None), None, True
+        return (
+            replace(
+                saved, size=now.size, mtime_ns=now.mtime_ns, digest=now.digest, ends_newline=ends, rows=None
+            ),
+            None,
+            True,
+        )
     except FileNotFoundError:
         return None, "removed", False
     except OSError as e:
@@ -239,7 +255,9 @@ def reconcile(
         elif now is not None:
             records.append(now)
             if grew:
-                taken.append(f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed")
+                taken.append(
+                    f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed"
+                )
     new = [s for s in sources if s.name not in known]
     if new and not append:
         problems += [f"{s.path}: new file (run with --append to process it)" for s in new]

@@ -64,7 +64,9 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
         return None
     old, new = saved.get("files") or {}, now.get("files") or {}
     if not old or not new:
-        return f"model: was {saved.get('hub_id') or 'a local model'}, now {now.get('hub_id') or 'a local model'}"
+        return (
+            f"model: was {saved.get('hub_id') or 'a local model'}, now {now.get('hub_id') or 'a local model'}"
+        )
     lines = [f"{f} changed" for f in sorted(set(old) & set(new)) if old[f] != new[f]]
     lines += [f"{f} removed" for f in sorted(set(old) - set(new))]
     lines += [f"{f} added" for f in sorted(set(new) - set(old))]

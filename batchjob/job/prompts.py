@@ -214,12 +214,18 @@ class PromptBuilder:
     """Builds prompt token ids for rows; the tokenizer is the engine's."""
 
     def __init__(
-        self, plan: PromptPlan, tokenizer: Any, max_model_len: int, template_kwargs: dict[str, Any] | None = None
+        self,
+        plan: PromptPlan,
+        tokenizer: Any,
+        max_model_len: int,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.plan = plan
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs, e.g. {"enable_thinking": false}
+        self.template_kwargs = (
+            template_kwargs or {}
+        )  # --chat-template-kwargs, e.g. {"enable_thinking": false}
         self._template = parse_template(plan.template) if plan.template is not None else ()
 
     def text(self, values: dict[str, Any]) -> tuple[str | None, str | None]:

@@ -47,7 +47,9 @@ def _check_type(name: str, value: Any, where: str) -> str | None:
             return f"{where}{name} must be a list of strings, got {value!r}"
         return None
     if name == "stop_token_ids":
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             return f"{where}{name} must be a list of token ids, got {value!r}"
         return None
     if name == "json_schema":
@@ -59,11 +61,16 @@ def _check_type(name: str, value: Any, where: str) -> str | None:
     return None
 
 
-def with_params(base: SamplingParams, given: dict[str, Any], where: str) -> tuple[SamplingParams | None, str | None]:
+def with_params(
+    base: SamplingParams, given: dict[str, Any], where: str
+) -> tuple[SamplingParams | None, str | None]:
     """``base`` with the fields in ``given`` replaced: ``(params, None)`` or ``(None, why not)``."""
     for name, value in given.items():
         if name not in PARAM_NAMES:
-            return None, f"{where}unknown sampling parameter {name!r} (known: {', '.join(sorted(PARAM_NAMES))})"
+            return (
+                None,
+                f"{where}unknown sampling parameter {name!r} (known: {', '.join(sorted(PARAM_NAMES))})",
+            )
         problem = _check_type(name, value, where)
         if problem:
             return None, problem
@@ -78,7 +85,9 @@ def with_params(base: SamplingParams, given: dict[str, Any], where: str) -> tupl
         return None, f"{where}{e}"
 
 
-def params_from_column(value: Any, column: str, base: SamplingParams) -> tuple[SamplingParams | None, str | None]:
+def params_from_column(
+    value: Any, column: str, base: SamplingParams
+) -> tuple[SamplingParams | None, str | None]:
     """A row's ``--params-column`` value (JSON text or a struct) applied over the job's parameters."""
     where = f"params column {column!r}: "
     if value is None:
@@ -102,15 +111,31 @@ COMPLETIONS_URL = "/v1/completions"
 # Fields accepted and ignored: they change nothing about the answer.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # Fields accepted at their neutral value only.
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "stream": False, "logit_bias": {}, "echo": False,
-            "best_of": 1, "suffix": None}
+_NEUTRAL = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "stream": False,
+    "logit_bias": {},
+    "echo": False,
+    "best_of": 1,
+    "suffix": None,
+}
 
 
 def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | None, str | None]:
     """The ``SamplingParams`` fields a request body asks for, or the error naming the field it can't have."""
     out: dict[str, Any] = {}
-    known = {"messages" if chat else "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-             "logprobs", "response_format"}
+    known = {
+        "messages" if chat else "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "logprobs",
+        "response_format",
+    }
     if chat:
         known |= {"max_completion_tokens", "top_logprobs"}
     for key, value in body.items():
@@ -146,7 +171,10 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | Non
         elif kind == "json_object":
             out["json_schema"] = {"type": "object"}
         elif kind != "text":
-            return None, f"body.response_format.type {kind!r} is not supported (json_schema, json_object, text)"
+            return (
+                None,
+                f"body.response_format.type {kind!r} is not supported (json_schema, json_object, text)",
+            )
     return out, None
 
 
@@ -156,7 +184,11 @@ def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 return None, f"body.messages[{i}].content[{j}]: only text parts are supported (got {kind!r})"
             parts.append(part["text"])
@@ -184,7 +216,11 @@ def parse_request(
     if not isinstance(body, dict):
         return None, None, "body must be a JSON object"
     if model_names is not None and body.get("model") is not None and body["model"] not in model_names:
-        return None, None, f"body.model {body['model']!r} is not this job's model ({', '.join(sorted(model_names))})"
+        return (
+            None,
+            None,
+            f"body.model {body['model']!r} is not this job's model ({', '.join(sorted(model_names))})",
+        )
     chat = url == CHAT_URL
     given, error = _body_params(body, chat)
     if given is None:

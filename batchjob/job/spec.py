@@ -63,7 +63,9 @@ class JobSpec:
     format: str = "rows"
     params_column: str | None = None  # a column of per-row sampling parameters (JSON object or struct)
     check_model_name: bool = False  # --format openai: a request whose body.model is not this model fails
-    chat_template_kwargs: dict[str, Any] | str | None = None  # keyword arguments for the chat template: a JSON object (or its text)
+    chat_template_kwargs: dict[str, Any] | str | None = (
+        None  # keyword arguments for the chat template: a JSON object (or its text)
+    )
     reasoning_tags: str | None = None  # "OPEN,CLOSE": the think tags (default: found in the tokenizer)
     # model
     model: str | None = None  # None: the embedded default model
@@ -128,15 +130,20 @@ class JobSpec:
         if self.format not in FORMAT_CHOICES:
             raise ConfigError(f"format must be one of {', '.join(FORMAT_CHOICES)}; got {self.format!r}")
         if self.format == "openai":
-            given = [n for n in ("prompt_column", "messages_column", "template", "params_column")
-                     if getattr(self, n) is not None]
+            given = [
+                n
+                for n in ("prompt_column", "messages_column", "template", "params_column")
+                if getattr(self, n) is not None
+            ]
             if given:
                 raise ConfigError(
                     f"--format openai takes the prompt and parameters from each request's body; leave out "
                     f"{', '.join('--' + g.replace('_', '-') for g in given)}"
                 )
             if self.id_column not in (None, "custom_id"):
-                raise ConfigError("--format openai: the row id is each request's custom_id; leave out --id-column")
+                raise ConfigError(
+                    "--format openai: the row id is each request's custom_id; leave out --id-column"
+                )
             self.id_column = "custom_id"
         if self.lookahead < 1:
             raise ConfigError(f"lookahead must be >= 1 rows, got {self.lookahead!r}")
