@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from batchjob import Engine, SamplingParams
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.errors import ConfigError
-from tests.tiny_models import make_model
+from tests.tiny_models import hf_greedy, make_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,21 +20,6 @@ FAMILIES = ["llama", "qwen2", "gpt2"]
 
 def _hf(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-
-
-def _hf_greedy(hf, prompt: list[int], max_new_tokens: int, ignore_eos: bool) -> list[int]:
-    kwargs = {"eos_token_id": None, "pad_token_id": 0} if ignore_eos else {}
-    if ignore_eos:
-        hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            **kwargs,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _prompts(rng: random.Random, lengths, vocab: int) -> list[list[int]]:
@@ -92,7 +77,7 @@ def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget, 
     outs = engine.generate(prompts, params)
     for p, out in zip(prompts, outs, strict=True):
         assert out.finish_reason == "length" and out.error is None
-        assert out.token_ids == _hf_greedy(hf, p, 12, ignore_eos=True), f"prompt of {len(p)} tokens"
+        assert out.token_ids == hf_greedy(hf, p, 12, ignore_eos=True), f"prompt of {len(p)} tokens"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -107,7 +92,7 @@ def test_sliding_window_equals_hf_generate(tmp_path, decode_path):
     prompts = _prompts(random.Random(8), [2, 5, 19, 44], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
     for p, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == _hf_greedy(hf, p, 10, ignore_eos=True)
+        assert out.token_ids == hf_greedy(hf, p, 10, ignore_eos=True)
 
 
 def test_greedy_stops_at_eos_like_hf(tiny_model_dir):
@@ -128,7 +113,7 @@ def test_greedy_stops_at_eos_like_hf(tiny_model_dir):
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0))
     reasons = set()
     for p, out in zip(prompts, outs, strict=True):
-        ref = _hf_greedy(hf, p, 30, ignore_eos=False)
+        ref = hf_greedy(hf, p, 30, ignore_eos=False)
         assert out.token_ids == ref
         assert out.finish_reason == ("stop" if ref[-1] == eos else "length")
         reasons.add(out.finish_reason)
@@ -152,7 +137,7 @@ def test_preemption_keeps_outputs_exact(tiny_model_dir):
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     assert engine.stats.preemptions > 0
     for p, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == _hf_greedy(hf, p, 20, ignore_eos=True)
+        assert out.token_ids == hf_greedy(hf, p, 20, ignore_eos=True)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert all(c == 0 for c in engine.block_manager.ref_counts)
 
@@ -184,7 +169,7 @@ def test_shared_prefix_is_computed_once_and_outputs_are_exact(tiny_model_dir, nu
     (cached_out, on), (plain_out, off) = results[True], results[False]
     assert cached_out == plain_out
     for p, toks in zip(prompts, cached_out, strict=True):
-        assert toks == _hf_greedy(hf, p, 10, ignore_eos=True)
+        assert toks == hf_greedy(hf, p, 10, ignore_eos=True)
     assert off.cached_prompt_tokens == 0
     assert on.cached_prompt_tokens >= 4 * 60  # later rows found the instruction's 15 full blocks
     assert on.computed_prompt_tokens + on.cached_prompt_tokens >= on.prompt_tokens

@@ -23,7 +23,7 @@ from batchjob.engine import attention, support
 from batchjob.engine import engine as engine_module
 from batchjob.engine.config import EngineConfig
 from batchjob.errors import ConfigError
-from tests.tiny_models import FAMILIES, make_family_model
+from tests.tiny_models import FAMILIES, hf_greedy, make_family_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,20 +79,6 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in SUFFIXES]
 
 
-def _hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def _generate(engine, prompts, max_new_tokens: int = NEW) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
     return [o.token_ids for o in engine.generate(prompts, params)]
@@ -135,7 +121,7 @@ def test_family_matches_hf_generate_or_is_refused(folder, family, decode_path):
     prompts = _prompts(engine.vocab_size)
     outs = _generate(engine, prompts)
     for p, toks in zip(prompts, outs, strict=True):
-        assert toks == _hf_greedy(hf, p, NEW), f"{family}: prompt of {len(p)} tokens"
+        assert toks == hf_greedy(hf, p, NEW), f"{family}: prompt of {len(p)} tokens"
     stats = engine.stats
     assert stats.preemptions > 0 and stats.cached_prompt_tokens > 0, stats
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -162,7 +148,7 @@ def test_refused_families_would_answer_wrongly(folder, family, monkeypatch):
     engine = Engine(model, AutoTokenizer.from_pretrained(path), config)
     prompts = _prompts(engine.vocab_size)
     outs = _generate(engine, prompts)
-    wrong = sum(toks != _hf_greedy(hf, p, NEW) for p, toks in zip(prompts, outs, strict=True))
+    wrong = sum(toks != hf_greedy(hf, p, NEW) for p, toks in zip(prompts, outs, strict=True))
     assert wrong > 0, f"{family}: every answer matched; the refusal would be needless"
 
 
@@ -193,9 +179,9 @@ def test_what_only_flex_computes_changes_the_answers(folder, family):
     engine = Engine(copy.deepcopy(hf), AutoTokenizer.from_pretrained(path), config)
     assert engine.runner.backend == "flex"
     prompts = _prompts(engine.vocab_size)
-    refs = [_hf_greedy(hf, p, NEW) for p in prompts]
+    refs = [hf_greedy(hf, p, NEW) for p in prompts]
     assert _generate(engine, prompts) == refs
-    assert sum(_hf_greedy(without, p, NEW) != ref for p, ref in zip(prompts, refs, strict=True)) > 0
+    assert sum(hf_greedy(without, p, NEW) != ref for p, ref in zip(prompts, refs, strict=True)) > 0
 
 
 def test_unscaled_head_is_exact_in_float64(folder, capsys):
@@ -205,7 +191,7 @@ def test_unscaled_head_is_exact_in_float64(folder, capsys):
     hf = _reference(path)
     prompts = _prompts(engine.vocab_size, seed=3)
     outs = _generate(engine, prompts, max_new_tokens=10)
-    refs = [_hf_greedy(hf, p, 10) for p in prompts]
+    refs = [hf_greedy(hf, p, 10) for p in prompts]
     with torch.inference_mode():
         top2 = hf(torch.tensor([prompts[0]])).logits[0].topk(2, -1).values
     margin = float((top2[:, 0] - top2[:, 1]).median())
@@ -232,7 +218,7 @@ def test_unscaled_head_in_float32_differs_only_at_near_ties(folder, capsys):
     outs = _generate(engine, prompts, max_new_tokens=16)
     same = total = diverged = 0
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = _hf_greedy(hf, prompt, 16)
+        ref = hf_greedy(hf, prompt, 16)
         total += len(ref)
         first = next((i for i, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b), None)
         same += len(ref) if first is None else first

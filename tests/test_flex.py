@@ -21,7 +21,7 @@ from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
 from batchjob.job.spec import JobSpec
-from tests.tiny_models import make_model, make_tokenizer
+from tests.tiny_models import hf_greedy, make_model, make_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -286,20 +286,7 @@ def test_block_mask_lists_only_the_requests_own_pages():
 
 def _hf_greedy(folder, prompts, max_new_tokens, dtype=torch.float64, device="cpu", **load):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **load).to(device).eval()
-    hf.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(out[0, len(p) :].tolist())
-    return outs
+    return [hf_greedy(hf, p, max_new_tokens) for p in prompts]
 
 
 def _prompts(seed, lengths, vocab):

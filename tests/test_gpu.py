@@ -161,6 +161,7 @@ def family_agreement(folder, device: str, dtype: torch.dtype, new_tokens: int = 
     of the matrix, our engine and HF on the same device and dtype, under the matrix's pressure (chunked
     prompts longer than the windows, prefix caching)."""
     from tests.test_families import _engine_options, _prompts, _reference
+    from tests.tiny_models import hf_greedy
 
     options = _engine_options() | {"device": device, "num_blocks": 64}
     engine = Engine.from_pretrained(str(folder), dtype=str(dtype).removeprefix("torch."), **options)
@@ -169,13 +170,7 @@ def family_agreement(folder, device: str, dtype: torch.dtype, new_tokens: int = 
     prompts = _prompts(engine.vocab_size) + _prompts(engine.vocab_size, seed=1)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
-        hf.generation_config.eos_token_id = None
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device=device)
-            ref = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt) :].tolist()  # fmt: skip
+        ref = hf_greedy(hf, prompt, new_tokens)
         first = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b), len(ref))
         same, total = same + first, total + len(ref)
     return same, total

@@ -14,22 +14,14 @@ from transformers import AutoModelForCausalLM
 
 from batchjob import Engine, SamplingParams
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
+from tests.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _hf_greedy(folder, prompts, max_new_tokens):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    hf.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-            )
-            outs.append(out[0, len(p) :].tolist())
-    return outs
+    return [hf_greedy(hf, p, max_new_tokens) for p in prompts]
 
 
 def _prompts(seed, lengths, vocab):

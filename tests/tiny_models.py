@@ -186,6 +186,20 @@ _INIT_RANGE = {
 }
 
 
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
+    """HF ``generate``'s greedy tokens after ``prompt``, on the model's device: the reference every exactness
+    test compares with. ``ignore_eos``: run to ``max_new_tokens`` (the model's EOS ids are cleared)."""
+    kwargs = {"eos_token_id": None, "pad_token_id": 0} if ignore_eos else {}
+    if ignore_eos:
+        hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt], device=hf.device)
+    with torch.inference_mode():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def make_family_model(folder: Path, family: str, **kwargs):
     """A model of the family matrix: :func:`make_model` with weights large enough that answers depend on
     their context."""
