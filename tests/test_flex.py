@@ -21,6 +21,7 @@ from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
 from batchjob.job.spec import JobSpec
+from tests.test_graphs import _flash_varlen_in_torch
 from tests.tiny_models import hf_greedy, make_model, make_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
@@ -554,23 +555,13 @@ def _varlen_in_torch(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, *, scale=Non
     """torch.nn.attention.varlen.varlen_attn's paged call written out (FA2: a right window of 0 is causal,
     bottom-right aligned; the left window counts keys before the query)."""
     assert block_table is not None and seqused_k is not None and window_size[1] == 0
-    out = torch.empty_like(q)
-    bs, kv_heads, dim = k_cache.shape[1:]
-    for i in range(len(cu_q) - 1):
-        qs, qe, klen = int(cu_q[i]), int(cu_q[i + 1]), int(seqused_k[i])
-        assert klen == int(cu_k[i + 1] - cu_k[i]) and qe - qs <= max_q and klen <= max_k
-        pages = block_table[i, : -(-klen // bs)].long()
-        k = k_cache[pages].reshape(-1, kv_heads, dim)[:klen].transpose(0, 1)[None]
-        v = v_cache[pages].reshape(-1, kv_heads, dim)[:klen].transpose(0, 1)[None]
-        qpos, kpos = torch.arange(klen - (qe - qs), klen)[:, None], torch.arange(klen)[None, :]
-        mask = kpos <= qpos
-        if window_size[0] >= 0:
-            mask &= kpos >= qpos - window_size[0]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[qs:qe].transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-        )
-        out[qs:qe] = o[0].transpose(0, 1)
-    return out
+    assert enable_gqa or q.shape[1] == k_cache.shape[2]
+    for i in range(len(cu_q) - 1):  # seqused_k: the keys each request has, as cu_k says
+        assert int(seqused_k[i]) == int(cu_k[i + 1] - cu_k[i])
+    return _flash_varlen_in_torch(
+        q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, softmax_scale=scale, window_size=window_size,
+        block_table=block_table,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
