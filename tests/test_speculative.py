@@ -12,7 +12,8 @@ from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.speculative import BACKOFF_STEPS, NgramIndex, draft, propose, record, trim
-from tests.test_engine import _hf, _hf_greedy
+from tests.test_engine import _hf
+from tests.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -97,7 +98,7 @@ def test_greedy_with_drafts_equals_hf_generate(tiny_model_dir, decode_path):
     assert engine.stats.steps < 40  # fewer forwards than tokens of the longest answer
     hf = _hf(tiny_model_dir)
     for p, toks in zip(_prompts(engine.vocab_size), got, strict=True):
-        assert toks == _hf_greedy(hf, p, 40, ignore_eos=True)
+        assert toks == hf_greedy(hf, p, 40)
 
 
 @pytest.mark.parametrize(
