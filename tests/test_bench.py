@@ -125,3 +125,49 @@ def test_synthetic_workload_is_seeded_and_skewed_short():
     assert all(8 <= n <= 100 for n in a.max_new_tokens)
     lengths = log_uniform_lengths(random.Random(0), 2000, 24, 600)
     assert sorted(lengths)[1000] < (24 + 600) / 2  # the median sits well below the midpoint
+
+
+def test_llama_cpp_shapes_and_precisions():
+    from batchjob.bench import llama_cpp
+    from batchjob.errors import ConfigError
+
+    equal = synthetic_workload(100, 4, (8, 8), (3, 3), seed=1)
+    mixed = synthetic_workload(100, 4, (8, 30), (3, 3), seed=1)
+    assert llama_cpp.equal_shape(equal) == (8, 3)
+    assert llama_cpp.equal_shape(mixed) is None
+    assert llama_cpp.gguf_type("float32") == "f32" and llama_cpp.gguf_type("bfloat16") == "bf16"
+    with pytest.raises(ConfigError, match="float64 has no GGUF twin"):
+        llama_cpp.gguf_type("float64")
+
+
+@pytest.mark.timeout(120)
+def test_bench_without_llama_cpp_says_how_to_build_it(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHJOB_LLAMA_CPP", str(tmp_path))  # a folder without the programs
+    args = ["bench", "--model", str(tiny_model_dir), *SMALL, "--baselines", "ours,llama.cpp", "--threads", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "llama.cpp not found: build it once with `bash examples/peers/llama_cpp.sh`" in result.output
+    assert "ours max_num_batched_tokens=" in result.output and "ratio" not in result.output
+
+
+@pytest.mark.timeout(900)
+def test_bench_against_llama_cpp_on_the_default_model(tmp_path):
+    """The real llama.cpp (built by examples/peers/llama_cpp.sh) on the embedded SmolLM2, float32 both: the
+    server on a mixed workload returns its tokens, and at an equal shape llama-batched-bench runs too."""
+    from batchjob.bench import llama_cpp
+
+    if llama_cpp.bin_dir() is None:
+        pytest.skip(llama_cpp.BUILD_HINT)
+    out = tmp_path / "bench.json"
+    args = ["bench", "--num-requests", "4", "--prompt-len", "16", "--output-len", "6", "--device", "cpu"]
+    args += ["--dtype", "float32", "--baselines", "ours,llama.cpp", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    body = json.loads(out.read_text())
+    by = {r["settings"].get("program", r["name"]): r for r in body["results"]}
+    assert set(by) == {"ours", "server", "batched-bench"}
+    assert all(r["error"] is None and r["wall_s"] > 0 for r in by.values())
+    assert "ours/llama.cpp" in body["ratios"]
+    # Greedy, float32 both, EOS ignored: most requests agree token for token (llama.cpp's ignore_eos also
+    # bans EOS, ours lets it be picked and goes on, so a request whose argmax is EOS parts there).
+    assert body["agreement"]["llama.cpp"]["total"] == 4

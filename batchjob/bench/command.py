@@ -18,7 +18,8 @@ from batchjob.engine.options import by_engine_name
 from batchjob.errors import ConfigError
 from batchjob.program import apply, engine_flags, errors, main
 
-BASELINES = ("ours", "hf-cb", "static")
+BASELINES = ("ours", "hf-cb", "static", "llama.cpp")
+DEFAULT_BASELINES = ("ours", "hf-cb", "static")  # llama.cpp is built separately (examples/peers/)
 
 
 # -- options ---------------------------------------------------------------------------------------------
@@ -157,18 +158,21 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     """Ratios ours/theirs (output tokens/s), against each baseline's best setting, and the agreement counts."""
     ours = _best(results, "ours")
     summary: dict[str, Any] = {"ratios": {}, "best": {}, "agreement": {}}
-    for name in ("hf-cb", "static"):
+    for name in BASELINES[1:]:
         best = _best(results, name)
         if best is None:
             continue
         summary["best"][name] = best.label
         if ours is not None:
             summary["ratios"][f"ours/{name}"] = ours.output_tps / best.output_tps if best.output_tps else None
-            summary["agreement"][name] = agreement(ours, best)
+            if best.outputs:  # llama-batched-bench prints no tokens
+                summary["agreement"][name] = agreement(ours, best)
     return summary
 
 
-def format_report(work: Workload, results: list[Result], summary: dict[str, Any], header: str) -> str:
+def format_report(
+    work: Workload, results: list[Result], summary: dict[str, Any], header: str, notes: Sequence[str] = ()
+) -> str:
     width = max([len("engine"), *(len(r.label) for r in results)])
     lines = [
         header,
@@ -185,6 +189,7 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
             lines.append(
                 f"{r.label:<{width}}  {r.wall_s:>8.2f} {r.output_tps:>10.1f} {r.total_tps:>12.1f}{runs}"
             )
+    lines.extend(notes)
     lines.append("")
     for key, ratio in summary["ratios"].items():
         other = summary["best"][key.split("/")[1]]
@@ -213,6 +218,33 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
             "(token-exact; fp rounding may flip a few)"
         )
     return "\n".join(lines)
+
+
+def _llama_cpp_runs(
+    engine: Any, work: Workload, threads: int, notes: list[str], progress: Callable[[str], None]
+) -> list[tuple[str, Callable[[], Result]]]:
+    """llama.cpp's runs of this workload (llama-server; llama-batched-bench at an equal shape), or a note
+    saying how to build it."""
+    from batchjob.bench import llama_cpp
+
+    bins = llama_cpp.bin_dir()
+    if bins is None:
+        notes.append(llama_cpp.BUILD_HINT)
+        return []
+    dtype = str(engine.dtype).removeprefix("torch.")
+    gguf = llama_cpp.convert(Path(engine.model_id), dtype, bins, progress)
+    slots = engine.config.max_num_seqs
+    runs: list[tuple[str, Callable[[], Result]]] = [
+        (
+            f"llama.cpp server slots={slots}",
+            lambda: llama_cpp.run_server(bins, gguf, work, dtype, threads, slots),
+        )
+    ]
+    if llama_cpp.equal_shape(work) is not None:
+        runs.append(
+            ("llama.cpp batched-bench", lambda: llama_cpp.run_batched_bench(bins, gguf, work, dtype, threads))
+        )
+    return runs
 
 
 # -- the command -----------------------------------------------------------------------------------------
@@ -267,9 +299,11 @@ def format_report(work: Workload, results: list[Result], summary: dict[str, Any]
 @click.option(
     "--baselines",
     type=Baselines(),
-    default=",".join(BASELINES),
+    default=",".join(DEFAULT_BASELINES),
     show_default=True,
-    help="Which engines to run.",
+    help="Which engines to run, of " + ",".join(BASELINES) + ". llama.cpp (its llama-server on the workload, "
+    "and llama-batched-bench too when every request has the same lengths) needs `bash "
+    "examples/peers/llama_cpp.sh` once; it runs the model converted to GGUF at --dtype, KV cache the same.",
 )
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
@@ -377,6 +411,9 @@ def bench(
                         lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size, cb_blocks),
                     )
                 )
+        notes: list[str] = []
+        if "llama.cpp" in baselines:
+            runs += _llama_cpp_runs(engine, work, used_threads, notes, progress)
         tries: list[list[Result]] = [[] for _ in runs]
         for round_ in range(repeat):
             for (label, fn), done in zip(runs, tries, strict=True):
@@ -393,7 +430,7 @@ def bench(
         f"dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {used_threads}, "
         f"load average {load_before} before, {_load_average()} after (a busy machine makes timings noisy)"
     )
-    click.echo(format_report(work, results, summary, header))
+    click.echo(format_report(work, results, summary, header, notes))
     if json_path is not None:
         body = {
             "options": {

@@ -1,0 +1,201 @@
+"""llama.cpp as a baseline of ``batchjob bench``: the same workload through the tool CPU users pick today.
+
+The programs come from ``examples/peers/llama_cpp.sh`` (built once from the llama.cpp that the
+``llama-cpp-python`` source distribution vendors); the bench's model is converted to GGUF at the bench's
+precision with llama.cpp's own converter and cached. Two ways to run a workload:
+
+- ``llama-server`` (any workload): continuous batching over ``--parallel`` slots; every request is sent at once
+  as token ids with its own ``n_predict``, greedy, EOS ignored, prompt cache off, and timed from the first
+  submission to the last answer, like ours. Its tokens come back, so agreement is counted.
+- ``llama-batched-bench`` (equal lengths only: a fixed ``--prompt-len`` and ``--output-len``): llama.cpp's own
+  batched benchmark at ``-npp P -ntg G -npl N``; its reported time is used (it prints no tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from batchjob.bench.engines import Result
+from batchjob.bench.workload import Workload
+from batchjob.errors import ConfigError
+from batchjob.models import cache_dir
+
+BIN_ENV = "BATCHJOB_LLAMA_CPP"  # a folder holding llama-batched-bench, llama-server and llama-convert
+BUILD_HINT = (
+    "llama.cpp not found: build it once with `bash examples/peers/llama_cpp.sh` (a few minutes), or set "
+    f"${BIN_ENV} to a folder holding llama-batched-bench, llama-server and llama-convert"
+)
+_GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # torch dtype -> GGUF and KV type
+
+
+def bin_dir() -> Path | None:
+    """Where the built programs are, or None (then the bench prints :data:`BUILD_HINT`)."""
+    env = os.environ.get(BIN_ENV)
+    folder = Path(env) if env else cache_dir() / "peers" / "llama.cpp" / "bin"
+    needed = ("llama-batched-bench", "llama-server", "llama-convert")
+    return folder if all(os.access(folder / n, os.X_OK) for n in needed) else None
+
+
+def gguf_type(dtype: str) -> str:
+    try:
+        return _GGUF_TYPES[dtype]
+    except KeyError:
+        raise ConfigError(
+            f"llama.cpp runs the bench at the same precision as ours: --dtype {dtype} has no GGUF twin "
+            f"(use one of {', '.join(_GGUF_TYPES)})"
+        ) from None
+
+
+def _folder_key(folder: Path) -> str:
+    """A cheap identity of a model folder: names, sizes and modification times of its files."""
+    h = hashlib.sha256(str(folder.resolve()).encode())
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def convert(model_dir: Path, dtype: str, bins: Path, progress: Any) -> Path:
+    """The model as a GGUF file at ``dtype`` (converted once, then taken from the cache)."""
+    outtype = gguf_type(dtype)
+    target = (
+        cache_dir()
+        / "peers"
+        / "llama.cpp"
+        / "gguf"
+        / f"{model_dir.name}-{_folder_key(model_dir)}-{outtype}.gguf"
+    )
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        progress(f"converting {model_dir} to GGUF {outtype} with llama.cpp's converter ...")
+        tmp = target.with_suffix(".partial")
+        done = subprocess.run(
+            [str(bins / "llama-convert"), str(model_dir), outtype, str(tmp)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            raise ConfigError(f"llama.cpp's converter could not convert {model_dir} to GGUF:\n{tail}")
+        tmp.rename(target)
+    return target
+
+
+def equal_shape(work: Workload) -> tuple[int, int] | None:
+    """(prompt length, output length) when every request has the same ones, else None."""
+    plens = {len(p) for p in work.prompts}
+    olens = set(work.max_new_tokens)
+    return (plens.pop(), olens.pop()) if len(plens) == 1 and len(olens) == 1 else None
+
+
+def _ctx_for(slots: int, longest: int) -> int:
+    return slots * (-(-longest // 256) * 256)  # every slot room for the longest request, in 256-token steps
+
+
+def run_batched_bench(bins: Path, gguf: Path, work: Workload, dtype: str, threads: int) -> Result:
+    shape = equal_shape(work)
+    assert shape is not None, "llama-batched-bench runs equal-length requests only"
+    plen, olen = shape
+    n = len(work.prompts)
+    kv = gguf_type(dtype)
+    cmd = [
+        str(bins / "llama-batched-bench"),
+        *("-m", str(gguf), "-c", str(_ctx_for(n, plen + olen)), "-b", "2048", "-ub", "512"),
+        *("-npp", str(plen), "-ntg", str(olen), "-npl", str(n), "-t", str(threads), "-tb", str(threads)),
+        *("-ctk", kv, "-ctv", kv, "--output-format", "jsonl"),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    settings = {"program": "batched-bench", "kv": kv}
+    if done.returncode != 0 or not rows:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        return Result("llama.cpp", settings, 0.0, work.prompt_tokens, work.output_tokens, [], error=tail)
+    row = rows[-1]
+    extra = {"prompt_seconds": row["t_pp"], "decode_seconds": row["t_tg"]}
+    return Result("llama.cpp", settings, float(row["t"]), work.prompt_tokens, work.output_tokens, [], extra)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def run_server(bins: Path, gguf: Path, work: Workload, dtype: str, threads: int, slots: int) -> Result:
+    """The workload through ``llama-server`` on loopback: every request submitted at once, timed to the last."""
+    kv = gguf_type(dtype)
+    slots = max(1, min(slots, len(work.prompts)))
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True))
+    port = _free_port()
+    cmd = [
+        str(bins / "llama-server"),
+        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-kvu"),
+        *("-c", str(_ctx_for(slots, longest)), "-b", "2048", "-ub", "512"),
+        *("-t", str(threads), "-tb", str(threads), "-ctk", kv, "-ctv", kv, "--no-webui", "--no-cache-prompt"),
+    ]
+    settings = {"program": "server", "slots": slots, "kv": kv}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:  # the server answers /health with 503 while it loads the model
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = " | ".join(log.read().decode(errors="replace").strip().splitlines()[-3:])
+                    return Result(
+                        "llama.cpp", settings, 0.0, work.prompt_tokens, work.output_tokens, [], error=tail
+                    )
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise ConfigError("llama-server did not become ready within 300 s")
+                time.sleep(0.2)
+
+            def one(prompt: list[int], n: int) -> list[int]:
+                body = {
+                    "prompt": prompt,
+                    "n_predict": n,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                }
+                return list(_post(base + "/completion", body, timeout=3600)["tokens"])
+
+            warm = [list(range(1, 17)), list(range(2, 19))]
+            with ThreadPoolExecutor(len(warm)) as pool:
+                list(pool.map(one, warm, [4, 4]))
+            with ThreadPoolExecutor(min(64, len(work.prompts))) as pool:
+                start = time.perf_counter()
+                outputs = list(pool.map(one, work.prompts, work.max_new_tokens))
+                wall = time.perf_counter() - start
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return Result("llama.cpp", settings, wall, work.prompt_tokens, work.output_tokens, outputs)
