@@ -143,7 +143,16 @@ def test_llama_cpp_shapes_and_precisions():
 @pytest.mark.timeout(120)
 def test_bench_without_llama_cpp_says_how_to_build_it(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHJOB_LLAMA_CPP", str(tmp_path))  # a folder without the programs
-    args = ["bench", "--model", str(tiny_model_dir), *SMALL, "--baselines", "ours,llama.cpp", "--threads", "1"]
+    args = [
+        "bench",
+        "--model",
+        str(tiny_model_dir),
+        *SMALL,
+        "--baselines",
+        "ours,llama.cpp",
+        "--threads",
+        "1",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "llama.cpp not found: build it once with `bash examples/peers/llama_cpp.sh`" in result.output
