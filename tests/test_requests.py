@@ -248,10 +248,40 @@ def requests_file(tmp_path_factory):
     )
     lines.append(
         {
-            "custom_id": "chat-1",
+            "custom_id": "logprobs",
             "method": "POST",
             "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "again"}]},
+            "body": {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "completion-logprobs",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon", "max_tokens": 3, "logprobs": 2, "temperature": 0},
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "wizard",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "wizard", "content": "x"}]},
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "extra-field",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}]},
+            "priority": "high",
         }
     )
     with open(path, "w") as f:
@@ -278,13 +308,25 @@ def test_openai_batch_file_runs_and_round_trips(requests_file, tiny_model_dir, t
     assert code == 0, text
     assert "body.model ignored: the requests name 'gpt-4o-mini'" in text  # one warning, names listed
     table = ds.dataset(out, format="parquet").to_table().to_pylist()
-    first = [r for r in table if not (r["error"] or "").startswith("duplicate")]
-    got = {(r["custom_id"], r["sample_index"]): r for r in first}
+    got = {(r["custom_id"], r["sample_index"]): r for r in table}
     assert ("sampled", 0) in got and ("sampled", 1) in got  # n=2
     assert "body.tools is not supported" in got[("tools", 0)]["error"]
     assert "requests.jsonl line 9: " in got[("tools", 0)]["error"]
-    dup = [r for r in table if r["error"] and "duplicate id 'chat-1'" in r["error"]]
-    assert len(dup) == 1 and "first used by row requests.jsonl:1" in dup[0]["error"]
+    # a line's content is that line's error: an unknown role, a field OpenAI's request line does not have
+    assert got[("wizard", 0)]["error"] == (
+        "requests.jsonl line 12: body.messages[0].role 'wizard' is not a role "
+        "(system, developer, user, assistant, tool)"
+    )
+    assert "line 13: unknown request field 'priority'" in got[("extra-field", 0)]["error"]
+    assert {r["priority"] for r in table} == {None, "high"}  # kept as it was read, on the error row only
+    assert [r["priority"] for r in table if r["priority"]] == ["high"]
+    # --logprobs asked for in a request: one struct per generated token, the sampled one among its top 2
+    lp = got[("logprobs", 0)]["logprobs"]
+    assert len(lp) == got[("logprobs", 0)]["num_generated_tokens"] > 0
+    for t in lp:
+        assert len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 and isinstance(t["token"], str)
+        assert t["top_logprobs"][0]["logprob"] >= t["top_logprobs"][1]["logprob"] >= -1e30
+    assert got[("chat-0", 0)]["logprobs"] is None
     assert got[("completion-0", 0)]["num_generated_tokens"] <= 4
     # a greedy chat request answers what the same prompt through the chat template does
     plain = tmp_path / "plain.jsonl"
@@ -321,11 +363,25 @@ def test_openai_batch_file_runs_and_round_trips(requests_file, tiny_model_dir, t
     assert by_id["completion-0"]["response"]["body"]["object"] == "text_completion"
     assert len(by_id["sampled"]["response"]["body"]["choices"]) == 2
     assert by_id["tools"]["error"]["message"].endswith("body.tools is not supported by batchjob")
+    # a bad request carries its HTTP status, as OpenAI and vLLM write it
+    for bad in ("tools", "wizard", "extra-field"):
+        response = by_id[bad]["response"]
+        assert response["status_code"] == 400, bad
+        assert response["body"]["error"]["type"] == "invalid_request_error"
+        assert response["body"]["error"]["message"] == by_id[bad]["error"]["message"]
+    assert all(x["response"]["status_code"] == 200 for x in lines if x["error"] is None)
+    # logprobs asked for are exported in OpenAI's shape, the same numbers as the Parquet's
+    content = by_id["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [(t["token"], t["logprob"]) for t in lp]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+    text = by_id["completion-logprobs"]["response"]["body"]["choices"][0]
+    assert "".join(text["logprobs"]["tokens"]) == text["text"]
+    assert by_id["chat-0"]["response"]["body"]["choices"][0]["logprobs"] is None
     openai_types = pytest.importorskip("openai.types")
     from openai.types.chat import ChatCompletion
 
     for x in lines:
-        if x["response"] is not None:
+        if x["error"] is None:
             body = x["response"]["body"]
             kind = openai_types.Completion if body["object"] == "text_completion" else ChatCompletion
             kind.model_validate(body)
@@ -351,6 +407,23 @@ def test_check_model_name(requests_file, tiny_model_dir, tmp_path):
         r for r in got if r["error"] and "body.model 'gpt-4o-mini' is not this job's model" in r["error"]
     ]
     assert len(wrong) == 7  # the six chat requests and the completion name gpt-4o-mini
+
+
+def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
+    """OpenAI's Batch API rejects a file with a custom_id used twice: so does `run` (and `validate`), before any
+    work, naming both lines; nothing is written."""
+    dup = tmp_path / "dup.jsonl"
+    lines = requests_file.read_text().splitlines()
+    dup.write_text("\n".join([*lines[:3], lines[1], *lines[3:]]) + "\n")
+    for command in ("run", "validate"):
+        out = tmp_path / f"out-{command}"
+        code, text = invoke(
+            command, "--input", dup, "--output", out, "--model", tiny_model_dir, "--format", "openai"
+        )
+        assert code == 2, text
+        assert "dup.jsonl line 4: custom_id 'chat-1' is already used by dup.jsonl line 2" in text
+        assert "give each request its own" in text and "Traceback" not in text
+        assert not out.exists()
 
 
 def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):

@@ -11,7 +11,6 @@ position), the result equals an uninterrupted run's. The loop talks to the engin
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import deque
@@ -126,6 +125,13 @@ class JobLoop:
         # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
         self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
         self.names = {s.base >> ORDINAL_BITS: s.name for s in prep.sources}
+        self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT while the loop runs: checkpoint and stop after this step."""
@@ -344,7 +350,10 @@ class JobLoop:
                 p.num_prompt_tokens,
                 n_gen,
                 error,
-                [feature_columns(out) | {"reasoning": reasoning}],
+                [
+                    feature_columns(out, (p.answer_params or p.params).logprobs, self._token_text)
+                    | {"reasoning": reasoning}
+                ],
             )
 
     def _answer(self, p: _Pending, k: int, thought: Any) -> None:
@@ -508,17 +517,36 @@ def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> t
     return tuple(EXTRA_FIELDS[n] for n in names)
 
 
-def feature_columns(out: Any) -> dict[str, Any]:
-    """The feature columns of one engine output (JSON text for the nested ones)."""
+def feature_columns(out: Any, top_k: int | None = None, token_text: Any = None) -> dict[str, Any]:
+    """The feature columns of one engine output: ``choice_*`` as ``{label: value}`` (Arrow maps), ``logprobs``
+    as a list of per-token structs (``top_k``: the request's K; ``token_text``: a token id's text)."""
     choice_lp = getattr(out, "choice_logprobs", None)
     choice_p = getattr(out, "choice_probs", None)
     logprobs = getattr(out, "logprobs", None)
     return {
         "sample_index": getattr(out, "sample_index", 0),
-        "choice_logprobs": None if choice_lp is None else json.dumps(choice_lp),
-        "choice_probs": None if choice_p is None else json.dumps(choice_p),
-        "logprobs": None if logprobs is None else json.dumps([[list(t) for t in top] for top in logprobs]),
+        "choice_logprobs": None if choice_lp is None else dict(choice_lp),
+        "choice_probs": None if choice_p is None else dict(choice_p),
+        "logprobs": None
+        if logprobs is None
+        else token_logprobs(logprobs, list(out.token_ids), top_k or 0, token_text or str),
     }
+
+
+def token_logprobs(
+    tops: list[list[tuple[int, float]]], token_ids: list[int], k: int, token_text: Any
+) -> list[dict[str, Any]]:
+    """The engine's per-token lists (the top ``k``, best first, then the sampled token's when it is not among
+    them) as one struct per generated token: the sampled token, its log-prob, and the top ``k``."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_text(token_id), "token_id": token_id, "logprob": logprob}
+
+    out = []
+    for top, token_id in zip(tops, token_ids, strict=False):
+        chosen = next((lp for t, lp in reversed(top) if t == token_id), float("nan"))
+        out.append(entry(token_id, chosen) | {"top_logprobs": [entry(t, lp) for t, lp in top[:k]]})
+    return out
 
 
 def part_prefix(shard: Shard) -> str:
