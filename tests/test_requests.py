@@ -9,9 +9,11 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchjob.cli import main
-from batchjob.job.requests import params_from_column, parse_request
+from batchjob.job.requests import ROLES, params_from_column, parse_request
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
 
@@ -108,6 +110,100 @@ def test_openai_request_lines():
     ]:
         req, p, err = parse_request(line, BASE, None)
         assert req is None and message in err, (line, err)
+
+
+def test_openai_request_line_fields_and_roles():
+    user = [{"role": "user", "content": "hi"}]
+    for role in ("system", "developer", "user", "assistant", "tool"):
+        _, _, err = parse_request(chat([{"role": role, "content": "x"}]), BASE, None)
+        assert err is None, (role, err)
+    for line, message in [
+        (chat([{"role": "wizard", "content": "x"}]), "body.messages[0].role 'wizard' is not a role (system,"),
+        (chat(user) | {"priority": 1}, "unknown request field 'priority' (an OpenAI Batch request line has"),
+        (chat(user) | {"custom_id": 7}, "custom_id must be a non-empty string, got 7"),
+        (chat(user) | {"custom_id": ""}, "custom_id must be a non-empty string"),
+        (chat(user, model=["a"]), "body.model must be a string"),
+    ]:
+        req, p, err = parse_request(line, BASE, {"tiny"})
+        assert req is None and p is None and message in err, (line, err)
+    # a column only other rows have (JSONL rows differ) is null in this one: not this line's field
+    assert parse_request(chat(user) | {"priority": None}, BASE, None)[2] is None
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_body_keys = st.sampled_from(
+    [
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "model",
+        "frequency_penalty",
+        "stream",
+        "logit_bias",
+        "tools",
+        "user",
+    ]
+)
+
+
+@st.composite
+def _request_lines(draw):
+    """Request lines near the valid ones: a valid chat or completion line with random JSON in some fields
+    (top-level, body and message fields), so the fuzz reaches every check, not just the first."""
+    completions = draw(st.booleans())
+    body = {"prompt": "Once"} if completions else {"messages": [{"role": "user", "content": "hi"}]}
+    line = {
+        "custom_id": "x",
+        "method": "POST",
+        "url": "/v1/completions" if completions else "/v1/chat/completions",
+        "body": body,
+    }
+    for key in draw(st.lists(_body_keys, max_size=4)):
+        body[key] = draw(_json)
+    if not completions and draw(st.booleans()) and isinstance(body.get("messages"), list):
+        message = {
+            "role": draw(st.sampled_from(["user", "system", "wizard"]) | _json),
+            "content": draw(_json),
+        }
+        body["messages"] = [*body["messages"], message]
+    if draw(st.booleans()):  # a structured-output request with a random schema
+        kind = draw(st.sampled_from(["json_schema", "json_object", "text"]) | _json)
+        body["response_format"] = {"type": kind, "json_schema": {"name": "x", "schema": draw(_json)}}
+    for key in draw(st.lists(st.sampled_from(["custom_id", "method", "url", "body", "extra"]), max_size=2)):
+        line[key] = draw(_json)
+    return line
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_request_lines())
+def test_openai_request_parser_fuzz(line):
+    """Random JSON values in every field of a request line: a request with parameters, or an error naming
+    what is wrong; never an exception."""
+    req, params, err = parse_request(line, BASE, {"tiny"})
+    if req is None:
+        assert params is None and isinstance(err, str) and err
+    else:
+        assert err is None and isinstance(params, SamplingParams)
+        assert ("prompt" in req) != ("messages" in req)
+        if "messages" in req:
+            assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in req["messages"])
 
 
 # -- jobs -------------------------------------------------------------------------------------------------
