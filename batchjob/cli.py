@@ -324,9 +324,11 @@ def run(
         return
     s = result.stats
     total = f" of {result.rows_total}" if result.rows_total is not None else ""
+    rows, samples = s.get("rows", 0), s.get("samples", 0)
+    outputs = f" ({samples} samples)" if samples != rows else ""  # --n: input rows, and their outputs
     click.echo(
         f"{result.status}: {result.rows_done}{total} rows done ({result.errors} errors); this run: "
-        f"{s.get('rows', 0)} rows, {s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
+        f"{rows} rows{outputs}, {s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
         f"({s.get('generated_tokens_per_s', 0):.1f} tok/s) -> {result.out_dir}"
     )
     if result.exit_code:
@@ -462,14 +464,20 @@ def status(dir: str) -> None:
             f"{redo} rows not done ({len(st.problems)} parts missing or damaged): "
             "`batchjob run` with the same command redoes them"
         )
-    click.echo(f"rows: {done} of {total if total is not None else 'unknown'}{pct}")
-    click.echo(f"errors: {st.total('errors')}")
+    click.echo(f"rows: {done} of {total if total is not None else 'unknown'} input rows{pct}")
+    if st.total("samples") != done:  # --n: each input row has several result rows
+        click.echo(
+            f"samples: {st.total('samples')} result rows ({st.total('samples') / max(done, 1):g} a row)"
+        )
+    click.echo(f"errors: {st.total('errors')} rows")
     click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
     if len(st.workers) == 1:
         w = st.workers[0]
         if w.stats:
+            run_samples = w.stats.get("samples", w.stats.get("rows", 0))
+            extra = f" ({run_samples} samples)" if run_samples != w.stats.get("rows", 0) else ""
             click.echo(
-                f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"last run: {w.stats.get('rows', 0)} rows{extra} in {w.stats.get('elapsed_s', 0):.1f} s, "
                 f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
                 f"{w.stats.get('preemptions', 0)} preemptions"
             )

@@ -149,20 +149,24 @@ class JobLoop:
         n_prompt: int,
         n_gen: int,
         error: str | None,
-        samples: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Buffer a row's result; ``samples``: the feature columns of each of its result rows."""
-        result = {
-            "values": row.values,
+        """Buffer the result of a row that has one (an error row, before any sample)."""
+        sample = {
             "generated_text": text,
             "finish_reason": reason,
-            "num_prompt_tokens": n_prompt,
             "num_generated_tokens": n_gen,
             "error": error,
         }
-        self.parts.add(row.ordinal, result, samples or [{"sample_index": 0}])
-        self.stats.row(n_prompt, n_gen, error is not None)
-        self.bar.row(error is not None)
+        self._finish_samples(row, n_prompt, [sample | {"sample_index": 0}])
+
+    def _finish_samples(self, row: Row, n_prompt: int, samples: list[dict[str, Any]]) -> None:
+        """Buffer an input row's result rows, one per sample (``generated_text``, ``finish_reason``,
+        ``num_generated_tokens``, ``error`` and the feature columns each), and count it: one input row, its
+        prompt once, however many samples (--n) it has; an error in any sample makes it a failed row."""
+        self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples)
+        failed = any(s["error"] is not None for s in samples)
+        self.stats.row(n_prompt, sum(s["num_generated_tokens"] for s in samples), failed, len(samples))
+        self.bar.row(failed)
 
     def commit(self) -> None:
         self.parts.commit()
@@ -330,6 +334,7 @@ class JobLoop:
         if len(p.samples) < p.params.n:
             return  # --n: the row is written once all its samples are done
         del self.pending[row_id]
+        results = []
         for k in sorted(p.samples):
             out = p.samples[k]
             error = out.error if out.finish_reason == "error" else None
@@ -343,18 +348,17 @@ class JobLoop:
                     n_gen += len(thought.token_ids)
                 else:
                     reasoning, text = self.tags.split(text, p.inside)
-            self._finish_row(
-                p.row,
-                text,
-                out.finish_reason,
-                p.num_prompt_tokens,
-                n_gen,
-                error,
-                [
-                    feature_columns(out, (p.answer_params or p.params).logprobs, self._token_text)
-                    | {"reasoning": reasoning}
-                ],
+            results.append(
+                {
+                    "generated_text": text,
+                    "finish_reason": out.finish_reason,
+                    "num_generated_tokens": n_gen,
+                    "error": error,
+                    "reasoning": reasoning,
+                }
+                | feature_columns(out, (p.answer_params or p.params).logprobs, self._token_text)
             )
+        self._finish_samples(p.row, p.num_prompt_tokens, results)
 
     def _answer(self, p: _Pending, k: int, thought: Any) -> None:
         """Queue sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""

@@ -28,7 +28,7 @@ class WorkerStatus:
     shard: Shard
     # "complete" | "running" | "stopped" | "not started" | "incomplete" (complete but for damaged parts)
     state: str
-    rows_done: int = 0
+    rows_done: int = 0  # input rows
     rows_total: int | None = None  # this worker's share
     errors: int = 0
     prompt_tokens: int = 0
@@ -37,6 +37,7 @@ class WorkerStatus:
     stats: dict[str, Any] = field(default_factory=dict)  # of its last (or current) run
     stats_file: Path | None = None
     problems: list[PartProblem] = field(default_factory=list)  # missing or damaged parts (rows not counted)
+    samples: int = 0  # result rows of the rows done (--n N: N a row)
 
     @property
     def rows_to_redo(self) -> int:
@@ -106,6 +107,7 @@ def job_status(out_dir: Path) -> JobStatus:
                 stats,
                 state.stats_file,
                 problems,
+                sum(r.result_rows or r.rows for r in manifest.parts if r not in lost),
             )
         )
     for w in workers:

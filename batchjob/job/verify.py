@@ -158,7 +158,16 @@ def _without_errors(
         name="",
         rows=len(done),
         errors=0,
-        prompt_tokens=total("num_prompt_tokens"),
+        prompt_tokens=(  # each input row's prompt once, not once a sample
+            int(
+                pc.sum(
+                    kept.filter(pc.equal(kept.column("sample_index"), 0)).column("num_prompt_tokens")
+                ).as_py()
+                or 0
+            )
+            if "sample_index" in kept.column_names
+            else total("num_prompt_tokens")
+        ),
         generated_tokens=total("num_generated_tokens"),
         ordinals=done.ranges(),
     )
