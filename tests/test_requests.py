@@ -540,3 +540,31 @@ def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
             *extra,
         )
         assert code == 2 and message in text, text
+
+
+def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_path):
+    """`validate --estimate` on OpenAI requests with `n: 100000`: the time counts every sample of every
+    request (and its max_tokens), not one answer a row; the calibration runs a batch of each row's samples."""
+    from batchjob.job import make_spec
+    from batchjob.job.estimate import estimate
+    from batchjob.job.runner import prepare
+
+    def seconds(n: int, max_tokens: int) -> tuple[float, list[str]]:
+        path = tmp_path / f"n{n}-{max_tokens}.jsonl"
+        with open(path, "w") as f:
+            for i in range(8):
+                body = {"messages": [{"role": "user", "content": f"q {i}"}], "n": n, "max_tokens": max_tokens}
+                line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                f.write(json.dumps(line) + "\n")
+        spec = make_spec(
+            input=[str(path)], output=str(tmp_path / f"out-{n}"), model=str(tiny_model_dir), format="openai"
+        )
+        est = estimate(prepare(spec), seconds=3.0)
+        return est.seconds(est.calibration), est.lines()
+
+    one, _ = seconds(1, 4)
+    many, lines = seconds(100_000, 4)
+    longer, _ = seconds(100_000, 8)
+    assert one > 0 and many > 1000 * one, (one, many)  # 100,000 answers a request, not one
+    assert longer > 1.5 * many  # twice the tokens each
+    assert any("100,000.0 samples a usable row (800,000 in the first 8)" in line for line in lines), lines

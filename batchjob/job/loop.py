@@ -404,7 +404,7 @@ class JobLoop:
         )
         reader_done = False
         errors_before = self.manifest.errors
-        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors)
+        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
         last_checkpoint = time.monotonic()
         try:
             while True:
