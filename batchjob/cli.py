@@ -449,7 +449,14 @@ def status(dir: str) -> None:
     pct = f" ({100 * done / total:.1f}%)" if total else ""
     finished = sum(w.state == "complete" for w in st.workers)
     workers = f" ({finished} of {len(st.workers)} workers complete)" if len(st.workers) > 1 else ""
-    click.echo(f"{dir}: {'complete' if st.complete else 'incomplete'}{workers}")
+    running = [w for w in st.workers if w.state == "running"]
+    state = "complete" if st.complete else "incomplete"
+    if running:  # a run is active: what is committed is not all it has done
+        who = [
+            f"pid {w.holder['pid']} on {w.holder.get('host', '?')}" for w in running if w.holder.get("pid")
+        ]
+        state += f", running now ({', '.join(who) or f'{len(running)} workers'})"
+    click.echo(f"{dir}: {state}{workers}")
     if st.input_changes:
         click.echo(
             "inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):"
@@ -465,6 +472,18 @@ def status(dir: str) -> None:
             "`batchjob run` with the same command redoes them"
         )
     click.echo(f"rows: {done} of {total if total is not None else 'unknown'} input rows{pct}")
+    live = [w.live for w in running if w.live]
+    if live:
+        import time
+
+        age = max(0.0, time.time() - min(float(x.get("updated", 0)) for x in live))
+        finished = sum(int(x.get("finished_uncommitted", 0)) for x in live)
+        click.echo(
+            f"in flight: {finished} more rows finished, not yet committed; "
+            f"{sum(int(x.get('in_engine', 0)) for x in live)} being generated, "
+            f"{sum(int(x.get('read_ahead', 0)) for x in live)} read ahead (as of {age:.0f} s ago; the "
+            "rows above are committed)"
+        )
     if st.total("samples") != done:  # --n: each input row has several result rows
         click.echo(
             f"samples: {st.total('samples')} result rows ({st.total('samples') / max(done, 1):g} a row)"

@@ -40,6 +40,7 @@ from batchjob.sampling import SamplingParams
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
 _PART_ROWS = 5000  # commit a part at least this often, checkpoint or not
+_LIVE_SECONDS = 5.0  # write stats.json (with the in-flight counts `status` shows) at least this often
 
 
 class TooManyErrors(BatchjobError):
@@ -210,6 +211,13 @@ class JobLoop:
         body = self.stats.to_json(
             self.engine.stats.as_dict() if hasattr(self.engine.stats, "as_dict") else {}
         )
+        finished = len({r["ordinal"] for r in self.parts.buffer})
+        body["live"] = {  # what `status` shows of a running job beyond its committed rows
+            "updated": time.time(),
+            "finished_uncommitted": finished,  # input rows finished, not yet in a committed part
+            "in_engine": len(self.pending) - len(self.ready),  # input rows being generated
+            "read_ahead": len(self.ready),  # input rows prepared, waiting for room in the engine
+        }
         stream_total = self.prep.info.total_rows or self.stream_hint
         body["job"] = {
             "rows_done": self.manifest.rows,
@@ -405,7 +413,7 @@ class JobLoop:
         reader_done = False
         errors_before = self.manifest.errors
         self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
-        last_checkpoint = time.monotonic()
+        last_checkpoint = last_live = time.monotonic()
         try:
             while True:
                 while not reader_done and len(self.ready) < self._read_ahead():
@@ -447,9 +455,12 @@ class JobLoop:
                     )
                 if len(self.parts.buffer) >= _PART_ROWS:
                     self.commit()
+                if time.monotonic() - last_live >= min(_LIVE_SECONDS, self.spec.checkpoint_interval):
+                    self.write_stats()  # a running job's progress for `status`, between checkpoints
+                    last_live = time.monotonic()
                 if time.monotonic() - last_checkpoint >= self.spec.checkpoint_interval:
                     self.checkpoint()
-                    last_checkpoint = time.monotonic()
+                    last_checkpoint = last_live = time.monotonic()
             self.commit()
             if self.ids is not None:
                 self.ids.commit()
