@@ -324,7 +324,8 @@ def run(
         return
     s = result.stats
     total = f" of {result.rows_total}" if result.rows_total is not None else ""
-    rows, samples = s.get("rows", 0), s.get("samples", 0)
+    rows = s.get("rows", 0)
+    samples = s.get("samples", rows)
     outputs = f" ({samples} samples)" if samples != rows else ""  # --n: input rows, and their outputs
     click.echo(
         f"{result.status}: {result.rows_done}{total} rows done ({result.errors} errors); this run: "

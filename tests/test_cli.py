@@ -211,4 +211,6 @@ def test_status_of_a_running_job_says_so_with_its_rows_in_flight(tiny_model_dir,
         output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, output
     code, text = invoke("status", out)
-    assert code == 0 and f"{out}: incomplete\n" in text and "running now" not in text and "in flight" not in text
+    assert (
+        code == 0 and f"{out}: incomplete\n" in text and "running now" not in text and "in flight" not in text
+    )
