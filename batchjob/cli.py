@@ -324,9 +324,12 @@ def run(
         return
     s = result.stats
     total = f" of {result.rows_total}" if result.rows_total is not None else ""
+    rows = s.get("rows", 0)
+    samples = s.get("samples", rows)
+    outputs = f" ({samples} samples)" if samples != rows else ""  # --n: input rows, and their outputs
     click.echo(
         f"{result.status}: {result.rows_done}{total} rows done ({result.errors} errors); this run: "
-        f"{s.get('rows', 0)} rows, {s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
+        f"{rows} rows{outputs}, {s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
         f"({s.get('generated_tokens_per_s', 0):.1f} tok/s) -> {result.out_dir}"
     )
     if result.exit_code:
@@ -447,7 +450,14 @@ def status(dir: str) -> None:
     pct = f" ({100 * done / total:.1f}%)" if total else ""
     finished = sum(w.state == "complete" for w in st.workers)
     workers = f" ({finished} of {len(st.workers)} workers complete)" if len(st.workers) > 1 else ""
-    click.echo(f"{dir}: {'complete' if st.complete else 'incomplete'}{workers}")
+    running = [w for w in st.workers if w.state == "running"]
+    state = "complete" if st.complete else "incomplete"
+    if running:  # a run is active: what is committed is not all it has done
+        who = [
+            f"pid {w.holder['pid']} on {w.holder.get('host', '?')}" for w in running if w.holder.get("pid")
+        ]
+        state += f", running now ({', '.join(who) or f'{len(running)} workers'})"
+    click.echo(f"{dir}: {state}{workers}")
     if st.input_changes:
         click.echo(
             "inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):"
@@ -462,14 +472,32 @@ def status(dir: str) -> None:
             f"{redo} rows not done ({len(st.problems)} parts missing or damaged): "
             "`batchjob run` with the same command redoes them"
         )
-    click.echo(f"rows: {done} of {total if total is not None else 'unknown'}{pct}")
-    click.echo(f"errors: {st.total('errors')}")
+    click.echo(f"rows: {done} of {total if total is not None else 'unknown'} input rows{pct}")
+    live = [w.live for w in running if w.live]
+    if live:
+        import time
+
+        age = max(0.0, time.time() - min(float(x.get("updated", 0)) for x in live))
+        finished = sum(int(x.get("finished_uncommitted", 0)) for x in live)
+        click.echo(
+            f"in flight: {finished} more rows finished, not yet committed; "
+            f"{sum(int(x.get('in_engine', 0)) for x in live)} being generated, "
+            f"{sum(int(x.get('read_ahead', 0)) for x in live)} read ahead (as of {age:.0f} s ago; the "
+            "rows above are committed)"
+        )
+    if st.total("samples") != done:  # --n: each input row has several result rows
+        click.echo(
+            f"samples: {st.total('samples')} result rows ({st.total('samples') / max(done, 1):g} a row)"
+        )
+    click.echo(f"errors: {st.total('errors')} rows")
     click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
     if len(st.workers) == 1:
         w = st.workers[0]
         if w.stats:
+            run_samples = w.stats.get("samples", w.stats.get("rows", 0))
+            extra = f" ({run_samples} samples)" if run_samples != w.stats.get("rows", 0) else ""
             click.echo(
-                f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"last run: {w.stats.get('rows', 0)} rows{extra} in {w.stats.get('elapsed_s', 0):.1f} s, "
                 f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
                 f"{w.stats.get('preemptions', 0)} preemptions"
             )

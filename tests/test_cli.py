@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.dataset as ds
 import pytest
@@ -174,3 +175,42 @@ def test_status_and_validate_errors(tmp_path):
     bad.write_text("max_new_tokenz = 3\n")
     code, text = invoke("validate", bad)
     assert code == 2 and "unknown field 'max_new_tokenz'" in text
+
+
+@pytest.mark.timeout(300)
+def test_status_of_a_running_job_says_so_with_its_rows_in_flight(tiny_model_dir, tmp_path):
+    """`status` while a run is active: it names the running process (from the lock file) and shows what the
+    run has in flight beyond its committed rows; once the run stops, it says stopped."""
+    import signal
+
+    from tests.faultproc import wait_for_points
+    from tests.jobproc import launch
+
+    data = tmp_path / "rows.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": f"r{i}", "review": f"review number {i}"}) + "\n")
+    out = tmp_path / "out"
+    args = [
+        "--input", data, "--output", out, "--model", tiny_model_dir, "--template", "{review}",
+        "--max-new-tokens", "6", "--max-num-seqs", "4", "--checkpoint-interval", "0.001",
+    ]  # fmt: skip
+    proc = launch([str(a) for a in args], BATCHJOB_FAULT_PAUSE="part_committed")
+    try:
+        [pid], _ = wait_for_points(proc)  # paused mid-job: its first part committed
+        code, text = invoke("status", out)
+        assert code == 0, text
+        assert f"{out}: incomplete, running now (pid {pid} on " in text, text
+        live = re.search(
+            r"in flight: (\d+) more rows finished, not yet committed; (\d+) being generated", text
+        )
+        assert live and int(live.group(2)) > 0, text  # rows the committed count does not show yet
+        assert "rows: " in text and " of 40 input rows" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, output
+    code, text = invoke("status", out)
+    assert (
+        code == 0 and f"{out}: incomplete\n" in text and "running now" not in text and "in flight" not in text
+    )

@@ -3,12 +3,16 @@ answer valid, the feature columns there, each (id, sample_index) once, resume ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 
 import jsonschema
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -50,7 +54,7 @@ def base(data, out, model):
 
 
 def rows(out):
-    return ds.dataset(out, format="parquet").to_table().to_pylist()
+    return ds.dataset(out, format="parquet").to_table().to_pylist(maps_as_pydicts="strict")
 
 
 def test_choices_give_a_label_and_its_confidence(data, tiny_model_dir, tmp_path):
@@ -61,15 +65,22 @@ def test_choices_give_a_label_and_its_confidence(data, tiny_model_dir, tmp_path)
     assert len(result) == 10
     for r in result:
         assert r["generated_text"] in LABELS and r["finish_reason"] == "stop"
-        lp = json.loads(r["choice_logprobs"])
+        lp = r["choice_logprobs"]  # an Arrow map: {label: log-prob}, in the labels' order
         assert set(lp) == set(LABELS) and all(math.isfinite(v) and v < 0 for v in lp.values())
         assert r["generated_text"] == max(lp, key=lp.get)  # greedy: the most likely label
-        probs = json.loads(r["choice_probs"])  # the same, renormalised over the labels: a readable confidence
+        probs = r["choice_probs"]  # the same, renormalised over the labels: a readable confidence
         assert list(probs) == list(lp) and sum(probs.values()) == pytest.approx(1.0, abs=1e-12)
         total = sum(math.exp(v) for v in lp.values())
         assert all(probs[k] == pytest.approx(math.exp(lp[k]) / total, rel=1e-9) for k in LABELS)
         assert max(probs, key=probs.get) == r["generated_text"]
     assert "sample_index" not in result[0] and "logprobs" not in result[0]
+    # queryable as Arrow: a map from label to value, in the labels' order
+    table = ds.dataset(out, format="parquet").to_table()
+    for column in ("choice_probs", "choice_logprobs"):
+        assert table.schema.field(column).type == pa.map_(pa.string(), pa.float64())
+    assert all(list(r["choice_probs"]) == LABELS for r in result)
+    first = pc.map_lookup(table.column("choice_probs"), LABELS[0], "first").to_pylist()
+    assert first == [r["choice_probs"][LABELS[0]] for r in result]
 
 
 def test_json_schema_and_regex_answers_are_valid(data, tiny_model_dir, tmp_path):
@@ -107,16 +118,35 @@ def test_n_samples_with_logprobs(data, tiny_model_dir, tmp_path):
     assert sorted((r["id"], r["sample_index"]) for r in result) == [
         (f"r{i}", k) for i in range(10) for k in range(3)
     ]
+    generated = sum(r["num_generated_tokens"] for r in result)
+    # counts say which they are: 10 input rows, 30 samples; each prompt's tokens counted once
+    assert (
+        f"complete: 10 of 10 rows done (0 errors); this run: 10 rows (30 samples), {generated} tokens" in text
+    )
+    prompt_tokens = sum(r["num_prompt_tokens"] for r in result if r["sample_index"] == 0)
     for r in result:
-        lp = json.loads(r["logprobs"])
+        lp = r["logprobs"]  # a struct per generated token: the sampled token, its log-prob, the top 2
         assert len(lp) == r["num_generated_tokens"]
-        assert all(2 <= len(top) <= 3 and all(v <= 0 for _, v in top) for top in lp)
+        for t in lp:
+            assert [x["logprob"] for x in t["top_logprobs"]] == sorted(
+                (x["logprob"] for x in t["top_logprobs"]), reverse=True
+            )
+            assert len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 and isinstance(t["token"], str)
+            if t["token_id"] in [x["token_id"] for x in t["top_logprobs"]]:
+                assert t["logprob"] == next(
+                    x["logprob"] for x in t["top_logprobs"] if x["token_id"] == t["token_id"]
+                )
+            else:
+                assert t["logprob"] <= t["top_logprobs"][-1]["logprob"]
     texts = {}
     for r in result:
         texts.setdefault(r["id"], set()).add(r["generated_text"])
     assert any(len(t) > 1 for t in texts.values())  # the samples differ
     code, text = invoke("status", out)
-    assert code == 0 and "rows: 10 of 10" in text
+    assert code == 0 and "rows: 10 of 10 input rows (100.0%)" in text, text
+    assert "samples: 30 result rows (3 a row)" in text and "errors: 0 rows" in text
+    assert f"tokens: {prompt_tokens} in, {generated} out" in text
+    assert "last run: 10 rows (30 samples) in" in text
 
 
 def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp_path, monkeypatch):
@@ -147,7 +177,7 @@ def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp
             for column in ("choice_logprobs", "choice_probs"):
                 a, b = g.pop(column, None), e.pop(column, None)
                 if b is not None:  # float sums, batched differently: equal to rounding
-                    assert json.loads(a) == pytest.approx(json.loads(b), abs=1e-4)
+                    assert a == pytest.approx(b, abs=1e-4)
             assert g == e
 
 
@@ -186,3 +216,39 @@ def test_a_resume_with_another_label_set_is_refused(data, tiny_model_dir, tmp_pa
         *base(data, out, tiny_model_dir), "--choices", "yes,no,maybe", "--max-new-tokens", "2"
     )
     assert code == 2 and "choices" in text
+
+
+def test_a_job_with_json_text_choice_columns_is_refused_not_mixed(data, tiny_model_dir, tmp_path):
+    """A job started by an earlier batchjob wrote choice_probs/choice_logprobs as JSON text: resuming it must
+    not add parts of another schema (a dataset of both can't be read as one); it is refused, naming the
+    column and the part, and `export` still reads it."""
+    from batchjob.job.manifest import Manifest
+
+    out = tmp_path / "out"
+    args = [*base(data, out, tiny_model_dir), "--choices", ",".join(LABELS), "--max-num-seqs", "2"]
+    with sigterm_after_steps(12):
+        code, text = invoke(*args, "--checkpoint-interval", "0.001")
+    assert code == 75, text
+    manifest = Manifest(out / "_batchjob" / "manifest.jsonl")
+    assert manifest.parts
+    records = []
+    for record in manifest.parts:  # the parts as the earlier version wrote them: JSON text
+        path = out / record.name
+        table = pq.read_table(path)
+        for column in ("choice_probs", "choice_logprobs"):
+            text_values = [
+                None if v is None else json.dumps(dict(v)) for v in table.column(column).to_pylist()
+            ]
+            i = table.schema.get_field_index(column)
+            table = table.set_column(i, pa.field(column, pa.string()), pa.array(text_values, pa.string()))
+        pq.write_table(table, path)
+        records.append(dataclasses.replace(record, size=path.stat().st_size))
+    manifest.rewrite(records)
+    code, text = invoke(*args)
+    assert code == 2, text
+    assert "its parts were written by an earlier batchjob with other column types" in text
+    assert "choice_logprobs is string there, map<string, double> now" in text and records[0].name in text
+    assert "run it into a new --output folder" in text and "Traceback" not in text
+    assert Manifest(out / "_batchjob" / "manifest.jsonl").parts == records  # nothing added
+    code, text = invoke("export", out, "--to", tmp_path / "old.jsonl")
+    assert code == 0, text

@@ -95,7 +95,9 @@ def test_openai_output_one_line_per_request_with_its_samples(inputs, tiny_model_
     ids = [line["custom_id"] for line in lines]
     assert ids[:25] == [f"a{i:02d}" for i in range(25)] and ids[25] == "a.jsonl:25"
     bad = lines[25]
-    assert bad["response"] is None and "bad JSON" in bad["error"]["message"]
+    assert "bad JSON" in bad["error"]["message"]
+    assert bad["response"]["status_code"] == 400  # a bad request, as OpenAI and vLLM write it
+    assert bad["response"]["body"]["error"]["message"] == bad["error"]["message"]
     table = ds.dataset(out, format="parquet").to_table().to_pylist()
     for line in lines[:25] + lines[26:]:
         assert line["error"] is None and line["id"].startswith("batch_req_")

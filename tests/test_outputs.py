@@ -233,7 +233,9 @@ def test_retry_maps_error_rows_to_ordinals_and_old_records_are_checked(tmp_path)
     [record] = Manifest(state.manifest_file).parts
     assert record.name == "part-000001.parquet" and not (tmp_path / name).exists()
     assert record.ordinals == [[0, 1], [3, 4]] and record.rows == 2 and record.errors == 0
-    assert record.result_rows == 4 and record.prompt_tokens == 20 and record.generated_tokens == 8
+    assert (
+        record.result_rows == 4 and record.prompt_tokens == 10 and record.generated_tokens == 8
+    )  # each prompt once
     table = pq.read_table(tmp_path / record.name)
     assert table.column("rid").to_pylist() == ["r0", "r0", "r3", "r3"]
     assert table.schema.equals(writer.schema)

@@ -176,3 +176,31 @@ def test_progress_lines_in_a_log(reviews, tiny_model_dir, tmp_path):
     assert len(lines) > 2, text
     assert "ETA" in lines[-1]
     assert "\r" not in text  # no bar drawn into a log
+
+
+def test_progress_eta_is_withheld_until_rows_finish_then_right(monkeypatch):
+    """The first progress line's ETA was far off: rows finish only after their whole answer (and on a GPU the
+    first steps compile kernels), so a rate from the start is too slow. Simulated clock: 60 s of warm-up,
+    then 10 rows/s; the ETA is withheld until a batch of rows has finished, then right within 10%."""
+    from batchjob.job import progress
+
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: False)
+    bar = progress.Progress(total=10_000, done=0, errors=0, warmup=16)
+    now[0] += 60  # warm-up: nothing finishes
+    assert "ETA after the first 16 rows" in bar.line()
+    for i in range(300):  # then 10 rows/s
+        now[0] += 0.1
+        bar.row(False)
+        if i == 10:
+            assert "ETA after the first 16 rows" in bar.line()  # not yet a batch of rows
+    true_left = (10_000 - 300) / 10
+    eta = re.search(r"ETA ([\d.]+) (s|min|h)", bar.line())
+    assert eta, bar.line()
+    shown = float(eta.group(1)) * {"s": 1, "min": 60, "h": 3600}[eta.group(2)]
+    assert abs(shown - true_left) <= 0.1 * true_left, (bar.line(), true_left)  # from the start: 3x too long
+    for _ in range(9_700):
+        now[0] += 0.1
+        bar.row(False)
+    assert bar.line().endswith("ETA 0 s")

@@ -9,9 +9,11 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchjob.cli import main
-from batchjob.job.requests import params_from_column, parse_request
+from batchjob.job.requests import ROLES, params_from_column, parse_request
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
 
@@ -108,6 +110,100 @@ def test_openai_request_lines():
     ]:
         req, p, err = parse_request(line, BASE, None)
         assert req is None and message in err, (line, err)
+
+
+def test_openai_request_line_fields_and_roles():
+    user = [{"role": "user", "content": "hi"}]
+    for role in ("system", "developer", "user", "assistant", "tool"):
+        _, _, err = parse_request(chat([{"role": role, "content": "x"}]), BASE, None)
+        assert err is None, (role, err)
+    for line, message in [
+        (chat([{"role": "wizard", "content": "x"}]), "body.messages[0].role 'wizard' is not a role (system,"),
+        (chat(user) | {"priority": 1}, "unknown request field 'priority' (an OpenAI Batch request line has"),
+        (chat(user) | {"custom_id": 7}, "custom_id must be a non-empty string, got 7"),
+        (chat(user) | {"custom_id": ""}, "custom_id must be a non-empty string"),
+        (chat(user, model=["a"]), "body.model must be a string"),
+    ]:
+        req, p, err = parse_request(line, BASE, {"tiny"})
+        assert req is None and p is None and message in err, (line, err)
+    # a column only other rows have (JSONL rows differ) is null in this one: not this line's field
+    assert parse_request(chat(user) | {"priority": None}, BASE, None)[2] is None
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_body_keys = st.sampled_from(
+    [
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "model",
+        "frequency_penalty",
+        "stream",
+        "logit_bias",
+        "tools",
+        "user",
+    ]
+)
+
+
+@st.composite
+def _request_lines(draw):
+    """Request lines near the valid ones: a valid chat or completion line with random JSON in some fields
+    (top-level, body and message fields), so the fuzz reaches every check, not just the first."""
+    completions = draw(st.booleans())
+    body = {"prompt": "Once"} if completions else {"messages": [{"role": "user", "content": "hi"}]}
+    line = {
+        "custom_id": "x",
+        "method": "POST",
+        "url": "/v1/completions" if completions else "/v1/chat/completions",
+        "body": body,
+    }
+    for key in draw(st.lists(_body_keys, max_size=4)):
+        body[key] = draw(_json)
+    if not completions and draw(st.booleans()) and isinstance(body.get("messages"), list):
+        message = {
+            "role": draw(st.sampled_from(["user", "system", "wizard"]) | _json),
+            "content": draw(_json),
+        }
+        body["messages"] = [*body["messages"], message]
+    if draw(st.booleans()):  # a structured-output request with a random schema
+        kind = draw(st.sampled_from(["json_schema", "json_object", "text"]) | _json)
+        body["response_format"] = {"type": kind, "json_schema": {"name": "x", "schema": draw(_json)}}
+    for key in draw(st.lists(st.sampled_from(["custom_id", "method", "url", "body", "extra"]), max_size=2)):
+        line[key] = draw(_json)
+    return line
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_request_lines())
+def test_openai_request_parser_fuzz(line):
+    """Random JSON values in every field of a request line: a request with parameters, or an error naming
+    what is wrong; never an exception."""
+    req, params, err = parse_request(line, BASE, {"tiny"})
+    if req is None:
+        assert params is None and isinstance(err, str) and err
+    else:
+        assert err is None and isinstance(params, SamplingParams)
+        assert ("prompt" in req) != ("messages" in req)
+        if "messages" in req:
+            assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in req["messages"])
 
 
 # -- jobs -------------------------------------------------------------------------------------------------
@@ -248,10 +344,40 @@ def requests_file(tmp_path_factory):
     )
     lines.append(
         {
-            "custom_id": "chat-1",
+            "custom_id": "logprobs",
             "method": "POST",
             "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "again"}]},
+            "body": {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "completion-logprobs",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon", "max_tokens": 3, "logprobs": 2, "temperature": 0},
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "wizard",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "wizard", "content": "x"}]},
+        }
+    )
+    lines.append(
+        {
+            "custom_id": "extra-field",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}]},
+            "priority": "high",
         }
     )
     with open(path, "w") as f:
@@ -278,13 +404,25 @@ def test_openai_batch_file_runs_and_round_trips(requests_file, tiny_model_dir, t
     assert code == 0, text
     assert "body.model ignored: the requests name 'gpt-4o-mini'" in text  # one warning, names listed
     table = ds.dataset(out, format="parquet").to_table().to_pylist()
-    first = [r for r in table if not (r["error"] or "").startswith("duplicate")]
-    got = {(r["custom_id"], r["sample_index"]): r for r in first}
+    got = {(r["custom_id"], r["sample_index"]): r for r in table}
     assert ("sampled", 0) in got and ("sampled", 1) in got  # n=2
     assert "body.tools is not supported" in got[("tools", 0)]["error"]
     assert "requests.jsonl line 9: " in got[("tools", 0)]["error"]
-    dup = [r for r in table if r["error"] and "duplicate id 'chat-1'" in r["error"]]
-    assert len(dup) == 1 and "first used by row requests.jsonl:1" in dup[0]["error"]
+    # a line's content is that line's error: an unknown role, a field OpenAI's request line does not have
+    assert got[("wizard", 0)]["error"] == (
+        "requests.jsonl line 12: body.messages[0].role 'wizard' is not a role "
+        "(system, developer, user, assistant, tool)"
+    )
+    assert "line 13: unknown request field 'priority'" in got[("extra-field", 0)]["error"]
+    assert {r["priority"] for r in table} == {None, "high"}  # kept as it was read, on the error row only
+    assert [r["priority"] for r in table if r["priority"]] == ["high"]
+    # --logprobs asked for in a request: one struct per generated token, the sampled one among its top 2
+    lp = got[("logprobs", 0)]["logprobs"]
+    assert len(lp) == got[("logprobs", 0)]["num_generated_tokens"] > 0
+    for t in lp:
+        assert len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 and isinstance(t["token"], str)
+        assert t["top_logprobs"][0]["logprob"] >= t["top_logprobs"][1]["logprob"] >= -1e30
+    assert got[("chat-0", 0)]["logprobs"] is None
     assert got[("completion-0", 0)]["num_generated_tokens"] <= 4
     # a greedy chat request answers what the same prompt through the chat template does
     plain = tmp_path / "plain.jsonl"
@@ -321,11 +459,25 @@ def test_openai_batch_file_runs_and_round_trips(requests_file, tiny_model_dir, t
     assert by_id["completion-0"]["response"]["body"]["object"] == "text_completion"
     assert len(by_id["sampled"]["response"]["body"]["choices"]) == 2
     assert by_id["tools"]["error"]["message"].endswith("body.tools is not supported by batchjob")
+    # a bad request carries its HTTP status, as OpenAI and vLLM write it
+    for bad in ("tools", "wizard", "extra-field"):
+        response = by_id[bad]["response"]
+        assert response["status_code"] == 400, bad
+        assert response["body"]["error"]["type"] == "invalid_request_error"
+        assert response["body"]["error"]["message"] == by_id[bad]["error"]["message"]
+    assert all(x["response"]["status_code"] == 200 for x in lines if x["error"] is None)
+    # logprobs asked for are exported in OpenAI's shape, the same numbers as the Parquet's
+    content = by_id["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [(t["token"], t["logprob"]) for t in lp]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+    text = by_id["completion-logprobs"]["response"]["body"]["choices"][0]
+    assert "".join(text["logprobs"]["tokens"]) == text["text"]
+    assert by_id["chat-0"]["response"]["body"]["choices"][0]["logprobs"] is None
     openai_types = pytest.importorskip("openai.types")
     from openai.types.chat import ChatCompletion
 
     for x in lines:
-        if x["response"] is not None:
+        if x["error"] is None:
             body = x["response"]["body"]
             kind = openai_types.Completion if body["object"] == "text_completion" else ChatCompletion
             kind.model_validate(body)
@@ -353,6 +505,23 @@ def test_check_model_name(requests_file, tiny_model_dir, tmp_path):
     assert len(wrong) == 7  # the six chat requests and the completion name gpt-4o-mini
 
 
+def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
+    """OpenAI's Batch API rejects a file with a custom_id used twice: so does `run` (and `validate`), before any
+    work, naming both lines; nothing is written."""
+    dup = tmp_path / "dup.jsonl"
+    lines = requests_file.read_text().splitlines()
+    dup.write_text("\n".join([*lines[:3], lines[1], *lines[3:]]) + "\n")
+    for command in ("run", "validate"):
+        out = tmp_path / f"out-{command}"
+        code, text = invoke(
+            command, "--input", dup, "--output", out, "--model", tiny_model_dir, "--format", "openai"
+        )
+        assert code == 2, text
+        assert "dup.jsonl line 4: custom_id 'chat-1' is already used by dup.jsonl line 2" in text
+        assert "give each request its own" in text and "Traceback" not in text
+        assert not out.exists()
+
+
 def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
     for extra, message in [
         (["--template", "{x}"], "--format openai takes the prompt and parameters from each request's body"),
@@ -371,3 +540,31 @@ def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
             *extra,
         )
         assert code == 2 and message in text, text
+
+
+def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_path):
+    """`validate --estimate` on OpenAI requests with `n: 100000`: the time counts every sample of every
+    request (and its max_tokens), not one answer a row; the calibration runs a batch of each row's samples."""
+    from batchjob.job import make_spec
+    from batchjob.job.estimate import estimate
+    from batchjob.job.runner import prepare
+
+    def seconds(n: int, max_tokens: int) -> tuple[float, list[str]]:
+        path = tmp_path / f"n{n}-{max_tokens}.jsonl"
+        with open(path, "w") as f:
+            for i in range(8):
+                body = {"messages": [{"role": "user", "content": f"q {i}"}], "n": n, "max_tokens": max_tokens}
+                line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                f.write(json.dumps(line) + "\n")
+        spec = make_spec(
+            input=[str(path)], output=str(tmp_path / f"out-{n}"), model=str(tiny_model_dir), format="openai"
+        )
+        est = estimate(prepare(spec), seconds=3.0)
+        return est.seconds(est.calibration), est.lines()
+
+    one, _ = seconds(1, 4)
+    many, lines = seconds(100_000, 4)
+    longer, _ = seconds(100_000, 8)
+    assert one > 0 and many > 1000 * one, (one, many)  # 100,000 answers a request, not one
+    assert longer > 1.5 * many  # twice the tokens each
+    assert any("100,000.0 samples a usable row (800,000 in the first 8)" in line for line in lines), lines

@@ -1,8 +1,8 @@
 """Result rows to Parquet parts, with one explicit schema for every part, committed atomically.
 
 The schema is the input's columns (fixed when the job starts) followed by the result columns (and the
-columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``choice_probs``,
-``logprobs``). A value that does not fit its input column's type (JSONL rows disagree with each other all the
+columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``choice_probs`` (Arrow maps
+from label to value), ``logprobs`` (a list of structs per generated token)). A value that does not fit its input column's type (JSONL rows disagree with each other all the
 time) is coerced: text columns store it as JSON text, other columns store null. An input column whose name clashes with a result
 column is written as ``input_<name>``.
 """
@@ -32,12 +32,31 @@ RESULT_FIELDS = [
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 
 
+# A token and its log-probability (``--logprobs``): its text (``tokenizer.decode`` of the one token), its id.
+TOKEN_LOGPROB = pa.struct(
+    [pa.field("token", pa.string()), pa.field("token_id", pa.int64()), pa.field("logprob", pa.float64())]
+)
+LABEL_MAP = pa.map_(
+    pa.string(), pa.float64()
+)  # --choices: {label: value}, in the order the labels were given
+
 EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
     "reasoning": pa.field("reasoning", pa.string()),  # a reasoning model: the text between its think tags
     "sample_index": pa.field("sample_index", pa.int64()),  # --n: which of the row's samples
-    "choice_logprobs": pa.field("choice_logprobs", pa.string()),  # --choices: JSON {choice: log-prob}
-    "choice_probs": pa.field("choice_probs", pa.string()),  # --choices: JSON {choice: prob}, sums to 1
-    "logprobs": pa.field("logprobs", pa.string()),  # --logprobs: JSON [[[token id, log-prob], ...], ...]
+    "choice_logprobs": pa.field("choice_logprobs", LABEL_MAP),  # --choices: {label: log-prob}
+    "choice_probs": pa.field("choice_probs", LABEL_MAP),  # --choices: {label: prob}, sums to 1
+    # --logprobs K: per generated token, the sampled token and its log-prob, and the top K (best first)
+    "logprobs": pa.field(
+        "logprobs",
+        pa.list_(
+            pa.struct(
+                [
+                    *TOKEN_LOGPROB,
+                    pa.field("top_logprobs", pa.list_(TOKEN_LOGPROB)),
+                ]
+            )
+        ),
+    ),
 }
 
 

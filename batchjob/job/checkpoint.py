@@ -73,8 +73,8 @@ class Parts:
         self.ordinals = IntervalSet()
 
     def add(self, ordinal: int, result: dict[str, Any], samples: list[dict[str, Any]]) -> None:
-        """Buffer a row's result rows: ``result`` (the columns they share) with each of ``samples``' feature
-        columns (--n gives several, all buffered at once so they land in one part)."""
+        """Buffer an input row's result rows: ``result`` (the columns they share) with each of ``samples``'
+        own columns (--n gives several, all buffered at once so they land in one part)."""
         for extra in samples:
             self.buffer.append({"ordinal": ordinal} | result | extra)
         self.ordinals.add(ordinal)
@@ -88,8 +88,9 @@ class Parts:
             PartRecord(
                 name=name,
                 rows=len({r["ordinal"] for r in rows}),  # input rows (--n writes several result rows each)
-                errors=sum(r["error"] is not None for r in rows),
-                prompt_tokens=sum(r["num_prompt_tokens"] or 0 for r in rows),
+                # input rows with an error (in any sample), and each input row's prompt once
+                errors=len({r["ordinal"] for r in rows if r["error"] is not None}),
+                prompt_tokens=sum(r["num_prompt_tokens"] or 0 for r in rows if not r.get("sample_index")),
                 generated_tokens=sum(r["num_generated_tokens"] or 0 for r in rows),
                 ordinals=self.ordinals.ranges(),
                 size=self.writer.size(name),

@@ -6,10 +6,13 @@ before a long run.
    lengths against the context, and the rows that will become errors (too long, no usable prompt).
 2. Calibration: the first usable prompts run through the engine with the job's settings (about a minute at
    most), timing every step against its number of tokens: a step costs about ``alpha + beta * tokens``.
-   The whole job then takes as many steps as its tokens (the sampled prompt lengths, and the calibration's
-   output per row) fill at ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` rows a
-   step, whichever is more, plus the last batch's drain. Prefix caching and drafts are not counted, so the
-   figure errs on the slow side.
+   The whole job then takes as many steps as its tokens (the sampled prompt lengths, and its outputs) fill at
+   ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` samples a step, whichever is
+   more, plus the last batch's drain. Outputs are counted per request: each row's samples (``n``, from the
+   job or the row's own parameters, e.g. an OpenAI body) times its ``max_new_tokens``, times the share of
+   that budget the calibration's samples used. A prompt is computed once for its samples. Prefix caching and
+   drafts are not counted otherwise, so the figure errs on the slow side. The calibration runs at most
+   ``--max-num-seqs`` samples of a row: it times steps, not a row's every sample.
 3. The same short calibration with the settings that matter changed (``--max-num-seqs``,
    ``--max-num-batched-tokens``, halved and doubled), on the loaded model, as a small table.
 
@@ -39,9 +42,10 @@ class Calibration:
     per decoded token)."""
 
     settings: str
-    rows: float  # finished rows, and the share of their output budget the unfinished ones got through
+    rows: float  # finished samples, and the share of their output budget the unfinished ones got through
     seconds: float
     generated_tokens: int
+    budget_tokens: int = 0  # the max_new_tokens of those samples (finished or cut short): what they could use
     alpha: float = 0.0  # seconds a step costs whatever its size
     beta_prompt: float = 0.0  # seconds per prompt token in a step
     beta_out: float = 0.0  # seconds per decoded token in a step
@@ -58,15 +62,21 @@ class Calibration:
 
     @property
     def output_per_row(self) -> float:
+        """Generated tokens a sample."""
         return self.generated_tokens / max(self.rows, 1e-9)
 
-    def job_seconds(self, rows: float, prompt_tokens: float) -> float:
-        """A job of ``rows`` rows and ``prompt_tokens`` prompt tokens in steps of this calibration's cost:
-        as many steps as its tokens fill at the step budget, or as its outputs need at max_num_seqs rows a
-        step, whichever is more, and the last batch's drain."""
+    @property
+    def fill(self) -> float:
+        """The share of their ``max_new_tokens`` the calibration's samples used (they stop early)."""
+        return self.generated_tokens / self.budget_tokens if self.budget_tokens else 1.0
+
+    def job_seconds(self, budget_tokens: float, prompt_tokens: float) -> float:
+        """A job of ``prompt_tokens`` prompt tokens whose samples may generate ``budget_tokens`` in all, in
+        steps of this calibration's cost: as many steps as its tokens fill at the step budget, or as its
+        outputs need at max_num_seqs samples a step, whichever is more, and the last batch's drain."""
         if self.rows <= 0:
             return float("inf")
-        generated = rows * self.output_per_row
+        generated = budget_tokens * self.fill
         tokens = prompt_tokens + generated
         steps = max(tokens / self.budget, generated / self.max_num_seqs) + self.output_per_row
         return steps * self.alpha + prompt_tokens * self.beta_prompt + generated * self.beta_out
@@ -80,6 +90,8 @@ class Estimate:
     too_long: int
     no_prompt: int
     context: int
+    samples: int  # of the usable sampled rows: their samples (n each)
+    budget_tokens: int  # and the tokens those samples may generate (n * max_new_tokens each)
     calibration: Calibration
     alternatives: list[tuple[str, Calibration]]
 
@@ -91,9 +103,8 @@ class Estimate:
         """The whole job at ``c``'s cost per step: its usable rows (the sample's share of them, when
         extrapolated) with the sample's mean prompt length."""
         rows = self.total if self.total is not None else self.sampled
-        usable = rows * self.ok / max(self.sampled, 1)
-        mean_prompt = sum(self.lengths) / max(1, len(self.lengths))
-        return c.job_seconds(usable, usable * mean_prompt)
+        scale = rows / max(self.sampled, 1)  # the whole job from the rows looked at
+        return c.job_seconds(scale * self.budget_tokens, scale * sum(self.lengths))
 
     def lines(self) -> list[str]:
         out = [
@@ -117,15 +128,18 @@ class Estimate:
         )
         c = self.calibration
         out.append(
-            f"calibration: {c.rows:.0f} rows in {c.seconds:.1f} s ({c.rows_per_s:.2f} rows/s, {c.tokens_per_s:.1f} "
+            f"calibration: {c.rows:.0f} samples in {c.seconds:.1f} s ({c.rows_per_s:.2f} samples/s, {c.tokens_per_s:.1f} "
             f"generated tok/s) with {c.settings}"
         )
         rows = f"{self.total:,} rows" if self.total is not None else f"the {self.sampled:,} rows looked at"
+        if self.samples != self.ok:  # --n, or requests' own n: the outputs to make
+            per = self.samples / max(self.ok, 1)
+            rows += f", {per:,.1f} samples a usable row ({self.samples:,} in the first {self.sampled:,})"
         out.append(f"estimated time: {duration(self.seconds(c))}")
         out.append(
             f"  ({rows}; a step took {1000 * c.alpha:.1f} ms + {1000 * c.beta_prompt:.3f} ms a prompt token + "
             f"{1000 * c.beta_out:.3f} ms a decoded one, "
-            f"{c.output_per_row:.1f} tokens out a row; this machine, today's settings; plus model loading)"
+            f"{c.output_per_row:.1f} tokens out a sample; this machine, today's settings; plus model loading)"
         )
         if self.alternatives:
             out.append(f"  {'with':<34}  estimated time")
@@ -156,11 +170,16 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
     step with its token count (the first, which warms caches up, is left out of the fit)."""
     cfg = engine.config
     settings = f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}"
+    limits = {}
     for i, (ids, params) in enumerate(prompts):
+        # a row's samples share its prompt: a few of them (at most a batch) time a step as well as all
+        params = params.replace(n=min(params.n, cfg.max_num_seqs))
         engine.add_request(f"calibrate-{i}", ids, params)
+        limits[f"calibrate-{i}"] = params.max_new_tokens
     start = time.monotonic()
     rows: float = 0
     tokens = 0
+    budget = 0
     steps: list[tuple[int, int, float]] = []  # (prompt tokens, other tokens, seconds) of each step
     stats = engine.stats
     while engine.has_unfinished() and time.monotonic() - start < seconds:
@@ -168,12 +187,14 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
         for out in engine.step():
             rows += 1
             tokens += len(out.token_ids)
+            budget += limits[out.request_id]
         p = stats.computed_prompt_tokens - prompt
         steps.append((p, stats.batched_tokens - batched - p, time.perf_counter() - t0))
     elapsed = time.monotonic() - start
     for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
         tokens += len(state.output_ids)
         rows += len(state.output_ids) / max(1, state.params.max_new_tokens)
+        budget += len(state.output_ids)  # it has not stopped yet: it says nothing of stopping early
         engine.abort(state.request_id)
     alpha, beta_prompt, beta_out = _fit(steps[1:] or steps)
     return Calibration(
@@ -181,6 +202,7 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
         rows,
         elapsed,
         tokens,
+        budget,
         alpha,
         beta_prompt,
         beta_out,
@@ -216,7 +238,7 @@ def estimate(
     base = spec.sampling_params(prep.info.job_seed)
     skip, covered = prep.shard.filters(_nothing())
     lengths: list[int] = []
-    too_long = no_prompt = sampled = 0
+    too_long = no_prompt = sampled = samples = budget = 0
     prompts: list[tuple[list[int], Any]] = []
     total = prep.shard.share_of(prep.info.row_counts)
     bar = tqdm(
@@ -241,6 +263,8 @@ def estimate(
                 no_prompt += 1
             continue
         lengths.append(len(ids))
+        samples += params.n
+        budget += params.n * params.max_new_tokens
         if len(prompts) < calibration_rows:
             prompts.append((ids, params))
     bar.close()
@@ -270,11 +294,22 @@ def estimate(
         try:
             other = Engine(model, tok, dataclasses.replace(cfg, **change), model_id=engine.model_id)
         except Exception as e:  # a setting this machine can't hold (the KV pool, say)
-            alternatives.append((f"{name} (not possible: {str(e)[:40]})", Calibration(name, 0, 1.0, 0)))
+            alternatives.append((f"{name} (not possible: {str(e)[:40]})", Calibration(name, 0, 1.0, 0, 0)))
             continue
         alternatives.append((name, _warm_then_time(other, prompts, 0.025 * seconds, per)))
         del other
-    return Estimate(sampled, total, lengths, too_long, no_prompt, engine.max_model_len, main, alternatives)
+    return Estimate(
+        sampled,
+        total,
+        lengths,
+        too_long,
+        no_prompt,
+        engine.max_model_len,
+        samples,
+        budget,
+        main,
+        alternatives,
+    )
 
 
 def _nothing() -> Any:

@@ -53,7 +53,7 @@ def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:
     ordinals = (o for a, b in record.ordinals for o in range(a, b))
     current = -1
     for batch in pq.ParquetFile(out_dir / record.name).iter_batches(batch_size=_BATCH):
-        for row in batch.to_pylist():
+        for row in batch.to_pylist(maps_as_pydicts="lossy"):  # --choices maps as objects
             if row.get("sample_index", 0) == 0:  # --n: a row's samples follow it; an error row has one
                 current = next(ordinals)
             yield Result(current, row)
@@ -104,6 +104,12 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         "error": None,
     }
     if first.get("error") is not None:
+        # as OpenAI and vLLM write a failed request: its HTTP status and error body in ``response``; a
+        # request refused before it ran (no prompt tokens) is a bad request (400), else the server failed
+        status = 400 if not first.get("num_prompt_tokens") else 500
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        error = {"message": first["error"], "type": kind, "param": None, "code": "batchjob_error"}
+        line["response"] = {"status_code": status, "request_id": digest, "body": {"error": error}}
         line["error"] = {"code": "batchjob_error", "message": first["error"]}
         return line
     completions = str(first.get("url") or "").endswith("/v1/completions")
@@ -112,7 +118,7 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         choice: dict[str, Any] = {
             "index": r.row.get("sample_index", 0),
             "finish_reason": r.row["finish_reason"],
-            "logprobs": None,
+            "logprobs": _openai_logprobs(r.row.get("logprobs"), completions),
         }
         if completions:
             choice["text"] = r.row["generated_text"]
@@ -135,6 +141,33 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
     }
     line["response"] = {"status_code": 200, "request_id": digest, "body": body}
     return line
+
+
+def _openai_logprobs(tokens: Any, completions: bool) -> dict[str, Any] | None:
+    """A sample's ``logprobs`` column in OpenAI's shape: chat ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}``, completions ``{tokens, token_logprobs, top_logprobs, text_offset}``. ``bytes`` are
+    the UTF-8 of the token's text (a token that is part of a character reads as U+FFFD there)."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, str):  # a part written before the column was structured: JSON of ids only
+        return None
+    if completions:
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t["token"])
+        return {
+            "tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{x["token"]: x["logprob"] for x in t["top_logprobs"]} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    def entry(t: dict[str, Any]) -> dict[str, Any]:
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+
+    content = [entry(t) | {"top_logprobs": [entry(x) for x in t["top_logprobs"]]} for t in tokens]
+    return {"content": content, "refusal": None}
 
 
 def export(out_dir: Path, fmt: str, to: IO[str]) -> int:

@@ -11,6 +11,9 @@ mode, which costs a few microseconds a row) or is lost or damaged is simply brou
 inputs.
 
 Derived ids (``<file>:<row>``) are unique by construction and need no index.
+
+``check_unique`` is the strict form, for an OpenAI Batch file (``--format openai``): a ``custom_id`` used
+twice rejects the whole file before any work, as OpenAI's Batch API does (the two lines are named).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
 
+from batchjob.errors import InputError
 from batchjob.io.atomic import DiskFullError, disk_full_message
 
 _SCHEMA = """
@@ -101,3 +107,37 @@ class IdIndex:
 
     def close(self) -> None:
         self.db.close()
+
+
+def check_unique(sources: list[Any], column: str, what: str) -> None:
+    """Raise ``InputError`` naming both lines if two rows of ``sources`` hold the same ``column`` value.
+
+    Reads the inputs once, keeping the ids in a temporary SQLite table (flat memory for any number of
+    rows). Rows that can't be parsed, or have no such value, are left to the job (their own error rows)."""
+    from batchjob.io.readers import iter_rows
+
+    with TemporaryDirectory(prefix="batchjob-ids-") as tmp:
+        db = sqlite3.connect(Path(tmp) / "ids.sqlite", isolation_level=None)
+        try:
+            db.execute("CREATE TABLE ids (key BLOB PRIMARY KEY, place TEXT NOT NULL) WITHOUT ROWID")
+            db.execute("BEGIN")
+            for row in iter_rows(sources):
+                value = row.values.get(column) if row.values is not None else None
+                if value is None or isinstance(value, (dict, list)):
+                    continue
+                place = (
+                    f"{row.source} line {row.line}"
+                    if row.line is not None
+                    else f"{row.source} row {row.index}"
+                )
+                key = _key(str(value))
+                if db.execute("INSERT OR IGNORE INTO ids VALUES (?, ?)", (key, place)).rowcount:
+                    continue
+                (first,) = db.execute("SELECT place FROM ids WHERE key = ?", (key,)).fetchone()
+                raise InputError(
+                    f"{place}: {what} {value!r} is already used by {first}; {what}s must be unique in an "
+                    f"OpenAI Batch file (OpenAI's Batch API rejects such a file too): give each request its "
+                    "own and run again"
+                )
+        finally:
+            db.close()

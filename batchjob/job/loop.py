@@ -11,7 +11,6 @@ position), the result equals an uninterrupted run's. The loop talks to the engin
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from batchjob.sampling import SamplingParams
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
 _PART_ROWS = 5000  # commit a part at least this often, checkpoint or not
+_LIVE_SECONDS = 5.0  # write stats.json (with the in-flight counts `status` shows) at least this often
 
 
 class TooManyErrors(BatchjobError):
@@ -126,6 +126,13 @@ class JobLoop:
         # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
         self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
         self.names = {s.base >> ORDINAL_BITS: s.name for s in prep.sources}
+        self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT while the loop runs: checkpoint and stop after this step."""
@@ -143,20 +150,24 @@ class JobLoop:
         n_prompt: int,
         n_gen: int,
         error: str | None,
-        samples: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Buffer a row's result; ``samples``: the feature columns of each of its result rows."""
-        result = {
-            "values": row.values,
+        """Buffer the result of a row that has one (an error row, before any sample)."""
+        sample = {
             "generated_text": text,
             "finish_reason": reason,
-            "num_prompt_tokens": n_prompt,
             "num_generated_tokens": n_gen,
             "error": error,
         }
-        self.parts.add(row.ordinal, result, samples or [{"sample_index": 0}])
-        self.stats.row(n_prompt, n_gen, error is not None)
-        self.bar.row(error is not None)
+        self._finish_samples(row, n_prompt, [sample | {"sample_index": 0}])
+
+    def _finish_samples(self, row: Row, n_prompt: int, samples: list[dict[str, Any]]) -> None:
+        """Buffer an input row's result rows, one per sample (``generated_text``, ``finish_reason``,
+        ``num_generated_tokens``, ``error`` and the feature columns each), and count it: one input row, its
+        prompt once, however many samples (--n) it has; an error in any sample makes it a failed row."""
+        self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples)
+        failed = any(s["error"] is not None for s in samples)
+        self.stats.row(n_prompt, sum(s["num_generated_tokens"] for s in samples), failed, len(samples))
+        self.bar.row(failed)
 
     def commit(self) -> None:
         self.parts.commit()
@@ -200,6 +211,13 @@ class JobLoop:
         body = self.stats.to_json(
             self.engine.stats.as_dict() if hasattr(self.engine.stats, "as_dict") else {}
         )
+        finished = len({r["ordinal"] for r in self.parts.buffer})
+        body["live"] = {  # what `status` shows of a running job beyond its committed rows
+            "updated": time.time(),
+            "finished_uncommitted": finished,  # input rows finished, not yet in a committed part
+            "in_engine": len(self.pending) - len(self.ready),  # input rows being generated
+            "read_ahead": len(self.ready),  # input rows prepared, waiting for room in the engine
+        }
         stream_total = self.prep.info.total_rows or self.stream_hint
         body["job"] = {
             "rows_done": self.manifest.rows,
@@ -324,6 +342,7 @@ class JobLoop:
         if len(p.samples) < p.params.n:
             return  # --n: the row is written once all its samples are done
         del self.pending[row_id]
+        results = []
         for k in sorted(p.samples):
             out = p.samples[k]
             error = out.error if out.finish_reason == "error" else None
@@ -337,15 +356,17 @@ class JobLoop:
                     n_gen += len(thought.token_ids)
                 else:
                     reasoning, text = self.tags.split(text, p.inside)
-            self._finish_row(
-                p.row,
-                text,
-                out.finish_reason,
-                p.num_prompt_tokens,
-                n_gen,
-                error,
-                [feature_columns(out) | {"reasoning": reasoning}],
+            results.append(
+                {
+                    "generated_text": text,
+                    "finish_reason": out.finish_reason,
+                    "num_generated_tokens": n_gen,
+                    "error": error,
+                    "reasoning": reasoning,
+                }
+                | feature_columns(out, (p.answer_params or p.params).logprobs, self._token_text)
             )
+        self._finish_samples(p.row, p.num_prompt_tokens, results)
 
     def _answer(self, p: _Pending, k: int, thought: Any) -> None:
         """Queue sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
@@ -391,8 +412,8 @@ class JobLoop:
         )
         reader_done = False
         errors_before = self.manifest.errors
-        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors)
-        last_checkpoint = time.monotonic()
+        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
+        last_checkpoint = last_live = time.monotonic()
         try:
             while True:
                 while not reader_done and len(self.ready) < self._read_ahead():
@@ -434,9 +455,12 @@ class JobLoop:
                     )
                 if len(self.parts.buffer) >= _PART_ROWS:
                     self.commit()
+                if time.monotonic() - last_live >= min(_LIVE_SECONDS, self.spec.checkpoint_interval):
+                    self.write_stats()  # a running job's progress for `status`, between checkpoints
+                    last_live = time.monotonic()
                 if time.monotonic() - last_checkpoint >= self.spec.checkpoint_interval:
                     self.checkpoint()
-                    last_checkpoint = time.monotonic()
+                    last_checkpoint = last_live = time.monotonic()
             self.commit()
             if self.ids is not None:
                 self.ids.commit()
@@ -508,17 +532,36 @@ def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> t
     return tuple(EXTRA_FIELDS[n] for n in names)
 
 
-def feature_columns(out: Any) -> dict[str, Any]:
-    """The feature columns of one engine output (JSON text for the nested ones)."""
+def feature_columns(out: Any, top_k: int | None = None, token_text: Any = None) -> dict[str, Any]:
+    """The feature columns of one engine output: ``choice_*`` as ``{label: value}`` (Arrow maps), ``logprobs``
+    as a list of per-token structs (``top_k``: the request's K; ``token_text``: a token id's text)."""
     choice_lp = getattr(out, "choice_logprobs", None)
     choice_p = getattr(out, "choice_probs", None)
     logprobs = getattr(out, "logprobs", None)
     return {
         "sample_index": getattr(out, "sample_index", 0),
-        "choice_logprobs": None if choice_lp is None else json.dumps(choice_lp),
-        "choice_probs": None if choice_p is None else json.dumps(choice_p),
-        "logprobs": None if logprobs is None else json.dumps([[list(t) for t in top] for top in logprobs]),
+        "choice_logprobs": None if choice_lp is None else dict(choice_lp),
+        "choice_probs": None if choice_p is None else dict(choice_p),
+        "logprobs": None
+        if logprobs is None
+        else token_logprobs(logprobs, list(out.token_ids), top_k or 0, token_text or str),
     }
+
+
+def token_logprobs(
+    tops: list[list[tuple[int, float]]], token_ids: list[int], k: int, token_text: Any
+) -> list[dict[str, Any]]:
+    """The engine's per-token lists (the top ``k``, best first, then the sampled token's when it is not among
+    them) as one struct per generated token: the sampled token, its log-prob, and the top ``k``."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_text(token_id), "token_id": token_id, "logprob": logprob}
+
+    out = []
+    for top, token_id in zip(tops, token_ids, strict=False):
+        chosen = next((lp for t, lp in reversed(top) if t == token_id), float("nan"))
+        out.append(entry(token_id, chosen) | {"top_logprobs": [entry(t, lp) for t, lp in top[:k]]})
+    return out
 
 
 def part_prefix(shard: Shard) -> str:

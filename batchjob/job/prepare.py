@@ -22,6 +22,7 @@ from batchjob.errors import InputError
 from batchjob.io.readers import compatible, input_schema
 from batchjob.io.sources import Source, discover
 from batchjob.job import model_identity
+from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
 from batchjob.job.prompts import PromptPlan, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
@@ -109,6 +110,8 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         }
         return plan, fingerprint
 
+    if spec.format == "openai":
+        check_unique(found, "custom_id", "custom_id")  # OpenAI rejects such a file: so do we, before work
     if state.exists():
         return _resume(spec, state, found, shard, identity)
     schema = input_schema(found)

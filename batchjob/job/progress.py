@@ -3,6 +3,11 @@
 On a terminal: one bar with rows done of total, rows/s, generated tokens/s, errors so far and the time left.
 When stderr is not a terminal (a Slurm log, a pipe): the same facts as one plain line at most every 30 s
 (``BATCHJOB_PROGRESS_SECONDS`` changes the interval), so a log shows the job moving without filling up.
+
+The time left is withheld until it means something: rows finish only once their whole answer is decoded,
+and the first steps also pay for warm-up (kernel compilation, CUDA graphs), so a rate taken from the start
+is far too slow early on. The ETA uses the rate since the first row of this run finished, once ``warmup``
+rows (a batch's worth) have finished; before that the line says what it waits for.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int | None, done: int, errors: int) -> None:
+    def __init__(self, total: int | None, done: int, errors: int, warmup: int = 1) -> None:
         self.total = total
+        self.warmup = max(2, warmup)  # rows of this run to finish before an ETA is given
+        self.first: tuple[float, int] | None = None  # (when, rows done) at this run's first finished row
         self.done = done
         self.errors = errors
         self.start_done = done
@@ -45,6 +52,8 @@ class Progress:
             self.bar.total = total
 
     def row(self, error: bool) -> None:
+        if self.first is None:
+            self.first = (time.monotonic(), self.done)
         self.done += 1
         self.errors += int(error)
         if self.bar is not None:
@@ -69,12 +78,27 @@ class Progress:
         total = f" of {self.total:,}" if self.total is not None else ""
         pct = f" ({100 * self.done / self.total:.1f}%)" if self.total else ""
         eta = ""
-        if self.total is not None and rate > 0:
-            eta = f", ETA {_duration(max(0, self.total - self.done) / rate)}"
+        if self.total is not None:
+            eta = f", ETA {self.eta()}"
         return (
             f"batchjob: {self.done:,}{total} rows{pct}, {rate:.2f} rows/s, {self.tokens / elapsed:.1f} tok/s, "
             f"{self.errors} errors{eta}"
         )
+
+    def eta(self) -> str:
+        """The time left at the rate since this run's first finished row, or what it waits for."""
+        assert self.total is not None
+        if self.done >= self.total:
+            return _duration(0)
+        warmup = min(self.warmup, max(2, (self.total - self.start_done) // 10))
+        ran = self.done - self.start_done
+        if self.first is None or ran < warmup:
+            return f"after the first {warmup:,} rows"
+        since, rows_then = self.first
+        rate = (self.done - rows_then - 1) / max(time.monotonic() - since, 1e-9)
+        if rate <= 0:
+            return f"after the first {warmup:,} rows"
+        return _duration(max(0, self.total - self.done) / rate)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -106,6 +106,8 @@ def params_from_column(
 
 # -- OpenAI Batch API requests ----------------------------------------------------------------------------
 
+REQUEST_FIELDS = ("custom_id", "method", "url", "body")  # what an OpenAI Batch request line has
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the Chat Completions API's message roles
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 # Fields accepted and ignored: they change nothing about the answer.
@@ -203,6 +205,18 @@ def parse_request(
 
     ``model_names``: when given, a body whose ``model`` is none of them is an error (``--check-model-name``).
     """
+    other = [k for k, v in values.items() if k not in REQUEST_FIELDS and v is not None]
+    if other:
+        return (
+            None,
+            None,
+            (
+                f"unknown request field {other[0]!r} (an OpenAI Batch request line has only "
+                f"{', '.join(REQUEST_FIELDS)}; the parameters go in body)"
+            ),
+        )
+    if not isinstance(values.get("custom_id"), str) or not values["custom_id"]:
+        return None, None, f"custom_id must be a non-empty string, got {values.get('custom_id')!r}"
     method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
     if isinstance(body, str):  # a body column stored as JSON text
         try:
@@ -215,7 +229,10 @@ def parse_request(
         return None, None, f"url {url!r} is not supported ({CHAT_URL} or {COMPLETIONS_URL})"
     if not isinstance(body, dict):
         return None, None, "body must be a JSON object"
-    if model_names is not None and body.get("model") is not None and body["model"] not in model_names:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return None, None, f"body.model must be a string, got {model!r}"
+    if model_names is not None and model is not None and model not in model_names:
         return (
             None,
             None,
@@ -236,6 +253,8 @@ def parse_request(
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 return None, None, f"body.messages[{i}] must be an object with a role"
+            if m["role"] not in ROLES:
+                return None, None, f"body.messages[{i}].role {m['role']!r} is not a role ({', '.join(ROLES)})"
             text, error = _message_text(m.get("content"), i)
             if text is None:
                 return None, None, error

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from batchjob import faults, signals
-from batchjob.io.writers import PartWriter
+from batchjob.io.writers import EXTRA_FIELDS, PartWriter
 from batchjob.job import model_identity
 from batchjob.job.loop import (  # noqa: F401  (re-exported)
     EXIT_INTERRUPTED,
@@ -37,7 +37,7 @@ from batchjob.job.prompts import PromptBuilder
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
-from batchjob.job.verify import needs_repair, repair_outputs
+from batchjob.job.verify import check_schema, needs_repair, repair_outputs
 
 
 def _engine_options(spec: JobSpec) -> dict[str, Any]:
@@ -119,6 +119,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         manifest = Manifest(prep.state.manifest_file)
         extra = extra_fields(spec.sampling_params(prep.info.job_seed))
         writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))
         repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors)  # verify.py
         writer.remove_orphans(manifest.names)
         builder = PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -167,6 +169,18 @@ class StateDir:
                 f"another batchjob run is writing to {self.out_dir}{who}; wait for it or stop it"
             ) from e
         self._lock_fd = fd
+        # who holds it, for `status` (the lock itself is the kernel's: this text only describes it)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+    def lock_holder(self) -> dict[str, Any]:
+        """What the running process wrote in the lock file (pid, host, since), or {} (for ``status``)."""
+        try:
+            holder = json.loads(self.lock_file.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
 
     def locked_by_other(self) -> bool:
         """Whether a running process holds this worker's lock (for ``status``)."""

@@ -63,8 +63,9 @@ class RunStats:
         """``engine``: the engine's stats now (an engine used before counts from here)."""
         self.start = time.monotonic()
         self.max_num_seqs = max_num_seqs
-        self.rows = 0
-        self.errors = 0
+        self.rows = 0  # input rows finished
+        self.samples = 0  # their result rows (--n N: N a row)
+        self.errors = 0  # input rows with an error
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.queue_wait = Reservoir(seed=1)
@@ -83,8 +84,10 @@ class RunStats:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def row(self, prompt_tokens: int, generated_tokens: int, error: bool) -> None:
+    def row(self, prompt_tokens: int, generated_tokens: int, error: bool, samples: int = 1) -> None:
+        """An input row finished: its prompt once, all its samples' tokens."""
         self.rows += 1
+        self.samples += samples
         self.errors += int(error)
         self.prompt_tokens += prompt_tokens
         self.generated_tokens += generated_tokens
@@ -134,6 +137,7 @@ class RunStats:
         return {
             "elapsed_s": round(elapsed, 3),
             "rows": self.rows,
+            "samples": self.samples,
             "errors": self.errors,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,

@@ -1,7 +1,9 @@
 """A job's progress read from its output folder alone, all workers added up; reads, never writes.
 
 Every worker's share is described by its own manifest (rows, errors, tokens), ``progress.json`` (complete?)
-and ``stats.json`` (throughput of its last run); whether it is running now is whether its lock is held.
+and ``stats.json`` (throughput of its last run); whether it is running now is whether its lock is held
+(the lock file names the process holding it). A running worker's ``stats.json`` also says, every few
+seconds, how many rows it has finished but not yet committed, is generating, and has read ahead.
 The manifest is not taken on trust: each part it lists is checked (``verify.py``: exists, recorded size,
 footer row count), and the rows of a missing or damaged part are not counted as done; a worker marked
 complete with such a part is "incomplete" until ``batchjob run`` redoes them. The inputs are checked against
@@ -28,7 +30,7 @@ class WorkerStatus:
     shard: Shard
     # "complete" | "running" | "stopped" | "not started" | "incomplete" (complete but for damaged parts)
     state: str
-    rows_done: int = 0
+    rows_done: int = 0  # input rows
     rows_total: int | None = None  # this worker's share
     errors: int = 0
     prompt_tokens: int = 0
@@ -37,6 +39,14 @@ class WorkerStatus:
     stats: dict[str, Any] = field(default_factory=dict)  # of its last (or current) run
     stats_file: Path | None = None
     problems: list[PartProblem] = field(default_factory=list)  # missing or damaged parts (rows not counted)
+    samples: int = 0  # result rows of the rows done (--n N: N a row)
+    holder: dict[str, Any] = field(default_factory=dict)  # a running worker: its pid, host, since (lock file)
+
+    @property
+    def live(self) -> dict[str, Any]:
+        """A running worker's in-flight counts as it last wrote them (stats.json), else {}."""
+        live = self.stats.get("live") if self.state == "running" else None
+        return live if isinstance(live, dict) else {}
 
     @property
     def rows_to_redo(self) -> int:
@@ -92,6 +102,7 @@ def job_status(out_dir: Path) -> JobStatus:
             run_state = "incomplete" if problems else "complete"
         else:
             run_state = "running" if state.locked_by_other() else "stopped"
+        holder = state.lock_holder() if run_state == "running" else {}
         lost = [p.record for p in problems]
         workers.append(
             WorkerStatus(
@@ -106,6 +117,8 @@ def job_status(out_dir: Path) -> JobStatus:
                 stats,
                 state.stats_file,
                 problems,
+                sum(r.result_rows or r.rows for r in manifest.parts if r not in lost),
+                holder,
             )
         )
     for w in workers:

@@ -38,7 +38,7 @@ from batchjob import faults
 from batchjob.io.writers import PartWriter
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
-from batchjob.job.state import JobInfo, StateDir
+from batchjob.job.state import JobInfo, JobMismatchError, StateDir
 
 
 @dataclass
@@ -76,6 +76,30 @@ def check_parts(out_dir: Path, manifest: Manifest) -> list[PartProblem]:
         if reason is not None:
             problems.append(PartProblem(record, reason))
     return problems
+
+
+def check_schema(out_dir: Path, manifest: Manifest, fields: tuple[pa.Field, ...]) -> None:
+    """Refuse to add parts whose result columns differ in type from the committed ones (a job started by an
+    earlier batchjob, e.g. ``choice_probs`` as JSON text where this one writes a map): one job, one schema.
+    ``fields``: every feature column this version may write; the first readable committed part is read."""
+    for record in manifest.parts:
+        try:
+            schema = pq.read_schema(out_dir / record.name)
+        except (OSError, pa.ArrowException):
+            continue  # missing or damaged: repaired (redone) like any other
+        changed = [
+            f"{f.name} is {schema.field(f.name).type} there, {f.type} now"
+            for f in fields
+            if f.name in schema.names and schema.field(f.name).type != f.type
+        ]
+        if changed:
+            raise JobMismatchError(
+                f"--output {out_dir}: its parts were written by an earlier batchjob with other column types "
+                f"({'; '.join(changed)}, e.g. in {record.name}); one job's parts share one schema, so this "
+                "version will not add to it. Finish the job with the version that started it, or run it "
+                "into a new --output folder (`batchjob export` reads this one as it is)"
+            )
+        return
 
 
 def needs_repair(out_dir: Path, manifest: Manifest, retry_errors: bool) -> bool:
@@ -134,7 +158,16 @@ def _without_errors(
         name="",
         rows=len(done),
         errors=0,
-        prompt_tokens=total("num_prompt_tokens"),
+        prompt_tokens=(  # each input row's prompt once, not once a sample
+            int(
+                pc.sum(
+                    kept.filter(pc.equal(kept.column("sample_index"), 0)).column("num_prompt_tokens")
+                ).as_py()
+                or 0
+            )
+            if "sample_index" in kept.column_names
+            else total("num_prompt_tokens")
+        ),
         generated_tokens=total("num_generated_tokens"),
         ordinals=done.ranges(),
     )
