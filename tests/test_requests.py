@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -11,13 +12,16 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
+from batchjob.errors import ConfigError
 from batchjob.job.requests import params_from_column, parse_request
+from batchjob.job.spec import make_spec
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
 
 pytestmark = pytest.mark.timeout(300)
 
 BASE = SamplingParams(max_new_tokens=8, temperature=0.0, seed=11)
+TEMPERATURE_RULE = "temperature must be a finite number, 0 (greedy) or >= 0.001"
 
 
 def invoke(*argv):
@@ -42,13 +46,13 @@ def test_params_column_values():
     assert err is None and p.n == 2 and p.stop == ["x"] and p.max_new_tokens == 8
     assert params_from_column(None, "p", BASE) == (BASE, None)
     for value, message in [
-        ('{"temperature": "hot"}', "params column 'p': temperature must be a number, got 'hot'"),
-        ('{"max_new_tokens": 2.5}', "max_new_tokens must be an int"),
+        ('{"temperature": "hot"}', f"params column 'p': {TEMPERATURE_RULE}, got 'hot'"),
+        ('{"max_new_tokens": 2.5}', "max_new_tokens must be an integer >= 1, got 2.5"),
         ('{"temprature": 1}', "unknown sampling parameter 'temprature'"),
-        ('{"temperature": -1}', "temperature must be >= 0"),
+        ('{"temperature": -1}', f"{TEMPERATURE_RULE}, got -1"),
         ("[1, 2]", "must be a JSON object"),
         ("{not json", "not JSON"),
-        ('{"n": true}', "n must be an int"),
+        ('{"n": true}', "n must be an integer >= 1, got True"),
     ]:
         p, err = params_from_column(value, "p", BASE)
         assert p is None and message in err, (value, err)
@@ -97,7 +101,7 @@ def test_openai_request_lines():
     for line, message in [
         (chat(user, tools=[{"type": "function"}]), "body.tools is not supported"),
         (chat(user, frequency_penalty=0.5), "body.frequency_penalty is not supported by batchjob (only 0)"),
-        (chat(user, temperature="warm"), "temperature must be a number"),
+        (chat(user, temperature="warm"), "temperature must be a finite number"),
         (chat(user, top_logprobs=2), "body.top_logprobs needs body.logprobs: true"),
         (chat([{"role": "user", "content": [{"type": "image_url"}]}]), "content[0]: only text parts"),
         (chat([]), "body.messages must be a non-empty list"),
@@ -164,7 +168,7 @@ def test_params_column_job(params_data, tiny_model_dir, tmp_path):
     got = results(out)
     bad = [r for r in got if r["error"]]
     assert len(bad) == 1 and bad[0]["rid"] == "r05"
-    assert bad[0]["error"] == "rows.jsonl line 6: params column 'p': temperature must be a number, got 'hot'"
+    assert bad[0]["error"] == (f"rows.jsonl line 6: params column 'p': {TEMPERATURE_RULE}, got 'hot'")
     by_id: dict[str, list] = {}
     for r in got:
         by_id.setdefault(r["rid"], []).append(r)
@@ -371,3 +375,75 @@ def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
             *extra,
         )
         assert code == 2 and message in text, text
+
+
+# -- one numeric check, whatever the source (issue 22) -------------------------------------------------------
+
+BAD_NUMBERS = [
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", 10**400),  # an int no float can hold
+    ("temperature", 1e-300),  # logits / temperature would overflow: not 0 (greedy), not a usable temperature
+    ("top_p", math.nan),
+    ("top_p", -math.inf),
+    ("min_p", math.nan),
+    ("top_k", 2.0),
+    ("max_new_tokens", True),
+    ("logprobs", 101),
+    ("n", 0),
+]
+OPENAI_NAMES = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "n": "n"}
+
+
+@pytest.mark.parametrize("name, value", BAD_NUMBERS)
+def test_one_numeric_check_for_every_source(name, value, tmp_path):
+    rule = f"{name} must be "
+    # a params-column row, as JSON text (NaN and Infinity are what json writes) and as a struct: the row's error
+    for given in (json.dumps({name: value}), {name: value}):
+        p, err = params_from_column(given, "p", BASE)
+        assert p is None and err.startswith(f"params column 'p': {rule}") and repr(value) in err, err
+    # an OpenAI request body, under OpenAI's name for the field
+    if name in OPENAI_NAMES:
+        req, p, err = parse_request(
+            chat([{"role": "user", "content": "hi"}], **{OPENAI_NAMES[name]: value}), BASE, None
+        )
+        assert req is None and err.startswith(f"body: {rule}"), err
+    # the library
+    with pytest.raises(ConfigError, match=rule):
+        SamplingParams(**{name: value})
+    # the command line and the job file: a setup error before any work
+    spec_value = value if name != "logprobs" else 101
+    with pytest.raises(ConfigError, match=name):
+        make_spec(input=["x.jsonl"], output="out", **{name: spec_value})
+    if isinstance(value, float) and not math.isfinite(value):
+        toml = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        job = tmp_path / "job.toml"
+        job.write_text(f'input = "x.jsonl"\noutput = "out"\n{name.replace("_", "-")} = {toml}\n')
+        with pytest.raises(ConfigError, match=name):
+            make_spec(job)
+        option = f"--{name.replace('_', '-')}"
+        code, text = invoke("run", "--input", tmp_path / "x.jsonl", "--output", tmp_path / "o", option, toml)
+        assert code == 2 and name in text and "Traceback" not in text, text
+
+
+def test_good_numbers_still_pass():
+    p, err = params_from_column(
+        '{"temperature": 1, "top_p": 0.5, "top_k": 3, "min_p": 0, "seed": 0}', "p", BASE
+    )
+    assert err is None and (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 0.5, 3, 0, 0)
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.001).temperature == 0.001
+
+
+# -- seeds of any size (issue 22) ---------------------------------------------------------------------------
+
+
+def test_seeds_of_any_size_map_into_range_by_the_documented_rule():
+    assert SamplingParams(seed=5).seed == 5 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # unchanged
+    assert SamplingParams(seed=2**64 + 5).seed == 5
+    assert SamplingParams(seed=2**200 + 7).seed == 7
+    assert SamplingParams(seed=-1).seed == 2**64 - 1
+    p, err = params_from_column(json.dumps({"seed": 2**70 + 3}), "p", BASE)
+    assert err is None and p.seed == 3
+    req, p, err = parse_request(chat([{"role": "user", "content": "hi"}], seed=-(2**80)), BASE, None)
+    assert err is None and p.seed == (-(2**80)) % 2**64
+    assert make_spec(input=["x.jsonl"], output="o", seed=2**64).sampling_params(0).seed == 0

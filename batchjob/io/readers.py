@@ -78,6 +78,43 @@ def _strip_bom(raw: bytes, lineno: int) -> bytes:
     return raw[len(codecs.BOM_UTF8) :] if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else raw
 
 
+MAX_DEPTH = 100  # of a JSONL row's values: deeper ones are the row's error, well short of any recursion limit
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists/objects more than ``limit`` levels deep (without recursion)."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [
+            v
+            for x in level
+            if isinstance(x, (dict, list))
+            for v in (x.values() if isinstance(x, dict) else x)
+            if isinstance(v, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
+def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """One JSONL line as an object, or why it is not a usable row: bad JSON, not an object, or nested deeper
+    than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never the reader's stop)."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        return None, f"bad JSON (nested deeper than {MAX_DEPTH} levels)"
+    except ValueError as e:
+        return None, f"bad JSON ({e})"
+    except Exception as e:  # noqa: BLE001 - a line can't stop the file
+        return None, f"bad JSON ({type(e).__name__}: {e})"
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object (got {type(obj).__name__})"
+    if _depth_over(obj, MAX_DEPTH):
+        return None, f"values nested deeper than {MAX_DEPTH} levels"
+    return obj, None
+
+
 def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
     """The value types of each key over the first 1,000 objects of a JSONL file, keys in order of first sight."""
     columns: dict[str, set[type]] = {}
@@ -86,11 +123,8 @@ def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
         for lineno, raw in enumerate(f, 1):
             if n >= _SCHEMA_SAMPLE_ROWS:
                 break
-            try:
-                obj = json.loads(_strip_bom(raw, lineno))
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
+            obj, _ = parse_line(_strip_bom(raw, lineno))
+            if obj is not None:
                 n += 1
                 for k, v in obj.items():
                     columns.setdefault(str(k), set()).add(type(v))
@@ -223,15 +257,8 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
                 except UnicodeDecodeError as e:
                     yield lineno, None, f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})"
                     continue
-                try:
-                    obj = json.loads(text)
-                except ValueError as e:
-                    yield lineno, None, f"{where}: bad JSON ({e})"
-                    continue
-                if not isinstance(obj, dict):
-                    yield lineno, None, f"{where}: not a JSON object (got {type(obj).__name__})"
-                    continue
-                yield lineno, obj, None
+                obj, error = parse_line(text)
+                yield lineno, obj, None if error is None else f"{where}: {error}"
     except (OSError, EOFError, ValueError) as e:
         # a truncated .gz, a corrupt .zst, a file that vanished: one error row, then the next source
         yield lineno + 1, None, f"{source.name} line {lineno + 1}: cannot read the rest of the file ({e})"

@@ -105,10 +105,9 @@ class JobSpec:
             self.choices = [c.strip() for c in self.choices.split(",")]
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        for name in ("temperature", "top_p", "min_p", "checkpoint_interval"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
+        if not isinstance(self.checkpoint_interval, float) or not math.isfinite(self.checkpoint_interval):
+            self.checkpoint_interval = _finite_float("checkpoint_interval", self.checkpoint_interval)
         modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
         if len(modes) > 1:
             raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
@@ -152,7 +151,7 @@ class JobSpec:
         if self.max_errors is not None and self.max_errors < 1:
             raise ConfigError(f"max_errors must be >= 1, got {self.max_errors!r}")
         self._schema_text = self._load_schema()
-        self.sampling_params(0)  # validates the sampling options
+        self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
 
     def _load_schema(self) -> str | None:
         if self.json_schema is None:
@@ -248,6 +247,16 @@ class JobSpec:
         if self.max_reasoning_tokens is not None:
             out["max_reasoning_tokens"] = self.max_reasoning_tokens
         return out
+
+
+def _finite_float(name: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
