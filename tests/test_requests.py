@@ -447,3 +447,53 @@ def test_seeds_of_any_size_map_into_range_by_the_documented_rule():
     req, p, err = parse_request(chat([{"role": "user", "content": "hi"}], seed=-(2**80)), BASE, None)
     assert err is None and p.seed == (-(2**80)) % 2**64
     assert make_spec(input=["x.jsonl"], output="o", seed=2**64).sampling_params(0).seed == 0
+
+
+def test_bad_values_and_big_seeds_in_a_job(tiny_model_dir, tmp_path):
+    """NaN/Infinity are row errors, a seed of any size runs as its value mod 2**64, a row no parser can take
+    is its own error: the job completes (exit 0) with every other row's text."""
+    same = {"temperature": 0.9, "max_new_tokens": 5}
+    rows = [{"rid": f"r{i}", "review": f"review {i} was fine", "p": json.dumps(same)} for i in range(3)]
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    small.write_text("".join(json.dumps(r | {"p": json.dumps(same | {"seed": 5})}) + "\n" for r in rows))
+    bad = [
+        '{"temperature": NaN}',
+        '{"top_p": Infinity}',
+        '{"temperature": 1e999}',
+        "[" * 100_000 + "]" * 100_000,  # the params text itself nested too deeply for the JSON parser
+    ]
+    with open(big, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r | {"p": json.dumps(same | {"seed": 2**64 + 5})}) + "\n")
+        for i, p in enumerate(bad):
+            f.write(json.dumps({"rid": f"bad{i}", "review": "x", "p": p}) + "\n")
+        f.write('{"rid": "deep", "review": ' + "[" * 200_000 + "]" * 200_000 + ', "p": null}\n')
+    got = {}
+    for data in (small, big):
+        out = tmp_path / data.stem
+        code, text = invoke(*params_args(data, out, tiny_model_dir))
+        assert code == 0 and "Traceback" not in text, text
+        got[data.stem] = {r["rid"] or r["error"]: r for r in results(out)}
+    for i in range(3):
+        assert got["big"][f"r{i}"]["generated_text"] == got["small"][f"r{i}"]["generated_text"]
+        assert got["big"][f"r{i}"]["error"] is None
+    errors = {k: r["error"] for k, r in got["big"].items() if r["error"]}
+    assert errors["bad0"] == f"big.jsonl line 4: params column 'p': {TEMPERATURE_RULE}, got nan"
+    assert (
+        errors["bad1"]
+        == "big.jsonl line 5: params column 'p': top_p must be a finite number in (0, 1], got inf"
+    )
+    assert errors["bad2"].startswith(f"big.jsonl line 6: params column 'p': {TEMPERATURE_RULE}, got inf")
+    assert errors["bad3"] == "big.jsonl line 7: cannot build this row's request (nested too deeply)"
+    deep = [e for k, e in errors.items() if not k.startswith("bad")]
+    assert deep == ["big.jsonl line 8: bad JSON (nested deeper than 100 levels)"]
+    # --seed of any size: the same draws as its value mod 2**64
+    texts = []
+    for seed in (5, 2**64 + 5):
+        out = tmp_path / f"seed{seed}"
+        args = params_args(small, out, tiny_model_dir)
+        args[args.index("--params-column") : args.index("--params-column") + 2] = []
+        code, text = invoke(*args, "--temperature", "0.9", "--seed", seed)
+        assert code == 0, text
+        texts.append([r["generated_text"] for r in results(out)])
+    assert texts[0] == texts[1]
