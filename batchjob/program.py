@@ -103,6 +103,9 @@ class _Program(click.Group):
         except signals.Interrupted as e:
             print(f"batchjob: {e}", file=sys.stderr)
             sys.exit(signals.EXIT_INTERRUPTED)
+        finally:
+            signals.quiet()  # the exit code is decided: no signal may change it while the interpreter ends
+            faults.at_exit("finalizing")
 
 
 @click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
