@@ -160,9 +160,26 @@ def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e, "the config of model") from e
+    auto_map = getattr(config, "auto_map", None)
+    if auto_map and not trust_remote_code:
+        # transformers would quietly run its own class for a known model_type instead of the code the
+        # folder names: not the model its authors ship, so we refuse rather than guess.
+        where = f"model folder {resolved}" if Path(resolved).is_dir() else f"model {resolved!r}"
+        code = ", ".join(sorted(map(str, auto_map))) if isinstance(auto_map, dict) else repr(auto_map)
+        builtin = getattr(config, "model_type", None)
+        raise ModelNotFoundError(
+            f"{where}: it ships its own Python code; rerun with --trust-remote-code if you trust it (an auto_map "
+            f"in its config names code for {code})"
+            + (
+                f", or delete auto_map from its config.json to run transformers' built-in {builtin!r} class"
+                if builtin
+                else ""
+            )
+        )
+    return config
 
 
 def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:

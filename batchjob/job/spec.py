@@ -3,9 +3,11 @@
 The engine's options are not declared here: ``EngineConfig`` (``engine/config.py``) declares each one once,
 and ``JobSpec`` gets a field for each (same name, default and check; ``None``: the engine decides).
 
-A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``); options given
-on the command line override it. Relative ``input`` and ``output`` paths in a job file are relative to the
-job file's folder, so a job file works from any working directory.
+A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``, not both);
+options given on the command line override it. Relative ``input`` and ``output`` paths in a job file are
+relative to the job file's folder, so a job file works from any working directory. A relative ``model`` is
+a folder next to the job file when one exists there (or it starts with ``./`` or ``../``), else a folder in
+the working directory when one exists there, else a hub id.
 """
 
 from __future__ import annotations
@@ -296,12 +298,18 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"job file {path} is not valid TOML: {e}") from e
     out: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # field name -> the key that gave it
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in FIELD_NAMES:
             raise ConfigError(
                 f"job file {path}: unknown field {key!r} (known: {', '.join(sorted(FIELD_NAMES))})"
             )
+        if name in keys:
+            raise ConfigError(
+                f"job file {path}: {keys[name]!r} and {key!r} are the same field; keep only one of them"
+            )
+        keys[name] = key
         out[name] = value
     base = path.parent
 
@@ -316,9 +324,19 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         out["output"] = rel(out["output"])
     if "json_schema" in out:
         out["json_schema"] = rel(out["json_schema"])
-    if isinstance(out.get("model"), str) and out["model"].startswith(("./", "../")):
-        out["model"] = rel(out["model"])
+    model = out.get("model")
+    if isinstance(model, str) and (model.startswith(("./", "../")) or _is_folder(rel(model))):
+        out["model"] = rel(
+            model
+        )  # a folder next to the job file (else: the working directory's, or a hub id)
     return out
+
+
+def _is_folder(path: Any) -> bool:
+    try:
+        return isinstance(path, str) and "://" not in path and Path(path).expanduser().is_dir()
+    except OSError:  # a name too long for a path, say: not a folder
+        return False
 
 
 def make_spec(job_file: str | Path | None = None, **overrides: Any) -> JobSpec:
