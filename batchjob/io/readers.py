@@ -192,7 +192,10 @@ def input_schema(sources: list[Source]) -> pa.Schema:
                 if jsonl_at is None:
                     jsonl_at = len(named)
             else:
-                named.append((source.path, _table_schema(source)))
+                table = _table_schema(source)
+                named.append(
+                    (source.path, pa.schema([_mark_text(f) for f in table], metadata=table.metadata))
+                )
         except InputError as e:
             failed.append(e)
         except Exception as e:
@@ -200,7 +203,12 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     if failed and len(failed) == len(sources):
         raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
     if kinds:
-        text = pa.schema([pa.field(k, _json_type(v)) for k, v in kinds.items()])
+        text = pa.schema(
+            [
+                pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
+                for k, v in kinds.items()
+            ]
+        )
         jsonl_name = (
             "the JSONL inputs"
             if sum(s.kind == "jsonl" for s in sources) > 1
@@ -210,11 +218,36 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     if not named:
         return pa.schema([])
     schema = _unify(named) if len(named) > 1 else named[0][1]
-    # a column that is null everywhere we looked is kept as text
+    # text only where every input that has the column says so
+    text = {f.name for f in schema} - {f.name for _, s in named for f in s if not is_text_only(f)}
+    # a column that is null everywhere we looked is kept as text (of unknown content)
     return pa.schema(
-        [pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in schema],
+        [
+            pa.field(f.name, pa.string())
+            if pa.types.is_null(f.type)
+            else _mark_text(f)
+            if f.name in text
+            else f.remove_metadata()
+            for f in schema
+        ],
         metadata=schema.metadata,
     )
+
+
+TEXT_ONLY = {b"batchjob": b"text"}  # field metadata: the column holds text (not JSON text of nested values)
+
+
+def _mark_text(f: pa.Field) -> pa.Field:
+    if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+        return f.with_metadata(TEXT_ONLY)
+    return f
+
+
+def is_text_only(f: pa.Field) -> bool:
+    """Whether a column of the job's input schema is known to hold only text: a string column of a Parquet
+    file or dataset, a JSONL key whose values (in the rows the schema was inferred from) were all strings.
+    A JSONL key with nested or mixed values is stored as (JSON) text too, but its rows hold the values."""
+    return (f.metadata or {}).get(b"batchjob") == b"text"
 
 
 def compatible(saved: pa.Schema, source: Source) -> str | None:
