@@ -9,11 +9,15 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+import torch
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchjob.cli import main
+from batchjob.engine.sampler import sample
 from batchjob.errors import ConfigError
-from batchjob.job.requests import params_from_column, parse_request
+from batchjob.job.requests import PARAM_NAMES, params_from_column, parse_request
 from batchjob.job.spec import make_spec
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
@@ -399,8 +403,8 @@ OPENAI_NAMES = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens"
 def test_one_numeric_check_for_every_source(name, value, tmp_path):
     rule = f"{name} must be "
     # a params-column row, as JSON text (NaN and Infinity are what json writes) and as a struct: the row's error
-    for given in (json.dumps({name: value}), {name: value}):
-        p, err = params_from_column(given, "p", BASE)
+    for cell in (json.dumps({name: value}), {name: value}):
+        p, err = params_from_column(cell, "p", BASE)
         assert p is None and err.startswith(f"params column 'p': {rule}") and repr(value) in err, err
     # an OpenAI request body, under OpenAI's name for the field
     if name in OPENAI_NAMES:
@@ -497,3 +501,36 @@ def test_bad_values_and_big_seeds_in_a_job(tiny_model_dir, tmp_path):
         assert code == 0, text
         texts.append([r["generated_text"] for r in results(out)])
     assert texts[0] == texts[1]
+
+
+# -- fuzz: any JSON in any field of a params-column row is a result or that row's error -------------------------
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**130), max_value=2**130)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = sorted(PARAM_NAMES) + ["max_tokens", "", "temprature"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(row=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=5), as_text=st.booleans())
+def test_fuzz_params_column(row, as_text):
+    value = json.dumps(row) if as_text else row  # JSON text, or the values a struct column gives
+    params, error = params_from_column(value, "p", BASE)
+    assert (params is None) != (error is None), (params, error)
+    if error is not None:
+        assert isinstance(error, str) and error.startswith("params column 'p': "), error
+        return
+    assert isinstance(params, SamplingParams)
+    # what a checkpoint saves comes back the same, and the sampler takes it
+    saved = json.loads(json.dumps(params.to_dict()))
+    assert SamplingParams.from_dict(saved) == params
+    if not params.constrained:
+        logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+        (token,) = sample(logits, [params], [1], [0])
+        assert 0 <= token < 50
