@@ -12,6 +12,7 @@ from typing import Any
 from batchjob.errors import ConfigError
 
 SEED_MODULUS = 2**64
+MAX_N = 10_000  # samples of one row: each is a request in the engine, so one row can't flood it
 MIN_TEMPERATURE = 1e-3  # below it (but above 0, greedy) logits / temperature overflows float32
 
 # The one check of every numeric sampling value, whatever its source (command line, job file, a row's
@@ -28,7 +29,7 @@ NUMBERS: dict[str, tuple[bool, Callable[[float], bool], str]] = {
     "min_p": (False, lambda v: 0.0 <= v <= 1.0, "a finite number in [0, 1]"),
     "seed": (True, lambda v: True, "an integer (of any size: it is taken modulo 2**64)"),
     "logprobs": (True, lambda v: 0 <= v <= 100, "an integer in [0, 100]"),
-    "n": (True, lambda v: v >= 1, "an integer >= 1"),
+    "n": (True, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
 }
 
 

@@ -56,7 +56,7 @@ def test_params_column_values():
         ('{"temperature": -1}', f"{TEMPERATURE_RULE}, got -1"),
         ("[1, 2]", "must be a JSON object"),
         ("{not json", "not JSON"),
-        ('{"n": true}', "n must be an integer >= 1, got True"),
+        ('{"n": true}', "n must be an integer in [1, 10000], got True"),
     ]:
         p, err = params_from_column(value, "p", BASE)
         assert p is None and message in err, (value, err)
@@ -395,6 +395,7 @@ BAD_NUMBERS = [
     ("max_new_tokens", True),
     ("logprobs", 101),
     ("n", 0),
+    ("n", 10**9),  # a billion samples of one row would flood the engine
 ]
 OPENAI_NAMES = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "n": "n"}
 
