@@ -125,18 +125,23 @@ class SamplingParams:
                 raise ConfigError(f"choices must be distinct, got {self.choices!r}")
         if self.json_schema is not None:
             schema = self.json_schema
-            if isinstance(schema, str):
-                try:
+            try:
+                if isinstance(schema, str):
                     schema = json.loads(schema)
-                except ValueError as e:
+                if not isinstance(schema, (dict, bool)):
                     raise ConfigError(
-                        f"json_schema is not valid JSON ({e}), got {self.json_schema[:200]!r}"
-                    ) from e
-            if not isinstance(schema, (dict, bool)):
-                raise ConfigError(f"json_schema must be a JSON object, got {self.json_schema!r}")
-            self.json_schema = json.dumps(
-                schema, separators=(",", ":")
-            )  # key order kept: it orders the output
+                        f"json_schema must be a JSON object, got {str(self.json_schema)[:200]!r}"
+                    )
+                self.json_schema = json.dumps(
+                    schema, separators=(",", ":")
+                )  # key order kept: it orders the output
+            except (ValueError, RecursionError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                raise ConfigError(
+                    f"json_schema is not valid JSON ({why}), got {str(self.json_schema)[:200]!r}"
+                ) from e
         if self.regex is not None and (not isinstance(self.regex, str) or self.regex == ""):
             raise ConfigError(f"regex must be a non-empty string, got {self.regex!r}")
         given = [n for n in ("choices", "json_schema", "regex") if getattr(self, n) is not None]

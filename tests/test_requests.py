@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -489,7 +490,7 @@ def test_bad_values_and_big_seeds_in_a_job(tiny_model_dir, tmp_path):
         == "big.jsonl line 5: params column 'p': top_p must be a finite number in (0, 1], got inf"
     )
     assert errors["bad2"].startswith(f"big.jsonl line 6: params column 'p': {TEMPERATURE_RULE}, got inf")
-    assert errors["bad3"] == "big.jsonl line 7: cannot build this row's request (nested too deeply)"
+    assert errors["bad3"] == "big.jsonl line 7: params column 'p': not JSON (nested too deeply)"
     deep = [e for k, e in errors.items() if not k.startswith("bad")]
     assert deep == ["big.jsonl line 8: bad JSON (nested deeper than 100 levels)"]
     # --seed of any size: the same draws as its value mod 2**64
@@ -535,3 +536,41 @@ def test_fuzz_params_column(row, as_text):
         logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
         (token,) = sample(logits, [params], [1], [0])
         assert 0 <= token < 50
+
+
+def test_whatever_one_row_raises_is_that_rows_error(tiny_model_dir, tmp_path):
+    """A chat template that raises on one row's text (any exception from any library, on one row): that
+    row's error, naming the file and line; the job goes on and completes."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    template = "{% if 'boom' in messages[-1]['content'] %}{{ raise_exception('no boom here') }}{% endif %}"
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(template + jinja.read_text())
+    else:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = template + config["chat_template"]
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["fine", "boom", "also fine"]))
+    out = tmp_path / "out"
+    code, text = invoke("run", "--input", data, "--output", out, "--model", folder, "--max-new-tokens", "2")
+    assert code == 0 and "Traceback" not in text, text
+    errors = [r["error"] for r in results(out) if r["error"]]
+    assert len(errors) == 1 and errors[0].startswith("in.jsonl line 2: cannot build this row's request ("), (
+        errors
+    )
+    assert "no boom here" in errors[0]
+
+
+def test_json_nested_too_deeply_in_any_option_or_field_is_an_error_not_a_crash(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    assert params_from_column(deep, "p", BASE) == (None, "params column 'p': not JSON (nested too deeply)")
+    with pytest.raises(ConfigError, match=r"json_schema is not valid JSON \(nested too deeply\)"):
+        SamplingParams(json_schema=deep)
+    with pytest.raises(ConfigError, match=r"chat_template_kwargs must be a JSON object.*nested too deeply"):
+        make_spec(input=["x.jsonl"], output="o", chat_template_kwargs=deep)
+    schema = tmp_path / "schema.json"
+    schema.write_text(deep)
+    with pytest.raises(ConfigError, match="json_schema is not valid JSON"):
+        make_spec(input=["x.jsonl"], output="o", json_schema=str(schema))

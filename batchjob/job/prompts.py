@@ -337,8 +337,11 @@ class PromptBuilder:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
-                return None, f"column {col!r} is not a list of messages (text that is not JSON)"
+            except (ValueError, RecursionError):
+                return (
+                    None,
+                    f"column {col!r} is not a list of messages (text that is not JSON, or nested too deeply)",
+                )
         ok = (
             isinstance(value, list)
             and value

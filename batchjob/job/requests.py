@@ -90,8 +90,8 @@ def params_from_column(
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else {}
-        except ValueError as e:
-            return None, f"{where}not JSON ({e})"
+        except (ValueError, RecursionError) as e:
+            return None, f"{where}not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})"
         if value is None:  # JSON null: nothing of its own
             return base, None
     if not isinstance(value, dict):

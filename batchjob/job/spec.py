@@ -171,8 +171,11 @@ class JobSpec:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r} ({e})") from e
+            except (ValueError, RecursionError) as e:
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                raise ConfigError(
+                    f"chat_template_kwargs must be a JSON object, got {value[:200]!r} ({why})"
+                ) from e
         if value is None:
             return {}
         if not isinstance(value, dict):
