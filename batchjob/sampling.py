@@ -27,7 +27,7 @@ NUMBERS: dict[str, tuple[bool, Callable[[float], bool], str]] = {
     "top_k": (True, lambda v: v >= 0, "an integer >= 0 (0 disables it)"),
     "top_p": (False, lambda v: 0.0 < v <= 1.0, "a finite number in (0, 1]"),
     "min_p": (False, lambda v: 0.0 <= v <= 1.0, "a finite number in [0, 1]"),
-    "seed": (True, lambda v: True, "an integer (of any size: it is taken modulo 2**64)"),
+    "seed": (True, lambda v: v >= 0, "an integer >= 0 (of any size: it is taken modulo 2**64)"),
     "logprobs": (True, lambda v: 0 <= v <= 100, "an integer in [0, 100]"),
     "n": (True, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
 }
@@ -51,7 +51,7 @@ def check_number(name: str, value: Any) -> str | None:
 
 
 def map_seed(seed: int) -> int:
-    """A seed of any size (negative too) as the sampler uses it: ``seed mod 2**64``. Seeds already in
+    """A seed of any size as the sampler uses it: ``seed mod 2**64``. Seeds already in
     [0, 2**64) are unchanged, and the rule is fixed, so a resumed job draws what it drew before."""
     return seed % SEED_MODULUS
 

@@ -397,8 +397,15 @@ BAD_NUMBERS = [
     ("logprobs", 101),
     ("n", 0),
     ("n", 10**9),  # a billion samples of one row would flood the engine
+    ("seed", -1),
 ]
-OPENAI_NAMES = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "n": "n"}
+OPENAI_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_new_tokens": "max_tokens",
+    "n": "n",
+    "seed": "seed",
+}
 
 
 @pytest.mark.parametrize("name, value", BAD_NUMBERS)
@@ -447,11 +454,10 @@ def test_seeds_of_any_size_map_into_range_by_the_documented_rule():
     assert SamplingParams(seed=5).seed == 5 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # unchanged
     assert SamplingParams(seed=2**64 + 5).seed == 5
     assert SamplingParams(seed=2**200 + 7).seed == 7
-    assert SamplingParams(seed=-1).seed == 2**64 - 1
     p, err = params_from_column(json.dumps({"seed": 2**70 + 3}), "p", BASE)
     assert err is None and p.seed == 3
-    req, p, err = parse_request(chat([{"role": "user", "content": "hi"}], seed=-(2**80)), BASE, None)
-    assert err is None and p.seed == (-(2**80)) % 2**64
+    req, p, err = parse_request(chat([{"role": "user", "content": "hi"}], seed=2**80 + 1), BASE, None)
+    assert err is None and p.seed == 1
     assert make_spec(input=["x.jsonl"], output="o", seed=2**64).sampling_params(0).seed == 0
 
 

@@ -114,7 +114,6 @@ def test_seeds_of_any_size_sample_by_their_value_mod_2_64():
         return [sample(logits, [SamplingParams(seed=seed, **kw)], [7], [pos])[0] for pos in range(40)]
 
     assert draws(2**64 + 9) == draws(9) and draws(2**200 + 9) == draws(9)  # what used to crash
-    assert draws(-1) == draws(2**64 - 1)
     # above 2**63 the seed's 64 bits reach the noise as they are: not folded onto a smaller seed
     assert len({tuple(draws(s)) for s in (2**63 + 9, 2**64 - 1, 9, 2**32 + 9)}) == 4
     assert draws(3, top_k=10**30) == draws(3)  # a top_k beyond the vocabulary keeps every token
