@@ -98,6 +98,16 @@ def test_a_row_nested_too_deeply_is_that_rows_error_not_the_files(tmp_path):
     assert table.column("v").to_pylist()[1] == json.dumps(nested(MAX_DEPTH - 5))
 
 
+def test_a_parquet_value_one_row_cant_convert_is_that_rows_error(tmp_path):
+    path = tmp_path / "dates.parquet"
+    ts = pa.array([0, 300_000_000_000, 5], type=pa.timestamp("s"))  # the middle one is beyond year 9999
+    pq.write_table(pa.table({"ts": ts, "text": ["a", "b", "c"]}), path)
+    rows = list(iter_rows(discover([str(path)])))
+    assert [r.values["text"] if r.values else None for r in rows] == ["a", None, "c"]
+    assert rows[1].error.startswith("dates.parquet row 1: cannot convert its values (OverflowError")
+    assert [r.ordinal for r in rows] == [0, 1, 2]
+
+
 def nested(depth):
     value: object = 0
     for _ in range(depth):

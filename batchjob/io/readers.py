@@ -307,6 +307,22 @@ def _batches(source: Source) -> Iterator[pa.RecordBatch]:
             yield from ds.with_format("arrow").iter(batch_size=_PARQUET_BATCH_ROWS)
 
 
+def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None, str]]:
+    """Each row of ``batch`` as Python values, or None and why it can't be (a date beyond Python's, say):
+    a value one row can't convert is that row's error, not the rest of the file's."""
+    try:
+        rows = batch.to_pylist()
+    except Exception:  # noqa: BLE001 - row by row, to find the rows at fault
+        for j in range(batch.num_rows):
+            try:
+                yield batch.slice(j, 1).to_pylist()[0], ""
+            except Exception as e:  # noqa: BLE001
+                yield None, f"cannot convert its values ({type(e).__name__}: {e})"
+        return
+    for values in rows:
+        yield values, ""
+
+
 IdHook = Callable[[int, Any], None]  # (ordinal, id value) of a row the reader passes over
 
 
@@ -331,11 +347,20 @@ def _table_rows(
                         on_skipped(start + index + j, value)
                 index += n
                 continue
-            for values in batch.to_pylist():
+            for values, error in _batch_values(batch):
                 if not skip(start + index):
-                    yield Row(start + index, source.name, index, values)
+                    where = f"{source.name} row {index}: "
+                    yield Row(
+                        start + index,
+                        source.name,
+                        index,
+                        values,
+                        None if values is not None else where + error,
+                    )
                 elif on_skipped is not None:
-                    on_skipped(start + index, values.get(id_column) if id_column else None)
+                    on_skipped(
+                        start + index, values.get(id_column) if values is not None and id_column else None
+                    )
                 index += 1
     except InputError:
         raise
