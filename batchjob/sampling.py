@@ -37,7 +37,12 @@ def check_number(name: str, value: Any) -> str | None:
     """Why ``value`` is not a valid ``name`` (the message names both), or None: finite, in range, an integer
     where it must be (a bool is not a number, 2.0 is not an integer, 1e999 and NaN are not finite)."""
     integer, in_range, rule = NUMBERS[name]
-    wrong = f"{name} must be {rule}, got {value!r}"
+    shown = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**60
+        else f"an integer of {len(str(abs(value)))} digits"
+    )
+    wrong = f"{name} must be {rule}, got {shown[:200]}"
     if isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float)):
         return wrong
     if not integer:

@@ -414,7 +414,8 @@ def test_one_numeric_check_for_every_source(name, value, tmp_path):
     # a params-column row, as JSON text (NaN and Infinity are what json writes) and as a struct: the row's error
     for cell in (json.dumps({name: value}), {name: value}):
         p, err = params_from_column(cell, "p", BASE)
-        assert p is None and err.startswith(f"params column 'p': {rule}") and repr(value) in err, err
+        shown = repr(value) if value != 10**400 else "got an integer of 401 digits"
+        assert p is None and err.startswith(f"params column 'p': {rule}") and shown in err, err
     # an OpenAI request body, under OpenAI's name for the field
     if name in OPENAI_NAMES:
         req, p, err = parse_request(
