@@ -9,7 +9,9 @@ reached and cost nothing when unset.
   to parse its options), ``before_model_load`` and ``during_model_load`` (``run_job``, the state folder
   locked), ``loop_started`` (the job loop's own handlers are in place), ``launch`` (the ``--devices``
   launcher, before it starts a worker), ``worker_started`` (the launcher, after starting its first worker),
-  ``part_committed`` (the job loop, after a part is listed in the manifest).
+  ``part_committed`` (the job loop, after a part is listed in the manifest). And ``finalizing``: the command
+  is over and the interpreter shutting down (its signal handlers gone); the process announces it and waits
+  for a line on stdin instead (``at_exit``).
 - ``BATCHJOB_FAULT_KILL=<point>``: at that point the process dies as if killed (exit 137, nothing flushed or
   cleaned up). Points: ``after_part_rewrite`` and ``after_manifest_rewrite`` (``verify.py``).
 - ``BATCHJOB_FAULT_EIO=<source name>:<line>``: reading that line of that JSONL input fails with EIO (a
@@ -70,6 +72,30 @@ def point(name: str) -> None:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+class _ExitPoint:
+    """Held by this module until the interpreter clears it at shutdown, after Python has put the default
+    signal handlers back: the last moment a signal could change the exit code. There it announces the point
+    and waits for a line on stdin (no handler can run any more, so the test sends its signals, then the
+    line)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.pid, self.write, self.read = name, os.getpid(), os.write, os.read
+
+    def __del__(self) -> None:
+        self.write(2, f"batchjob: fault point {self.name} (pid {self.pid}): waiting for a line\n".encode())
+        self.read(0, 1)
+
+
+_exit_point: _ExitPoint | None = None
+
+
+def at_exit(name: str) -> None:
+    """If ``BATCHJOB_FAULT_PAUSE`` names this point, stop there while the interpreter shuts down."""
+    global _exit_point
+    if name in os.environ.get(PAUSE_ENV, "").split(","):
+        _exit_point = _ExitPoint(name)
 
 
 def disk_write(what: str) -> None:

@@ -13,6 +13,7 @@ asks on stdin, and a model that needs its own code is refused with a message tha
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -150,6 +151,22 @@ def _load_error(name: str | None, resolved: str, e: Exception, what: str = "mode
     return ModelNotFoundError(f"cannot load {what} {name!r} ({resolved}): {first}")
 
 
+def _refuse_own_code(resolved: str, auto_map: Any, file: str, builtin: str | None) -> None:
+    """Refuse a model whose ``file`` names its own code (``auto_map``), without ``--trust-remote-code``.
+
+    transformers quietly runs its built-in class when it knows the ``model_type`` (or the tokenizer class)
+    instead of the code the folder names: not the model its authors ship, so we refuse rather than guess."""
+    if not auto_map:
+        return
+    where = f"model folder {resolved}" if Path(resolved).is_dir() else f"model {resolved!r}"
+    code = ", ".join(sorted(map(str, auto_map))) if isinstance(auto_map, dict) else repr(auto_map)
+    instead = f"transformers' built-in {builtin!r} class" if builtin else "transformers' built-in class"
+    raise ModelNotFoundError(
+        f"{where}: it ships its own Python code; rerun with --trust-remote-code if you trust it (an auto_map "
+        f"in its {file} names code for {code}), or delete auto_map from its {file} to use {instead}"
+    )
+
+
 def load_config(name: str | None, trust_remote_code: bool = False) -> tuple[Any, str]:
     """The model's config without its weights (for checks before loading). Returns (config, resolved)."""
     resolved = resolve_model(name)
@@ -160,9 +177,21 @@ def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e, "the config of model") from e
+    if not trust_remote_code:
+        _refuse_own_code(
+            resolved, getattr(config, "auto_map", None), "config.json", getattr(config, "model_type", None)
+        )
+        tokenizer_config = Path(resolved) / "tokenizer_config.json"
+        if tokenizer_config.is_file():
+            try:
+                auto_map = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("auto_map")
+            except (OSError, ValueError, RecursionError, AttributeError):
+                auto_map = None  # the tokenizer's own load says what is wrong with it
+            _refuse_own_code(resolved, auto_map, "tokenizer_config.json", None)
+    return config
 
 
 def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:
@@ -170,9 +199,12 @@ def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:
 
     resolved = resolve_model(name)
     try:
-        return AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e, "the tokenizer of model") from e
+    if not trust_remote_code:
+        _refuse_own_code(resolved, tokenizer.init_kwargs.get("auto_map"), "tokenizer_config.json", None)
+    return tokenizer
 
 
 def load_model_and_tokenizer(
@@ -188,6 +220,8 @@ def load_model_and_tokenizer(
         # The config first: a model that needs its own code is refused before anything else is read.
         _config(name, resolved, trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        if not trust_remote_code:  # a hub model's tokenizer_config.json, read only now
+            _refuse_own_code(resolved, tokenizer.init_kwargs.get("auto_map"), "tokenizer_config.json", None)
         model = AutoModelForCausalLM.from_pretrained(
             resolved, dtype=dtype, trust_remote_code=trust_remote_code
         )

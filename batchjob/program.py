@@ -97,12 +97,17 @@ class _Program(click.Group):
 
         signals.install()  # already done by `import batchjob` or __main__; here for any other entry
         try:
-            signals.arm()
-            faults.point("startup")
-            return super().__call__(*args, **kwargs)
-        except signals.Interrupted as e:
-            print(f"batchjob: {e}", file=sys.stderr)
-            sys.exit(signals.EXIT_INTERRUPTED)
+            try:
+                signals.arm()
+                faults.point("startup")
+                return super().__call__(*args, **kwargs)
+            except signals.Interrupted as e:
+                print(f"batchjob: {e}", file=sys.stderr)
+                sys.exit(signals.EXIT_INTERRUPTED)
+        except SystemExit:  # the process exits with the code decided: no signal may change it now
+            signals.quiet()
+            faults.at_exit("finalizing")
+            raise
 
 
 @click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})

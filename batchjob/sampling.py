@@ -4,10 +4,61 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from batchjob.errors import ConfigError
+
+SEED_MODULUS = 2**64
+MAX_N = 10_000  # samples of one row: each is a request in the engine, so one row can't flood it
+MIN_TEMPERATURE = 1e-3  # below it (but above 0, greedy) logits / temperature overflows float32
+
+# The one check of every numeric sampling value, whatever its source (command line, job file, a row's
+# params column, an OpenAI request body): name -> (integer?, in range?, the rule as the message says it).
+NUMBERS: dict[str, tuple[bool, Callable[[float], bool], str]] = {
+    "max_new_tokens": (True, lambda v: v >= 1, "an integer >= 1"),
+    "temperature": (
+        False,
+        lambda v: v == 0 or v >= MIN_TEMPERATURE,
+        f"a finite number, 0 (greedy) or >= {MIN_TEMPERATURE}",
+    ),
+    "top_k": (True, lambda v: v >= 0, "an integer >= 0 (0 disables it)"),
+    "top_p": (False, lambda v: 0.0 < v <= 1.0, "a finite number in (0, 1]"),
+    "min_p": (False, lambda v: 0.0 <= v <= 1.0, "a finite number in [0, 1]"),
+    "seed": (True, lambda v: v >= 0, "an integer >= 0 (of any size: it is taken modulo 2**64)"),
+    "logprobs": (True, lambda v: 0 <= v <= 100, "an integer in [0, 100]"),
+    "n": (True, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
+}
+
+
+def check_number(name: str, value: Any) -> str | None:
+    """Why ``value`` is not a valid ``name`` (the message names both), or None: finite, in range, an integer
+    where it must be (a bool is not a number, 2.0 is not an integer, 1e999 and NaN are not finite)."""
+    integer, in_range, rule = NUMBERS[name]
+    shown = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**60
+        else f"an integer of {len(str(abs(value)))} digits"
+    )
+    wrong = f"{name} must be {rule}, got {shown[:200]}"
+    if isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float)):
+        return wrong
+    if not integer:
+        try:
+            value = float(value)  # an int too large for a float is not a usable number either
+        except OverflowError:
+            return wrong
+        if not math.isfinite(value):
+            return wrong
+    return None if in_range(value) else wrong
+
+
+def map_seed(seed: int) -> int:
+    """A seed of any size as the sampler uses it: ``seed mod 2**64``. Seeds already in
+    [0, 2**64) are unchanged, and the rule is fixed, so a resumed job draws what it drew before."""
+    return seed % SEED_MODULUS
 
 
 @dataclass
@@ -44,24 +95,26 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in NUMBERS:
+            value = getattr(self, name)
+            if value is None and name in ("seed", "logprobs"):
+                continue
+            problem = check_number(name, value)
+            if problem:
+                raise ConfigError(problem)
+        if self.seed is not None:
+            self.seed = map_seed(self.seed)
         if self.stop is not None:
             if any(not isinstance(s, str) or s == "" for s in self.stop):
                 raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r}")
             self.stop = list(self.stop)
         if self.stop_token_ids is not None:
-            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63 for t in ids
+            ):
+                raise ConfigError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+            self.stop_token_ids = list(ids)
         self._check_constraints()
 
     def _check_constraints(self) -> None:
@@ -77,31 +130,28 @@ class SamplingParams:
                 raise ConfigError(f"choices must be distinct, got {self.choices!r}")
         if self.json_schema is not None:
             schema = self.json_schema
-            if isinstance(schema, str):
-                try:
+            try:
+                if isinstance(schema, str):
                     schema = json.loads(schema)
-                except ValueError as e:
+                if not isinstance(schema, (dict, bool)):
                     raise ConfigError(
-                        f"json_schema is not valid JSON ({e}), got {self.json_schema[:200]!r}"
-                    ) from e
-            if not isinstance(schema, (dict, bool)):
-                raise ConfigError(f"json_schema must be a JSON object, got {self.json_schema!r}")
-            self.json_schema = json.dumps(
-                schema, separators=(",", ":")
-            )  # key order kept: it orders the output
+                        f"json_schema must be a JSON object, got {str(self.json_schema)[:200]!r}"
+                    )
+                self.json_schema = json.dumps(
+                    schema, separators=(",", ":")
+                )  # key order kept: it orders the output
+            except (ValueError, RecursionError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                raise ConfigError(
+                    f"json_schema is not valid JSON ({why}), got {str(self.json_schema)[:200]!r}"
+                ) from e
         if self.regex is not None and (not isinstance(self.regex, str) or self.regex == ""):
             raise ConfigError(f"regex must be a non-empty string, got {self.regex!r}")
         given = [n for n in ("choices", "json_schema", "regex") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ConfigError(f"choices, json_schema and regex exclude each other, got {' and '.join(given)}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= 100
-        ):
-            raise ConfigError(f"logprobs must be an integer in [0, 100], got {self.logprobs!r}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ConfigError(f"n must be an integer >= 1, got {self.n!r}")
         if self.json_schema is not None or self.regex is not None:
             from batchjob.engine.constraints import grammar_of
 

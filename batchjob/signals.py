@@ -10,7 +10,9 @@ The command's handlers go through three stages:
   none is left half written) and the entry point turns it into one line and exit 75;
 - while the job loop runs, the loop's own handler (``handling``, from ``runner.run_job``) has it checkpoint
   and stop;
-  after the loop (``finishing``) a signal is only noted: the process is already on its way out.
+  after the loop (``finishing``) a signal is only noted: the process is already on its way out;
+- once the command is over (``quiet``), signals are ignored, through the interpreter's shutdown: any number
+  of SIGTERM/SIGINT at any moment leave the exit code the command decided (75 once its state is saved).
 
 Only the command-line entry point installs these handlers; importing the library (or calling ``run_job``
 from Python) never does. This module imports nothing heavy, so the entry point installs them before torch,
@@ -119,6 +121,17 @@ def release() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _installed = False
+
+
+def quiet() -> None:
+    """The command is done (its state saved, or it never had any) and the process is about to exit: from now
+    on SIGTERM/SIGINT are ignored. Python puts the default handlers back while the interpreter shuts down
+    (which can take a while with torch loaded), and a signal then would end the process with 143 instead of
+    the exit code it has decided on; an ignored signal is dropped, so any number of them changes nothing."""
+    if not _installed or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def finishing() -> None:

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.errors import InputError
-from batchjob.io.readers import input_schema, iter_rows
+from batchjob.io.readers import MAX_DEPTH, input_schema, iter_rows
 from batchjob.io.sources import count_rows, discover
 from batchjob.io.writers import PartWriter, build_table, output_schema
 from batchjob.job.intervals import IntervalSet
@@ -74,6 +74,45 @@ def test_dirty_jsonl_becomes_error_rows_with_file_and_line(tmp_path):
     assert "line 5" in rows[3].error and "not a JSON object" in rows[3].error
     assert rows[4].values["extra"] == [1, {"a": 2}]
     assert count_rows(discover([str(path)])[0]) == 5
+
+
+def test_a_row_nested_too_deeply_is_that_rows_error_not_the_files(tmp_path):
+    deep = "[" * 200_000 + "]" * 200_000  # json.loads raises RecursionError, not ValueError
+    path = write_jsonl(
+        tmp_path / "deep.jsonl",
+        [
+            {"text": "first"},
+            '{"text": "x", "v": ' + deep + "}",
+            {"text": "x", "v": nested(MAX_DEPTH + 5)},  # parses, but no writer or template could take it
+            {"text": "x", "v": nested(MAX_DEPTH - 5)},  # deep, but fine
+            {"text": "last"},
+        ],
+    )
+    schema = input_schema(discover([str(path)]))  # inferring the columns does not stop at the line either
+    assert schema.names == ["text", "v"]
+    rows = list(iter_rows(discover([str(path)])))
+    assert [r.values["text"] if r.values else None for r in rows] == ["first", None, None, "x", "last"]
+    assert rows[1].error == "deep.jsonl line 2: bad JSON (nested deeper than 100 levels)"
+    assert rows[2].error == "deep.jsonl line 3: values nested deeper than 100 levels"
+    table = build_table([{"values": r.values} for r in rows if r.values], schema)
+    assert table.column("v").to_pylist()[1] == json.dumps(nested(MAX_DEPTH - 5))
+
+
+def test_a_parquet_value_one_row_cant_convert_is_that_rows_error(tmp_path):
+    path = tmp_path / "dates.parquet"
+    ts = pa.array([0, 300_000_000_000, 5], type=pa.timestamp("s"))  # the middle one is beyond year 9999
+    pq.write_table(pa.table({"ts": ts, "text": ["a", "b", "c"]}), path)
+    rows = list(iter_rows(discover([str(path)])))
+    assert [r.values["text"] if r.values else None for r in rows] == ["a", None, "c"]
+    assert rows[1].error.startswith("dates.parquet row 1: cannot convert its values (OverflowError")
+    assert [r.ordinal for r in rows] == [0, 1, 2]
+
+
+def nested(depth):
+    value: object = 0
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def test_truncated_gzip_and_zstd(tmp_path):

@@ -64,6 +64,32 @@ def test_job_file_fields_and_paths(tmp_path):
         JobSpec(max_new_tokens="7")
 
 
+def test_job_file_refuses_one_field_given_twice(tmp_path):
+    (tmp_path / "j.toml").write_text('input = "a.jsonl"\nmax_new_tokens = 7\nmax-new-tokens = 9\n')
+    with pytest.raises(
+        ConfigError, match="'max_new_tokens' and 'max-new-tokens' are the same field; keep only"
+    ):
+        load_job_file(tmp_path / "j.toml")
+
+
+def test_job_file_relative_model_folder(tmp_path, monkeypatch):
+    """A relative model is a folder next to the job file, else one in the working directory, else a hub id."""
+    jobs, cwd = tmp_path / "jobs", tmp_path / "cwd"
+    (jobs / "models" / "tiny").mkdir(parents=True)
+    (cwd / "models" / "other").mkdir(parents=True)
+    (cwd / "models" / "tiny").mkdir(parents=True)  # the job file's folder comes first
+    monkeypatch.chdir(cwd)
+    job = jobs / "j.toml"
+    for model, want in [
+        ("models/tiny", str(jobs / "models" / "tiny")),
+        ("models/other", "models/other"),  # not next to the job file: resolved in the working directory
+        ("org/name", "org/name"),  # no such folder anywhere: a hub id
+        ("./models/missing", str(jobs / "models" / "missing")),  # ./ always means the job file's folder
+    ]:
+        job.write_text(f'model = "{model}"\n')
+        assert load_job_file(job)["model"] == want, model
+
+
 def test_prompts(tiny_model_dir):
     from transformers import AutoTokenizer
 

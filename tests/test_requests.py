@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import json
+import math
+import shutil
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+import torch
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchjob.cli import main
-from batchjob.job.requests import ROLES, params_from_column, parse_request
+from batchjob.engine.sampler import sample
+from batchjob.errors import ConfigError
+from batchjob.job.requests import PARAM_NAMES, ROLES, params_from_column, parse_request
+from batchjob.job.spec import make_spec
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
 
 pytestmark = pytest.mark.timeout(300)
 
 BASE = SamplingParams(max_new_tokens=8, temperature=0.0, seed=11)
+TEMPERATURE_RULE = "temperature must be a finite number, 0 (greedy) or >= 0.001"
 
 
 def invoke(*argv):
@@ -44,13 +51,13 @@ def test_params_column_values():
     assert err is None and p.n == 2 and p.stop == ["x"] and p.max_new_tokens == 8
     assert params_from_column(None, "p", BASE) == (BASE, None)
     for value, message in [
-        ('{"temperature": "hot"}', "params column 'p': temperature must be a number, got 'hot'"),
-        ('{"max_new_tokens": 2.5}', "max_new_tokens must be an int"),
+        ('{"temperature": "hot"}', f"params column 'p': {TEMPERATURE_RULE}, got 'hot'"),
+        ('{"max_new_tokens": 2.5}', "max_new_tokens must be an integer >= 1, got 2.5"),
         ('{"temprature": 1}', "unknown sampling parameter 'temprature'"),
-        ('{"temperature": -1}', "temperature must be >= 0"),
+        ('{"temperature": -1}', f"{TEMPERATURE_RULE}, got -1"),
         ("[1, 2]", "must be a JSON object"),
         ("{not json", "not JSON"),
-        ('{"n": true}', "n must be an int"),
+        ('{"n": true}', "n must be an integer in [1, 10000], got True"),
     ]:
         p, err = params_from_column(value, "p", BASE)
         assert p is None and message in err, (value, err)
@@ -99,7 +106,7 @@ def test_openai_request_lines():
     for line, message in [
         (chat(user, tools=[{"type": "function"}]), "body.tools is not supported"),
         (chat(user, frequency_penalty=0.5), "body.frequency_penalty is not supported by batchjob (only 0)"),
-        (chat(user, temperature="warm"), "temperature must be a number"),
+        (chat(user, temperature="warm"), "temperature must be a finite number"),
         (chat(user, top_logprobs=2), "body.top_logprobs needs body.logprobs: true"),
         (chat([{"role": "user", "content": [{"type": "image_url"}]}]), "content[0]: only text parts"),
         (chat([]), "body.messages must be a non-empty list"),
@@ -260,7 +267,7 @@ def test_params_column_job(params_data, tiny_model_dir, tmp_path):
     got = results(out)
     bad = [r for r in got if r["error"]]
     assert len(bad) == 1 and bad[0]["rid"] == "r05"
-    assert bad[0]["error"] == "rows.jsonl line 6: params column 'p': temperature must be a number, got 'hot'"
+    assert bad[0]["error"] == (f"rows.jsonl line 6: params column 'p': {TEMPERATURE_RULE}, got 'hot'")
     by_id: dict[str, list] = {}
     for r in got:
         by_id.setdefault(r["rid"], []).append(r)
@@ -543,7 +550,7 @@ def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
 
 
 def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_path):
-    """`validate --estimate` on OpenAI requests with `n: 100000`: the time counts every sample of every
+    """`validate --estimate` on OpenAI requests with `n: 10000` (the most a row may ask): the time counts every sample of every
     request (and its max_tokens), not one answer a row; the calibration runs a batch of each row's samples."""
     from batchjob.job import make_spec
     from batchjob.job.estimate import estimate
@@ -563,8 +570,209 @@ def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_pa
         return est.seconds(est.calibration), est.lines()
 
     one, _ = seconds(1, 4)
-    many, lines = seconds(100_000, 4)
-    longer, _ = seconds(100_000, 8)
-    assert one > 0 and many > 1000 * one, (one, many)  # 100,000 answers a request, not one
+    many, lines = seconds(10_000, 4)
+    longer, _ = seconds(10_000, 8)
+    assert one > 0 and many > 1000 * one, (one, many)  # 10,000 answers a request, not one
     assert longer > 1.5 * many  # twice the tokens each
-    assert any("100,000.0 samples a usable row (800,000 in the first 8)" in line for line in lines), lines
+    assert any("10,000.0 samples a usable row (80,000 in the first 8)" in line for line in lines), lines
+
+
+# -- one numeric check, whatever the source (issue 22) -------------------------------------------------------
+
+BAD_NUMBERS = [
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", 10**400),  # an int no float can hold
+    ("temperature", 1e-300),  # logits / temperature would overflow: not 0 (greedy), not a usable temperature
+    ("top_p", math.nan),
+    ("top_p", -math.inf),
+    ("min_p", math.nan),
+    ("top_k", 2.0),
+    ("max_new_tokens", True),
+    ("logprobs", 101),
+    ("n", 0),
+    ("n", 10**9),  # a billion samples of one row would flood the engine
+    ("seed", -1),
+]
+OPENAI_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_new_tokens": "max_tokens",
+    "n": "n",
+    "seed": "seed",
+}
+
+
+@pytest.mark.parametrize("name, value", BAD_NUMBERS)
+def test_one_numeric_check_for_every_source(name, value, tmp_path):
+    rule = f"{name} must be "
+    # a params-column row, as JSON text (NaN and Infinity are what json writes) and as a struct: the row's error
+    for cell in (json.dumps({name: value}), {name: value}):
+        p, err = params_from_column(cell, "p", BASE)
+        shown = repr(value) if value != 10**400 else "got an integer of 401 digits"
+        assert p is None and err.startswith(f"params column 'p': {rule}") and shown in err, err
+    # an OpenAI request body, under OpenAI's name for the field
+    if name in OPENAI_NAMES:
+        req, p, err = parse_request(
+            chat([{"role": "user", "content": "hi"}], **{OPENAI_NAMES[name]: value}), BASE, None
+        )
+        assert req is None and err.startswith(f"body: {rule}"), err
+    # the library
+    with pytest.raises(ConfigError, match=rule):
+        SamplingParams(**{name: value})
+    # the command line and the job file: a setup error before any work
+    spec_value = value if name != "logprobs" else 101
+    with pytest.raises(ConfigError, match=name):
+        make_spec(input=["x.jsonl"], output="out", **{name: spec_value})
+    if isinstance(value, float) and not math.isfinite(value):
+        toml = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        job = tmp_path / "job.toml"
+        job.write_text(f'input = "x.jsonl"\noutput = "out"\n{name.replace("_", "-")} = {toml}\n')
+        with pytest.raises(ConfigError, match=name):
+            make_spec(job)
+        option = f"--{name.replace('_', '-')}"
+        code, text = invoke("run", "--input", tmp_path / "x.jsonl", "--output", tmp_path / "o", option, toml)
+        assert code == 2 and name in text and "Traceback" not in text, text
+
+
+def test_good_numbers_still_pass():
+    p, err = params_from_column(
+        '{"temperature": 1, "top_p": 0.5, "top_k": 3, "min_p": 0, "seed": 0}', "p", BASE
+    )
+    assert err is None and (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 0.5, 3, 0, 0)
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.001).temperature == 0.001
+
+
+# -- seeds of any size (issue 22) ---------------------------------------------------------------------------
+
+
+def test_seeds_of_any_size_map_into_range_by_the_documented_rule():
+    assert SamplingParams(seed=5).seed == 5 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # unchanged
+    assert SamplingParams(seed=2**64 + 5).seed == 5
+    assert SamplingParams(seed=2**200 + 7).seed == 7
+    p, err = params_from_column(json.dumps({"seed": 2**70 + 3}), "p", BASE)
+    assert err is None and p.seed == 3
+    req, p, err = parse_request(chat([{"role": "user", "content": "hi"}], seed=2**80 + 1), BASE, None)
+    assert err is None and p.seed == 1
+    assert make_spec(input=["x.jsonl"], output="o", seed=2**64).sampling_params(0).seed == 0
+
+
+def test_bad_values_and_big_seeds_in_a_job(tiny_model_dir, tmp_path):
+    """NaN/Infinity are row errors, a seed of any size runs as its value mod 2**64, a row no parser can take
+    is its own error: the job completes (exit 0) with every other row's text."""
+    same = {"temperature": 0.9, "max_new_tokens": 5}
+    rows = [{"rid": f"r{i}", "review": f"review {i} was fine", "p": json.dumps(same)} for i in range(3)]
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    small.write_text("".join(json.dumps(r | {"p": json.dumps(same | {"seed": 5})}) + "\n" for r in rows))
+    bad = [
+        '{"temperature": NaN}',
+        '{"top_p": Infinity}',
+        '{"temperature": 1e999}',
+        "[" * 100_000 + "]" * 100_000,  # the params text itself nested too deeply for the JSON parser
+    ]
+    with open(big, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r | {"p": json.dumps(same | {"seed": 2**64 + 5})}) + "\n")
+        for i, p in enumerate(bad):
+            f.write(json.dumps({"rid": f"bad{i}", "review": "x", "p": p}) + "\n")
+        f.write('{"rid": "deep", "review": ' + "[" * 200_000 + "]" * 200_000 + ', "p": null}\n')
+    got = {}
+    for data in (small, big):
+        out = tmp_path / data.stem
+        code, text = invoke(*params_args(data, out, tiny_model_dir))
+        assert code == 0 and "Traceback" not in text, text
+        got[data.stem] = {r["rid"] or r["error"]: r for r in results(out)}
+    for i in range(3):
+        assert got["big"][f"r{i}"]["generated_text"] == got["small"][f"r{i}"]["generated_text"]
+        assert got["big"][f"r{i}"]["error"] is None
+    errors = {k: r["error"] for k, r in got["big"].items() if r["error"]}
+    assert errors["bad0"] == f"big.jsonl line 4: params column 'p': {TEMPERATURE_RULE}, got nan"
+    assert (
+        errors["bad1"]
+        == "big.jsonl line 5: params column 'p': top_p must be a finite number in (0, 1], got inf"
+    )
+    assert errors["bad2"].startswith(f"big.jsonl line 6: params column 'p': {TEMPERATURE_RULE}, got inf")
+    assert errors["bad3"] == "big.jsonl line 7: params column 'p': not JSON (nested too deeply)"
+    deep = [e for k, e in errors.items() if not k.startswith("bad")]
+    assert deep == ["big.jsonl line 8: bad JSON (nested deeper than 100 levels)"]
+    # --seed of any size: the same draws as its value mod 2**64
+    texts = []
+    for seed in (5, 2**64 + 5):
+        out = tmp_path / f"seed{seed}"
+        args = params_args(small, out, tiny_model_dir)
+        args[args.index("--params-column") : args.index("--params-column") + 2] = []
+        code, text = invoke(*args, "--temperature", "0.9", "--seed", seed)
+        assert code == 0, text
+        texts.append([r["generated_text"] for r in results(out)])
+    assert texts[0] == texts[1]
+
+
+# -- fuzz: any JSON in any field of a params-column row is a result or that row's error -------------------------
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**130), max_value=2**130)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = sorted(PARAM_NAMES) + ["max_tokens", "", "temprature"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(row=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=5), as_text=st.booleans())
+def test_fuzz_params_column(row, as_text):
+    value = json.dumps(row) if as_text else row  # JSON text, or the values a struct column gives
+    params, error = params_from_column(value, "p", BASE)
+    assert (params is None) != (error is None), (params, error)
+    if error is not None:
+        assert isinstance(error, str) and error.startswith("params column 'p': "), error
+        return
+    assert isinstance(params, SamplingParams)
+    # what a checkpoint saves comes back the same, and the sampler takes it
+    saved = json.loads(json.dumps(params.to_dict()))
+    assert SamplingParams.from_dict(saved) == params
+    if not params.constrained:
+        logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+        (token,) = sample(logits, [params], [1], [0])
+        assert 0 <= token < 50
+
+
+def test_whatever_one_row_raises_is_that_rows_error(tiny_model_dir, tmp_path):
+    """A chat template that raises on one row's text (any exception from any library, on one row): that
+    row's error, naming the file and line; the job goes on and completes."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    template = "{% if 'boom' in messages[-1]['content'] %}{{ raise_exception('no boom here') }}{% endif %}"
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(template + jinja.read_text())
+    else:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = template + config["chat_template"]
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["fine", "boom", "also fine"]))
+    out = tmp_path / "out"
+    code, text = invoke("run", "--input", data, "--output", out, "--model", folder, "--max-new-tokens", "2")
+    assert code == 0 and "Traceback" not in text, text
+    errors = [r["error"] for r in results(out) if r["error"]]
+    assert len(errors) == 1 and errors[0].startswith("in.jsonl line 2: cannot build this row's request ("), (
+        errors
+    )
+    assert "no boom here" in errors[0]
+
+
+def test_json_nested_too_deeply_in_any_option_or_field_is_an_error_not_a_crash(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    assert params_from_column(deep, "p", BASE) == (None, "params column 'p': not JSON (nested too deeply)")
+    with pytest.raises(ConfigError, match=r"json_schema is not valid JSON \(nested too deeply\)"):
+        SamplingParams(json_schema=deep)
+    with pytest.raises(ConfigError, match=r"chat_template_kwargs must be a JSON object.*nested too deeply"):
+        make_spec(input=["x.jsonl"], output="o", chat_template_kwargs=deep)
+    schema = tmp_path / "schema.json"
+    schema.write_text(deep)
+    with pytest.raises(ConfigError, match="json_schema is not valid JSON"):
+        make_spec(input=["x.jsonl"], output="o", json_schema=str(schema))

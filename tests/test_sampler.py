@@ -105,3 +105,23 @@ def test_top_logprobs_are_the_log_softmax_top_k_plus_the_sampled_token():
     values, ids = lp[0].topk(3)
     assert out[0] == list(zip(ids.tolist(), values.tolist(), strict=True))
     assert len(out[1]) == 3 and out[1][-1] == (worst, lp[1, worst].item())
+
+
+def test_seeds_of_any_size_sample_by_their_value_mod_2_64():
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(5))
+
+    def draws(seed, **kw):
+        return [sample(logits, [SamplingParams(seed=seed, **kw)], [7], [pos])[0] for pos in range(40)]
+
+    assert draws(2**64 + 9) == draws(9) and draws(2**200 + 9) == draws(9)  # what used to crash
+    # above 2**63 the seed's 64 bits reach the noise as they are: not folded onto a smaller seed
+    assert len({tuple(draws(s)) for s in (2**63 + 9, 2**64 - 1, 9, 2**32 + 9)}) == 4
+    assert draws(3, top_k=10**30) == draws(3)  # a top_k beyond the vocabulary keeps every token
+
+
+def test_the_draws_of_seeds_in_range_are_unchanged():
+    # draws recorded before seeds were mapped: resume exactness, and every job's outputs, rest on them
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(seed=5), SamplingParams(seed=2**62 + 1)]
+    got = [sample(logits, params, [7, 7], [p, p]) for p in range(6)]
+    assert got == [[39, 355], [157, 164], [50, 157], [214, 67], [106, 181], [91, 117]]

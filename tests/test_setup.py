@@ -257,6 +257,39 @@ def test_a_tokenizer_with_its_own_code_is_refused_too(tiny_model_dir, data, tmp_
     assert not marker.exists() and parts(tmp_path / "out") == []
 
 
+@pytest.mark.parametrize(
+    ("file", "auto_map", "instead"),
+    [
+        ("config.json", {"AutoModelForCausalLM": "custom_model.LlamaForCausalLM"}, "built-in 'llama' class"),
+        ("tokenizer_config.json", {"AutoTokenizer": [None, "custom_model.Tok"]}, "built-in class"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_known_model_type_that_ships_its_own_code_is_refused(
+    command, file, auto_map, instead, tiny_model_dir, data, tmp_path
+):
+    """transformers would run its built-in llama class (or tokenizer) for this folder without a word; the
+    folder's authors named their own code, so without --trust-remote-code it is refused before any work."""
+    folder = tmp_path / "llama_with_code"
+    shutil.copytree(tiny_model_dir, folder)
+    marker = tmp_path / "MARKER"
+    (folder / "custom_model.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+    )
+    config = json.loads((folder / file).read_text())
+    config["auto_map"] = auto_map
+    (folder / file).write_text(json.dumps(config))
+    out = tmp_path / "out"
+    code, text = invoke(command, *job_args(data, out, folder, "--device", "cpu"))
+    assert code == 2, text
+    assert (
+        f"model folder {folder}: it ships its own Python code; rerun with --trust-remote-code if you trust it "
+        f"(an auto_map in its {file} names code for {next(iter(auto_map))}), or delete auto_map from its "
+        f"{file} to use transformers' {instead}"
+    ) in text
+    assert not marker.exists() and parts(out) == []
+
+
 def test_trust_remote_code_runs_it_and_is_not_part_of_the_identity(custom_code_model, data, tmp_path):
     folder, marker = custom_code_model
     out = tmp_path / "out"

@@ -159,3 +159,32 @@ def test_the_watch_stops_a_worker_whose_parent_died(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True).stdout
     assert wait_gone([int(out)], timeout=30) == []
+
+
+def test_any_number_of_signals_once_the_state_is_saved_exit_75(reviews, tiny_model_dir, tmp_path, expected):
+    """A second (third, ...) SIGTERM or SIGINT after "state saved", while the interpreter shuts down and
+    Python has put its default handlers back, must not turn exit 75 into 143: a wrapper requeues on 75."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchjob", "run", *job_args(reviews, out, tiny_model_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", BATCHJOB_FAULT_PAUSE="loop_started,finalizing"),
+    )
+    wait_for_points(proc)  # the loop runs
+    proc.send_signal(signal.SIGTERM)
+    (pid,), text = wait_for_points(proc)  # the state is saved, the interpreter is shutting down
+    assert pid == proc.pid and "state saved; run the same command again" in text, text
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+        proc.send_signal(sig)
+    text += proc.communicate("go\n", timeout=60)[0]  # (without its fix, the process is dead by now)
+    assert proc.returncode == 75, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert (out / "_batchjob" / "inflight.json").exists()
+
+    proc = launch(job_args(reviews, out, tiny_model_dir))
+    text = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, text
+    assert results(out) == expected

@@ -163,3 +163,104 @@ def test_struct_and_list_fields_in_a_job(data, tiny_model_dir, tmp_path):
     assert rows["great product"]["error"] is None
     assert rows["great product"]["num_prompt_tokens"] == len(tok(expected)["input_ids"])
     assert rows["fine"]["error"] is None
+
+
+# -- what the column types already say every row would fail: a setup error (issue 22) --------------------------
+
+
+@pytest.fixture()
+def typed_inputs(tmp_path):
+    """A Parquet file with text, struct, list and integer columns; a JSONL file with a text column and a
+    column of nested lists (JSON text to the schema, lists in the rows)."""
+    pq.write_table(
+        pa.table(
+            {
+                "review": ["great", "bad"],
+                "meta": [{"title": "T0"}, {"title": "T1"}],
+                "tags": [["a"], ["b"]],
+                "n": [1, 2],
+                "p": [{"temprature": 0.5}, {"temprature": None}],
+            }
+        ),
+        tmp_path / "typed.parquet",
+    )
+    with open(tmp_path / "typed.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"text": f"row {i}", "nested": [[f"x{i}"]], "n": i}) + "\n")
+    return tmp_path
+
+
+TYPE_REFUSALS = [
+    (
+        "typed.parquet",
+        ["--template", "{review[0]}"],
+        "--template field {review[0]}: 'review' is text in the input",
+    ),
+    ("typed.jsonl", ["--template", "{text[0]}"], "--template field {text[0]}: 'text' is text in the input"),
+    (
+        "typed.parquet",
+        ["--template", "{meta[titel]}"],
+        "'meta' is a struct with the fields title; no row has [titel]",
+    ),
+    ("typed.parquet", ["--template", "{tags[x]}"], "'tags' is a list; index it with a number, not [x]"),
+    (
+        "typed.parquet",
+        ["--template", "{meta[title][0]}"],
+        "'meta[title]' is text in the input, so no row has [0]",
+    ),
+    ("typed.jsonl", ["--template", "{n[0]}"], "'n' is int64 in the input, so no row has [0]"),
+    ("typed.parquet", ["--prompt-column", "n"], "prompt column 'n' is int64 in the input, not text"),
+    (
+        "typed.jsonl",
+        ["--template", "{text}", "--params-column", "n"],
+        "--params-column 'n' is int64 in the input",
+    ),
+    (
+        "typed.parquet",
+        ["--template", "{review}", "--params-column", "p"],
+        "--params-column 'p': its struct has fields that are no sampling parameter: temprature",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "options", "message"), TYPE_REFUSALS)
+def test_what_the_column_types_say_every_row_would_fail_is_refused_before_work(
+    data, options, message, typed_inputs, tiny_model_dir, tmp_path
+):
+    out = tmp_path / "out"
+    for command in ("validate", "run"):
+        args = ["--input", typed_inputs / data, "--output", out, "--model", tiny_model_dir, *options]
+        code, text = invoke(command, *args)
+        assert code == 2 and message in text and "Traceback" not in text, text
+        assert not out.exists()  # before any work
+
+
+def test_types_that_allow_good_rows_are_left_to_the_rows(typed_inputs, tiny_model_dir, tmp_path):
+    # JSONL nested values are text to the schema, lists in the rows; a text column with one list in it is
+    # mixed: one bad row among good ones stays that row's error
+    with open(typed_inputs / "mixed.jsonl", "w") as f:
+        f.write(json.dumps({"text": ["first", "second"], "p": '{"n": 1}'}) + "\n")
+        f.write(json.dumps({"text": "plain", "p": "{not json"}) + "\n")
+    out = tmp_path / "out"
+    args = ["--model", tiny_model_dir, "--no-chat", "--max-new-tokens", "1"]
+    code, text = invoke(
+        "run", "--input", typed_inputs / "typed.jsonl", "--output", out, *args, "--template", "{nested[0][0]}"
+    )
+    assert code == 0, text
+    assert [r["error"] for r in ds.dataset(out, format="parquet").to_table().to_pylist()] == [None] * 3
+    out = tmp_path / "mixed"
+    code, text = invoke(
+        "run",
+        "--input",
+        typed_inputs / "mixed.jsonl",
+        "--output",
+        out,
+        *args,
+        "--template",
+        "{text[1]}",
+        "--params-column",
+        "p",
+    )
+    assert code == 0, text
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    assert rows[0]["error"] is None and "not JSON" in rows[1]["error"]

@@ -36,6 +36,13 @@ def uniform_noise(
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def _as_int64(seed: int) -> int:
+    """A seed in [0, 2**64) (``SamplingParams`` maps any seed there) as the int64 of the same 64 bits: the
+    noise reads its low and high 32 bits, so seeds below 2**63 draw what they always drew."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 _BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: byte -> its bits, LSB first
 
 
@@ -104,7 +111,7 @@ def sample(
         sorted_x, order = x.sort(dim=-1, descending=True)
         vocab = x.shape[-1]
         rank = torch.arange(vocab, device=device)[None, :]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sp], device=device)[:, None]
+        top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in sp], device=device)[:, None]
         drop = rank >= top_k
         top_p = torch.tensor([p.top_p for p in sp], device=device)[:, None]
         probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
@@ -118,7 +125,7 @@ def sample(
         min_p = torch.tensor([p.min_p for p in sp], device=device)[:, None]
         x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
 
-    seeds = torch.tensor([p.seed or 0 for p in sp], dtype=torch.int64, device=device)
+    seeds = torch.tensor([_as_int64(p.seed or 0) for p in sp], dtype=torch.int64, device=device)
     k = torch.tensor([keys[i] for i in rows.tolist()], dtype=torch.int64, device=device)
     pos = torch.tensor([positions[i] for i in rows.tolist()], dtype=torch.int64, device=device)
     u = uniform_noise(seeds, k, pos, x.shape[-1])

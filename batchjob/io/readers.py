@@ -78,6 +78,43 @@ def _strip_bom(raw: bytes, lineno: int) -> bytes:
     return raw[len(codecs.BOM_UTF8) :] if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else raw
 
 
+MAX_DEPTH = 100  # of a JSONL row's values: deeper ones are the row's error, well short of any recursion limit
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists/objects more than ``limit`` levels deep (without recursion)."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [
+            v
+            for x in level
+            if isinstance(x, (dict, list))
+            for v in (x.values() if isinstance(x, dict) else x)
+            if isinstance(v, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
+def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """One JSONL line as an object, or why it is not a usable row: bad JSON, not an object, or nested deeper
+    than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never the reader's stop)."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        return None, f"bad JSON (nested deeper than {MAX_DEPTH} levels)"
+    except ValueError as e:
+        return None, f"bad JSON ({e})"
+    except Exception as e:  # noqa: BLE001 - a line can't stop the file
+        return None, f"bad JSON ({type(e).__name__}: {e})"
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object (got {type(obj).__name__})"
+    if _depth_over(obj, MAX_DEPTH):
+        return None, f"values nested deeper than {MAX_DEPTH} levels"
+    return obj, None
+
+
 def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
     """The value types of each key over the first 1,000 objects of a JSONL file, keys in order of first sight."""
     columns: dict[str, set[type]] = {}
@@ -86,11 +123,8 @@ def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
         for lineno, raw in enumerate(f, 1):
             if n >= _SCHEMA_SAMPLE_ROWS:
                 break
-            try:
-                obj = json.loads(_strip_bom(raw, lineno))
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
+            obj, _ = parse_line(_strip_bom(raw, lineno))
+            if obj is not None:
                 n += 1
                 for k, v in obj.items():
                     columns.setdefault(str(k), set()).add(type(v))
@@ -158,7 +192,10 @@ def input_schema(sources: list[Source]) -> pa.Schema:
                 if jsonl_at is None:
                     jsonl_at = len(named)
             else:
-                named.append((source.path, _table_schema(source)))
+                table = _table_schema(source)
+                named.append(
+                    (source.path, pa.schema([_mark_text(f) for f in table], metadata=table.metadata))
+                )
         except InputError as e:
             failed.append(e)
         except Exception as e:
@@ -166,7 +203,12 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     if failed and len(failed) == len(sources):
         raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
     if kinds:
-        text = pa.schema([pa.field(k, _json_type(v)) for k, v in kinds.items()])
+        text = pa.schema(
+            [
+                pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
+                for k, v in kinds.items()
+            ]
+        )
         jsonl_name = (
             "the JSONL inputs"
             if sum(s.kind == "jsonl" for s in sources) > 1
@@ -176,11 +218,36 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     if not named:
         return pa.schema([])
     schema = _unify(named) if len(named) > 1 else named[0][1]
-    # a column that is null everywhere we looked is kept as text
+    # text only where every input that has the column says so
+    text = {f.name for f in schema} - {f.name for _, s in named for f in s if not is_text_only(f)}
+    # a column that is null everywhere we looked is kept as text (of unknown content)
     return pa.schema(
-        [pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in schema],
+        [
+            pa.field(f.name, pa.string())
+            if pa.types.is_null(f.type)
+            else _mark_text(f)
+            if f.name in text
+            else f.remove_metadata()
+            for f in schema
+        ],
         metadata=schema.metadata,
     )
+
+
+TEXT_ONLY = {b"batchjob": b"text"}  # field metadata: the column holds text (not JSON text of nested values)
+
+
+def _mark_text(f: pa.Field) -> pa.Field:
+    if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+        return f.with_metadata(TEXT_ONLY)
+    return f
+
+
+def is_text_only(f: pa.Field) -> bool:
+    """Whether a column of the job's input schema is known to hold only text: a string column of a Parquet
+    file or dataset, a JSONL key whose values (in the rows the schema was inferred from) were all strings.
+    A JSONL key with nested or mixed values is stored as (JSON) text too, but its rows hold the values."""
+    return (f.metadata or {}).get(b"batchjob") == b"text"
 
 
 def compatible(saved: pa.Schema, source: Source) -> str | None:
@@ -223,15 +290,8 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
                 except UnicodeDecodeError as e:
                     yield lineno, None, f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})"
                     continue
-                try:
-                    obj = json.loads(text)
-                except ValueError as e:
-                    yield lineno, None, f"{where}: bad JSON ({e})"
-                    continue
-                if not isinstance(obj, dict):
-                    yield lineno, None, f"{where}: not a JSON object (got {type(obj).__name__})"
-                    continue
-                yield lineno, obj, None
+                obj, error = parse_line(text)
+                yield lineno, obj, None if error is None else f"{where}: {error}"
     except (OSError, EOFError, ValueError) as e:
         # a truncated .gz, a corrupt .zst, a file that vanished: one error row, then the next source
         yield lineno + 1, None, f"{source.name} line {lineno + 1}: cannot read the rest of the file ({e})"
@@ -245,6 +305,22 @@ def _batches(source: Source) -> Iterator[pa.RecordBatch]:
     else:
         for _, ds in load_hf(source):
             yield from ds.with_format("arrow").iter(batch_size=_PARQUET_BATCH_ROWS)
+
+
+def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None, str]]:
+    """Each row of ``batch`` as Python values, or None and why it can't be (a date beyond Python's, say):
+    a value one row can't convert is that row's error, not the rest of the file's."""
+    try:
+        rows = batch.to_pylist()
+    except Exception:  # noqa: BLE001 - row by row, to find the rows at fault
+        for j in range(batch.num_rows):
+            try:
+                yield batch.slice(j, 1).to_pylist()[0], ""
+            except Exception as e:  # noqa: BLE001
+                yield None, f"cannot convert its values ({type(e).__name__}: {e})"
+        return
+    for values in rows:
+        yield values, ""
 
 
 IdHook = Callable[[int, Any], None]  # (ordinal, id value) of a row the reader passes over
@@ -271,11 +347,20 @@ def _table_rows(
                         on_skipped(start + index + j, value)
                 index += n
                 continue
-            for values in batch.to_pylist():
+            for values, error in _batch_values(batch):
                 if not skip(start + index):
-                    yield Row(start + index, source.name, index, values)
+                    where = f"{source.name} row {index}: "
+                    yield Row(
+                        start + index,
+                        source.name,
+                        index,
+                        values,
+                        None if values is not None else where + error,
+                    )
                 elif on_skipped is not None:
-                    on_skipped(start + index, values.get(id_column) if id_column else None)
+                    on_skipped(
+                        start + index, values.get(id_column) if values is not None and id_column else None
+                    )
                 index += 1
     except InputError:
         raise

@@ -24,7 +24,7 @@ from batchjob.io.sources import Source, discover
 from batchjob.job import model_identity
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
-from batchjob.job.prompts import PromptPlan, plan_prompts
+from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
@@ -102,6 +102,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
 
     def identity(schema: pa.Schema) -> tuple[PromptPlan, dict[str, Any]]:
         plan = plan_prompts(spec, schema.names, has_chat_template)
+        check_column_types(spec, plan, schema)
         fingerprint = {
             "model": {"identity": model_fingerprint(spec.model), "dtype": spec.dtype},
             "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},

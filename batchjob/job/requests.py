@@ -20,17 +20,9 @@ from dataclasses import fields
 from typing import Any
 
 from batchjob.errors import ConfigError
-from batchjob.sampling import SamplingParams
+from batchjob.sampling import NUMBERS, SamplingParams, check_number
 
-_PARAM_TYPES: dict[str, tuple[type, ...]] = {
-    "max_new_tokens": (int,),
-    "temperature": (int, float),
-    "top_k": (int,),
-    "top_p": (int, float),
-    "min_p": (int, float),
-    "seed": (int,),
-    "logprobs": (int,),
-    "n": (int,),
+_PARAM_TYPES: dict[str, tuple[type, ...]] = {  # numbers: sampling.NUMBERS, the one numeric check
     "regex": (str,),
     "ignore_eos": (bool,),
 }
@@ -40,6 +32,9 @@ PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 def _check_type(name: str, value: Any, where: str) -> str | None:
     if value is None:
         return None
+    if name in NUMBERS:
+        problem = check_number(name, value)
+        return where + problem if problem else None
     if name in ("stop", "choices"):
         if isinstance(value, str) and name == "stop":
             return None
@@ -95,8 +90,8 @@ def params_from_column(
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else {}
-        except ValueError as e:
-            return None, f"{where}not JSON ({e})"
+        except (ValueError, RecursionError) as e:
+            return None, f"{where}not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})"
         if value is None:  # JSON null: nothing of its own
             return base, None
     if not isinstance(value, dict):

@@ -3,9 +3,11 @@
 The engine's options are not declared here: ``EngineConfig`` (``engine/config.py``) declares each one once,
 and ``JobSpec`` gets a field for each (same name, default and check; ``None``: the engine decides).
 
-A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``); options given
-on the command line override it. Relative ``input`` and ``output`` paths in a job file are relative to the
-job file's folder, so a job file works from any working directory.
+A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``, not both);
+options given on the command line override it. Relative ``input`` and ``output`` paths in a job file are
+relative to the job file's folder, so a job file works from any working directory. A relative ``model`` is
+a folder next to the job file when one exists there (or it starts with ``./`` or ``../``), else a folder in
+the working directory when one exists there, else a hub id.
 """
 
 from __future__ import annotations
@@ -105,10 +107,9 @@ class JobSpec:
             self.choices = [c.strip() for c in self.choices.split(",")]
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        for name in ("temperature", "top_p", "min_p", "checkpoint_interval"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
+        if not isinstance(self.checkpoint_interval, float) or not math.isfinite(self.checkpoint_interval):
+            self.checkpoint_interval = _finite_float("checkpoint_interval", self.checkpoint_interval)
         modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
         if len(modes) > 1:
             raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
@@ -152,7 +153,7 @@ class JobSpec:
         if self.max_errors is not None and self.max_errors < 1:
             raise ConfigError(f"max_errors must be >= 1, got {self.max_errors!r}")
         self._schema_text = self._load_schema()
-        self.sampling_params(0)  # validates the sampling options
+        self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
 
     def _load_schema(self) -> str | None:
         if self.json_schema is None:
@@ -170,8 +171,11 @@ class JobSpec:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r} ({e})") from e
+            except (ValueError, RecursionError) as e:
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                raise ConfigError(
+                    f"chat_template_kwargs must be a JSON object, got {value[:200]!r} ({why})"
+                ) from e
         if value is None:
             return {}
         if not isinstance(value, dict):
@@ -250,6 +254,16 @@ class JobSpec:
         return out
 
 
+def _finite_float(name: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
 _TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (int, float),
@@ -287,12 +301,18 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"job file {path} is not valid TOML: {e}") from e
     out: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # field name -> the key that gave it
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in FIELD_NAMES:
             raise ConfigError(
                 f"job file {path}: unknown field {key!r} (known: {', '.join(sorted(FIELD_NAMES))})"
             )
+        if name in keys:
+            raise ConfigError(
+                f"job file {path}: {keys[name]!r} and {key!r} are the same field; keep only one of them"
+            )
+        keys[name] = key
         out[name] = value
     base = path.parent
 
@@ -307,9 +327,19 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         out["output"] = rel(out["output"])
     if "json_schema" in out:
         out["json_schema"] = rel(out["json_schema"])
-    if isinstance(out.get("model"), str) and out["model"].startswith(("./", "../")):
-        out["model"] = rel(out["model"])
+    model = out.get("model")
+    if isinstance(model, str) and (model.startswith(("./", "../")) or _is_folder(rel(model))):
+        out["model"] = rel(
+            model
+        )  # a folder next to the job file (else: the working directory's, or a hub id)
     return out
+
+
+def _is_folder(path: Any) -> bool:
+    try:
+        return isinstance(path, str) and "://" not in path and Path(path).expanduser().is_dir()
+    except OSError:  # a name too long for a path, say: not a folder
+        return False
 
 
 def make_spec(job_file: str | Path | None = None, **overrides: Any) -> JobSpec:
