@@ -406,6 +406,8 @@ def validate(
     spec = _spec(ctx, job_file, options)
     shard = detect_shard(os.environ, num_shards, shard_index)
     prep = prepare(spec, shard=shard)
+    for skipped in prep.skipped:  # the one discovery rule (README: Running jobs), made visible
+        click.echo(f"skipped {skipped}")
     engine = check_engine(spec)
     _check_tokenizer(prep)
     state = "resumes the job in" if prep.resumed else "starts a new job in"
@@ -454,6 +456,9 @@ def status(dir: str) -> None:
         )
         for line in st.input_changes:
             click.echo(f"  {line}")
+    for w in st.workers:
+        if w.stats_problem:
+            click.echo(f"stats: {w.stats_problem}")
     for p in st.problems:
         click.echo(f"missing or damaged: {p} ({p.record.rows} rows)")
     if st.problems:

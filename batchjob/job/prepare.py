@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from batchjob.errors import InputError
 from batchjob.io.readers import compatible, input_schema
-from batchjob.io.sources import Source, discover
+from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
 from batchjob.job.prompts import PromptPlan, plan_prompts
@@ -45,6 +45,7 @@ class Prepared:
     model_check: dict[str, Any] | None = None  # a saved model identity to compare once the model is loaded
     found: list[Source] = field(default_factory=list)  # the input files discovered at the start
     fingerprint: dict[str, Any] = field(default_factory=dict)  # this start's identity, as computed
+    skipped: list[Skipped] = field(default_factory=list)  # what the --input folders and globs left out
 
 
 def model_fingerprint(model: str | None) -> dict[str, Any]:
@@ -96,7 +97,8 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     shard = shard or Shard()
     out_dir = Path(spec.output)  # type: ignore[arg-type]
     _check_output(out_dir)
-    found = discover(spec.input, exclude=out_dir)
+    skipped: list[Skipped] = []
+    found = discover(spec.input, exclude=out_dir, skipped=skipped)
     state = StateDir(out_dir, shard)
 
     def identity(schema: pa.Schema) -> tuple[PromptPlan, dict[str, Any]]:
@@ -110,7 +112,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         return plan, fingerprint
 
     if state.exists():
-        return _resume(spec, state, found, shard, identity)
+        return replace(_resume(spec, state, found, shard, identity), skipped=skipped)
     schema = input_schema(found)
     records = new_records(found)
     sources = ordered_sources(found, records)
@@ -122,7 +124,17 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         info.chunk_rows = choose_chunk_rows(info.total_rows, shard.count)
         shard = replace(shard, chunk_rows=info.chunk_rows)
     return Prepared(
-        spec, out_dir, state, sources, info, False, plan, shard, found=found, fingerprint=fingerprint
+        spec,
+        out_dir,
+        state,
+        sources,
+        info,
+        False,
+        plan,
+        shard,
+        found=found,
+        fingerprint=fingerprint,
+        skipped=skipped,
     )
 
 
