@@ -132,3 +132,54 @@ def test_export_refuses_a_damaged_output_and_names_the_part(inputs, tiny_model_d
     part.unlink()
     result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
     assert result.exit_code == 1 and part.name in result.output and "batchjob run" in result.output
+
+
+def flip_a_byte(path, at=None):
+    """Damage a part as a bad disk or a stray write would: one byte changed, size and footer intact."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 3 if at is None else at
+    data[at] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_part_gets_one_verdict_from_every_command(inputs, tiny_model_dir, tmp_path):
+    """A byte flipped inside a part (size and footer intact) and a truncated part: status, export, report and
+    run all name them and say how to go on, and run redoes exactly their rows."""
+    out = tmp_path / "out"
+    run(inputs, out, model=str(tiny_model_dir))
+    before = export(out, "jsonl")
+    flipped, cut = sorted(out.glob("part-*.parquet"))[1:3]
+    flip_a_byte(flipped)
+    cut.write_bytes(cut.read_bytes()[:-100])
+
+    def invoke(*argv):
+        return CliRunner().invoke(main, [str(a) for a in argv])
+
+    status = invoke("status", out)
+    assert status.exit_code == 0 and "incomplete" in status.output, status.output
+    assert f"missing or damaged: {flipped.name} is damaged" in status.output
+    assert f"missing or damaged: {cut.name} has " in status.output and "batchjob run" in status.output
+    exported = invoke("export", out)
+    assert exported.exit_code == 1 and "Traceback" not in exported.output
+    assert flipped.name in exported.output and cut.name in exported.output
+    assert "`batchjob run` with the same command" in exported.output
+    report = invoke("report", out, "--to", tmp_path / "report.html")
+    assert report.exit_code == 0, report.output
+    assert f"not drawn: {flipped.name} is damaged" in report.output and cut.name in report.output
+    assert flipped.name in (tmp_path / "report.html").read_text()
+    # run takes the same verdict: not "already complete"; it redoes those rows, and only those
+    spec = make_spec(
+        input=[str(inputs)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        id_column="rid",
+        max_new_tokens=3,
+        max_num_seqs=3,
+        chat=False,
+        checkpoint_interval=1e-6,
+    )
+    result = run_job(spec)
+    assert result.status == "complete" and result.stats["rows"] > 0
+    assert result.stats["rows"] < 25 + 1 + 12 + 9  # only the damaged parts' rows
+    assert export(out, "jsonl") == before
+    assert run_job(spec).status == "already complete"

@@ -1,10 +1,12 @@
 """Committed parts checked against the manifest, and rows taken back to be redone (damaged parts, error rows).
 
-The manifest says which rows are done; a part file can still be deleted or truncated behind its back. So at
-every start (and in ``status``) each listed part must exist, have the byte size recorded when it was
-committed, and a Parquet footer holding the recorded number of result rows. That is the whole check: size
-and footer, never a checksum of every byte (too slow for a big output on every start). Records written
-before sizes were recorded are checked for existence and a readable footer.
+The manifest says which rows are done; a part file can still be deleted, truncated or changed behind its
+back. So at every start (and in ``status``, ``export``, ``report``: one verdict, ``check_part``) each listed
+part must exist, have the byte size recorded when it was committed, a Parquet footer holding the recorded
+number of result rows, and, when its inode or status-change time differs from the recorded ones (something
+wrote to it, or the folder was copied), the recorded SHA-256 of its content. An untouched part costs a
+``stat`` and a footer read, never a read of every byte; a part changed through the file system in any way
+is read whole and caught. Records written before these fields existed are checked as far as they go.
 
 ``batchjob run`` then takes back what it cannot trust: a missing or damaged part is dropped from the manifest
 and deleted, so its rows are no longer done and the loop computes them again. With ``--retry-errors``, each
@@ -27,15 +29,18 @@ process there, for the crash tests (``batchjob.faults``).
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob import faults
-from batchjob.io.writers import PartWriter
+from batchjob.errors import StateError
+from batchjob.io.writers import PartWriter, file_sha256
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.state import JobInfo, StateDir
@@ -51,21 +56,59 @@ class PartProblem:
 
 
 def check_part(out_dir: Path, record: PartRecord) -> str | None:
-    """What is wrong with a committed part's file, or None when it is as recorded."""
+    """What is wrong with a committed part's file, or None when it is as recorded: the one verdict on a
+    part that ``run``, ``status``, ``export`` and ``report`` all take.
+
+    Size and footer always; the content (its SHA-256) when the file's inode or status-change time is not
+    what was recorded at commit, that is when anything may have written to it since (a write, even one
+    that keeps the size and time stamp, moves the status-change time; a copy of the folder has new inodes).
+    """
     path = out_dir / record.name
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         return "is missing"
-    if record.size is not None and size != record.size:
-        return f"has {size} bytes, {record.size} recorded"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if record.size is not None and st.st_size != record.size:
+        return f"has {st.st_size} bytes, {record.size} recorded"
     try:
         rows = pq.read_metadata(path).num_rows
     except (OSError, pa.ArrowException) as e:
         return f"has an unreadable Parquet footer ({e})"
     if record.result_rows is not None and rows != record.result_rows:
         return f"holds {rows} rows, {record.result_rows} recorded"
+    if record.sha256 is not None and (st.st_ino, st.st_ctime_ns) != (record.ino, record.ctime_ns):
+        try:
+            digest = file_sha256(path)
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if digest != record.sha256:
+            return "is damaged (its content differs from what was committed: checksum mismatch)"
     return None
+
+
+# What to do about missing or damaged parts, the same words from every command.
+REDO = "`batchjob run` with the same command deletes them and redoes their rows (the rest is kept)"
+
+
+class DamagedPartError(StateError):
+    """A committed part that can't be read, found while reading it (``export``, ``report``)."""
+
+    def __init__(self, out_dir: Path, name: str, reason: str) -> None:
+        super().__init__(
+            f"{out_dir}: part {name} {reason}; delete it, then run the job again with the same `batchjob run` "
+            "command: its rows are redone (the rest is kept)"
+        )
+
+
+def read_batches(out_dir: Path, name: str, **options: Any) -> Iterator[pa.RecordBatch]:
+    """The record batches of a committed part; a part that fails while being read raises DamagedPartError
+    naming it (what ``check_part`` can't see without reading every byte of a part it has no digest of)."""
+    try:
+        yield from pq.ParquetFile(out_dir / name).iter_batches(**options)
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedPartError(out_dir, name, f"cannot be read ({e})") from e
 
 
 def check_parts(out_dir: Path, manifest: Manifest) -> list[PartProblem]:
@@ -176,7 +219,7 @@ def repair_outputs(
         # written now (one part in memory at a time); until the manifest names it, it is an orphan
         name = writer.write_table(writer.next_seq(names), table)
         names.add(name)
-        written[record.name] = replace(new, name=name, size=writer.size(name), result_rows=table.num_rows)
+        written[record.name] = replace(new, name=name, result_rows=table.num_rows, **writer.stamp(name))
     if not dropped and not written:
         return 0
     for note in notes:
