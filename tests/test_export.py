@@ -183,3 +183,40 @@ def test_a_damaged_part_gets_one_verdict_from_every_command(inputs, tiny_model_d
     assert result.stats["rows"] < 25 + 1 + 12 + 9  # only the damaged parts' rows
     assert export(out, "jsonl") == before
     assert run_job(spec).status == "already complete"
+
+
+def test_outputs_never_land_on_the_jobs_own_files(inputs, tiny_model_dir, tmp_path):
+    """export --to, report --to and bench --json refuse a job's parts, state, folder and inputs, by name and
+    through symbolic links, before writing anything; elsewhere (and where --input does not look) they write."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(inputs, data)
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    part = sorted(out.glob("part-*.parquet"))[0]
+    manifest = out / "_batchjob" / "manifest.jsonl"
+    (tmp_path / "to_part").symlink_to(part)
+    (tmp_path / "to_out").symlink_to(out, target_is_directory=True)
+    owned = {
+        part: "inside the batchjob output folder",
+        manifest: "the state of the batchjob output folder",
+        out / "results.jsonl": "inside the batchjob output folder",  # pyarrow.dataset would read it too
+        tmp_path / "to_part": "inside the batchjob output folder",
+        tmp_path / "to_out" / "_batchjob" / "job.json": "the state of",
+        data / "a.jsonl": "an input of the job",
+        data / "new.jsonl": "where the job in",  # the next --append would take it in
+    }
+    saved = {p: p.read_bytes() for p in [part, manifest, data / "a.jsonl"]}
+    for target, why in owned.items():
+        for argv in (["export", out, "--to", target], ["report", out, "--to", target]):
+            result = CliRunner().invoke(main, [str(a) for a in argv])
+            assert result.exit_code == 2, (argv, result.output)
+            assert f"--to {target} is" in result.output and why in result.output, result.output
+    result = CliRunner().invoke(main, ["bench", "--json", str(manifest)])
+    assert result.exit_code == 2 and f"--json {manifest} is the state of" in result.output, result.output
+    assert {p: p.read_bytes() for p in saved} == saved and not (data / "new.jsonl").exists()
+    assert CliRunner().invoke(main, ["status", str(out)]).exit_code == 0
+    for fine in (tmp_path / "results.jsonl", data / "_results.jsonl"):  # not inputs by discovery's rule
+        result = CliRunner().invoke(main, ["export", str(out), "--to", str(fine)])
+        assert result.exit_code == 0 and fine.read_text().count("\n") == 47, result.output

@@ -186,16 +186,48 @@ def _expand_remote(value: str) -> list[tuple[str, str]]:
     return found
 
 
+def _glob_root(value: str) -> tuple[str, tuple[str, ...]]:
+    """A glob's folder before its first wildcard, and the glob parts after it."""
+    parts = value.split(os.sep)
+    first = next(i for i, p in enumerate(parts) if glob.has_magic(p))
+    root = os.sep.join(parts[:first]) or ("." if not value.startswith(os.sep) else os.sep)
+    return root, tuple(p for p in parts[first:] if p)
+
+
+def takes(value: str, path: Path) -> bool:
+    """Whether the local ``--input`` value ``value`` takes the file ``path`` (resolved; it need not exist
+    yet), by ``discover``'s rule: so that nothing batchjob writes becomes an input of a job."""
+    if "://" in value and not value.startswith("file://"):
+        return False
+    value = value.removeprefix("file://")
+    pats: tuple[str, ...] | None = None
+    if glob.has_magic(value):
+        root_name, pats = _glob_root(value)
+        root = Path(root_name).resolve()
+    else:
+        root = Path(value).resolve()
+        if root == path or (is_hf_folder(root) and root in path.parents):
+            return True
+        if not root.is_dir():
+            return False
+    try:
+        rel = path.relative_to(root).parts
+    except ValueError:
+        return False
+    if pats is not None and not _matches(rel, pats):
+        return False
+    hidden = any(p.startswith((".", "_")) and not _spelled_out(p, pats) for p in rel)
+    return not hidden and kind_of(path.name) is not None
+
+
 def _expand_local(value: str, exclude: Path | None, skipped: list[Skipped]) -> list[tuple[str, str]]:
     if value.startswith("file://"):
         value = value[len("file://") :]
     if glob.has_magic(value):
-        parts = value.split(os.sep)
-        first = next(i for i, p in enumerate(parts) if glob.has_magic(p))
-        root = os.sep.join(parts[:first]) or ("." if not value.startswith(os.sep) else os.sep)
+        root, pats = _glob_root(value)
         if not Path(root).is_dir():
             return []
-        found = _walk(Path(root), tuple(p for p in parts[first:] if p), exclude, skipped)
+        found = _walk(Path(root), pats, exclude, skipped)
         return [(os.path.normpath(f), name) for f, name in found]
     path = Path(value)
     if not path.exists():

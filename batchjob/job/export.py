@@ -24,6 +24,7 @@ from typing import IO, Any
 from batchjob.errors import InputError, StateError
 from batchjob.job.inputs import split_ordinal
 from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.owned import check_target
 from batchjob.job.shard import Shard
 from batchjob.job.state import JobInfo, StateDir
 from batchjob.job.verify import REDO, DamagedPartError, check_parts, read_batches
@@ -179,6 +180,7 @@ def export_to(out_dir: Path, fmt: str, to: str | None) -> tuple[int, str]:
     if to is None or to == "-":
         return export(out_dir, fmt, sys.stdout), "standard output"
     target = Path(to)
+    check_target(target, "--to", [out_dir])
     tmp = target.with_name(f".{target.name}.tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
         n = export(out_dir, fmt, f)

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from batchjob.errors import ConfigError
 from batchjob.job.manifest import Manifest
+from batchjob.job.owned import check_target
 from batchjob.job.state import STATE_DIR, StateDir
 from batchjob.job.stats import HIST_EDGES
 from batchjob.job.status import JobStatus, job_status
@@ -363,6 +364,9 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
     """Write the report of one job, or two side by side; returns the file's path."""
     if not 1 <= len(out_dirs) <= 2:
         raise ConfigError("batchjob report takes one output folder, or two to compare")
+    default = out_dirs[0] / STATE_DIR / "report.html"
+    if to is not None:
+        check_target(to, "--to", out_dirs, allowed=default)
     jobs = []
     for out_dir in out_dirs:
         st = job_status(out_dir)
@@ -413,7 +417,7 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
                 )
             parts.append("</table>")
     parts.append("</body></html>")
-    target = to or out_dirs[0] / STATE_DIR / "report.html"
+    target = to or default
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("".join(parts), encoding="utf-8")
     return target
