@@ -186,7 +186,37 @@ def test_large_file_identity_by_samples_and_time_stamp(tmp_path, monkeypatch):
     with pytest.raises(InputChangedError, match=r"touch -d @\d+\.\d{9} .*big\.jsonl"):
         reconcile(saved, sources, False, tmp_path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # what the hint says to do, if it is unchanged
-    assert reconcile(saved, sources, False, tmp_path)[0] == saved
+    [now] = reconcile(saved, sources, False, tmp_path)[0]
+    assert (now.size, now.digest, now.mtime_ns) == (saved[0].size, saved[0].digest, saved[0].mtime_ns)
+
+
+def test_files_swapped_by_name_in_one_time_stamp_tick_are_refused(tmp_path, tiny_model_dir):
+    """Same sizes, same time stamps, contents swapped by renames: the inode and ctime say they are not the
+    files that were read, so they are read again and told apart by content."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    a = write_rows(folder / "a.jsonl", rows(3, prefix="a"))
+    b = write_rows(folder / "b.jsonl", rows(3, prefix="b"))
+    assert a.stat().st_size == b.stat().st_size
+    for p in (a, b):
+        os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))  # one tick
+    out = tmp_path / "out"
+    assert run_job(spec(folder, out, tiny_model_dir, id_column="rid")).status == "complete"
+    os.rename(a, folder / "t.jsonl")
+    os.rename(b, a)
+    os.rename(folder / "t.jsonl", b)
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (b.stat().st_size, b.stat().st_mtime_ns)
+    with pytest.raises(InputChangedError) as e:
+        run_job(spec(folder, out, tiny_model_dir, id_column="rid"))
+    assert "a.jsonl: changed (same size, different content)" in str(e.value)
+    assert "b.jsonl: changed (same size, different content)" in str(e.value)
+    r = cli("status", out)
+    assert "incomplete" in r.output and "a.jsonl: changed" in r.output, r.output
+    # swapped back, they are the files that were read: the job is complete again, nothing redone
+    os.rename(a, folder / "t.jsonl")
+    os.rename(b, a)
+    os.rename(folder / "t.jsonl", b)
+    assert run_job(spec(folder, out, tiny_model_dir, id_column="rid")).status == "already complete"
 
 
 def test_parquet_cannot_grow_even_with_append(tmp_path, tiny_model_dir):

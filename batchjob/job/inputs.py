@@ -6,8 +6,12 @@ with a newline, and its row count once known. The sequence number fixes where th
 rows: row ``i`` of file ``seq`` has the ordinal ``seq << 40 | i``. So a file added later, or rows appended to a
 file, never move the ordinal of a row the job has already seen, and what is done stays done.
 
-Every run checks the inputs as they are now against the records before any work (``reconcile``): a file whose
-size and time stamp are unchanged is taken as unchanged; otherwise its digest is computed again. A changed,
+Every run checks the inputs as they are now against the records before any work (``reconcile``): a local
+file whose size, time stamp, inode and status-change time are all unchanged is the very file that was read,
+untouched (nothing can write to a file or rename it without moving its ctime, and a time stamp set back with
+``touch -d`` moves it too), and is taken as unchanged; otherwise its digest is computed again (so two files
+swapped by name, even with equal sizes and time stamps, are told apart by content). Remote files have no
+inode: for them size and time stamp decide. A changed,
 removed or new file refuses the run, naming each; with ``append`` a plain JSONL file that only grew (its old
 bytes unchanged, ending with a newline) and new files are taken in, and their rows are processed.
 """
@@ -56,6 +60,8 @@ class InputRecord:
     digest: str
     ends_newline: bool | None = None  # plain JSONL: whether the last byte is a newline
     rows: int | None = None  # once known
+    ino: int | None = None  # a local file's inode and status-change time when it was read (identity.py)
+    ctime_ns: int | None = None
 
     @property
     def base(self) -> int:
@@ -115,14 +121,15 @@ def _identify(source: Source, prefix: int | None = None) -> identity.FileIdentit
     return identity.identify_local(source.path, prefix)
 
 
-def _stat(source: Source) -> tuple[int, int | None] | None:
-    """(size, mtime) when cheap (one file, local or remote); None means "compute the digest to know"."""
+def _stat(source: Source) -> tuple[int, int | None, int | None, int | None] | None:
+    """(size, mtime, inode, ctime) when cheap (one file, local or remote: no inode nor ctime); None means
+    "compute the digest to know"."""
     if source.kind == "hf":
         return None
     if source.remote:
         _, _, info = _remote_reader(source)
         mtime = _remote_mtime(info)
-        return None if mtime is None else (int(info.get("size") or 0), mtime)
+        return None if mtime is None else (int(info.get("size") or 0), mtime, None, None)
     return identity.stat_local(source.path)
 
 
@@ -150,6 +157,8 @@ def record_for(source: Source, seq: int) -> InputRecord:
             ident.digest,
             _ends_newline(source, ident.size),
             count_rows(source),
+            ident.ino,
+            ident.ctime_ns,
         )
     except OSError as e:
         raise _unreadable(source, e) from e
@@ -176,8 +185,10 @@ def _check_one(
     """``(record now, problem, grew)`` for one file that the job has a record of."""
     try:
         stat = _stat(source)
-        if stat is not None and stat == (saved.size, saved.mtime_ns):
-            return saved, None, False  # same size and time stamp: taken as unchanged
+        if stat is not None and stat == (saved.size, saved.mtime_ns, saved.ino, saved.ctime_ns):
+            return saved, None, False  # the same file, untouched since it was read: unchanged
+        if stat is not None and saved.ctime_ns is None and stat[:2] == (saved.size, saved.mtime_ns):
+            return saved, None, False  # a record without inode and ctime (remote): size and time stamp
         now = _identify(source)
         if now.size == saved.size:
             if now.digest != saved.digest:
@@ -192,7 +203,7 @@ def _check_one(
                     f"touch -d @{stamp} {source.path}",
                     False,
                 )
-            return replace(saved, mtime_ns=now.mtime_ns), None, False
+            return replace(saved, mtime_ns=now.mtime_ns, ino=now.ino, ctime_ns=now.ctime_ns), None, False
         if now.size < saved.size:
             return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False
         old = _identify(source, prefix=saved.size)
@@ -219,7 +230,14 @@ def _check_one(
         ends = _ends_newline(source, now.size)
         return (
             replace(
-                saved, size=now.size, mtime_ns=now.mtime_ns, digest=now.digest, ends_newline=ends, rows=None
+                saved,
+                size=now.size,
+                mtime_ns=now.mtime_ns,
+                digest=now.digest,
+                ends_newline=ends,
+                rows=None,
+                ino=now.ino,
+                ctime_ns=now.ctime_ns,
             ),
             None,
             True,
