@@ -388,3 +388,36 @@ def test_reader_reports_ids_of_rows_it_passes_over(tmp_path):
     )
     assert [r.ordinal for r in got] == [1, (1 << 40) + 1]
     assert seen == [(0, "p0"), (2, "p2"), (3, "p3"), (4, "p4"), (1 << 40, "r0"), ((1 << 40) + 2, "r2")]
+
+
+def test_a_growing_log_caught_mid_line_is_finished_with_append(tmp_path, tiny_model_dir):
+    """A JSONL log read while its last line was half-written: that row is an error row; once the line is
+    finished and more rows appended, --append takes in the new rows and redoes that one from its whole line
+    (README: a scheduled job over a growing log)."""
+    data = tmp_path / "log.jsonl"
+    whole = "".join(json.dumps(r) + "\n" for r in rows(7))
+    lines = whole.splitlines(keepends=True)
+    cut = sum(map(len, lines[:4])) + 11  # four rows and a torn fifth
+    data.write_text(whole[:cut])
+    out = tmp_path / "out"
+    first = run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+    assert first.status == "complete" and first.rows_done == 5 and first.errors == 1
+    with open(data, "a") as f:  # the writer finishes its line and goes on
+        f.write(whole[cut:])
+    with pytest.raises(InputChangedError, match=r"run with --append .* redo row 4"):
+        run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+    for retry in (True, False):  # --retry-errors is no hindrance
+        result = run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True, retry_errors=retry))
+        assert result.status == "complete" and result.rows_done == 7 and result.errors == 0
+        assert result.stats["rows"] == 3  # the finished row and the two new ones; nothing else redone
+        fresh = tmp_path / f"fresh{retry}"
+        run_job(spec(data, fresh, tiny_model_dir, id_column="rid"))
+        assert results(out) == results(fresh)
+        assert [r["rid"] for r in results(out)] == [f"r{i}" for i in range(7)]
+        if retry:  # the same again, from the torn state, without --retry-errors
+            shutil.rmtree(out)
+            data.write_text(whole[:cut])
+            run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+            with open(data, "a") as f:
+                f.write(whole[cut:])
+    assert run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True)).status == "already complete"

@@ -46,6 +46,7 @@ class Prepared:
     found: list[Source] = field(default_factory=list)  # the input files discovered at the start
     fingerprint: dict[str, Any] = field(default_factory=dict)  # this start's identity, as computed
     skipped: list[Skipped] = field(default_factory=list)  # what the --input folders and globs left out
+    redo: list[int] = field(default_factory=list)  # --append: ordinals of torn last rows finished since
 
 
 def model_fingerprint(model: str | None) -> dict[str, Any]:
@@ -156,7 +157,18 @@ def _resume(
     """Against a saved job: its inputs reconciled with what was found, its identity compared with this one."""
     out_dir = state.out_dir
     saved = state.load_job()
-    records, taken = reconcile(saved.inputs, found, spec.append, out_dir)
+    records, taken, redo = reconcile(saved.inputs, found, spec.append, out_dir)
+    if redo and not shard.single:
+        torn = [r for r in saved.inputs if r.ends_newline is False and any(o >> 40 == r.seq for o in redo)]
+        raise InputChangedError(
+            "\n  ".join(
+                [f"the inputs of the job in {out_dir} grew over a last line written without a newline:"]
+                + [f"{r.name}: its first {r.size} bytes end in the middle of a row" for r in torn]
+            )
+            + "\nA job split over several workers can't redo that row in place: cut each file back to that "
+            "size (truncate -s SIZE FILE) and write the rest of the row and the new rows into a new file, "
+            "which --append takes in"
+        )
     known = {r.name for r in saved.inputs}
     misfits = [
         f"{s.path}: {why}"
@@ -188,4 +200,6 @@ def _resume(
     saved.inputs = records
     if taken:
         saved.input_paths = input_paths(spec)
-    return Prepared(spec, out_dir, state, sources, saved, True, plan, shard, taken, deferred, found, computed)
+    return Prepared(
+        spec, out_dir, state, sources, saved, True, plan, shard, taken, deferred, found, computed, redo=redo
+    )

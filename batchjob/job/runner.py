@@ -111,15 +111,18 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             # another worker of the job created it first: take its seed and chunk size, if it is the same job
             prep = reload(prep)
             _settle_model(prep, engine)
+        manifest = Manifest(prep.state.manifest_file)
+        extra = extra_fields(spec.sampling_params(prep.info.job_seed))
+        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
+        # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
+        reason = "its input line was not finished when it was read, and is now"
+        repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors, set(prep.redo), reason)
         if prep.taken:
             prep = _take_in(prep)
         plan = prep.plan.for_tokenizer(spec, has_template)  # the plan assumed a chat template until now
         if not prep.shard.single:
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
-        manifest = Manifest(prep.state.manifest_file)
-        extra = extra_fields(spec.sampling_params(prep.info.job_seed))
-        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
-        repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors)  # verify.py
         writer.remove_orphans(manifest.names)
         builder = PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
         loop = JobLoop(prep, engine, builder)

@@ -146,11 +146,12 @@ def _row_ordinals(table: pa.Table, record: PartRecord, per_sample: bool) -> list
     return out
 
 
-def _without_errors(
-    out_dir: Path, record: PartRecord, writer: PartWriter
+def _without(
+    out_dir: Path, record: PartRecord, writer: PartWriter, retry_errors: bool, redo: set[int]
 ) -> tuple[pa.Table, PartRecord | None, int] | str:
-    """A part's table without the rows of ordinals that have an error, its record (None when nothing is
-    left) and how many input rows were taken out; or what is wrong with the part."""
+    """A part's table without the rows of the ordinals to take back (those in ``redo``, and with
+    ``retry_errors`` those with an error), its record (None when nothing is left) and how many input rows
+    were taken out; or what is wrong with the part."""
     per_sample = any(f.name == "sample_index" for f in writer.extra)
     try:
         table = pq.read_table(out_dir / record.name).cast(writer.schema)
@@ -160,7 +161,7 @@ def _without_errors(
     if ordinals is None:
         return "does not match its record's rows"
     errors = table.column("error").to_pylist()
-    bad = {o for o, e in zip(ordinals, errors, strict=True) if e is not None}
+    bad = {o for o, e in zip(ordinals, errors, strict=True) if o in redo or (retry_errors and e is not None)}
     keep = [o not in bad for o in ordinals]
     kept = table.filter(pa.array(keep, type=pa.bool_()))
     if kept.num_rows == 0:
@@ -176,7 +177,7 @@ def _without_errors(
     new = PartRecord(
         name="",
         rows=len(done),
-        errors=0,
+        errors=sum(e is not None for e, k in zip(errors, keep, strict=True) if k),
         prompt_tokens=total("num_prompt_tokens"),
         generated_tokens=total("num_generated_tokens"),
         ordinals=done.ranges(),
@@ -185,10 +186,17 @@ def _without_errors(
 
 
 def repair_outputs(
-    state: StateDir, info: JobInfo, manifest: Manifest, writer: PartWriter, retry_errors: bool = False
+    state: StateDir,
+    info: JobInfo,
+    manifest: Manifest,
+    writer: PartWriter,
+    retry_errors: bool = False,
+    redo: set[int] = frozenset(),  # type: ignore[assignment]
+    redo_reason: str = "their input rows changed",
 ) -> int:
-    """Take back the rows of missing or damaged parts (and, with ``retry_errors``, the rows with errors), so
-    that the job loop computes them again. Prints a line per part; returns how many input rows are redone.
+    """Take back the rows of missing or damaged parts (and, with ``retry_errors``, the rows with errors, and
+    the rows of the ordinals in ``redo``), so that the job loop computes them again. Prints a line per part;
+    returns how many input rows are redone.
 
     Needs the job's lock. ``info`` is marked incomplete (and saved) when anything is taken back.
     """
@@ -196,23 +204,29 @@ def repair_outputs(
     problems = check_parts(out_dir, manifest)
     dropped = {p.record.name for p in problems}  # old names whose rows are all redone
     notes = [f"{p}: its {p.record.rows} rows will be redone" for p in problems]
-    redo = sum(p.record.rows for p in problems)
+    count = sum(p.record.rows for p in problems)
     names = set(manifest.names)  # taken, with the new parts written below
     written: dict[str, PartRecord] = {}  # old name -> its rewrite without the error rows, already on disk
-    for record in manifest.parts if retry_errors else []:
-        if record.errors == 0 or record.name in dropped:
+    for record in manifest.parts:
+        if record.name in dropped:
             continue
-        result = _without_errors(out_dir, record, writer)
+        redone = {o for o in redo if any(a <= o < b for a, b in record.ordinals)}
+        if not redone and not (retry_errors and record.errors):
+            continue
+        result = _without(out_dir, record, writer, retry_errors, redone)
         if isinstance(result, str):
             dropped.add(record.name)
             notes.append(f"{record.name} {result}: its {record.rows} rows will be redone")
-            redo += record.rows
+            count += record.rows
             continue
         table, new, taken = result
         if taken == 0:
             continue  # counted as errors but none in the file: nothing to redo
-        notes.append(f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone")
-        redo += taken
+        if redone:
+            notes.append(f"{record.name}: {taken} rows will be redone ({redo_reason})")
+        else:
+            notes.append(f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone")
+        count += taken
         if new is None:
             dropped.add(record.name)
             continue
@@ -232,4 +246,4 @@ def repair_outputs(
     faults.die("after_manifest_rewrite")
     for name in dropped | set(written):
         (out_dir / name).unlink(missing_ok=True)
-    return redo
+    return count
