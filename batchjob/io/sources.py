@@ -201,11 +201,15 @@ def takes(value: str, path: Path) -> bool:
         return False
     value = value.removeprefix("file://")
     pats: tuple[str, ...] | None = None
-    if glob.has_magic(value):
-        root_name, pats = _glob_root(value)
-        root = Path(root_name).resolve()
-    else:
-        root = Path(value).resolve()
+    try:
+        if glob.has_magic(value):
+            root_name, pats = _glob_root(value)
+            root = Path(root_name).resolve()
+        else:
+            root = Path(value).resolve()
+    except (RuntimeError, OSError):  # a symbolic link loop: it takes nothing
+        return False
+    if pats is None:
         if root == path or (is_hf_folder(root) and root in path.parents):
             return True
         if not root.is_dir():
@@ -254,9 +258,12 @@ def discover(
     What a folder or glob leaves out is appended to ``skipped`` with the reason.
     """
     skipped = [] if skipped is None else skipped
+    try:
+        exclude = exclude.resolve() if exclude is not None else None
+    except (RuntimeError, OSError) as e:  # a symbolic link loop
+        raise InputError(f"--output {exclude} cannot be resolved ({e})") from e
     if not inputs:
         raise InputError("no --input given")
-    exclude = exclude.resolve() if exclude is not None else None
     sources: list[Source] = []
     for value in inputs:
         if not value.strip():

@@ -49,7 +49,10 @@ def check_target(target: Path, option: str, jobs: list[Path] = (), allowed: Path
     """Refuse ``target`` (given as ``option``) when it is inside any batchjob output folder (a part, the
     state, or beside them), or an input of one of ``jobs`` (or would become one). ``allowed``: a file of a
     job that is the command's own (``report``'s default page)."""
-    real = target.expanduser().resolve()
+    try:
+        real = target.expanduser().resolve()
+    except (RuntimeError, OSError) as e:  # a symbolic link loop
+        raise ConfigError(f"{option} {target} cannot be resolved ({e}); give another path") from e
     if allowed is not None and real == allowed.resolve():
         return
     folder = _job_folder(real)
