@@ -421,3 +421,30 @@ def test_a_growing_log_caught_mid_line_is_finished_with_append(tmp_path, tiny_mo
             with open(data, "a") as f:
                 f.write(whole[cut:])
     assert run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True)).status == "already complete"
+
+
+@pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
+def test_finishing_a_torn_line_survives_a_kill_at_any_step(tmp_path, tiny_model_dir, point):
+    """Killed while taking back the torn row (part rewritten, or manifest rewritten but the grown file not
+    yet recorded): the next --append finds the same row to redo, and the job ends as a fresh run would."""
+    from tests.jobproc import launch
+
+    data = tmp_path / "log.jsonl"
+    whole = "".join(json.dumps(r) + "\n" for r in rows(6))
+    cut = len(whole) - 20
+    data.write_text(whole[:cut])
+    out = tmp_path / "out"
+    argv = ["--input", data, "--output", out, "--model", tiny_model_dir, "--id-column", "rid"]
+    argv = [str(a) for a in [*argv, "--max-new-tokens", "3", "--max-num-seqs", "4", "--no-chat"]]
+    assert launch(argv).communicate(timeout=240)[0].count("1 errors") == 1
+    with open(data, "a") as f:
+        f.write(whole[cut:] + json.dumps({"rid": "r6", "text": "one more"}) + "\n")
+    killed = launch([*argv, "--append"], BATCHJOB_FAULT_KILL=point)
+    text = killed.communicate(timeout=240)[0]
+    assert killed.returncode == 137 and "1 rows will be redone (its input line was not finished" in text, text
+    done = launch([*argv, "--append"])
+    text = done.communicate(timeout=240)[0]
+    assert done.returncode == 0 and "complete: 7 of 7 rows done (0 errors)" in text, text
+    fresh = tmp_path / "fresh"
+    run_job(spec(data, fresh, tiny_model_dir, id_column="rid"))
+    assert results(out) == results(fresh)
