@@ -220,3 +220,34 @@ def test_outputs_never_land_on_the_jobs_own_files(inputs, tiny_model_dir, tmp_pa
     for fine in (tmp_path / "results.jsonl", data / "_results.jsonl"):  # not inputs by discovery's rule
         result = CliRunner().invoke(main, ["export", str(out), "--to", str(fine)])
         assert result.exit_code == 0 and fine.read_text().count("\n") == 47, result.output
+
+
+def test_a_copied_output_folder_is_read_whole_once_then_trusted_by_its_stamps(
+    inputs, tiny_model_dir, tmp_path
+):
+    import shutil
+
+    from batchjob.job.manifest import Manifest
+
+    first = tmp_path / "first"
+    run(inputs, first, model=str(tiny_model_dir))
+    out = tmp_path / "copy"
+    shutil.copytree(first, out)  # new inodes: each part is read whole and found as committed
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert status.exit_code == 0 and "complete" in status.output and "damaged" not in status.output
+    spec = make_spec(
+        input=[str(inputs)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        id_column="rid",
+        max_new_tokens=3,
+        max_num_seqs=3,
+        chat=False,
+        checkpoint_interval=1e-6,
+    )
+    assert run_job(spec).status == "already complete"
+    records = Manifest(out / "_batchjob" / "manifest.jsonl").parts
+    assert all(r.ino == (out / r.name).stat().st_ino for r in records)  # the copy's stamps, recorded
+    flip_a_byte(out / records[0].name, at=20)  # a data page: and a change is still caught
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert f"missing or damaged: {records[0].name} is damaged" in status.output, status.output

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from batchjob import faults, signals
+from batchjob.errors import StateError
 from batchjob.io.writers import PartWriter
 from batchjob.job import model_identity
 from batchjob.job.loop import (  # noqa: F401  (re-exported)
@@ -37,7 +38,7 @@ from batchjob.job.prompts import PromptBuilder
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
-from batchjob.job.verify import needs_repair, repair_outputs
+from batchjob.job.verify import needs_repair, repair_outputs, restamp
 
 
 def _engine_options(spec: JobSpec) -> dict[str, Any]:
@@ -93,6 +94,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
     if prep.info.complete:
         manifest = Manifest(prep.state.manifest_file)
         if not needs_repair(prep.out_dir, manifest, spec.retry_errors):  # else: redo those rows, below
+            _restamp(prep)
             total = prep.shard.share_of(prep.info.row_counts)
             return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +135,19 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             return loop.run()
     finally:
         state.unlock()
+
+
+def _restamp(prep: Prepared) -> None:
+    """A complete job whose parts were read whole to be trusted (a copied folder): record their new stamps
+    (``verify.restamp``), under the lock, unless another run holds it."""
+    try:
+        prep.state.lock()
+    except StateError:
+        return
+    try:
+        restamp(prep.out_dir, Manifest(prep.state.manifest_file))
+    finally:
+        prep.state.unlock()
 
 
 def _settle_model(prep: Prepared, engine: Any) -> None:

@@ -121,6 +121,28 @@ def check_parts(out_dir: Path, manifest: Manifest) -> list[PartProblem]:
     return problems
 
 
+def restamp(out_dir: Path, manifest: Manifest) -> int:
+    """Record the inode and status-change time of parts whose content still is as committed but whose
+    stamps moved (a copied or restored output folder, a ``chmod``), so that later checks need not read them
+    whole again. Needs the job's lock; returns how many records changed."""
+    records, changed = [], 0
+    for record in manifest.parts:
+        path = out_dir / record.name
+        try:
+            st = path.stat()
+            moved = record.sha256 is not None and (st.st_ino, st.st_ctime_ns) != (record.ino, record.ctime_ns)
+            if moved and st.st_size == record.size and file_sha256(path) == record.sha256:
+                # stamps taken before reading: a write since then moves them again, and is caught next time
+                record = replace(record, ino=st.st_ino, ctime_ns=st.st_ctime_ns)
+                changed += 1
+        except OSError:
+            pass  # check_part's business
+        records.append(record)
+    if changed:
+        manifest.rewrite(records)
+    return changed
+
+
 def needs_repair(out_dir: Path, manifest: Manifest, retry_errors: bool) -> bool:
     """Whether ``repair_outputs`` would take rows back (cheap: sizes and footers only)."""
     return (retry_errors and manifest.errors > 0) or bool(check_parts(out_dir, manifest))
@@ -235,6 +257,7 @@ def repair_outputs(
         names.add(name)
         written[record.name] = replace(new, name=name, result_rows=table.num_rows, **writer.stamp(name))
     if not dropped and not written:
+        restamp(out_dir, manifest)
         return 0
     for note in notes:
         print(f"batchjob: {note}", file=sys.stderr)
