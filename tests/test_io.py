@@ -73,6 +73,23 @@ def test_folders_and_globs_take_the_same_files_and_say_what_they_skip(tmp_path):
     assert [s.name for s in discover([str(d / "_SUCCESS.jsonl")])] == ["_SUCCESS.jsonl"]
 
 
+def test_remote_folders_and_globs_follow_the_same_rule():
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    for rel in ["a.jsonl", "_SUCCESS.jsonl", "sub/b.jsonl", "_meta/c.jsonl", "notes.txt"]:
+        fs.pipe(f"/rule/{rel}", b'{"text": "x"}\n')
+    skipped = []
+    taken = ["a.jsonl", "sub/b.jsonl"]
+    assert [s.name for s in discover(["memory://rule"], skipped=skipped)] == taken
+    assert [s.name for s in discover(["memory://rule/**/*.jsonl"])] == taken  # names as for a folder
+    assert [s.name for s in discover(["memory://rule/_*.jsonl"])] == ["_SUCCESS.jsonl"]
+    assert sorted(s.path.rsplit("/rule/", 1)[1] for s in skipped) == [
+        "_SUCCESS.jsonl",
+        "_meta/c.jsonl",
+        "notes.txt",
+    ]
+
+
 def test_validate_lists_what_the_input_folder_skipped(tmp_path, tiny_model_dir):
     from click.testing import CliRunner
 

@@ -162,27 +162,37 @@ def _fsspec() -> Any:
     return fsspec
 
 
-def _expand_remote(value: str) -> list[tuple[str, str]]:
+def _expand_remote(value: str, skipped: list[Skipped]) -> list[tuple[str, str]]:
+    """A remote file, folder or glob, by the same rule as a local one (``discover``)."""
     fsspec = _fsspec()
+    protocol, rest = value.split("://", 1)
     try:
-        fs, _, paths = fsspec.get_fs_token_paths(value)
+        fs, _ = fsspec.core.url_to_fs(value)
     except (ImportError, ValueError) as e:
         raise InputError(f"cannot open input {value}: {e} (install the filesystem package for it)") from e
-    protocol = value.split("://", 1)[0]
-    root = value.split("://", 1)[1]
-    if glob.has_magic(root):
-        root = os.path.dirname(root[: min(root.index(c) for c in "*?[" if c in root)])
+    pats: tuple[str, ...] | None = None
+    if glob.has_magic(rest):
+        root, pats = _glob_root(rest)
+        base = fs._strip_protocol(f"{protocol}://{root}").rstrip("/")
     else:
-        root = os.path.dirname(root)
+        base = fs._strip_protocol(value).rstrip("/")
+        if not fs.isdir(base):
+            return [(value, base.rsplit("/", 1)[-1])] if fs.exists(base) else []
     found: list[tuple[str, str]] = []
-    for p in paths:
-        if fs.isdir(p):
-            for f in sorted(fs.find(p)):
-                rel = os.path.relpath(f, p)
-                if kind_of(f) and not _hidden(rel):
-                    found.append((f"{protocol}://{f}", rel))
-        elif fs.exists(p):
-            found.append((f"{protocol}://{p}", os.path.relpath(p, root) if root else p))
+    for path in sorted(fs.find(base)):
+        rel = path[len(base) :].lstrip("/")
+        parts = tuple(rel.split("/"))
+        if pats is not None and not _matches(parts, pats):
+            continue
+        hidden = next((p for p in parts if p.startswith((".", "_")) and not _spelled_out(p, pats)), None)
+        if hidden is not None:
+            skipped.append(Skipped(f"{protocol}://{path}", f"a name in it starts with {hidden[0]!r}"))
+        elif kind_of(path) is None:
+            skipped.append(
+                Skipped(f"{protocol}://{path}", "not .parquet, .pq, .jsonl or .ndjson (.gz, .zst)")
+            )
+        else:
+            found.append((f"{protocol}://{path}", rel))
     return found
 
 
@@ -270,7 +280,7 @@ def discover(
             raise InputError("--input is empty (an unset shell variable?): give a file, folder or glob")
         remote = "://" in value and not value.startswith("file://")
         left_out: list[Skipped] = []
-        found = _expand_remote(value) if remote else _expand_local(value, exclude, left_out)
+        found = _expand_remote(value, left_out) if remote else _expand_local(value, exclude, left_out)
         skipped += left_out
         if not found:
             why = "".join(f"\n  skipped {s}" for s in left_out[:10])
