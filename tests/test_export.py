@@ -217,6 +217,12 @@ def test_outputs_never_land_on_the_jobs_own_files(inputs, tiny_model_dir, tmp_pa
     assert result.exit_code == 2 and f"--json {manifest} is the state of" in result.output, result.output
     assert {p: p.read_bytes() for p in saved} == saved and not (data / "new.jsonl").exists()
     assert CliRunner().invoke(main, ["status", str(out)]).exit_code == 0
+    nested = out / "_batchjob" / "again"  # nor a job inside a job's folder
+    result = CliRunner().invoke(main, ["run", "--input", str(data), "--output", str(nested)])
+    assert (
+        result.exit_code == 2 and f"--output {nested} is inside the batchjob output folder" in result.output
+    )
+    assert not nested.exists()
     for fine in (tmp_path / "results.jsonl", data / "_results.jsonl"):  # not inputs by discovery's rule
         result = CliRunner().invoke(main, ["export", str(out), "--to", str(fine)])
         assert result.exit_code == 0 and fine.read_text().count("\n") == 47, result.output

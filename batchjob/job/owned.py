@@ -1,6 +1,7 @@
 """What batchjob writes at a user's word never lands on a job's own files.
 
-``export --to``, ``report --to`` and ``bench --json`` write where they are told. Told the wrong place, they
+``export --to``, ``report --to`` and ``bench --json`` write where they are told (and ``run`` where
+``--output`` says: never inside another job's folder, ``check_output``). Told the wrong place, they
 would write over a job's result part or its manifest (after which the job can't be resumed), into a job's
 output folder (where ``pyarrow.dataset`` would read the file as a result), or over an input of the job, or
 into its input folder (where the next ``--append`` would take it in as rows). ``check_target`` refuses all of
@@ -43,6 +44,21 @@ def _input_of(real: Path, out_dir: Path) -> str | None:
         if takes(value, real):
             return f"where the job in {out_dir} takes its inputs from (--input {value}): it would become one"
     return None
+
+
+def check_output(out_dir: Path) -> None:
+    """A job's ``--output`` must not lie inside another job's output folder (its results would be read as
+    the other's, and its state could land in the other's)."""
+    try:
+        real = out_dir.expanduser().resolve()
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(f"--output {out_dir} cannot be resolved ({e}); give another folder") from e
+    folder = _job_folder(real.parent)
+    if folder is not None:
+        raise ConfigError(
+            f"--output {out_dir} is inside the batchjob output folder {folder}: its parts would be read as "
+            "that job's results; give a folder outside it"
+        )
 
 
 def check_target(target: Path, option: str, jobs: list[Path] = (), allowed: Path | None = None) -> None:

@@ -23,6 +23,7 @@ from batchjob.io.readers import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
+from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
@@ -58,6 +59,7 @@ def model_fingerprint(model: str | None) -> dict[str, Any]:
 
 
 def _check_output(out_dir: Path) -> None:
+    check_output(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--output {out_dir} is a file, not a folder")
     existing = next((p for p in [out_dir, *out_dir.absolute().parents] if p.exists()), None)

@@ -144,7 +144,8 @@ def restamp(out_dir: Path, manifest: Manifest) -> int:
 
 
 def needs_repair(out_dir: Path, manifest: Manifest, retry_errors: bool) -> bool:
-    """Whether ``repair_outputs`` would take rows back (cheap: sizes and footers only)."""
+    """Whether ``repair_outputs`` would take rows back (cheap: sizes and footers, and the content only of
+    parts whose stamps moved)."""
     return (retry_errors and manifest.errors > 0) or bool(check_parts(out_dir, manifest))
 
 
