@@ -439,8 +439,9 @@ def status(dir: str) -> None:
     """Report a job's progress from its output folder: rows done of total, errors, throughput.
 
     A job split over several workers is added up, with a line per worker. Every part is checked (exists,
-    recorded size, footer row count): a missing or damaged one is named and its rows are not counted as
-    done (the job is incomplete; `batchjob run` with the same command redoes them).
+    recorded size, footer row count, and its content digest if the file was touched since it was
+    committed): a missing or damaged one is named and its rows are not counted as done (the job is
+    incomplete; `batchjob run` with the same command redoes them).
     """
     from batchjob.job.status import job_status
 
