@@ -409,6 +409,8 @@ def validate(
     spec = _spec(ctx, job_file, options)
     shard = detect_shard(os.environ, num_shards, shard_index)
     prep = prepare(spec, shard=shard)
+    for skipped in prep.skipped:  # the one discovery rule (README: Running jobs), made visible
+        click.echo(f"skipped {skipped}")
     engine = check_engine(spec)
     _check_tokenizer(prep)
     state = "resumes the job in" if prep.resumed else "starts a new job in"
@@ -440,8 +442,9 @@ def status(dir: str) -> None:
     """Report a job's progress from its output folder: rows done of total, errors, throughput.
 
     A job split over several workers is added up, with a line per worker. Every part is checked (exists,
-    recorded size, footer row count): a missing or damaged one is named and its rows are not counted as
-    done (the job is incomplete; `batchjob run` with the same command redoes them).
+    recorded size, footer row count, and its content digest if the file was touched since it was
+    committed): a missing or damaged one is named and its rows are not counted as done (the job is
+    incomplete; `batchjob run` with the same command redoes them).
     """
     from batchjob.job.status import job_status
 
@@ -464,6 +467,9 @@ def status(dir: str) -> None:
         )
         for line in st.input_changes:
             click.echo(f"  {line}")
+    for w in st.workers:
+        if w.stats_problem:
+            click.echo(f"stats: {w.stats_problem}")
     for p in st.problems:
         click.echo(f"missing or damaged: {p} ({p.record.rows} rows)")
     if st.problems:

@@ -134,3 +134,128 @@ def test_export_refuses_a_damaged_output_and_names_the_part(inputs, tiny_model_d
     part.unlink()
     result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
     assert result.exit_code == 1 and part.name in result.output and "batchjob run" in result.output
+
+
+def flip_a_byte(path, at=None):
+    """Damage a part as a bad disk or a stray write would: one byte changed, size and footer intact."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 3 if at is None else at
+    data[at] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_part_gets_one_verdict_from_every_command(inputs, tiny_model_dir, tmp_path):
+    """A byte flipped inside a part (size and footer intact) and a truncated part: status, export, report and
+    run all name them and say how to go on, and run redoes exactly their rows."""
+    out = tmp_path / "out"
+    run(inputs, out, model=str(tiny_model_dir))
+    before = export(out, "jsonl")
+    flipped, cut = sorted(out.glob("part-*.parquet"))[1:3]
+    flip_a_byte(flipped)
+    cut.write_bytes(cut.read_bytes()[:-100])
+
+    def invoke(*argv):
+        return CliRunner().invoke(main, [str(a) for a in argv])
+
+    status = invoke("status", out)
+    assert status.exit_code == 0 and "incomplete" in status.output, status.output
+    assert f"missing or damaged: {flipped.name} is damaged" in status.output
+    assert f"missing or damaged: {cut.name} has " in status.output and "batchjob run" in status.output
+    exported = invoke("export", out)
+    assert exported.exit_code == 1 and "Traceback" not in exported.output
+    assert flipped.name in exported.output and cut.name in exported.output
+    assert "`batchjob run` with the same command" in exported.output
+    report = invoke("report", out, "--to", tmp_path / "report.html")
+    assert report.exit_code == 0, report.output
+    assert f"not drawn: {flipped.name} is damaged" in report.output and cut.name in report.output
+    assert flipped.name in (tmp_path / "report.html").read_text()
+    # run takes the same verdict: not "already complete"; it redoes those rows, and only those
+    spec = make_spec(
+        input=[str(inputs)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        id_column="rid",
+        max_new_tokens=3,
+        max_num_seqs=3,
+        chat=False,
+        checkpoint_interval=1e-6,
+    )
+    result = run_job(spec)
+    assert result.status == "complete" and result.stats["rows"] > 0
+    assert result.stats["rows"] < 25 + 1 + 12 + 9  # only the damaged parts' rows
+    assert export(out, "jsonl") == before
+    assert run_job(spec).status == "already complete"
+
+
+def test_outputs_never_land_on_the_jobs_own_files(inputs, tiny_model_dir, tmp_path):
+    """export --to, report --to and bench --json refuse a job's parts, state, folder and inputs, by name and
+    through symbolic links, before writing anything; elsewhere (and where --input does not look) they write."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(inputs, data)
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    part = sorted(out.glob("part-*.parquet"))[0]
+    manifest = out / "_batchjob" / "manifest.jsonl"
+    (tmp_path / "to_part").symlink_to(part)
+    (tmp_path / "to_out").symlink_to(out, target_is_directory=True)
+    owned = {
+        part: "inside the batchjob output folder",
+        manifest: "the state of the batchjob output folder",
+        out / "results.jsonl": "inside the batchjob output folder",  # pyarrow.dataset would read it too
+        tmp_path / "to_part": "inside the batchjob output folder",
+        tmp_path / "to_out" / "_batchjob" / "job.json": "the state of",
+        data / "a.jsonl": "an input of the job",
+        data / "new.jsonl": "where the job in",  # the next --append would take it in
+    }
+    saved = {p: p.read_bytes() for p in [part, manifest, data / "a.jsonl"]}
+    for target, why in owned.items():
+        for argv in (["export", out, "--to", target], ["report", out, "--to", target]):
+            result = CliRunner().invoke(main, [str(a) for a in argv])
+            assert result.exit_code == 2, (argv, result.output)
+            assert f"--to {target} is" in result.output and why in result.output, result.output
+    result = CliRunner().invoke(main, ["bench", "--json", str(manifest)])
+    assert result.exit_code == 2 and f"--json {manifest} is the state of" in result.output, result.output
+    assert {p: p.read_bytes() for p in saved} == saved and not (data / "new.jsonl").exists()
+    assert CliRunner().invoke(main, ["status", str(out)]).exit_code == 0
+    nested = out / "_batchjob" / "again"  # nor a job inside a job's folder
+    result = CliRunner().invoke(main, ["run", "--input", str(data), "--output", str(nested)])
+    assert (
+        result.exit_code == 2 and f"--output {nested} is inside the batchjob output folder" in result.output
+    )
+    assert not nested.exists()
+    for fine in (tmp_path / "results.jsonl", data / "_results.jsonl"):  # not inputs by discovery's rule
+        result = CliRunner().invoke(main, ["export", str(out), "--to", str(fine)])
+        assert result.exit_code == 0 and fine.read_text().count("\n") == 47, result.output
+
+
+def test_a_copied_output_folder_is_read_whole_once_then_trusted_by_its_stamps(
+    inputs, tiny_model_dir, tmp_path
+):
+    import shutil
+
+    from batchjob.job.manifest import Manifest
+
+    first = tmp_path / "first"
+    run(inputs, first, model=str(tiny_model_dir))
+    out = tmp_path / "copy"
+    shutil.copytree(first, out)  # new inodes: each part is read whole and found as committed
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert status.exit_code == 0 and "complete" in status.output and "damaged" not in status.output
+    spec = make_spec(
+        input=[str(inputs)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        id_column="rid",
+        max_new_tokens=3,
+        max_num_seqs=3,
+        chat=False,
+        checkpoint_interval=1e-6,
+    )
+    assert run_job(spec).status == "already complete"
+    records = Manifest(out / "_batchjob" / "manifest.jsonl").parts
+    assert all(r.ino == (out / r.name).stat().st_ino for r in records)  # the copy's stamps, recorded
+    flip_a_byte(out / records[0].name, at=20)  # a data page: and a change is still caught
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert f"missing or damaged: {records[0].name} is damaged" in status.output, status.output

@@ -186,7 +186,37 @@ def test_large_file_identity_by_samples_and_time_stamp(tmp_path, monkeypatch):
     with pytest.raises(InputChangedError, match=r"touch -d @\d+\.\d{9} .*big\.jsonl"):
         reconcile(saved, sources, False, tmp_path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # what the hint says to do, if it is unchanged
-    assert reconcile(saved, sources, False, tmp_path)[0] == saved
+    [now] = reconcile(saved, sources, False, tmp_path)[0]
+    assert (now.size, now.digest, now.mtime_ns) == (saved[0].size, saved[0].digest, saved[0].mtime_ns)
+
+
+def test_files_swapped_by_name_in_one_time_stamp_tick_are_refused(tmp_path, tiny_model_dir):
+    """Same sizes, same time stamps, contents swapped by renames: the inode and ctime say they are not the
+    files that were read, so they are read again and told apart by content."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    a = write_rows(folder / "a.jsonl", rows(3, prefix="a"))
+    b = write_rows(folder / "b.jsonl", rows(3, prefix="b"))
+    assert a.stat().st_size == b.stat().st_size
+    for p in (a, b):
+        os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))  # one tick
+    out = tmp_path / "out"
+    assert run_job(spec(folder, out, tiny_model_dir, id_column="rid")).status == "complete"
+    os.rename(a, folder / "t.jsonl")
+    os.rename(b, a)
+    os.rename(folder / "t.jsonl", b)
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (b.stat().st_size, b.stat().st_mtime_ns)
+    with pytest.raises(InputChangedError) as e:
+        run_job(spec(folder, out, tiny_model_dir, id_column="rid"))
+    assert "a.jsonl: changed (same size, different content)" in str(e.value)
+    assert "b.jsonl: changed (same size, different content)" in str(e.value)
+    r = cli("status", out)
+    assert "incomplete" in r.output and "a.jsonl: changed" in r.output, r.output
+    # swapped back, they are the files that were read: the job is complete again, nothing redone
+    os.rename(a, folder / "t.jsonl")
+    os.rename(b, a)
+    os.rename(folder / "t.jsonl", b)
+    assert run_job(spec(folder, out, tiny_model_dir, id_column="rid")).status == "already complete"
 
 
 def test_parquet_cannot_grow_even_with_append(tmp_path, tiny_model_dir):
@@ -358,3 +388,63 @@ def test_reader_reports_ids_of_rows_it_passes_over(tmp_path):
     )
     assert [r.ordinal for r in got] == [1, (1 << 40) + 1]
     assert seen == [(0, "p0"), (2, "p2"), (3, "p3"), (4, "p4"), (1 << 40, "r0"), ((1 << 40) + 2, "r2")]
+
+
+def test_a_growing_log_caught_mid_line_is_finished_with_append(tmp_path, tiny_model_dir):
+    """A JSONL log read while its last line was half-written: that row is an error row; once the line is
+    finished and more rows appended, --append takes in the new rows and redoes that one from its whole line
+    (README: a scheduled job over a growing log)."""
+    data = tmp_path / "log.jsonl"
+    whole = "".join(json.dumps(r) + "\n" for r in rows(7))
+    lines = whole.splitlines(keepends=True)
+    cut = sum(map(len, lines[:4])) + 11  # four rows and a torn fifth
+    data.write_text(whole[:cut])
+    out = tmp_path / "out"
+    first = run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+    assert first.status == "complete" and first.rows_done == 5 and first.errors == 1
+    with open(data, "a") as f:  # the writer finishes its line and goes on
+        f.write(whole[cut:])
+    with pytest.raises(InputChangedError, match=r"run with --append .* redo row 4"):
+        run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+    for retry in (True, False):  # --retry-errors is no hindrance
+        result = run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True, retry_errors=retry))
+        assert result.status == "complete" and result.rows_done == 7 and result.errors == 0
+        assert result.stats["rows"] == 3  # the finished row and the two new ones; nothing else redone
+        fresh = tmp_path / f"fresh{retry}"
+        run_job(spec(data, fresh, tiny_model_dir, id_column="rid"))
+        assert results(out) == results(fresh)
+        assert [r["rid"] for r in results(out)] == [f"r{i}" for i in range(7)]
+        if retry:  # the same again, from the torn state, without --retry-errors
+            shutil.rmtree(out)
+            data.write_text(whole[:cut])
+            run_job(spec(data, out, tiny_model_dir, id_column="rid"))
+            with open(data, "a") as f:
+                f.write(whole[cut:])
+    assert run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True)).status == "already complete"
+
+
+@pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
+def test_finishing_a_torn_line_survives_a_kill_at_any_step(tmp_path, tiny_model_dir, point):
+    """Killed while taking back the torn row (part rewritten, or manifest rewritten but the grown file not
+    yet recorded): the next --append finds the same row to redo, and the job ends as a fresh run would."""
+    from tests.jobproc import launch
+
+    data = tmp_path / "log.jsonl"
+    whole = "".join(json.dumps(r) + "\n" for r in rows(6))
+    cut = len(whole) - 20
+    data.write_text(whole[:cut])
+    out = tmp_path / "out"
+    argv = ["--input", data, "--output", out, "--model", tiny_model_dir, "--id-column", "rid"]
+    argv = [str(a) for a in [*argv, "--max-new-tokens", "3", "--max-num-seqs", "4", "--no-chat"]]
+    assert launch(argv).communicate(timeout=240)[0].count("1 errors") == 1
+    with open(data, "a") as f:
+        f.write(whole[cut:] + json.dumps({"rid": "r6", "text": "one more"}) + "\n")
+    killed = launch([*argv, "--append"], BATCHJOB_FAULT_KILL=point)
+    text = killed.communicate(timeout=240)[0]
+    assert killed.returncode == 137 and "1 rows will be redone (its input line was not finished" in text, text
+    done = launch([*argv, "--append"])
+    text = done.communicate(timeout=240)[0]
+    assert done.returncode == 0 and "complete: 7 of 7 rows done (0 errors)" in text, text
+    fresh = tmp_path / "fresh"
+    run_job(spec(data, fresh, tiny_model_dir, id_column="rid"))
+    assert results(out) == results(fresh)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,7 +33,8 @@ def test_discover_file_dir_glob_and_names(tmp_path):
     (tmp_path / "d" / "notes.txt").write_text("ignored")
     (tmp_path / "d" / "_hidden.jsonl").write_text("{}")
     assert [s.name for s in discover([str(tmp_path / "d")])] == ["a.jsonl", "sub/b.jsonl"]
-    assert [s.name for s in discover([str(tmp_path / "d" / "*.jsonl")])] == ["_hidden.jsonl", "a.jsonl"]
+    assert [s.name for s in discover([str(tmp_path / "d" / "*.jsonl")])] == ["a.jsonl"]  # one rule
+    assert [s.name for s in discover([str(tmp_path / "d" / "_*.jsonl")])] == ["_hidden.jsonl"]  # asked for
     assert [s.name for s in discover([str(tmp_path / "d" / "a.jsonl")])] == ["a.jsonl"]
     # the same name from two --input values stays unique
     names = [s.name for s in discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "a.jsonl")])]
@@ -43,6 +45,64 @@ def test_discover_file_dir_glob_and_names(tmp_path):
     assert "out/c.jsonl" not in [
         s.name for s in discover([str(tmp_path / "d")], exclude=tmp_path / "d" / "out")
     ]
+
+
+def test_folders_and_globs_take_the_same_files_and_say_what_they_skip(tmp_path):
+    """One rule for a folder and a glob over it: names starting with '.' or '_' are left out unless asked for,
+    symlinked folders are followed (a loop ends), and every path left out is listed with its reason."""
+    d = tmp_path / "d"
+    for rel in ["a.jsonl", "_SUCCESS.jsonl", ".tmp.jsonl", "sub/b.jsonl", "_meta/c.jsonl", "x/z.jsonl"]:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(d / rel, [{"text": rel}])
+    (d / "notes.txt").write_text("not data")
+    (d / "linked").symlink_to(d / "x", target_is_directory=True)  # a symlinked folder: followed
+    (d / "x" / "loop").symlink_to(d, target_is_directory=True)  # a loop back to the top: not followed
+    taken = ["a.jsonl", "linked/z.jsonl", "sub/b.jsonl", "x/z.jsonl"]
+    skipped = []
+    assert [s.name for s in discover([str(d)], skipped=skipped)] == taken
+    assert [s.name for s in discover([str(d / "**" / "*.jsonl")])] == taken  # the glob: the same files
+    reasons = {Path(s.path).relative_to(d).as_posix(): s.reason for s in skipped}
+    assert reasons["_SUCCESS.jsonl"] == "its name starts with '_'"
+    assert reasons[".tmp.jsonl"] == "its name starts with '.'"
+    assert reasons["_meta"] == "its name starts with '_'"
+    assert reasons["notes.txt"].startswith("not .parquet")
+    assert "symbolic link loop" in reasons["linked/loop"] and "symbolic link loop" in reasons["x/loop"]
+    # spelled out, a name starting with '_' is taken: by a glob part, or as the path itself
+    assert [s.name for s in discover([str(d / "_*" / "*.jsonl")])] == ["_meta/c.jsonl"]
+    assert [s.name for s in discover([str(d / "_meta")])] == ["c.jsonl"]
+    assert [s.name for s in discover([str(d / "_SUCCESS.jsonl")])] == ["_SUCCESS.jsonl"]
+
+
+def test_remote_folders_and_globs_follow_the_same_rule():
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    for rel in ["a.jsonl", "_SUCCESS.jsonl", "sub/b.jsonl", "_meta/c.jsonl", "notes.txt"]:
+        fs.pipe(f"/rule/{rel}", b'{"text": "x"}\n')
+    skipped = []
+    taken = ["a.jsonl", "sub/b.jsonl"]
+    assert [s.name for s in discover(["memory://rule"], skipped=skipped)] == taken
+    assert [s.name for s in discover(["memory://rule/**/*.jsonl"])] == taken  # names as for a folder
+    assert [s.name for s in discover(["memory://rule/_*.jsonl"])] == ["_SUCCESS.jsonl"]
+    assert sorted(s.path.rsplit("/rule/", 1)[1] for s in skipped) == [
+        "_SUCCESS.jsonl",
+        "_meta/c.jsonl",
+        "notes.txt",
+    ]
+
+
+def test_validate_lists_what_the_input_folder_skipped(tmp_path, tiny_model_dir):
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    d = tmp_path / "d"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": "x"}])
+    write_jsonl(d / "_part-0.jsonl", [{"text": "y"}])
+    out, model = str(tmp_path / "o"), str(tiny_model_dir)
+    result = CliRunner().invoke(main, ["validate", "--input", str(d), "--output", out, "--model", model])
+    assert result.exit_code == 0 and "ok: 1 input file(s)" in result.output, result.output
+    assert f"skipped {d / '_part-0.jsonl'}: its name starts with '_'" in result.output, result.output
 
 
 def test_discover_errors(tmp_path):

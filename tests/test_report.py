@@ -204,3 +204,36 @@ def test_progress_eta_is_withheld_until_rows_finish_then_right(monkeypatch):
         now[0] += 0.1
         bar.row(False)
     assert bar.line().endswith("ETA 0 s")
+
+
+def test_text_in_plots_is_drawn_as_given():
+    """Labels and folder names with matplotlib's math markup ($...$, bad math too) are drawn as text."""
+    from collections import Counter
+    from pathlib import Path
+
+    from batchjob.job.report import Outputs, job_figures
+    from batchjob.job.status import JobStatus
+
+    outputs = Outputs(labels=Counter({r"$\frac{$": 3, "a$b$c": 2}), finish_reasons=Counter({"$x^$": 2}))
+    figs = job_figures(JobStatus(Path("out"), [], None), outputs, r"out$\alpha_{$")
+    assert {f.key for f in figs} == {"labels", "finish_reasons"}
+
+
+def test_report_of_a_folder_with_math_in_its_name_and_torn_stats(reviews, tiny_model_dir, tmp_path):
+    out = tmp_path / r"run$\alpha_{$"
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--choices", r"$\frac{$,b$ad$,meh"))
+    assert code == 0, text
+    code, text = invoke("report", out, out, "--to", tmp_path / "r.html")
+    assert code == 0 and "Traceback" not in text, text
+    assert {"labels", "occupancy"} <= set(figures((tmp_path / "r.html").read_text()))
+    # a torn stats.json (derived data) costs the statistics only, as in `run`, which rewrites it
+    stats = out / "_batchjob" / "stats.json"
+    stats.write_bytes(stats.read_bytes()[:50])
+    code, text = invoke("status", out)
+    assert code == 0 and "complete" in text and "rows: 122 of 122" in text, text
+    assert f"stats: {stats} is torn" in text and "unavailable until the next `batchjob run`" in text
+    assert "restore" not in text
+    code, text = invoke("report", out)
+    assert code == 0 and "unavailable until the next" in (out / "_batchjob" / "report.html").read_text()
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--choices", r"$\frac{$,b$ad$,meh"))
+    assert code == 0 and "already complete" in text, text

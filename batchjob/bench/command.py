@@ -359,6 +359,10 @@ def bench(
     from transformers import AutoModelForCausalLM
 
     from batchjob import Engine
+    from batchjob.job.owned import check_target
+
+    if json_path is not None:
+        check_target(json_path, "--json")  # before any work: never over a job's files
 
     def progress(msg: str) -> None:
         click.echo(msg, err=True)

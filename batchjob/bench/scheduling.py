@@ -94,6 +94,10 @@ def bench_scheduling(
 ) -> None:
     """Prefix caching on/off on a shared-prefix workload; fcfs vs longest-first vs static on skewed outputs."""
     from batchjob import Engine
+    from batchjob.job.owned import check_target
+
+    if json_path is not None:
+        check_target(json_path, "--json")  # before any work: never over a job's files
 
     rng = random.Random(seed)
     results: dict[str, dict[str, Any]] = {}

@@ -56,6 +56,11 @@ class FileIdentity:
     size: int
     mtime_ns: int | None  # None where the filesystem does not say
     digest: str
+    # A local file's inode and status-change time. Unlike the time stamp, the status-change time can't be set
+    # back (``touch -d``, ``cp -p``, a rename: each moves it), so with the inode it says whether the file
+    # is the very one, untouched, that was read.
+    ino: int | None = None
+    ctime_ns: int | None = None
 
     @property
     def sampled(self) -> bool:
@@ -84,14 +89,15 @@ def identify_local(path: str | os.PathLike[str], prefix: int | None = None) -> F
     read_at, close = local_reader(path)
     try:
         size = st.st_size if prefix is None else prefix
-        return FileIdentity(st.st_size, st.st_mtime_ns, digest_of(read_at, size))
+        return FileIdentity(st.st_size, st.st_mtime_ns, digest_of(read_at, size), st.st_ino, st.st_ctime_ns)
     finally:
         close()
 
 
-def stat_local(path: str | os.PathLike[str]) -> tuple[int, int]:
+def stat_local(path: str | os.PathLike[str]) -> tuple[int, int, int, int]:
+    """``(size, mtime_ns, inode, ctime_ns)``."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
 
 
 def byte_at(path: str | os.PathLike[str], offset: int) -> bytes:

@@ -7,6 +7,7 @@ fixed, which makes the position of every row in the whole stream (its ordinal) t
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import os
@@ -59,6 +60,100 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith((".", "_")) for part in Path(rel).parts)
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A path inside an ``--input`` folder or glob that is not an input, and why (``validate`` lists them)."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def _matches(parts: tuple[str, ...], pats: tuple[str, ...]) -> bool:
+    """Whether a relative path matches glob parts (``**``: any number of folders, ``*``: within a name)."""
+    if not pats:
+        return not parts
+    if pats[0] == "**":
+        return any(_matches(parts[i:], pats[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pats[0]) and _matches(parts[1:], pats[1:])
+
+
+def _may_hold(parts: tuple[str, ...], pats: tuple[str, ...]) -> bool:
+    """Whether a folder at ``parts`` can hold a path that matches ``pats``."""
+    if not parts:
+        return bool(pats)
+    if not pats:
+        return False
+    if pats[0] == "**":
+        return True
+    return fnmatch.fnmatchcase(parts[0], pats[0]) and _may_hold(parts[1:], pats[1:])
+
+
+def _spelled_out(name: str, pats: tuple[str, ...] | None) -> bool:
+    """A name starting with ``.`` or ``_`` is taken only where a glob part asks for it: one that starts with
+    the same character and matches it (``_*.jsonl``, ``.cache``)."""
+    return pats is not None and any(
+        p != "**" and p.startswith(name[0]) and fnmatch.fnmatchcase(name, p) for p in pats
+    )
+
+
+def _walk(
+    root: Path, pats: tuple[str, ...] | None, exclude: Path | None, skipped: list[Skipped]
+) -> list[tuple[str, str]]:
+    """``(path, name)`` of the input files and saved datasets under ``root`` (matching the glob parts
+    ``pats`` when given), by the one rule of ``discover``; what it leaves out goes to ``skipped``."""
+    found: list[tuple[str, str]] = []
+
+    def visit(folder: Path, rel: tuple[str, ...], above: dict[tuple[int, int], str]) -> None:
+        real = folder.resolve()
+        if exclude is not None and (real == exclude or exclude in real.parents):
+            skipped.append(Skipped(str(folder), "the job's own output folder"))
+            return
+        try:
+            st = folder.stat()
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as e:
+            skipped.append(Skipped(str(folder), f"cannot be listed ({e.strerror or e})"))
+            return
+        key = (st.st_dev, st.st_ino)
+        if key in above:  # a symbolic link back to a folder it is in: walked once, there
+            skipped.append(Skipped(str(folder), f"a symbolic link loop (back to {above[key]})"))
+            return
+        above = above | {key: str(folder)}
+        for entry in entries:
+            parts = (*rel, entry.name)
+            path = Path(entry.path)
+            try:
+                is_dir = entry.is_dir()  # follows symbolic links
+            except OSError:
+                is_dir = False
+            if is_dir:
+                dataset = is_hf_folder(path)
+                wanted = _matches(parts, pats) if dataset and pats is not None else True
+                if pats is not None and not (wanted if dataset else _may_hold(parts, pats)):
+                    continue  # not asked for by the glob: not a skip
+            elif pats is not None and not _matches(parts, pats):
+                continue
+            name = "/".join(parts)
+            if entry.name.startswith((".", "_")) and not _spelled_out(entry.name, pats):
+                skipped.append(Skipped(entry.path, f"its name starts with {entry.name[0]!r}"))
+            elif is_dir and is_hf_folder(path):
+                found.append((entry.path, name))
+            elif is_dir:
+                visit(path, parts, above)
+            elif not path.is_file():
+                skipped.append(Skipped(entry.path, "not a regular file (a broken symbolic link?)"))
+            elif kind_of(entry.name) is None:
+                skipped.append(Skipped(entry.path, "not .parquet, .pq, .jsonl or .ndjson (.gz, .zst)"))
+            else:
+                found.append((entry.path, name))
+
+    visit(root, (), {})
+    return sorted(found, key=lambda x: x[1])
+
+
 def _fsspec() -> Any:
     try:
         import fsspec
@@ -67,87 +162,130 @@ def _fsspec() -> Any:
     return fsspec
 
 
-def _expand_remote(value: str) -> list[tuple[str, str]]:
+def _expand_remote(value: str, skipped: list[Skipped]) -> list[tuple[str, str]]:
+    """A remote file, folder or glob, by the same rule as a local one (``discover``)."""
     fsspec = _fsspec()
+    protocol, rest = value.split("://", 1)
     try:
-        fs, _, paths = fsspec.get_fs_token_paths(value)
+        fs, _ = fsspec.core.url_to_fs(value)
     except (ImportError, ValueError) as e:
         raise InputError(f"cannot open input {value}: {e} (install the filesystem package for it)") from e
-    protocol = value.split("://", 1)[0]
-    root = value.split("://", 1)[1]
-    if glob.has_magic(root):
-        root = os.path.dirname(root[: min(root.index(c) for c in "*?[" if c in root)])
+    pats: tuple[str, ...] | None = None
+    if glob.has_magic(rest):
+        root, pats = _glob_root(rest)
+        base = fs._strip_protocol(f"{protocol}://{root}").rstrip("/")
     else:
-        root = os.path.dirname(root)
+        base = fs._strip_protocol(value).rstrip("/")
+        if not fs.isdir(base):
+            return [(value, base.rsplit("/", 1)[-1])] if fs.exists(base) else []
     found: list[tuple[str, str]] = []
-    for p in paths:
-        if fs.isdir(p):
-            for f in sorted(fs.find(p)):
-                rel = os.path.relpath(f, p)
-                if kind_of(f) and not _hidden(rel):
-                    found.append((f"{protocol}://{f}", rel))
-        elif fs.exists(p):
-            found.append((f"{protocol}://{p}", os.path.relpath(p, root) if root else p))
+    for path in sorted(fs.find(base)):
+        rel = path[len(base) :].lstrip("/")
+        parts = tuple(rel.split("/"))
+        if pats is not None and not _matches(parts, pats):
+            continue
+        hidden = next((p for p in parts if p.startswith((".", "_")) and not _spelled_out(p, pats)), None)
+        if hidden is not None:
+            skipped.append(Skipped(f"{protocol}://{path}", f"a name in it starts with {hidden[0]!r}"))
+        elif kind_of(path) is None:
+            skipped.append(
+                Skipped(f"{protocol}://{path}", "not .parquet, .pq, .jsonl or .ndjson (.gz, .zst)")
+            )
+        else:
+            found.append((f"{protocol}://{path}", rel))
     return found
 
 
-def _inside(path: str, folder: Path | None) -> bool:
-    if folder is None:
+def _glob_root(value: str) -> tuple[str, tuple[str, ...]]:
+    """A glob's folder before its first wildcard, and the glob parts after it."""
+    parts = value.split(os.sep)
+    first = next(i for i, p in enumerate(parts) if glob.has_magic(p))
+    root = os.sep.join(parts[:first]) or ("." if not value.startswith(os.sep) else os.sep)
+    return root, tuple(p for p in parts[first:] if p)
+
+
+def takes(value: str, path: Path) -> bool:
+    """Whether the local ``--input`` value ``value`` takes the file ``path`` (resolved; it need not exist
+    yet), by ``discover``'s rule: so that nothing batchjob writes becomes an input of a job."""
+    if "://" in value and not value.startswith("file://"):
         return False
-    resolved = Path(path).resolve()
-    return resolved == folder or folder in resolved.parents
+    value = value.removeprefix("file://")
+    pats: tuple[str, ...] | None = None
+    try:
+        if glob.has_magic(value):
+            root_name, pats = _glob_root(value)
+            root = Path(root_name).resolve()
+        else:
+            root = Path(value).resolve()
+    except (RuntimeError, OSError):  # a symbolic link loop: it takes nothing
+        return False
+    if pats is None:
+        if root == path or (is_hf_folder(root) and root in path.parents):
+            return True
+        if not root.is_dir():
+            return False
+    try:
+        rel = path.relative_to(root).parts
+    except ValueError:
+        return False
+    if pats is not None and not _matches(rel, pats):
+        return False
+    hidden = any(p.startswith((".", "_")) and not _spelled_out(p, pats) for p in rel)
+    return not hidden and kind_of(path.name) is not None
 
 
-def _expand_local(value: str, exclude: Path | None) -> list[tuple[str, str]]:
+def _expand_local(value: str, exclude: Path | None, skipped: list[Skipped]) -> list[tuple[str, str]]:
     if value.startswith("file://"):
         value = value[len("file://") :]
     if glob.has_magic(value):
-        matches = sorted(glob.glob(value, recursive=True))
-        prefix = value[: min(value.index(c) for c in "*?[" if c in value)]
-        root = os.path.dirname(prefix) or "."
-        return [
-            (m, os.path.relpath(m, root))
-            for m in matches
-            if (kind_of(m) or is_hf_folder(Path(m))) and not _inside(m, exclude)
-        ]
+        root, pats = _glob_root(value)
+        if not Path(root).is_dir():
+            return []
+        found = _walk(Path(root), pats, exclude, skipped)
+        return [(os.path.normpath(f), name) for f, name in found]
     path = Path(value)
     if not path.exists():
         raise InputError(f"input {value} does not exist")
-    if path.is_file():
-        return [(str(path), path.name)]
-    if is_hf_folder(path):
-        return [(str(path), path.name)]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        if exclude is not None and Path(dirpath).resolve() == exclude:
-            dirnames[:] = []
-            continue
-        for d in list(dirnames):
-            if is_hf_folder(Path(dirpath) / d):
-                found.append((os.path.join(dirpath, d), os.path.relpath(os.path.join(dirpath, d), path)))
-                dirnames.remove(d)
-        for f in sorted(filenames):
-            full = os.path.join(dirpath, f)
-            if kind_of(f):
-                found.append((full, os.path.relpath(full, path)))
-    found = [(f, rel) for f, rel in found if not _hidden(rel) and not _inside(f, exclude)]
-    return sorted(found, key=lambda x: x[1])
+    if path.is_file() or is_hf_folder(path):
+        return [(str(path), path.name)]  # named as is: taken whatever its name
+    return _walk(path, None, exclude, skipped)
 
 
-def discover(inputs: list[str], exclude: Path | None = None) -> list[Source]:
-    """Expand ``inputs`` in order into sources; files under ``exclude`` (the output folder) are left out."""
+def discover(
+    inputs: list[str], exclude: Path | None = None, skipped: list[Skipped] | None = None
+) -> list[Source]:
+    """Expand ``inputs`` in order into sources, by one rule for folders and globs alike:
+
+    - a folder is searched through all its subfolders, following symbolic links (a link back to a folder
+      it is in is not followed: the loop ends); a glob matches the paths under the folder before its first wildcard the same
+      way (``**`` any number of folders);
+    - a file or folder whose name starts with ``.`` or ``_`` (hidden and temporary files, ``_SUCCESS``, a
+      job's ``_batchjob``) is left out unless named: given as the path itself, or by a glob part that starts
+      with that character (``data/_*.jsonl``);
+    - files other than .parquet/.pq/.jsonl/.ndjson (plain, .gz, .zst) and the job's output folder
+      (``exclude``) are left out; a ``datasets.save_to_disk`` folder is one input.
+
+    What a folder or glob leaves out is appended to ``skipped`` with the reason.
+    """
+    skipped = [] if skipped is None else skipped
+    try:
+        exclude = exclude.resolve() if exclude is not None else None
+    except (RuntimeError, OSError) as e:  # a symbolic link loop
+        raise InputError(f"--output {exclude} cannot be resolved ({e})") from e
     if not inputs:
         raise InputError("no --input given")
-    exclude = exclude.resolve() if exclude is not None else None
     sources: list[Source] = []
     for value in inputs:
         if not value.strip():
             raise InputError("--input is empty (an unset shell variable?): give a file, folder or glob")
         remote = "://" in value and not value.startswith("file://")
-        found = _expand_remote(value) if remote else _expand_local(value, exclude)
+        left_out: list[Skipped] = []
+        found = _expand_remote(value, left_out) if remote else _expand_local(value, exclude, left_out)
+        skipped += left_out
         if not found:
-            raise InputError(f"input {value} matches no Parquet, JSONL or saved dataset files")
+            why = "".join(f"\n  skipped {s}" for s in left_out[:10])
+            more = f"\n  and {len(left_out) - 10} more" if len(left_out) > 10 else ""
+            raise InputError(f"input {value} matches no Parquet, JSONL or saved dataset files{why}{more}")
         for path, name in found:
             if remote:
                 kind = kind_of(path)

@@ -9,6 +9,7 @@ column is written as ``input_<name>``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -69,6 +70,12 @@ def output_name(column: str, extra: tuple[pa.Field, ...] = ()) -> str:
 def output_schema(input_schema: pa.Schema, extra: tuple[pa.Field, ...] = ()) -> pa.Schema:
     fields = [pa.field(output_name(f.name, extra), f.type) for f in input_schema]
     return pa.schema(fields + RESULT_FIELDS + list(extra), metadata=input_schema.metadata)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a whole file, hex."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _to_text(value: Any) -> str:
@@ -158,6 +165,13 @@ class PartWriter:
     def size(self, name: str) -> int:
         """A part's size in bytes, as recorded in the manifest."""
         return (self.out_dir / name).stat().st_size
+
+    def stamp(self, name: str) -> dict[str, Any]:
+        """What the manifest records of a committed part to know it again: its size, the digest of its
+        content, and its inode and status-change time (see ``batchjob.job.verify``)."""
+        path = self.out_dir / name
+        st = path.stat()
+        return {"size": st.st_size, "sha256": file_sha256(path), "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
 
     def remove_orphans(self, committed: set[str]) -> list[str]:
         """Delete parts and temporary files the manifest does not list (left by a crash). Returns them."""

@@ -93,8 +93,8 @@ class Parts:
                 prompt_tokens=sum(r["num_prompt_tokens"] or 0 for r in rows if not r.get("sample_index")),
                 generated_tokens=sum(r["num_generated_tokens"] or 0 for r in rows),
                 ordinals=self.ordinals.ranges(),
-                size=self.writer.size(name),
                 result_rows=len(rows),
+                **self.writer.stamp(name),
             )
         )
         self.buffer = []

@@ -21,14 +21,13 @@ from itertools import groupby
 from pathlib import Path
 from typing import IO, Any
 
-import pyarrow.parquet as pq
-
 from batchjob.errors import InputError, StateError
 from batchjob.job.inputs import split_ordinal
 from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.owned import check_target
 from batchjob.job.shard import Shard
 from batchjob.job.state import JobInfo, StateDir
-from batchjob.job.verify import check_parts
+from batchjob.job.verify import REDO, DamagedPartError, check_parts, read_batches
 
 FORMATS = ("jsonl", "csv", "openai")
 _BATCH = 1024
@@ -52,10 +51,12 @@ def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:
     """The rows of one part with their ordinals: each ordinal's rows are consecutive, sample 0 first."""
     ordinals = (o for a, b in record.ordinals for o in range(a, b))
     current = -1
-    for batch in pq.ParquetFile(out_dir / record.name).iter_batches(batch_size=_BATCH):
+    for batch in read_batches(out_dir, record.name, batch_size=_BATCH):
         for row in batch.to_pylist(maps_as_pydicts="lossy"):  # --choices maps as objects
             if row.get("sample_index", 0) == 0:  # --n: a row's samples follow it; an error row has one
-                current = next(ordinals)
+                current = next(ordinals, None)
+                if current is None:
+                    raise DamagedPartError(out_dir, record.name, "holds more rows than its record lists")
             yield Result(current, row)
 
 
@@ -69,10 +70,7 @@ def iter_results(out_dir: Path) -> tuple[JobInfo, Iterator[Result]]:
     for manifest in _manifests(out_dir, info):
         problems = check_parts(out_dir, manifest)
         if problems:
-            raise StateError(
-                f"{out_dir}: {', '.join(str(p) for p in problems)}; run the job again (the same `batchjob "
-                "run` command) to redo those rows, then export"
-            )
+            raise StateError(f"{out_dir}: {', '.join(str(p) for p in problems)}; {REDO}, then export")
         streams += [_part_rows(out_dir, r) for r in manifest.parts]
     merged = heapq.merge(*streams, key=lambda r: (r.ordinal, r.row.get("sample_index", 0)))
     return info, merged
@@ -215,6 +213,7 @@ def export_to(out_dir: Path, fmt: str, to: str | None) -> tuple[int, str]:
     if to is None or to == "-":
         return export(out_dir, fmt, sys.stdout), "standard output"
     target = Path(to)
+    check_target(target, "--to", [out_dir])
     tmp = target.with_name(f".{target.name}.tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
         n = export(out_dir, fmt, f)

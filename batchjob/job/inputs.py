@@ -6,14 +6,19 @@ with a newline, and its row count once known. The sequence number fixes where th
 rows: row ``i`` of file ``seq`` has the ordinal ``seq << 40 | i``. So a file added later, or rows appended to a
 file, never move the ordinal of a row the job has already seen, and what is done stays done.
 
-Every run checks the inputs as they are now against the records before any work (``reconcile``): a file whose
-size and time stamp are unchanged is taken as unchanged; otherwise its digest is computed again. A changed,
+Every run checks the inputs as they are now against the records before any work (``reconcile``): a local
+file whose size, time stamp, inode and status-change time are all unchanged is the very file that was read,
+untouched (nothing can write to a file or rename it without moving its ctime, and a time stamp set back with
+``touch -d`` moves it too), and is taken as unchanged; otherwise its digest is computed again (so two files
+swapped by name, even with equal sizes and time stamps, are told apart by content). Remote files have no
+inode: for them size and time stamp decide. A changed,
 removed or new file refuses the run, naming each; with ``append`` a plain JSONL file that only grew (its old
 bytes unchanged, ending with a newline) and new files are taken in, and their rows are processed.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -56,6 +61,8 @@ class InputRecord:
     digest: str
     ends_newline: bool | None = None  # plain JSONL: whether the last byte is a newline
     rows: int | None = None  # once known
+    ino: int | None = None  # a local file's inode and status-change time when it was read (identity.py)
+    ctime_ns: int | None = None
 
     @property
     def base(self) -> int:
@@ -115,14 +122,15 @@ def _identify(source: Source, prefix: int | None = None) -> identity.FileIdentit
     return identity.identify_local(source.path, prefix)
 
 
-def _stat(source: Source) -> tuple[int, int | None] | None:
-    """(size, mtime) when cheap (one file, local or remote); None means "compute the digest to know"."""
+def _stat(source: Source) -> tuple[int, int | None, int | None, int | None] | None:
+    """(size, mtime, inode, ctime) when cheap (one file, local or remote: no inode nor ctime); None means
+    "compute the digest to know"."""
     if source.kind == "hf":
         return None
     if source.remote:
         _, _, info = _remote_reader(source)
         mtime = _remote_mtime(info)
-        return None if mtime is None else (int(info.get("size") or 0), mtime)
+        return None if mtime is None else (int(info.get("size") or 0), mtime, None, None)
     return identity.stat_local(source.path)
 
 
@@ -131,6 +139,29 @@ def _ends_newline(source: Source, size: int) -> bool | None:
     if source.kind != "jsonl" or source.remote or is_compressed(source):
         return None
     return size == 0 or identity.byte_at(source.path, size - 1) == b"\n"
+
+
+def _torn_row(source: Source, size: int) -> int | None:
+    """The index of the row on the last line of a plain JSONL file's first ``size`` bytes when that line
+    has no newline, else None; rows counted as the reader counts them (non-blank lines, a BOM ignored)."""
+    rows, lines, line = 0, 0, b""
+    with open(source.path, "rb") as f:
+        left = size
+        while left > 0:
+            raw = f.readline(min(left, 1 << 20))
+            if not raw:
+                break
+            left -= len(raw)
+            line += raw
+            if line.endswith(b"\n"):
+                lines += 1
+                rows += bool(_without_bom(line, lines).strip())
+                line = b""
+    return rows if _without_bom(line, lines + 1).strip() else None
+
+
+def _without_bom(line: bytes, lineno: int) -> bytes:
+    return line[len(codecs.BOM_UTF8) :] if lineno == 1 and line.startswith(codecs.BOM_UTF8) else line
 
 
 def _unreadable(source: Source, e: Exception) -> InputError:
@@ -150,6 +181,8 @@ def record_for(source: Source, seq: int) -> InputRecord:
             ident.digest,
             _ends_newline(source, ident.size),
             count_rows(source),
+            ident.ino,
+            ident.ctime_ns,
         )
     except OSError as e:
         raise _unreadable(source, e) from e
@@ -172,16 +205,19 @@ def _size(n: int) -> str:
 
 def _check_one(
     source: Source, saved: InputRecord, append: bool
-) -> tuple[InputRecord | None, str | None, bool]:
-    """``(record now, problem, grew)`` for one file that the job has a record of."""
+) -> tuple[InputRecord | None, str | None, bool, int | None]:
+    """``(record now, problem, grew, torn)`` for one file that the job has a record of; ``torn``: the index
+    of its last row when that row's line had no newline and has grown since (``--append`` redoes it)."""
     try:
         stat = _stat(source)
-        if stat is not None and stat == (saved.size, saved.mtime_ns):
-            return saved, None, False  # same size and time stamp: taken as unchanged
+        if stat is not None and stat == (saved.size, saved.mtime_ns, saved.ino, saved.ctime_ns):
+            return saved, None, False, None  # the same file, untouched since it was read: unchanged
+        if stat is not None and saved.ctime_ns is None and stat[:2] == (saved.size, saved.mtime_ns):
+            return saved, None, False, None  # a record without inode and ctime (remote): size and time stamp
         now = _identify(source)
         if now.size == saved.size:
             if now.digest != saved.digest:
-                return None, "changed (same size, different content)", False
+                return None, "changed (same size, different content)", False, None
             if now.sampled and now.mtime_ns != saved.mtime_ns and saved.mtime_ns is not None:
                 stamp = f"{saved.mtime_ns // 10**9}.{saved.mtime_ns % 10**9:09d}"
                 return (
@@ -191,16 +227,23 @@ def _check_one(
                     f"ruled out. If it is unchanged (copied or touched), restore its time stamp: "
                     f"touch -d @{stamp} {source.path}",
                     False,
+                    None,
                 )
-            return replace(saved, mtime_ns=now.mtime_ns), None, False
+            return (
+                replace(saved, mtime_ns=now.mtime_ns, ino=now.ino, ctime_ns=now.ctime_ns),
+                None,
+                False,
+                None,
+            )
         if now.size < saved.size:
-            return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False
+            return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False, None
         old = _identify(source, prefix=saved.size)
         if old.digest != saved.digest:
             return (
                 None,
                 f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)",
                 False,
+                None,
             )
         grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
         if source.kind != "jsonl" or is_compressed(source):
@@ -211,32 +254,42 @@ def _check_one(
                 if source.kind == "jsonl"
                 else "a saved dataset"
             )
-            return None, f"{grown}, but {what} can't be appended to: add new rows as new files", False
-        if not saved.ends_newline:
-            return None, f"{grown}, but its last row had no newline, so that row changed", False
+            return None, f"{grown}, but {what} can't be appended to: add new rows as new files", False, None
+        torn = None if saved.ends_newline else _torn_row(source, saved.size)
         if not append:
-            return None, f"{grown}: run with --append to process the new rows", True
+            again = "" if torn is None else f" (and to redo row {torn}, whose line was not finished)"
+            return None, f"{grown}: run with --append to process the new rows{again}", True, None
         ends = _ends_newline(source, now.size)
         return (
             replace(
-                saved, size=now.size, mtime_ns=now.mtime_ns, digest=now.digest, ends_newline=ends, rows=None
+                saved,
+                size=now.size,
+                mtime_ns=now.mtime_ns,
+                digest=now.digest,
+                ends_newline=ends,
+                rows=None,
+                ino=now.ino,
+                ctime_ns=now.ctime_ns,
             ),
             None,
             True,
+            torn,
         )
     except FileNotFoundError:
-        return None, "removed", False
+        return None, "removed", False, None
     except OSError as e:
         raise _unreadable(source, e) from e
 
 
 def reconcile(
     saved: list[InputRecord], sources: list[Source], append: bool, out_dir: Path | str
-) -> tuple[list[InputRecord], list[str]]:
+) -> tuple[list[InputRecord], list[str], list[int]]:
     """Check ``sources`` (the inputs now) against the job's ``saved`` records.
 
-    Returns ``(records, taken)``: the records to run with (grown files and new files taken in when
-    ``append``) and a line per file taken in. Raises InputChangedError listing every file that changed, was
+    Returns ``(records, taken, redo)``: the records to run with (grown files and new files taken in when
+    ``append``), a line per file taken in, and the ordinals of rows to compute again: a JSONL file's last
+    row whose line had no newline when it was read (a log caught mid-write) and was written on since, so
+    that its result, made from a torn line, is made again from the whole one. Raises InputChangedError listing every file that changed, was
     removed or is new (unless ``append``), with what to do.
     """
     by_name = {s.name: s for s in sources}
@@ -244,20 +297,25 @@ def reconcile(
     records: list[InputRecord] = []
     problems: list[str] = []
     taken: list[str] = []
+    redo: list[int] = []
     for rec in saved:
         source = by_name.get(rec.name)
         if source is None:
             problems.append(f"{rec.name}: removed (or no longer matched by --input)")
             continue
-        now, problem, grew = _check_one(source, rec, append)
+        now, problem, grew, torn = _check_one(source, rec, append)
         if problem is not None:
             problems.append(f"{source.path}: {problem}")
         elif now is not None:
             records.append(now)
             if grew:
+                again = "" if torn is None else f", and row {torn} again (its line was not finished)"
                 taken.append(
                     f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed"
+                    + again
                 )
+            if torn is not None:
+                redo.append(ordinal(rec.seq, torn))
     new = [s for s in sources if s.name not in known]
     if new and not append:
         problems += [f"{s.path}: new file (run with --append to process it)" for s in new]
@@ -280,7 +338,7 @@ def reconcile(
             records.append(record_for(s, seq))
             taken.append(f"{s.path}: new file; its rows will be processed")
             seq += 1
-    return records, taken
+    return records, taken, redo
 
 
 def ordered_sources(sources: list[Source], records: list[InputRecord]) -> list[Source]:

@@ -35,6 +35,9 @@ class PartRecord:
     # What the part file must look like (None in records written before they were recorded):
     size: int | None = None  # bytes of the part file
     result_rows: int | None = None  # rows in its Parquet footer (--n writes n per input row)
+    sha256: str | None = None  # of the whole file, read back at commit
+    ino: int | None = None  # the file's inode and status-change time after its rename: while both are
+    ctime_ns: int | None = None  # unchanged nothing wrote to it, so its content need not be read again
 
 
 def _digest(body: dict) -> str:

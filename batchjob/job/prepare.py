@@ -20,10 +20,11 @@ import pyarrow as pa
 
 from batchjob.errors import InputError
 from batchjob.io.readers import compatible, input_schema
-from batchjob.io.sources import Source, discover
+from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
+from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
@@ -46,6 +47,8 @@ class Prepared:
     model_check: dict[str, Any] | None = None  # a saved model identity to compare once the model is loaded
     found: list[Source] = field(default_factory=list)  # the input files discovered at the start
     fingerprint: dict[str, Any] = field(default_factory=dict)  # this start's identity, as computed
+    skipped: list[Skipped] = field(default_factory=list)  # what the --input folders and globs left out
+    redo: list[int] = field(default_factory=list)  # --append: ordinals of torn last rows finished since
 
 
 def model_fingerprint(model: str | None) -> dict[str, Any]:
@@ -57,6 +60,7 @@ def model_fingerprint(model: str | None) -> dict[str, Any]:
 
 
 def _check_output(out_dir: Path) -> None:
+    check_output(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--output {out_dir} is a file, not a folder")
     existing = next((p for p in [out_dir, *out_dir.absolute().parents] if p.exists()), None)
@@ -97,7 +101,8 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     shard = shard or Shard()
     out_dir = Path(spec.output)  # type: ignore[arg-type]
     _check_output(out_dir)
-    found = discover(spec.input, exclude=out_dir)
+    skipped: list[Skipped] = []
+    found = discover(spec.input, exclude=out_dir, skipped=skipped)
     state = StateDir(out_dir, shard)
 
     def identity(schema: pa.Schema) -> tuple[PromptPlan, dict[str, Any]]:
@@ -114,7 +119,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     if spec.format == "openai":
         check_unique(found, "custom_id", "custom_id")  # OpenAI rejects such a file: so do we, before work
     if state.exists():
-        return _resume(spec, state, found, shard, identity)
+        return replace(_resume(spec, state, found, shard, identity), skipped=skipped)
     schema = input_schema(found)
     records = new_records(found)
     sources = ordered_sources(found, records)
@@ -126,7 +131,17 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         info.chunk_rows = choose_chunk_rows(info.total_rows, shard.count)
         shard = replace(shard, chunk_rows=info.chunk_rows)
     return Prepared(
-        spec, out_dir, state, sources, info, False, plan, shard, found=found, fingerprint=fingerprint
+        spec,
+        out_dir,
+        state,
+        sources,
+        info,
+        False,
+        plan,
+        shard,
+        found=found,
+        fingerprint=fingerprint,
+        skipped=skipped,
     )
 
 
@@ -148,7 +163,18 @@ def _resume(
     """Against a saved job: its inputs reconciled with what was found, its identity compared with this one."""
     out_dir = state.out_dir
     saved = state.load_job()
-    records, taken = reconcile(saved.inputs, found, spec.append, out_dir)
+    records, taken, redo = reconcile(saved.inputs, found, spec.append, out_dir)
+    if redo and not shard.single:
+        torn = [r for r in saved.inputs if r.ends_newline is False and any(o >> 40 == r.seq for o in redo)]
+        raise InputChangedError(
+            "\n  ".join(
+                [f"the inputs of the job in {out_dir} grew over a last line written without a newline:"]
+                + [f"{r.name}: its first {r.size} bytes end in the middle of a row" for r in torn]
+            )
+            + "\nA job split over several workers can't redo that row in place: cut each file back to that "
+            "size (truncate -s SIZE FILE) and write the rest of the row and the new rows into a new file, "
+            "which --append takes in"
+        )
     known = {r.name for r in saved.inputs}
     misfits = [
         f"{s.path}: {why}"
@@ -180,4 +206,6 @@ def _resume(
     saved.inputs = records
     if taken:
         saved.input_paths = input_paths(spec)
-    return Prepared(spec, out_dir, state, sources, saved, True, plan, shard, taken, deferred, found, computed)
+    return Prepared(
+        spec, out_dir, state, sources, saved, True, plan, shard, taken, deferred, found, computed, redo=redo
+    )

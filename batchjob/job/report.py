@@ -15,18 +15,22 @@ import base64
 import html
 import io
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.errors import ConfigError
 from batchjob.job.manifest import Manifest
+from batchjob.job.owned import check_target
 from batchjob.job.state import STATE_DIR, StateDir
 from batchjob.job.stats import HIST_EDGES
 from batchjob.job.status import JobStatus, job_status
+from batchjob.job.verify import REDO, DamagedPartError, read_batches
 
 _LENGTH_EDGES = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 10**9]
 _EXAMPLES = 3
@@ -60,7 +64,11 @@ def error_kind(message: str) -> str:
     return kind[:120]
 
 
-def read_outputs(out_dir: Path, choices: bool, id_column: str | None) -> Outputs:
+def read_outputs(
+    out_dir: Path, choices: bool, id_column: str | None, skip: set[str] = frozenset()
+) -> Outputs:
+    """What the job's committed parts hold, but for the parts named in ``skip`` (missing or damaged ones:
+    ``verify.check_part``'s verdict, which ``status`` shows too)."""
     info = StateDir(out_dir).load_job()
     count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
     from batchjob.job.shard import Shard
@@ -72,13 +80,16 @@ def read_outputs(out_dir: Path, choices: bool, id_column: str | None) -> Outputs
             continue
         for record in Manifest(path).parts:
             part = out_dir / record.name
-            if not part.exists():
+            if record.name in skip or not part.exists():
                 continue
-            names = set(pq.ParquetFile(part).schema_arrow.names)
+            try:
+                names = set(pq.read_schema(part).names)
+            except (OSError, pa.ArrowException) as e:
+                raise DamagedPartError(out_dir, record.name, f"cannot be read ({e})") from e
             columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error"]
             id_col = next((c for c in (id_column, f"input_{id_column}") if c and c in names), None)
             columns += [c for c in (id_col, "generated_text" if choices else None) if c]
-            for batch in pq.ParquetFile(part).iter_batches(batch_size=4096, columns=columns):
+            for batch in read_batches(out_dir, record.name, batch_size=4096, columns=columns):
                 for r in batch.to_pylist():
                     out.rows += 1
                     out.finish_reasons[r["finish_reason"] or "unknown"] += 1
@@ -108,6 +119,13 @@ def _plt() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _plain_text() -> Any:
+    """Around drawing: every text is drawn as given. Titles and tick labels carry a folder's name or a
+    job's labels, and matplotlib would read ``$...$`` in them as math (and fail on bad math) or ``\\`` as
+    TeX."""
+    return _plt().rc_context({"text.parse_math": False, "text.usetex": False})
 
 
 def _png(fig: Any) -> str:
@@ -219,6 +237,11 @@ def _sum_histograms(workers: list[dict[str, Any]], name: str) -> list[int]:
 
 def job_figures(st: JobStatus, outputs: Outputs, label: str = "") -> list[Figure]:
     """Every figure of one job (``label`` prefixes the titles when two jobs are compared)."""
+    with _plain_text():
+        return _job_figures(st, outputs, label)
+
+
+def _job_figures(st: JobStatus, outputs: Outputs, label: str) -> list[Figure]:
     runs = [
         (f"shard {w.shard.index}" if len(st.workers) > 1 else "this job", w.stats)
         for w in st.workers
@@ -341,13 +364,22 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
     """Write the report of one job, or two side by side; returns the file's path."""
     if not 1 <= len(out_dirs) <= 2:
         raise ConfigError("batchjob report takes one output folder, or two to compare")
+    default = out_dirs[0] / STATE_DIR / "report.html"
+    if to is not None:
+        check_target(to, "--to", out_dirs, allowed=default)
     jobs = []
     for out_dir in out_dirs:
         st = job_status(out_dir)
         info = StateDir(out_dir).load_job()
         choices = "choices" in (info.fingerprint.get("sampling") or {})
         id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
-        jobs.append((out_dir, st, read_outputs(out_dir, choices, id_column)))
+        damaged = {p.record.name for p in st.problems}
+        for p in st.problems:
+            print(f"batchjob: {out_dir}: missing or damaged, not drawn: {p}; {REDO}", file=sys.stderr)
+        for w in st.workers:
+            if w.stats_problem:
+                print(f"batchjob: {w.stats_problem}", file=sys.stderr)
+        jobs.append((out_dir, st, read_outputs(out_dir, choices, id_column, damaged)))
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>batchjob report</title><style>{_STYLE}</style></head><body>"
     ]
@@ -362,6 +394,14 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
         parts.append("</div>")
     for out_dir, st, outputs in jobs:
         parts.append(f"<h2>{html.escape(str(out_dir))}</h2>" + _summary(out_dir, st, outputs))
+        for w in st.workers:
+            if w.stats_problem:
+                parts.append(f"<p class='warn'>{html.escape(w.stats_problem)}</p>")
+        if st.problems:
+            missing = "".join(f"<li>{html.escape(str(p))}</li>" for p in st.problems)
+            parts.append(
+                f"<p class='warn'>Missing or damaged parts, not drawn ({html.escape(REDO)}):</p><ul>{missing}</ul>"
+            )
         if not any(w.stats for w in st.workers):
             parts.append("<p>No run statistics yet (stats.json is written at the first checkpoint).</p>")
         parts += [_img(f) for f in job_figures(st, outputs)]
@@ -377,7 +417,7 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
                 )
             parts.append("</table>")
     parts.append("</body></html>")
-    target = to or out_dirs[0] / STATE_DIR / "report.html"
+    target = to or default
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("".join(parts), encoding="utf-8")
     return target

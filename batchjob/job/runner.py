@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from batchjob import faults, signals
+from batchjob.errors import StateError
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter
 from batchjob.job import model_identity
 from batchjob.job.loop import (  # noqa: F401  (re-exported)
@@ -37,7 +38,7 @@ from batchjob.job.prompts import PromptBuilder
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
-from batchjob.job.verify import check_schema, needs_repair, repair_outputs
+from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 
 
 def _engine_options(spec: JobSpec) -> dict[str, Any]:
@@ -93,6 +94,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
     if prep.info.complete:
         manifest = Manifest(prep.state.manifest_file)
         if not needs_repair(prep.out_dir, manifest, spec.retry_errors):  # else: redo those rows, below
+            _restamp(prep)
             total = prep.shard.share_of(prep.info.row_counts)
             return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,16 +113,18 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             # another worker of the job created it first: take its seed and chunk size, if it is the same job
             prep = reload(prep)
             _settle_model(prep, engine)
+        manifest = Manifest(prep.state.manifest_file)
+        extra = extra_fields(spec.sampling_params(prep.info.job_seed))
+        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
+        # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
+        reason = "its input line was not finished when it was read, and is now"
+        repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors, set(prep.redo), reason)
         if prep.taken:
             prep = _take_in(prep)
         plan = prep.plan.for_tokenizer(spec, has_template)  # the plan assumed a chat template until now
         if not prep.shard.single:
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
-        manifest = Manifest(prep.state.manifest_file)
-        extra = extra_fields(spec.sampling_params(prep.info.job_seed))
-        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
-        check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))
-        repair_outputs(prep.state, prep.info, manifest, writer, spec.retry_errors)  # verify.py
         writer.remove_orphans(manifest.names)
         builder = PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
         loop = JobLoop(prep, engine, builder)
@@ -131,6 +135,19 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             return loop.run()
     finally:
         state.unlock()
+
+
+def _restamp(prep: Prepared) -> None:
+    """A complete job whose parts were read whole to be trusted (a copied folder): record their new stamps
+    (``verify.restamp``), under the lock, unless another run holds it."""
+    try:
+        prep.state.lock()
+    except StateError:
+        return
+    try:
+        restamp(prep.out_dir, Manifest(prep.state.manifest_file))
+    finally:
+        prep.state.unlock()
 
 
 def _settle_model(prep: Prepared, engine: Any) -> None:

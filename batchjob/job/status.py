@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchjob.errors import InputError
-from batchjob.io.atomic import read_json
+from batchjob.errors import InputError, StateError
+from batchjob.io.atomic import CorruptStateError, read_json
 from batchjob.job.inputs import changes_now
 from batchjob.job.manifest import Manifest
 from batchjob.job.shard import Shard
@@ -39,6 +39,7 @@ class WorkerStatus:
     stats: dict[str, Any] = field(default_factory=dict)  # of its last (or current) run
     stats_file: Path | None = None
     problems: list[PartProblem] = field(default_factory=list)  # missing or damaged parts (rows not counted)
+    stats_problem: str | None = None  # why its stats.json could not be read (stats are then unavailable)
     samples: int = 0  # result rows of the rows done (--n N: N a row)
     holder: dict[str, Any] = field(default_factory=dict)  # a running worker: its pid, host, since (lock file)
 
@@ -77,6 +78,25 @@ class JobStatus:
         return sum(float(w.stats.get(key, 0) or 0) for w in running or self.workers)
 
 
+def read_stats(path: Path) -> tuple[dict[str, Any], str | None]:
+    """A worker's ``stats.json`` and, when it can't be trusted, why not.
+
+    Statistics are derived data (throughput and timings of a run; the job's counts come from the manifest)
+    and every run writes them anew, so a torn or altered file costs only the statistics: they are
+    unavailable until the next run, never the job (``run`` does not read them either).
+    """
+    if not path.exists():
+        return {}, None
+    try:
+        stats = read_json(path)
+    except StateError as e:
+        what = f"{path} {e.reason}" if isinstance(e, CorruptStateError) else str(e)
+        return {}, f"{what}: run statistics are unavailable until the next `batchjob run` writes them"
+    if not isinstance(stats, dict):
+        return {}, f"{path} is not a stats file: run statistics are unavailable until the next `batchjob run`"
+    return stats, None
+
+
 def job_status(out_dir: Path) -> JobStatus:
     root = StateDir(out_dir)
     if not root.exists():
@@ -93,7 +113,7 @@ def job_status(out_dir: Path) -> JobStatus:
             continue
         mine = state.load_job()
         manifest = Manifest(state.manifest_file)
-        stats = read_json(state.stats_file) if state.stats_file.exists() else {}
+        stats, stats_problem = read_stats(state.stats_file)
         for r in mine.inputs:  # row counts a worker learned by reading to the end
             known = next(x for x in info.inputs if x.seq == r.seq)
             known.rows = known.rows if known.rows is not None else r.rows
@@ -117,8 +137,9 @@ def job_status(out_dir: Path) -> JobStatus:
                 stats,
                 state.stats_file,
                 problems,
-                sum(r.result_rows or r.rows for r in manifest.parts if r not in lost),
-                holder,
+                stats_problem=stats_problem,
+                samples=sum(r.result_rows or r.rows for r in manifest.parts if r not in lost),
+                holder=holder,
             )
         )
     for w in workers:

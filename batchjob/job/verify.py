@@ -1,10 +1,12 @@
 """Committed parts checked against the manifest, and rows taken back to be redone (damaged parts, error rows).
 
-The manifest says which rows are done; a part file can still be deleted or truncated behind its back. So at
-every start (and in ``status``) each listed part must exist, have the byte size recorded when it was
-committed, and a Parquet footer holding the recorded number of result rows. That is the whole check: size
-and footer, never a checksum of every byte (too slow for a big output on every start). Records written
-before sizes were recorded are checked for existence and a readable footer.
+The manifest says which rows are done; a part file can still be deleted, truncated or changed behind its
+back. So at every start (and in ``status``, ``export``, ``report``: one verdict, ``check_part``) each listed
+part must exist, have the byte size recorded when it was committed, a Parquet footer holding the recorded
+number of result rows, and, when its inode or status-change time differs from the recorded ones (something
+wrote to it, or the folder was copied), the recorded SHA-256 of its content. An untouched part costs a
+``stat`` and a footer read, never a read of every byte; a part changed through the file system in any way
+is read whole and caught. Records written before these fields existed are checked as far as they go.
 
 ``batchjob run`` then takes back what it cannot trust: a missing or damaged part is dropped from the manifest
 and deleted, so its rows are no longer done and the loop computes them again. With ``--retry-errors``, each
@@ -27,15 +29,18 @@ process there, for the crash tests (``batchjob.faults``).
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob import faults
-from batchjob.io.writers import PartWriter
+from batchjob.errors import StateError
+from batchjob.io.writers import PartWriter, file_sha256
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.state import JobInfo, JobMismatchError, StateDir
@@ -51,21 +56,59 @@ class PartProblem:
 
 
 def check_part(out_dir: Path, record: PartRecord) -> str | None:
-    """What is wrong with a committed part's file, or None when it is as recorded."""
+    """What is wrong with a committed part's file, or None when it is as recorded: the one verdict on a
+    part that ``run``, ``status``, ``export`` and ``report`` all take.
+
+    Size and footer always; the content (its SHA-256) when the file's inode or status-change time is not
+    what was recorded at commit, that is when anything may have written to it since (a write, even one
+    that keeps the size and time stamp, moves the status-change time; a copy of the folder has new inodes).
+    """
     path = out_dir / record.name
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         return "is missing"
-    if record.size is not None and size != record.size:
-        return f"has {size} bytes, {record.size} recorded"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if record.size is not None and st.st_size != record.size:
+        return f"has {st.st_size} bytes, {record.size} recorded"
     try:
         rows = pq.read_metadata(path).num_rows
     except (OSError, pa.ArrowException) as e:
         return f"has an unreadable Parquet footer ({e})"
     if record.result_rows is not None and rows != record.result_rows:
         return f"holds {rows} rows, {record.result_rows} recorded"
+    if record.sha256 is not None and (st.st_ino, st.st_ctime_ns) != (record.ino, record.ctime_ns):
+        try:
+            digest = file_sha256(path)
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if digest != record.sha256:
+            return "is damaged (its content differs from what was committed: checksum mismatch)"
     return None
+
+
+# What to do about missing or damaged parts, the same words from every command.
+REDO = "`batchjob run` with the same command deletes them and redoes their rows (the rest is kept)"
+
+
+class DamagedPartError(StateError):
+    """A committed part that can't be read, found while reading it (``export``, ``report``)."""
+
+    def __init__(self, out_dir: Path, name: str, reason: str) -> None:
+        super().__init__(
+            f"{out_dir}: part {name} {reason}; delete it, then run the job again with the same `batchjob run` "
+            "command: its rows are redone (the rest is kept)"
+        )
+
+
+def read_batches(out_dir: Path, name: str, **options: Any) -> Iterator[pa.RecordBatch]:
+    """The record batches of a committed part; a part that fails while being read raises DamagedPartError
+    naming it (what ``check_part`` can't see without reading every byte of a part it has no digest of)."""
+    try:
+        yield from pq.ParquetFile(out_dir / name).iter_batches(**options)
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedPartError(out_dir, name, f"cannot be read ({e})") from e
 
 
 def check_parts(out_dir: Path, manifest: Manifest) -> list[PartProblem]:
@@ -102,8 +145,31 @@ def check_schema(out_dir: Path, manifest: Manifest, fields: tuple[pa.Field, ...]
         return
 
 
+def restamp(out_dir: Path, manifest: Manifest) -> int:
+    """Record the inode and status-change time of parts whose content still is as committed but whose
+    stamps moved (a copied or restored output folder, a ``chmod``), so that later checks need not read them
+    whole again. Needs the job's lock; returns how many records changed."""
+    records, changed = [], 0
+    for record in manifest.parts:
+        path = out_dir / record.name
+        try:
+            st = path.stat()
+            moved = record.sha256 is not None and (st.st_ino, st.st_ctime_ns) != (record.ino, record.ctime_ns)
+            if moved and st.st_size == record.size and file_sha256(path) == record.sha256:
+                # stamps taken before reading: a write since then moves them again, and is caught next time
+                record = replace(record, ino=st.st_ino, ctime_ns=st.st_ctime_ns)
+                changed += 1
+        except OSError:
+            pass  # check_part's business
+        records.append(record)
+    if changed:
+        manifest.rewrite(records)
+    return changed
+
+
 def needs_repair(out_dir: Path, manifest: Manifest, retry_errors: bool) -> bool:
-    """Whether ``repair_outputs`` would take rows back (cheap: sizes and footers only)."""
+    """Whether ``repair_outputs`` would take rows back (cheap: sizes and footers, and the content only of
+    parts whose stamps moved)."""
     return (retry_errors and manifest.errors > 0) or bool(check_parts(out_dir, manifest))
 
 
@@ -127,11 +193,12 @@ def _row_ordinals(table: pa.Table, record: PartRecord, per_sample: bool) -> list
     return out
 
 
-def _without_errors(
-    out_dir: Path, record: PartRecord, writer: PartWriter
+def _without(
+    out_dir: Path, record: PartRecord, writer: PartWriter, retry_errors: bool, redo: set[int]
 ) -> tuple[pa.Table, PartRecord | None, int] | str:
-    """A part's table without the rows of ordinals that have an error, its record (None when nothing is
-    left) and how many input rows were taken out; or what is wrong with the part."""
+    """A part's table without the rows of the ordinals to take back (those in ``redo``, and with
+    ``retry_errors`` those with an error), its record (None when nothing is left) and how many input rows
+    were taken out; or what is wrong with the part."""
     per_sample = any(f.name == "sample_index" for f in writer.extra)
     try:
         table = pq.read_table(out_dir / record.name).cast(writer.schema)
@@ -141,7 +208,7 @@ def _without_errors(
     if ordinals is None:
         return "does not match its record's rows"
     errors = table.column("error").to_pylist()
-    bad = {o for o, e in zip(ordinals, errors, strict=True) if e is not None}
+    bad = {o for o, e in zip(ordinals, errors, strict=True) if o in redo or (retry_errors and e is not None)}
     keep = [o not in bad for o in ordinals]
     kept = table.filter(pa.array(keep, type=pa.bool_()))
     if kept.num_rows == 0:
@@ -157,7 +224,7 @@ def _without_errors(
     new = PartRecord(
         name="",
         rows=len(done),
-        errors=0,
+        errors=sum(e is not None for e, k in zip(errors, keep, strict=True) if k),
         prompt_tokens=(  # each input row's prompt once, not once a sample
             int(
                 pc.sum(
@@ -175,10 +242,17 @@ def _without_errors(
 
 
 def repair_outputs(
-    state: StateDir, info: JobInfo, manifest: Manifest, writer: PartWriter, retry_errors: bool = False
+    state: StateDir,
+    info: JobInfo,
+    manifest: Manifest,
+    writer: PartWriter,
+    retry_errors: bool = False,
+    redo: set[int] = frozenset(),  # type: ignore[assignment]
+    redo_reason: str = "their input rows changed",
 ) -> int:
-    """Take back the rows of missing or damaged parts (and, with ``retry_errors``, the rows with errors), so
-    that the job loop computes them again. Prints a line per part; returns how many input rows are redone.
+    """Take back the rows of missing or damaged parts (and, with ``retry_errors``, the rows with errors, and
+    the rows of the ordinals in ``redo``), so that the job loop computes them again. Prints a line per part;
+    returns how many input rows are redone.
 
     Needs the job's lock. ``info`` is marked incomplete (and saved) when anything is taken back.
     """
@@ -186,31 +260,38 @@ def repair_outputs(
     problems = check_parts(out_dir, manifest)
     dropped = {p.record.name for p in problems}  # old names whose rows are all redone
     notes = [f"{p}: its {p.record.rows} rows will be redone" for p in problems]
-    redo = sum(p.record.rows for p in problems)
+    count = sum(p.record.rows for p in problems)
     names = set(manifest.names)  # taken, with the new parts written below
     written: dict[str, PartRecord] = {}  # old name -> its rewrite without the error rows, already on disk
-    for record in manifest.parts if retry_errors else []:
-        if record.errors == 0 or record.name in dropped:
+    for record in manifest.parts:
+        if record.name in dropped:
             continue
-        result = _without_errors(out_dir, record, writer)
+        redone = {o for o in redo if any(a <= o < b for a, b in record.ordinals)}
+        if not redone and not (retry_errors and record.errors):
+            continue
+        result = _without(out_dir, record, writer, retry_errors, redone)
         if isinstance(result, str):
             dropped.add(record.name)
             notes.append(f"{record.name} {result}: its {record.rows} rows will be redone")
-            redo += record.rows
+            count += record.rows
             continue
         table, new, taken = result
         if taken == 0:
             continue  # counted as errors but none in the file: nothing to redo
-        notes.append(f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone")
-        redo += taken
+        if redone:
+            notes.append(f"{record.name}: {taken} rows will be redone ({redo_reason})")
+        else:
+            notes.append(f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone")
+        count += taken
         if new is None:
             dropped.add(record.name)
             continue
         # written now (one part in memory at a time); until the manifest names it, it is an orphan
         name = writer.write_table(writer.next_seq(names), table)
         names.add(name)
-        written[record.name] = replace(new, name=name, size=writer.size(name), result_rows=table.num_rows)
+        written[record.name] = replace(new, name=name, result_rows=table.num_rows, **writer.stamp(name))
     if not dropped and not written:
+        restamp(out_dir, manifest)
         return 0
     for note in notes:
         print(f"batchjob: {note}", file=sys.stderr)
@@ -222,4 +303,4 @@ def repair_outputs(
     faults.die("after_manifest_rewrite")
     for name in dropped | set(written):
         (out_dir / name).unlink(missing_ok=True)
-    return redo
+    return count
