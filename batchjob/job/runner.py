@@ -116,6 +116,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         manifest = Manifest(prep.state.manifest_file)
         extra = extra_fields(spec.sampling_params(prep.info.job_seed))
         writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))  # one job, one schema
         # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
         # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
         reason = "its input line was not finished when it was read, and is now"
