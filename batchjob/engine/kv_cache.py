@@ -9,21 +9,17 @@ after the weights and a warm-up forward at the full token budget, less what that
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from batchjob.engine import cpu
+from batchjob.engine.cpu import Platform
 from batchjob.errors import ConfigError
 
 if TYPE_CHECKING:
     from batchjob.engine.config import EngineConfig
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 @dataclass(frozen=True)
@@ -45,43 +41,18 @@ class KVShape:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
-def _madvise_huge_pages(address: int, length: int) -> None:
-    """Ask Linux for transparent huge pages on this range (a no-op elsewhere, or if it says no)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(_MADV_HUGEPAGE))
-    except (OSError, AttributeError):
-        pass
-
-
-def _cpu_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed CPU memory on 2 MiB pages where the OS offers them: decode attention reads blocks scattered
-    over the whole pool, and huge pages spare it most TLB misses. Pages are advised before the zeroing
-    touches them, so they are faulted in huge from the start."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % _HUGE_PAGE
-    buf = raw[start : start + nbytes]
-    _madvise_huge_pages(buf.data_ptr(), nbytes // _HUGE_PAGE * _HUGE_PAGE)
-    return buf.zero_().view(dtype)
-
-
 def allocate_kv_cache(
-    shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    shape: KVShape,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    platform: Platform | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Zeros, not empty: attention reads padded and not-yet-written slots under a mask, and a NaN left in
-    # uninitialised memory would survive a zero attention weight.
+    """Per layer, zeroed K and V caches, allocated by the device's platform hook (on the CPU one pool on
+    huge pages)."""
     dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-    if device.type != "cpu":
-        return [
-            (torch.zeros(dims, dtype=dtype, device=device), torch.zeros(dims, dtype=dtype, device=device))
-            for _ in range(shape.num_layers)
-        ]
-    per_tensor = num_blocks * block_size * shape.num_kv_heads * shape.head_dim
-    pool = _cpu_zeros(2 * shape.num_layers * per_tensor, dtype).view(2 * shape.num_layers, *dims)
-    return [(pool[2 * i], pool[2 * i + 1]) for i in range(shape.num_layers)]
+    return (platform or cpu.platform(device)).allocate_kv(dims, shape.num_layers, dtype)
 
 
 def size_kv_pool(model, config: EngineConfig, shape: KVShape, max_model_len: int) -> int:
@@ -134,7 +105,7 @@ def _profile_peak_memory(model, config: EngineConfig, shape: KVShape, max_model_
     assert bs is not None and config.max_num_batched_tokens is not None
     n = max(1, min(config.max_num_batched_tokens, max_model_len - 1))
     kv = allocate_kv_cache(shape, -(-n // bs), bs, config.dtype, device)
-    runner = ModelRunner(model, kv, bs, device)
+    runner = ModelRunner(model, kv, bs, device, attention_backend=config.attention_backend)
     req = Request("warmup", [0] * n, n, SamplingParams(max_new_tokens=1, temperature=0), 0.0)
     req.block_ids = list(range(-(-n // bs)))
     torch.cuda.reset_peak_memory_stats(device)
