@@ -167,7 +167,7 @@ class Engine:
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
-        ``options``: any of ``EngineConfig``'s (``engine/config.py`` declares each with its default and
+        ``options``: any of ``EngineConfig``'s (``engine/options.py`` declares each with its default and
         check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
         cap the context below the model's own, ``check_kv_pool=True`` to refuse a KV pool that cannot hold
         one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;

@@ -1,9 +1,10 @@
 """Turns a scheduler plan into one packed forward of the unmodified Hugging Face model.
 
 All scheduled tokens of all requests form one sequence of length T (batch dimension 1) with per-token
-``position_ids``; the paged attention hook reads the batch layout from one metadata object built here once
-per step. Every index array of the step is packed into one host buffer and moved to the device with a single
-copy. Logits are computed only for the rows that sample: the last token of each request whose chunk reaches
+``position_ids``. The runner lays the step out once (:class:`~batchjob.engine.attention.StepLayout`), its
+attention backend (chosen at load, :mod:`batchjob.engine.attention.registry`) builds its own metadata from
+that layout, and the paged attention hook hands it to the backend in every layer. Every index array of the
+step is packed into one host buffer and moved to the device with a single copy. Logits are computed only for the rows that sample: the last token of each request whose chunk reaches
 the end of its known tokens.
 """
 
