@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.engine.attention.registry import choose_attention
-from batchjob.engine.kv_cache import KVShape
 from batchjob.engine.options import (
     DEFAULT_SPECULATIVE_TOKENS,
     DTYPE_CHOICES,
@@ -28,6 +27,25 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> KVShape:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -9,36 +9,19 @@ after the weights and a warm-up forward at the full token budget, less what that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from batchjob.engine import cpu
+from batchjob.engine.config import EngineConfig, KVShape
 from batchjob.engine.cpu import Platform
+from batchjob.engine.graphs import ROW_BUCKETS
+from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.request import Request
+from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from batchjob.engine.config import EngineConfig
-
-
-@dataclass(frozen=True)
-class KVShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, config) -> KVShape:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim)
-
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+__all__ = ["KVShape", "allocate_kv_cache", "size_kv_pool"]  # KVShape: the shape the pool is sized by
 
 
 def allocate_kv_cache(
@@ -79,8 +62,6 @@ def _cuda_reserve(model, config: EngineConfig, peak: int) -> int:
     """Memory the warm-up forward does not show (an estimate): logits of every row that may sample in one
     step (with drafts, several per request; the sampler makes float32 copies), and with CUDA graphs their
     pool, about the activations of a forward of the largest bucket."""
-    from batchjob.engine.graphs import ROW_BUCKETS
-
     assert config.max_num_batched_tokens is not None and config.max_num_seqs is not None
     assert config.num_speculative_tokens is not None
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -96,11 +77,6 @@ def _cuda_reserve(model, config: EngineConfig, peak: int) -> int:
 
 def _profile_peak_memory(model, config: EngineConfig, shape: KVShape, max_model_len: int) -> int:
     """Peak CUDA memory of the weights plus one forward at the full token budget (a dummy prompt)."""
-    from batchjob.engine.model_runner import ModelRunner
-    from batchjob.engine.request import Request
-    from batchjob.engine.scheduler import SchedulerOutput
-    from batchjob.sampling import SamplingParams
-
     bs, device = config.block_size, config.device
     assert bs is not None and config.max_num_batched_tokens is not None
     n = max(1, min(config.max_num_batched_tokens, max_model_len - 1))

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from batchjob import env
+from batchjob.engine.cpu import linear
 from batchjob.engine.cpu.spin import SpinGuard
 
 SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
@@ -90,8 +91,6 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
         """Pack the model's float32 linear weights for oneDNN (not under torch.compile: inductor lowers the
         packed call only for weights it froze itself)."""
-        from batchjob.engine.cpu import linear
-
         if compiled or not linear.available(dtype, self.device):
             return 0
         return linear.prepack_linears(model)
