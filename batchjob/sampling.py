@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from batchjob.engine.grammar import grammar_of
 from batchjob.errors import ConfigError
 
 
@@ -103,9 +104,8 @@ class SamplingParams:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ConfigError(f"n must be an integer >= 1, got {self.n!r}")
         if self.json_schema is not None or self.regex is not None:
-            from batchjob.engine.constraints import grammar_of
-
-            grammar_of(self)  # a schema or regex the grammar library cannot compile fails here, early
+            # a schema or regex the grammar library cannot compile fails here, early
+            grammar_of(self.json_schema, self.regex)
 
     @property
     def constrained(self) -> bool:
