@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchjob.engine.grammar import grammar_of
 from batchjob.errors import ConfigError
 
 SEED_MODULUS = 2**64
@@ -153,9 +154,8 @@ class SamplingParams:
         if len(given) > 1:
             raise ConfigError(f"choices, json_schema and regex exclude each other, got {' and '.join(given)}")
         if self.json_schema is not None or self.regex is not None:
-            from batchjob.engine.constraints import grammar_of
-
-            grammar_of(self)  # a schema or regex the grammar library cannot compile fails here, early
+            # a schema or regex the grammar library cannot compile fails here, early
+            grammar_of(self.json_schema, self.regex)
 
     @property
     def constrained(self) -> bool:

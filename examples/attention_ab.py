@@ -20,17 +20,17 @@ import torch
 
 from batchjob import Engine, SamplingParams
 from batchjob.bench.workload import synthetic_workload
-from batchjob.engine import flex
+from batchjob.engine.attention import flex_kernel as flex
 
 
 def main() -> None:
     engine = Engine.from_pretrained(None, device="cpu", dtype="float32", num_speculative_tokens=0)
     runner = engine.runner
-    assert runner.backend == "cpu_kernel", f"the CPU default here is {runner.backend}"
-    backends = {"default": (None, True), "flex": (runner.new_flex_state(), False)}
+    assert runner.attention.name == "cpu_kernel", f"the CPU default here is {runner.attention.name}"
+    backends = {"default": runner.attention, "flex": runner.new_backend("flex")}
 
     def use(name: str) -> None:
-        runner.flex, runner.decode_kernel = backends[name]
+        runner.attention = backends[name]
 
     def timed_step(name: str) -> float:
         use(name)

@@ -7,8 +7,13 @@ rounds=${ROUNDS:-3}
 for r in $(seq "$rounds"); do
   for code in "$@"; do
     json=$(mktemp --suffix=.json)
-    PYTHONPATH=$code python -m batchjob bench --baselines ours --device cpu ${BENCH_ARGS:-} --json "$json" \
-      > /dev/null 2>&1
+    # That checkout's batchjob, not the installed one: an editable install's finder would win over PYTHONPATH.
+    python -c 'import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path.insert(0, sys.argv.pop(1))
+sys.argv[0] = "batchjob"
+runpy.run_module("batchjob", run_name="__main__", alter_sys=True)' "$code" \
+      bench --baselines ours --device cpu ${BENCH_ARGS:-} --json "$json" > /dev/null 2>&1
     python - "$code" "$r" "$json" <<'PY'
 import json, sys
 res = json.load(open(sys.argv[3]))["results"][0]

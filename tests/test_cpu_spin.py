@@ -122,14 +122,16 @@ def test_two_spinning_processes_turn_the_guard_on(two_threads):
 @linux_libgomp
 def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads, monkeypatch):
     monkeypatch.setenv(cpu.SPIN_GUARD_ENV, "0")
-    assert Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu").spin_guard is None
+    assert (
+        Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu").platform.spin_guard is None
+    )
     monkeypatch.delenv(cpu.SPIN_GUARD_ENV)  # on by default
     engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
-    assert engine.spin_guard is not None and engine.spin_guard.enabled
-    engine.spin_guard.observe(3.0)  # as if other programs were busy
-    assert engine.spin_guard.on
+    assert engine.platform.spin_guard is not None and engine.platform.spin_guard.enabled
+    engine.platform.spin_guard.observe(3.0)  # as if other programs were busy
+    assert engine.platform.spin_guard.on
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
     assert engine.stats.short_spin_steps >= 1
-    assert not engine.spin_guard.on  # idle again: the runtime is left as found
+    assert not engine.platform.spin_guard.on  # idle again: the runtime is left as found
     assert _wait_for(lambda: not _helpers())

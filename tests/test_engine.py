@@ -69,7 +69,7 @@ def test_greedy_equals_hf_generate(tiny_model_dirs, family, block_size, budget, 
         max_num_batched_tokens=budget,
         max_num_seqs=5,
     )
-    assert engine.runner.decode_kernel == (decode_path == "kernel")
+    assert (engine.runner.attention.name == "cpu_kernel") == (decode_path == "kernel")
     hf = _hf(folder)
     rng = random.Random(block_size * 1000 + budget)
     prompts = _prompts(rng, [1, 2, 7, 16, 17, 33, 120, 300], engine.vocab_size)
@@ -87,7 +87,7 @@ def test_sliding_window_equals_hf_generate(tmp_path, decode_path):
     engine = Engine.from_pretrained(
         str(folder), dtype="float64", device="cpu", block_size=4, max_num_batched_tokens=9, max_num_seqs=3
     )
-    assert engine.runner.decode_kernel == (decode_path == "kernel")
+    assert (engine.runner.attention.name == "cpu_kernel") == (decode_path == "kernel")
     hf = _hf(folder)
     prompts = _prompts(random.Random(8), [2, 5, 19, 44], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))

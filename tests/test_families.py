@@ -19,8 +19,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import attention, support
 from batchjob.engine import engine as engine_module
+from batchjob.engine import model_runner, support
+from batchjob.engine.attention.flex import Flex
+from batchjob.engine.attention.registry import supported_features
 from batchjob.engine.config import EngineConfig
 from batchjob.errors import ConfigError
 from tests.tiny_models import FAMILIES, hf_greedy, make_family_model
@@ -28,7 +30,7 @@ from tests.tiny_models import FAMILIES, hf_greedy, make_family_model
 pytestmark = pytest.mark.timeout(120)
 
 # Refused families and the feature names their refusal must carry. A backend that computes one of these
-# features exactly (attention.BACKEND_FEATURES) must move the family out of here: the matrix then checks it
+# features exactly (a backend's ``computes``) must move the family out of here: the matrix then checks it
 # is exact.
 REFUSED = {
     "bloom": {"own_attention": "computes attention inside its own layers", "alibi": "ALiBi"},
@@ -114,9 +116,9 @@ def test_family_matches_hf_generate_or_is_refused(folder, family, decode_path):
     assert support.unsupported_features(config) == []
     engine = Engine.from_pretrained(str(path), dtype="float64", **_engine_options())
     if family in NEED_FLEX:
-        assert engine.runner.backend == "flex" and NEED_FLEX[family] in engine.runner.features
+        assert engine.runner.attention.name == "flex" and NEED_FLEX[family] in engine.runner.features
     else:
-        assert engine.runner.decode_kernel == (decode_path == "kernel")
+        assert (engine.runner.attention.name == "cpu_kernel") == (decode_path == "kernel")
     hf = _reference(path)
     prompts = _prompts(engine.vocab_size)
     outs = _generate(engine, prompts)
@@ -142,7 +144,7 @@ def test_refused_families_would_answer_wrongly(folder, family, monkeypatch):
     hf = _reference(path)
     model = copy.deepcopy(hf)
     monkeypatch.setattr(engine_module, "check_supported", lambda *a, **k: None)
-    monkeypatch.setattr(attention, "attention_features", lambda *a: frozenset())  # nor the backend choice
+    monkeypatch.setattr(model_runner, "attention_features", lambda *a: frozenset())  # nor the backend choice
     options = _engine_options()
     config = EngineConfig(torch.device(options.pop("device")), torch.float64, **options)
     engine = Engine(model, AutoTokenizer.from_pretrained(path), config)
@@ -177,7 +179,7 @@ def test_what_only_flex_computes_changes_the_answers(folder, family):
     options = _engine_options()
     config = EngineConfig(torch.device(options.pop("device")), torch.float64, **options)
     engine = Engine(copy.deepcopy(hf), AutoTokenizer.from_pretrained(path), config)
-    assert engine.runner.backend == "flex"
+    assert engine.runner.attention.name == "flex"
     prompts = _prompts(engine.vocab_size)
     refs = [hf_greedy(hf, p, NEW) for p in prompts]
     assert _generate(engine, prompts) == refs
@@ -275,10 +277,10 @@ def test_features_only_flex_computes_are_refused_without_it():
     import transformers as tf
 
     for config, feature in ((tf.Gemma2Config(), "softcap"), (tf.GptOssConfig(), "sinks")):
-        assert feature in attention.attention_features(config)
-        assert feature in attention.BACKEND_FEATURES["flex"]
+        assert feature in support.attention_features(config)
+        assert feature in Flex.computes
         support.check_supported(config)
-        without = attention.SUPPORTED_FEATURES - {feature}
+        without = supported_features() - {feature}
         assert [name for name, _ in support.unsupported_features(config, None, without)] == [feature]
         with pytest.raises(ConfigError, match=f"model family '{config.model_type}'"):
             support.check_supported(config, None, without)

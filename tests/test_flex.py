@@ -11,13 +11,16 @@ import types
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, GptOssConfig
+from transformers import AttentionInterface, AutoModelForCausalLM, BloomConfig, Gemma2Config, GptOssConfig
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import attention, flex
-from batchjob.engine.attention import AttentionChoice, attention_features, choose_attention
+from batchjob.engine.attention import flash as flash_backend
+from batchjob.engine.attention import flex_kernel as flex
+from batchjob.engine.attention import varlen as varlen_backend
+from batchjob.engine.attention.registry import AttentionChoice, choose_attention, supported_features
 from batchjob.engine.config import EngineConfig, resolve_dtype
 from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.support import attention_features
 from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
 from batchjob.job.spec import JobSpec
@@ -296,8 +299,9 @@ def _prompts(seed, lengths, vocab):
 
 
 @pytest.fixture
-def force_flex(monkeypatch):
-    monkeypatch.setenv(attention.BACKEND_ENV, "flex")
+def force_flex():
+    """The engine option that forces the flex backend."""
+    return {"attention_backend": "flex"}
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +324,9 @@ def test_flex_engine_equals_hf_generate(tiny_model_dirs, mistral_dir, family, cu
         max_num_batched_tokens=11,
         max_num_seqs=5,
         cuda_graphs=cuda_graphs,
+        **force_flex,
     )
-    assert engine.runner.backend == "flex"
+    assert engine.runner.attention.name == "flex"
     prompts = _prompts(7, [1, 2, 7, 16, 17, 33, 50], engine.vocab_size) + [[21, 22, 23, 24] * 6]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(folder, prompts, 12)
@@ -334,7 +339,9 @@ def test_flex_engine_equals_hf_generate(tiny_model_dirs, mistral_dir, family, cu
 
 
 def test_flex_packed_logits_equal_unpacked(tiny_model_dir, force_flex):
-    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu", block_size=4)
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir), dtype="float64", device="cpu", block_size=4, **force_flex
+    )
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
     _assert_packed_logits(engine, hf, 1, 1e-9)
 
@@ -354,7 +361,7 @@ def _assert_packed_logits(engine, hf, seed, tol):
         assert engine.block_manager.allocate(r, r.num_tokens)
     counts = [r.num_tokens - r.num_computed_tokens for r in reqs]
     input_ids, position_ids, meta, _ = engine.runner._prepare(SchedulerOutput(reqs, counts))
-    assert meta.flex is not None
+    assert meta.backend.name == "flex"
     with torch.inference_mode():
         packed = engine.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, batchjob_meta=meta
@@ -371,17 +378,19 @@ def test_compiled_flex_engine_equals_hf_and_compiles_once_per_kind(tiny_model_di
     other step shapes compiles nothing new (batch, lengths, table width and pool size are dynamic)."""
     code = flex._paged_kernel.__code__
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
-    kw = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=24, max_num_seqs=5)
+    kw = dict(
+        dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=24, max_num_seqs=5, **force_flex
+    )
     engine = Engine.from_pretrained(str(tiny_model_dir), **kw)
     prompts = _prompts(8, [3, 40, 9, 17, 1], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
-    assert engine.runner.flex.compiled
+    assert engine.runner.attention.state.compiled
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 10, dtype=torch.float32)
     before = len(entries(code))
     other = Engine.from_pretrained(str(tiny_model_dir), num_blocks=77, **kw)
     prompts = _prompts(9, [60, 2, 31, 5, 12, 7], engine.vocab_size)
     other.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
-    assert other.runner.flex.compiled
+    assert other.runner.attention.state.compiled
     assert len(entries(code)) == before
 
 
@@ -452,8 +461,8 @@ def _family_engine(folder, family, **kw):
 def test_models_needing_flex_choose_it_and_equal_hf(family_dirs, family, feature):
     folder = family_dirs[family]
     engine = _family_engine(folder, family, num_blocks=20, max_num_batched_tokens=9, max_num_seqs=4)
-    assert {feature, "sliding_window"} <= engine.runner.features <= attention.SUPPORTED_FEATURES
-    assert engine.runner.backend == "flex"  # chosen, not forced
+    assert {feature, "sliding_window"} <= engine.runner.features <= supported_features()
+    assert engine.runner.attention.name == "flex"  # chosen, not forced
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **_HF_LOAD[family]).eval()
     prompts = _prompts(10, [1, 2, 7, 16, 17, 33, 45], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
@@ -465,12 +474,13 @@ def test_models_needing_flex_choose_it_and_equal_hf(family_dirs, family, feature
 
 
 @pytest.mark.parametrize(("family", "feature"), [("gemma2", "softcap"), ("gpt_oss", "sinks")])
-def test_backends_without_a_feature_refuse_the_model(family_dirs, monkeypatch, family, feature):
-    monkeypatch.setenv(attention.BACKEND_ENV, "torch")
+def test_backends_without_a_feature_refuse_the_model(family_dirs, family, feature):
     with pytest.raises(
         ConfigError, match=f"attention backend torch cannot run here: it does not implement.*{feature}"
     ):
-        Engine.from_pretrained(str(family_dirs[family]), dtype="float64", device="cpu")
+        Engine.from_pretrained(
+            str(family_dirs[family]), dtype="float64", device="cpu", attention_backend="torch"
+        )
 
 
 def test_bloom_alibi_is_refused_by_name_and_bypasses_the_attention_interface(family_dirs):
@@ -478,11 +488,11 @@ def test_bloom_alibi_is_refused_by_name_and_bypasses_the_attention_interface(fam
     computes attention inline and never calls the registered attention function, so no hook can serve it."""
     folder = family_dirs["bloom"]
     assert "alibi" in attention_features(AutoModelForCausalLM.from_pretrained(folder).config)
-    assert "alibi" not in attention.SUPPORTED_FEATURES
+    assert "alibi" not in supported_features()
     with pytest.raises(ConfigError, match="model family 'bloom' computes attention inside its own layers"):
         Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
     calls = []
-    attention.AttentionInterface.register("batchjob_probe", lambda *a, **k: calls.append(1))
+    AttentionInterface.register("batchjob_probe", lambda *a, **k: calls.append(1))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     model.set_attn_implementation("batchjob_probe")
     with torch.inference_mode():
@@ -495,8 +505,7 @@ def test_bloom_alibi_is_refused_by_name_and_bypasses_the_attention_interface(fam
 
 @pytest.mark.parametrize("flash_installed", [False, True])
 def test_choice_by_device_dtype_and_features(monkeypatch, flash_installed):
-    monkeypatch.delenv(attention.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: flash_installed)
+    monkeypatch.setattr(flash_backend, "installed", lambda: flash_installed)
     bf16 = torch.bfloat16
     fast = AttentionChoice("flash_attn", 256) if flash_installed else AttentionChoice("flex", 16)
     assert choose_attention(CUDA, bf16) == fast
@@ -514,19 +523,21 @@ def test_choice_by_device_dtype_and_features(monkeypatch, flash_installed):
     with pytest.raises(ConfigError, match="multiple of 256 tokens, not 16"):
         choose_attention(CUDA, bf16, block_size=16, backend="varlen")
     assert choose_attention(CUDA, bf16, backend="varlen") == AttentionChoice("varlen", 256)
-    monkeypatch.setenv(attention.BACKEND_ENV, "flex")
-    assert choose_attention(CUDA, bf16) == AttentionChoice("flex", 16)
-    monkeypatch.setenv(attention.BACKEND_ENV, "nope")
-    with pytest.raises(ConfigError, match="must be auto or one of"):
-        choose_attention(CPU, bf16)
+    assert choose_attention(CUDA, bf16, backend="flex") == AttentionChoice("flex", 16)
+    if flash_installed:
+        assert choose_attention(CUDA, bf16, backend="flash") == AttentionChoice("flash_attn", 256)
+    else:
+        with pytest.raises(ConfigError, match="flash_attn cannot run here: flash-attn is not installed"):
+            choose_attention(CUDA, bf16, backend="flash")
+    with pytest.raises(ConfigError, match="must be one of auto, flash, varlen"):
+        choose_attention(CPU, bf16, backend="nope")
 
 
 @pytest.mark.parametrize("flash_installed", [False, True])
 def test_job_path_on_cuda_chooses_what_the_engine_chooses(tiny_model_dir, monkeypatch, flash_installed):
     """The job carries no engine defaults of its own (block_size None): on a (simulated) CUDA device, the
     job's engine settings give the block size and backend an engine built with no options gets."""
-    monkeypatch.delenv(attention.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: flash_installed)
+    monkeypatch.setattr(flash_backend, "installed", lambda: flash_installed)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     spec = JobSpec(device="cuda", kv_memory_gb=1.0)
@@ -572,7 +583,9 @@ def test_varlen_metadata_equals_hf_generate(mistral_dir, monkeypatch, cuda_graph
         calls.append(args[0].shape[0])
         return _varlen_in_torch(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_import_varlen", lambda: types.SimpleNamespace(varlen_attn=varlen_attn))
+    monkeypatch.setattr(
+        varlen_backend, "import_varlen", lambda: types.SimpleNamespace(varlen_attn=varlen_attn)
+    )
     engine = Engine.from_pretrained(
         str(mistral_dir),
         dtype="float64",
@@ -581,7 +594,7 @@ def test_varlen_metadata_equals_hf_generate(mistral_dir, monkeypatch, cuda_graph
         max_num_batched_tokens=24,
         cuda_graphs=cuda_graphs,
     )
-    engine.runner.backend, engine.runner.use_flash = "varlen", True  # varlen runs on CUDA only: forced here
+    engine.runner.attention = engine.runner.new_backend("varlen")  # varlen runs on CUDA only: forced here
     prompts = _prompts(12, [1, 9, 40, 17], engine.vocab_size) + [[21, 22, 23, 24] * 6]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(mistral_dir, prompts, 12)

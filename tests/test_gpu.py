@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import attention, flex
-from batchjob.engine.attention import flash_attn_available
+from batchjob.engine.attention import flex_kernel as flex
+from batchjob.engine.attention.flash import installed as flash_attn_available
 from tests.test_flex import MIXED, _alibi_slopes, _flex_meta, _hf_greedy, _reference, _step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -27,13 +27,17 @@ def _hf_greedy_cuda(folder, prompts, max_new_tokens):
 
 
 @pytest.mark.parametrize("backend", ["flex", "torch"])
-def test_cuda_attention_equals_hf_generate(tiny_model_dir, monkeypatch, backend):
+def test_cuda_attention_equals_hf_generate(tiny_model_dir, backend):
     """float64: flex runs its dense path (the metadata and mask code of the kernel), torch the reference."""
-    monkeypatch.setenv(attention.BACKEND_ENV, backend)
     engine = Engine.from_pretrained(
-        str(tiny_model_dir), dtype="float64", device="cuda", block_size=16, max_num_batched_tokens=64
+        str(tiny_model_dir),
+        dtype="float64",
+        device="cuda",
+        block_size=16,
+        max_num_batched_tokens=64,
+        attention_backend=backend,
     )
-    assert engine.runner.backend == backend
+    assert engine.runner.attention.name == backend
     prompts = _prompts([1, 9, 40, 130], engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy_cuda(tiny_model_dir, prompts, 12)
@@ -53,9 +57,9 @@ def test_seeded_sampling_is_the_same_on_cpu_and_cuda(tiny_model_dir):
 def test_flash_attention_matches_the_reference(tiny_model_dir):
     kwargs = dict(dtype="bfloat16", device="cuda", block_size=256, max_num_batched_tokens=128)
     flash = Engine.from_pretrained(str(tiny_model_dir), **kwargs)
-    assert flash.runner.use_flash
+    assert flash.runner.attention.name == "flash_attn"
     ref = Engine.from_pretrained(str(tiny_model_dir), **kwargs)
-    ref.runner.use_flash = False  # the reference path, in its graphs too (they read the runner's flag)
+    ref.runner.attention = ref.runner.new_backend("torch")  # the reference, in its graphs too
     prompts = _prompts([3, 50, 300], flash.vocab_size, seed=2)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     a = [o.token_ids for o in flash.generate(prompts, params)]
@@ -89,11 +93,10 @@ def test_cuda_graphs_and_compile_keep_seeded_sampling(tiny_model_dir):
 # -- FlexAttention compiled by Triton (the default CUDA path without flash-attn) ---------------------------------
 
 
-def test_default_cuda_backend_is_flex_at_16_token_blocks(tiny_model_dir, monkeypatch):
-    monkeypatch.delenv(attention.BACKEND_ENV, raising=False)
+def test_default_cuda_backend_is_flex_at_16_token_blocks(tiny_model_dir):
     engine = Engine.from_pretrained(str(tiny_model_dir), device="cuda", max_num_batched_tokens=64)
     expected = ("flash_attn", 256) if flash_attn_available() else ("flex", 16)
-    assert (engine.runner.backend, engine.config.block_size) == expected
+    assert (engine.runner.attention.name, engine.config.block_size) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,15 +122,19 @@ def test_compiled_flex_kernel_on_cuda(dtype, softcap, alibi, sinks, window):
     torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
 
 
-def test_compiled_flex_engine_on_cuda_equals_hf_generate(tiny_model_dir, monkeypatch):
+def test_compiled_flex_engine_on_cuda_equals_hf_generate(tiny_model_dir):
     """float32 through Triton, with chunked prefill and graph-captured decode steps: HF generate's tokens."""
-    monkeypatch.setenv(attention.BACKEND_ENV, "flex")
     engine = Engine.from_pretrained(
-        str(tiny_model_dir), dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64
+        str(tiny_model_dir),
+        dtype="float32",
+        device="cuda",
+        block_size=16,
+        max_num_batched_tokens=64,
+        attention_backend="flex",
     )
     prompts = _prompts([1, 9, 40, 130, 5], engine.vocab_size, seed=6) + [[7, 8, 9, 10] * 10]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
-    assert engine.runner.flex.compiled
+    assert engine.runner.attention.state.compiled
     assert engine.runner.graphs.replays > 0
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda").eval()
     hf.generation_config.eos_token_id = None
@@ -139,17 +146,20 @@ def test_compiled_flex_engine_on_cuda_equals_hf_generate(tiny_model_dir, monkeyp
         assert o.token_ids == ref[0, len(p) :].tolist()
 
 
-def test_varlen_agrees_with_flex_in_bf16(tiny_model_dir, monkeypatch):
+def test_varlen_agrees_with_flex_in_bf16(tiny_model_dir):
     """torch's built-in FlashAttention-2 (varlen_attn, 256-token pages) against flex (16-token pages)."""
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     prompts = _prompts([3, 50, 300], 400, seed=2)
     outs = {}
     for backend in ("varlen", "flex"):
-        monkeypatch.setenv(attention.BACKEND_ENV, backend)
         engine = Engine.from_pretrained(
-            str(tiny_model_dir), dtype="bfloat16", device="cuda", max_num_batched_tokens=128
+            str(tiny_model_dir),
+            dtype="bfloat16",
+            device="cuda",
+            max_num_batched_tokens=128,
+            attention_backend=backend,
         )
-        assert engine.runner.backend == backend
+        assert engine.runner.attention.name == backend
         assert engine.config.block_size == (256 if backend == "varlen" else 16)
         outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     agree = sum(a == b for a, b in zip(outs["varlen"], outs["flex"], strict=True))

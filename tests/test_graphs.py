@@ -35,8 +35,6 @@ def _runner(kv_caches, block_size):
         kv_caches=kv_caches,
         block_size=block_size,
         device=torch.device("cpu"),
-        decode_kernel=False,
-        use_flash=False,
     )
 
 
@@ -73,7 +71,7 @@ def test_graph_buckets_equal_hf_generate(tiny_model_dirs, family, decode_path):
         str(folder), dtype="float64", device="cpu", block_size=4, cuda_graphs=True
     )
     graphs = engine.runner.graphs
-    assert graphs is not None and engine.runner.decode_kernel == (decode_path == "kernel")
+    assert graphs is not None and (engine.runner.attention.name == "cpu_kernel") == (decode_path == "kernel")
     # The scratch block is the pool's last, outside what the block manager hands out.
     assert engine.runner.kv_caches[0][0].shape[0] == engine.block_manager.num_blocks + 1
     assert graphs.scratch_block == engine.block_manager.num_blocks
@@ -175,7 +173,7 @@ def test_flash_metadata_equals_hf_generate(tiny_model_dir, monkeypatch, cuda_gra
         max_num_batched_tokens=48,
         cuda_graphs=cuda_graphs,
     )
-    engine.runner.use_flash = True  # the graphs read it from the runner
+    engine.runner.attention = engine.runner.new_backend("flash_attn")  # CUDA only: forced, with the graphs
     prompts = _prompts(6, [1, 9, 70, 30], engine.vocab_size) + [[21, 22, 23, 24] * 6]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_greedy(tiny_model_dir, prompts, 16)

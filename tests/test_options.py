@@ -68,6 +68,11 @@ def test_from_pretrained_takes_every_option_by_name():
         ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in (0, 1], got 1.5"),
         ("device", "tpu", "device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
         ("dtype", "int8", "dtype must be one of auto, float32, float64, bfloat16, float16; got 'int8'"),
+        (
+            "attention_backend",
+            "flash2",
+            "attention_backend must be one of auto, flex, torch, cpu, flash, varlen; got 'flash2'",
+        ),
     ],
 )
 def test_one_check_for_the_library_and_the_job(name, value, message):
@@ -95,6 +100,43 @@ def test_none_means_the_engine_decides():
     assert (config.max_num_seqs, config.block_size, config.cuda_graphs) == (64, 16, False)
     # a job's options left out are the engine's defaults too
     assert EngineConfig(**JobSpec(device="cpu").engine_options()).max_num_seqs == 64
+
+
+def test_per_device_defaults_are_declared_once(monkeypatch):
+    """What the engine decides per device is in the declarations: EngineConfig resolves from them, and the
+    help shows them (no default restated by hand)."""
+    decided = {f.name: opt for f, opt in declared() if opt.per_device}
+    assert set(decided) == {"dtype", "max_num_batched_tokens", "max_num_seqs", "kv_memory_gb", "cuda_graphs"}
+    assert decided["max_num_batched_tokens"].help.endswith("(default: 8192 on CUDA, 512 on CPU).")
+    cpu = EngineConfig(device="cpu")
+    for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graphs"):
+        assert getattr(cpu, name) == decided[name].device_default("cpu"), name
+    assert cpu.dtype == torch.float32 and cpu.kv_memory_gb is None and cpu.default_kv_memory_gb == 2.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = EngineConfig(device="cuda")
+    assert (cuda.max_num_batched_tokens, cuda.max_num_seqs, cuda.cuda_graphs) == (8192, 256, True)
+    assert cuda.dtype == torch.bfloat16 and cuda.block_size in (16, 256)  # the backend's (flash: 256)
+    # The block size is the chosen backend's, forced or not.
+    assert EngineConfig(device="cuda", attention_backend="varlen").block_size == 256
+    assert EngineConfig(device="cpu", attention_backend="flex").block_size == 16
+
+
+def test_a_backend_that_cannot_run_is_refused_before_work(tmp_path, tiny_model_dir):
+    from click.testing import CliRunner
+
+    with pytest.raises(ConfigError, match="attention backend varlen cannot run here: it needs a CUDA device"):
+        EngineConfig(device="cpu", attention_backend="varlen")
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(
+        main,
+        ["validate", "--input", str(data), "--output", str(tmp_path / "out"), "--model", str(tiny_model_dir),
+         "--device", "cpu", "--attention-backend", "varlen"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "attention backend varlen cannot run here: it needs a CUDA device" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_job_files_keep_their_names(tmp_path):

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.engine.kv_cache import KVShape
-from batchjob.engine.options import DEFAULT_SPECULATIVE_TOKENS, DTYPE_CHOICES, EngineOptions
+from batchjob.engine.attention.registry import choose_attention
+from batchjob.engine.options import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    DTYPE_CHOICES,
+    EngineOptions,
+    declared,
+    device_default,
+)
 from batchjob.errors import ConfigError
 
 DTYPES = {
@@ -21,6 +27,25 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> KVShape:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -46,13 +71,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
             raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype}")
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[device_default("dtype", device.type) or "float32"]
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     return DTYPES[dtype]
-
-
-CPU_KV_MEMORY_GB = 2.0  # default KV pool on CPU; --kv-memory-gb changes it
 
 
 @dataclass
@@ -66,17 +88,15 @@ class EngineConfig(EngineOptions):
         if not isinstance(self.device, torch.device):  # a torch.device is taken as its caller resolved it
             self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        cuda = self.device.type == "cuda"
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 8192 if cuda else 512
-        if self.max_num_seqs is None:
-            self.max_num_seqs = 256 if cuda else 64
-        if self.block_size is None:  # the attention backend's: 256 for flash-attn's paged kernel, else 16
-            from batchjob.engine.attention import choose_attention
-
-            self.block_size = choose_attention(self.device, self.dtype).block_size
-        if self.cuda_graphs is None:
-            self.cuda_graphs = cuda
+        # "The engine decides": per device, as the options declare (the KV budget stays None, its source
+        # named in messages: see planned_num_blocks).
+        for f, opt in declared():
+            if getattr(self, f.name) is None and f.name != "kv_memory_gb":
+                setattr(self, f.name, opt.device_default(self.device.type))
+        if self.block_size is None:  # the attention backend's (each declares its own)
+            self.block_size = choose_attention(
+                self.device, self.dtype, backend=self.attention_backend
+            ).block_size
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
 
@@ -102,7 +122,7 @@ class EngineConfig(EngineOptions):
         elif self.device.type == "cuda":
             return None
         else:
-            budget = CPU_KV_MEMORY_GB * 2**30
+            budget = self.default_kv_memory_gb * 2**30
         return self.blocks_for_budget(shape, max_model_len, budget)
 
     def blocks_for_budget(self, shape: KVShape, max_model_len: int, budget: float) -> int:
@@ -124,7 +144,12 @@ class EngineConfig(EngineOptions):
                 f"the GPU memory left of gpu_memory_utilization={self.gpu_memory_utilization:g} "
                 "(--gpu-memory-utilization) after the weights and a warm-up forward"
             )
-        return f"the CPU default of {CPU_KV_MEMORY_GB:g} GiB (--kv-memory-gb)"
+        return f"the CPU default of {self.default_kv_memory_gb:g} GiB (--kv-memory-gb)"
+
+    @property
+    def default_kv_memory_gb(self) -> float:
+        """The KV budget the engine decides on this device when none is given (the option's declaration)."""
+        return device_default("kv_memory_gb", self.device.type)
 
     def check_kv_fits(self, num_blocks: int, max_model_len: int) -> None:
         """Raise ``ConfigError`` unless ``num_blocks`` hold one request of ``max_model_len`` tokens."""

@@ -17,13 +17,13 @@ turns the int32 bitmask into -inf logits, vectorized.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from batchjob.engine.grammar import grammar_of
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
@@ -231,51 +231,6 @@ class _Tables:
         self.in_string = [mask(closing_quote(b"]}")), mask(closing_quote(b"]},:"))]
 
 
-def _no_extra_keys(schema: object) -> object:
-    """The schema with ``additionalProperties: false`` on every object that lists its properties and says
-    nothing about others: the answer holds the keys the schema names (still valid against the original),
-    and a model cannot pad it with keys of its own."""
-    if isinstance(schema, list):
-        return [_no_extra_keys(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {
-        k: _no_extra_keys(v) if k not in ("enum", "const", "default", "examples") else v
-        for k, v in schema.items()
-    }
-    if (
-        isinstance(out.get("properties"), dict)
-        and "additionalProperties" not in out
-        and "patternProperties" not in out
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
-def grammar_of(params: SamplingParams) -> tuple[str, str, str]:
-    """(kind, text, llguidance grammar) of a json_schema or regex request; raises ConfigError if invalid."""
-    import llguidance
-
-    M = llguidance.LLMatcher
-    if params.json_schema is not None:
-        kind, text = "json_schema", params.json_schema
-    else:
-        assert params.regex is not None
-        kind, text = "regex", params.regex
-    try:
-        if kind == "json_schema":
-            schema = _no_extra_keys(json.loads(text))
-            grammar = M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
-        else:
-            grammar = M.grammar_from_regex(text)
-        error = M.validate_grammar(grammar)
-    except (ValueError, RuntimeError) as e:
-        error = str(e)
-    if error and not error.startswith("WARNING"):
-        raise ConfigError(f"{kind} could not be compiled: {' '.join(error.split())}; got {text[:200]!r}")
-    return kind, text, grammar
-
-
 class GrammarCompiler:
     """Compiles JSON schemas and regexes for one tokenizer with llguidance, each once (cached by its text).
 
@@ -310,7 +265,7 @@ class GrammarCompiler:
         )
         template = self._templates.get(key)  # type: ignore[arg-type]
         if template is None:
-            kind, text, grammar = grammar_of(params)
+            kind, text, grammar = grammar_of(params.json_schema, params.regex)
             template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise ConfigError(f"{kind} could not be compiled: {template.get_error()}; got {text[:200]!r}")

@@ -10,7 +10,8 @@
   conditions; finished requests are freed and returned as outputs.
 
 A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
-schedule; on the CPU a spin guard checks, about once a second, whether other programs share our cores.
+schedule; each step first calls the device's platform hook (cpu/platform.py: on the CPU a spin guard checks,
+about once a second, whether other programs share our cores).
 Around it, each in its own module: text (detokenizing, stop strings, finish reasons) in output.py; the
 scoring requests behind choices' log-probabilities in choices.py; KV pool sizing in kv_cache.py; CPU-only
 machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
@@ -122,10 +123,17 @@ class Engine:
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
             config.check_kv_fits(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
+        self.platform = cpu.platform(config.device, spin_guard=True)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
         scratch = num_blocks if config.cuda_graphs else None
         kv = allocate_kv_cache(
-            shape, num_blocks + (scratch is not None), config.block_size, config.dtype, config.device
+            shape,
+            num_blocks + (scratch is not None),
+            config.block_size,
+            config.dtype,
+            config.device,
+            self.platform,
         )
         self.runner = ModelRunner(
             model,
@@ -136,6 +144,8 @@ class Engine:
             max_graph_rows=config.max_num_batched_tokens,  # (no bucket is larger than ROW_BUCKETS[-1])
             max_model_len=self.max_model_len,
             compile_model=config.compile,
+            attention_backend=config.attention_backend,
+            platform=self.platform,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -150,7 +160,6 @@ class Engine:
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._mask_pool: ThreadPoolExecutor | None = None  # computes masks while the forward runs
         self.output = OutputProcessor(tokenizer)
-        self.spin_guard = cpu.spin_guard(config.device)  # CPU only (BATCHJOB_CPU_SPIN_GUARD=0: off)
 
     @classmethod
     def from_pretrained(
@@ -158,7 +167,7 @@ class Engine:
     ) -> Engine:
         """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
-        ``options``: any of ``EngineConfig``'s (``engine/config.py`` declares each with its default and
+        ``options``: any of ``EngineConfig``'s (``engine/options.py`` declares each with its default and
         check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
         cap the context below the model's own, ``check_kv_pool=True`` to refuse a KV pool that cannot hold
         one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;
@@ -291,11 +300,6 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
-    @property
-    def num_running(self) -> int:
-        """Requests holding a seat in the running batch (the scheduler's, after the last step)."""
-        return len(self.scheduler.running)
-
     def snapshot(self) -> list[RequestState]:
         """Every unfinished request (a finished one still waiting for its choice scores included)."""
         states = []
@@ -329,9 +333,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute one forward, update. Returns the requests that finished in this step."""
         t0 = time.perf_counter()
-        if self.spin_guard is not None:  # CPU only (engine/cpu/)
-            self.spin_guard.check()
-            self.stats.short_spin_steps += self.spin_guard.on
+        self.stats.short_spin_steps += self.platform.before_step()
         finished = self._flush_failed()
         plan = self._schedule()
         if not plan.is_empty:
@@ -428,8 +430,8 @@ class Engine:
         outputs = [self.output.output(req) for req in finished]
         for req in finished:
             del self._requests[req.request_id]
-        if not self._requests and self.spin_guard is not None:
-            self.spin_guard.release()  # idle: leave the OpenMP runtime as we found it
+        if not self._requests:
+            self.platform.idle()
         return outputs
 
     def _take_tokens(self, req: Request, drawn: list[int], now: float) -> RequestStatus | None:

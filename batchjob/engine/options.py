@@ -23,6 +23,11 @@ DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
 DEVICE_NAME = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEFAULT_SPECULATIVE_TOKENS = 4  # most prompt-lookup drafts a request takes per step (it starts at one)
 
+# The attention_backend option's values: auto, or a backend's ``option`` (engine/attention/registry.py lists
+# the same; a test holds them equal, so this module need not import the backends).
+ATTENTION_BACKENDS = ("auto", "flex", "torch", "cpu", "flash", "varlen")
+DEVICE_WORDS = {"cuda": "CUDA", "cpu": "CPU"}
+
 Check = Callable[[Any], "str | None"]  # what is wrong with a value ("must be ..., got 0"), None when fine
 
 
@@ -37,6 +42,13 @@ class Option:
     job_name: str | None = None  # its name in job files and on the command line, where that differs
     job: bool = True  # whether jobs have it (False: the job layer sets it itself)
     metavar: str | None = None
+    # "The engine decides", per device type: the value None (or "auto") resolves to on each (EngineConfig);
+    # a device type not listed keeps None (decided otherwise: a KV pool sized by profiling the GPU).
+    per_device: tuple[tuple[str, Any], ...] = ()
+
+    def device_default(self, device_type: str) -> Any:
+        """The value the engine decides on a device of this type (None: not by device)."""
+        return dict(self.per_device).get(device_type)
 
     def complaint(self, name: str, value: Any) -> str | None:
         """What is wrong with ``value`` for the option called ``name``, in one line; None when fine."""
@@ -46,9 +58,26 @@ class Option:
         return None if wrong is None else f"{name} {wrong}"
 
 
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def option(default: Any, kind: type, help: str, **how: Any) -> Any:
-    """A field of ``EngineOptions`` that is an engine option: ``how`` is the rest of ``Option``."""
+    """A field of ``EngineOptions`` that is an engine option: ``how`` is the rest of ``Option``
+    (``per_device`` may be given as a dict)."""
+    per_device = how.get("per_device")
+    if isinstance(per_device, dict):
+        how["per_device"] = tuple(per_device.items())
+        each = ", ".join(f"{_shown(v)} on {DEVICE_WORDS.get(d, d)}" for d, v in per_device.items())
+        help = f"{help} (default: {each})."  # the help shows what the declaration says, never a copy
     return field(default=default, metadata={"option": Option(help, kind, **how)})
+
+
+def device_default(name: str, device_type: str) -> Any:
+    """What the engine decides for option ``name`` on a device of this type, from its declaration."""
+    return next(opt for f, opt in declared() if f.name == name).device_default(device_type)
 
 
 def integer(lo: int, hi: int | None = None, why: str = "") -> Check:
@@ -96,6 +125,11 @@ def _dtype(value: Any) -> str | None:
     return None if ok else f"must be one of {', '.join(DTYPE_CHOICES)}; got {value!r}"
 
 
+def _attention_backend(value: Any) -> str | None:
+    ok = value in ATTENTION_BACKENDS
+    return None if ok else f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {value!r}"
+
+
 @dataclass
 class EngineOptions:
     """Every engine option, as given: each given value is checked on creation, and None becomes the declared
@@ -107,25 +141,41 @@ class EngineOptions:
     dtype: Any = option(
         "auto",
         str,
-        "Weights dtype (default: auto: bfloat16 on CUDA, float32 on CPU).",
+        "Weights dtype",
         check=_dtype,
         choices=DTYPE_CHOICES,
+        per_device={"cuda": "bfloat16", "cpu": "float32"},
+    )
+    attention_backend: str = option(
+        "auto",
+        str,
+        "Attention backend: auto (chosen by device, dtype and what the model needs: on CUDA flash if "
+        "flash-attn is installed, else flex; on the CPU the C++ decode kernel, else flex for soft-capping "
+        "or sinks, else torch), or one of flex, torch, cpu, flash, varlen, which must be able to run the "
+        "model (default: auto).",
+        choices=ATTENTION_BACKENDS,
+        check=_attention_backend,
     )
     max_num_batched_tokens: int | None = option(
-        None, int, "Tokens per engine step (default: per device).", check=integer(1)
+        None, int, "Tokens per engine step", check=integer(1), per_device={"cuda": 8192, "cpu": 512}
     )
     max_num_seqs: int | None = option(
-        None, int, "Requests running at once (default: per device).", check=integer(1)
+        None, int, "Requests running at once", check=integer(1), per_device={"cuda": 256, "cpu": 64}
     )
     block_size: int | None = option(
         None,
         int,
-        "Tokens per KV block (default: the engine decides with its attention backend: 256 for flash-attn's "
-        "paged kernel on a GPU, else 16).",
+        "Tokens per KV block (default: the attention backend's: 256 for the flash and varlen backends' paged "
+        "kernels, else 16).",
         check=integer(1),
     )
     kv_memory_gb: float | None = option(
-        None, float, "KV cache budget in GiB (default: per device).", check=_positive
+        None,
+        float,
+        "KV cache budget in GiB; on CUDA by default what gpu_memory_utilization leaves after the weights and "
+        "a warm-up forward",
+        check=_positive,
+        per_device={"cpu": 2.0},
     )
     num_blocks: int | None = option(
         None, int, "KV cache size in blocks (overrides --kv-memory-gb).", check=integer(1)
@@ -160,8 +210,9 @@ class EngineOptions:
     cuda_graphs: bool | None = option(
         None,
         bool,
-        "CUDA: replay decode steps from CUDA graphs bucketed by batch size (default: on).",
+        "CUDA: replay decode steps from CUDA graphs bucketed by batch size",
         check=_flag,
+        per_device={"cuda": True, "cpu": False},
     )
     compile: bool = option(
         False,

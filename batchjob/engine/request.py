@@ -34,17 +34,6 @@ class RequestStatus(enum.IntEnum):
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
-
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ERROR: "error",
-}
-
 
 def request_key(request_id: str) -> int:
     """A stable 31-bit integer for a request id: the sampler mixes it with the seed and the position."""

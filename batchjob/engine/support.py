@@ -13,8 +13,8 @@ StableLM, GPT-NeoX; SmolLM3's NoPE layers), q/k norms, parallel residuals, MoE r
 soft-capping and logit scales (Gemma-2/3, Cohere, Granite apply them in their own forward, after the head).
 
 Soft-capping and sinks are computed by the flex backend, which the engine then picks (see
-:func:`batchjob.engine.attention.choose_attention`); what each backend computes is its row of
-``attention.BACKEND_FEATURES``, and a feature no row has is refused here, by family and feature.
+:func:`batchjob.engine.attention.registry.choose_attention`); what each backend computes is declared by its
+class (``computes``), and a feature no backend computes is refused here, by family and feature.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from batchjob.engine.attention.registry import supported_features
 from batchjob.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Feature:
-    name: str  # the name attention.BACKEND_FEATURES lists when a backend computes it
+    name: str  # the name a backend's ``computes`` lists when it computes it
     uses: str  # what the model does, as the refusal says it: "uses attention logit soft-capping"
     consequence: str  # why that is wrong here: "which batchjob's attention does not apply yet"
     detect: Callable[[Any, Any], str | None]  # (text config, model or None) -> detail, None: not used
@@ -156,11 +157,16 @@ def model_features(config, model=None) -> list[tuple[str, str]]:
     return found
 
 
+def attention_features(config, model=None) -> frozenset[str]:
+    """The attention features a model needs beyond plain causal attention: ``sliding_window``, ``softcap``
+    (attention logit soft-capping), ``sinks`` (a learned sink logit per head), ``alibi``, and those no
+    backend has (``own_attention``, ``bidirectional``, ...)."""
+    return frozenset(name for name, _ in model_features(config, model))
+
+
 def supported() -> frozenset[str]:
     """The features some attention backend computes exactly."""
-    from batchjob.engine.attention import SUPPORTED_FEATURES
-
-    return SUPPORTED_FEATURES
+    return supported_features()
 
 
 def unsupported_features(

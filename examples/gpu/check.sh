@@ -24,7 +24,7 @@ timeout 75 python -m pytest -q -x tests/test_engine.py tests/test_flex.py > "$ou
 common=(--device cuda --num-requests 256 --static-batch-size 8)
 timeout 100 batchjob bench "${common[@]}" --hf-cb-max-batch-tokens 4096 --json "$out/bench-default.json" \
     > "$out/bench-default.txt" 2>&1
-BATCHJOB_ATTENTION_BACKEND=varlen timeout 50 batchjob bench "${common[@]}" --baselines ours \
+timeout 50 batchjob bench "${common[@]}" --attention-backend varlen --baselines ours \
     --json "$out/bench-varlen.json" > "$out/bench-varlen.txt" 2>&1
 timeout 25 python examples/gpu/random_model.py /tmp/random-0.5b > "$out/random-model.txt" 2>&1
 timeout 95 batchjob bench "${common[@]}" --model /tmp/random-0.5b --baselines ours,static \

@@ -1,4 +1,4 @@
-"""FlexAttention over the paged KV cache: the attention path that needs nothing but torch, on every device.
+"""FlexAttention over the paged KV cache, the machinery of the ``flex`` backend (:mod:`.flex`).
 
 A step's requests are attended in at most two calls per layer: the requests with one new token as a batch
 of B single queries (decode), and the requests with several (prompt chunks, draft verification) as a batch
@@ -43,11 +43,6 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 log = logging.getLogger(__name__)
-
-# Model attention features this backend computes exactly (the names the model-support check uses). ALiBi is
-# implemented (``alibi_slopes``) but not listed: no transformers model hands it to the attention interface
-# (Bloom, Falcon and MPT compute attention inline), so listing it would wrongly lift their refusal.
-FEATURES = frozenset({"sliding_window", "softcap", "sinks"})
 
 COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Q_BLOCK = {"cpu": 16, "cuda": 128}  # folded query rows per BlockMask block (a decode call: mostly one)

@@ -1,0 +1,71 @@
+"""Paged attention plugged into unmodified Hugging Face models through ``AttentionInterface``.
+
+The model runs one packed sequence of ``T`` tokens (batch dimension 1) holding chunks of several requests.
+Each attention layer calls :func:`paged_attention` with the new tokens' query, key and value. We write the new
+K/V into the paged cache, then the step's backend lets each request's queries attend to that request's
+cached keys, with a bottom-right causal alignment (the first query of a chunk sees every earlier cached key
+of its request).
+
+Everything that describes the batch travels in one private keyword argument, ``batchjob_meta``, built once
+per step by the model runner and shared by all layers. The registered name has no mask function, so the
+model skips building its own mask.
+
+The package, one module per idea:
+
+- ``layout.py``: the step's backend-neutral layout (:class:`StepLayout`) and its one host-to-device copy.
+- ``base.py``: the :class:`AttentionBackend` interface (what a backend computes, its block-size rule, its
+  devices and dtypes, its metadata and forward) and the :class:`AttentionMetadata` every layer receives.
+- ``registry.py``: every backend, and :func:`choose_attention`, the one place that picks one.
+- the backends: ``reference.py`` (``torch``, SDPA over gathered keys, every device), ``flex.py`` (FlexAttention
+  over the paged cache; its machinery in ``flex_kernel.py``), ``flash.py`` (flash-attn's paged kernel),
+  ``varlen.py`` (torch's own FlashAttention-2); the CPU decode kernel's, ``cpu_kernel``, lives with the
+  kernel in :mod:`batchjob.engine.cpu.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from batchjob.engine.attention.base import AttentionBackend, AttentionMetadata
+from batchjob.engine.attention.layout import Packer, StepLayout
+
+__all__ = ["ATTN_NAME", "META_KWARG", "AttentionBackend", "AttentionMetadata", "Packer", "StepLayout"]
+
+ATTN_NAME = "batchjob_paged"
+ATTN_NAME_UNCOMPILED = "batchjob_paged_uncompiled"  # the same, kept out of torch.compile's graphs
+META_KWARG = "batchjob_meta"
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, KVH, T, D]
+    value: torch.Tensor,  # [1, KVH, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata = kwargs[META_KWARG]
+    softcap, sinks, slopes = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("alibi_slopes")
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(flat_k.dtype))  # [T, KVH, D]
+    flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(flat_v.dtype))
+
+    backend = meta.backend
+    # Chosen at load so that this never fails: a backend silently ignores what it does not apply.
+    for name, given in (("softcap", softcap), ("sinks", sinks), ("alibi", slopes)):
+        assert given is None or name in backend.applies(), f"the {backend.name} backend does not apply {name}"
+    out = backend.forward(
+        meta.data, query[0], key, value, k_cache, v_cache, scaling, sliding_window, softcap, slopes, sinks
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention)
+AttentionInterface.register(ATTN_NAME_UNCOMPILED, torch.compiler.disable(paged_attention))

@@ -1,0 +1,59 @@
+"""The ``varlen`` backend: ``torch.nn.attention.varlen.varlen_attn``, the FlashAttention-2 kernel built into
+torch's CUDA wheels (bf16/fp16, sm80+), over the paged cache with flash-attn's metadata and page rule; only
+when asked for (``--attention-backend varlen``). A window of W keys is (W - 1, 0): causal, bottom-right."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from batchjob.engine.attention.flash import FlashAttn, FlashMeta
+
+
+@functools.cache
+def import_varlen():
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None
+    return varlen
+
+
+class Varlen(FlashAttn):
+    name = "varlen"
+    option = "varlen"
+
+    @classmethod
+    def missing(cls, device, dtype) -> str | None:
+        return None if import_varlen() is not None else "this torch has no torch.nn.attention.varlen"
+
+    def forward(
+        self,
+        data: FlashMeta,
+        q,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        scale,
+        window,
+        softcap=None,
+        slopes=None,
+        sinks=None,
+    ):
+        cu_k = data.cu_k
+        return import_varlen().varlen_attn(
+            q.transpose(0, 1),
+            k_cache,
+            v_cache,
+            data.cu_q,
+            cu_k,
+            data.max_q,
+            data.max_k,
+            scale=scale,
+            window_size=(window - 1, 0) if window is not None else (-1, 0),
+            enable_gqa=k_cache.shape[2] != q.shape[0],
+            seqused_k=(cu_k[1:] - cu_k[:-1]).to(torch.int32),
+            block_table=data.block_table,
+        )

@@ -1,0 +1,112 @@
+"""The device's hooks into the engine: the few places where a device needs more than torch does everywhere.
+
+:class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
+it packs float32 linear weights for oneDNN at load (:mod:`.linear`), allocates the KV pool on huge pages,
+and checks between steps whether other programs share our cores (:mod:`.spin`). The engine and the model
+runner call the hooks and never ask which device they run on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+import torch
+
+from batchjob import env
+from batchjob.engine.cpu import linear
+from batchjob.engine.cpu.spin import SpinGuard
+
+SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+KVPool = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Platform:
+    """Hooks of a device that needs nothing special (CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
+        """Adapt the loaded model to the device; returns how many layers were changed."""
+        return 0
+
+    def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
+        """Per layer, K and V caches of shape ``dims``, zeroed: attention reads padded and not-yet-written
+        slots under a mask, and a NaN left in uninitialised memory would survive a zero attention weight."""
+        return [
+            (
+                torch.zeros(dims, dtype=dtype, device=self.device),
+                torch.zeros(dims, dtype=dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
+
+    def before_step(self) -> bool:
+        """Called at the start of every engine step; True when the step runs in a busy machine's mode."""
+        return False
+
+    def idle(self) -> None:
+        """Called when the engine has no request left."""
+
+
+def _madvise_huge_pages(address: int, length: int) -> None:
+    """Ask Linux for transparent huge pages on this range (a no-op elsewhere, or if it says no)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(_MADV_HUGEPAGE))
+    except (OSError, AttributeError):
+        pass
+
+
+def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed CPU memory on 2 MiB pages where the OS offers them: decode attention reads blocks scattered
+    over the whole pool, and huge pages spare it most TLB misses. Pages are advised before the zeroing
+    touches them, so they are faulted in huge from the start."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % _HUGE_PAGE
+    buf = raw[start : start + nbytes]
+    _madvise_huge_pages(buf.data_ptr(), nbytes // _HUGE_PAGE * _HUGE_PAGE)
+    return buf.zero_().view(dtype)
+
+
+class CpuPlatform(Platform):
+    """The CPU's hooks. ``spin_guard``: whether to watch for other programs on our cores (the engine's
+    runner does; a runner built alone, to measure or test, does not)."""
+
+    def __init__(self, device: torch.device, spin_guard: bool = True) -> None:
+        super().__init__(device)
+        self.spin_guard: SpinGuard | None = None
+        if spin_guard and env.flag(SPIN_GUARD_ENV):  # on unless BATCHJOB_CPU_SPIN_GUARD=0
+            guard = SpinGuard(device)
+            self.spin_guard = guard if guard.enabled else None
+
+    def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
+        """Pack the model's float32 linear weights for oneDNN (not under torch.compile: inductor lowers the
+        packed call only for weights it froze itself)."""
+        if compiled or not linear.available(dtype, self.device):
+            return 0
+        return linear.prepack_linears(model)
+
+    def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
+        """One zeroed pool on huge pages, every layer's K and V a view of it."""
+        per_tensor = dims[0] * dims[1] * dims[2] * dims[3]
+        pool = huge_page_zeros(2 * num_layers * per_tensor, dtype).view(2 * num_layers, *dims)
+        return [(pool[2 * i], pool[2 * i + 1]) for i in range(num_layers)]
+
+    def before_step(self) -> bool:
+        if self.spin_guard is None:
+            return False
+        self.spin_guard.check()
+        return self.spin_guard.on
+
+    def idle(self) -> None:
+        if self.spin_guard is not None:
+            self.spin_guard.release()  # leave the OpenMP runtime as we found it
