@@ -176,21 +176,30 @@ def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:
 
 
 def load_model_and_tokenizer(
-    name: str | None, dtype: Any, device: Any, trust_remote_code: bool = False
+    name: str | None, dtype: Any, device: Any, trust_remote_code: bool = False, task: str = "generate"
 ) -> tuple[Any, Any, str]:
-    """Load an unmodified Hugging Face causal LM and its tokenizer. Returns (model, tokenizer, resolved).
+    """Load an unmodified Hugging Face model and its tokenizer. Returns (model, tokenizer, resolved).
 
-    ``trust_remote_code``: allow the Python code a model folder ships (``auto_map``) to run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ``task``: generate and score load the causal LM, embed the model's body (``AutoModel``), classify its
+    sequence-classification head. ``trust_remote_code``: allow the Python code a model folder ships
+    (``auto_map``) to run."""
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    auto = {"embed": AutoModel, "classify": AutoModelForSequenceClassification}.get(
+        task, AutoModelForCausalLM
+    )
 
     resolved = resolve_model(name)
     try:
         # The config first: a model that needs its own code is refused before anything else is read.
         _config(name, resolved, trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = auto.from_pretrained(resolved, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e) from e
     model.to(device)
