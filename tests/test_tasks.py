@@ -256,3 +256,13 @@ def test_incremental_api_and_snapshot(causal_lm):
     (again,) = [o for _ in range(20) for o in eng.step()]
     assert again.request_id == "row-1" and again.logprob == first.logprob
     assert again.token_logprobs == first.token_logprobs and again.num_scored_tokens == len(c)
+
+
+def test_kv_pool_sized_for_the_task_limit(embedders):
+    """A decoder embedder's pool needs room for one text of its sentence-transformers limit, not for the
+    model's whole context: 18 blocks of 16 tokens hold 96 tokens, not the 512 of its positions."""
+    eng = Engine.from_pretrained(
+        str(embedders["qwen3"]), task="embed", device="cpu", dtype="float32", kv_memory_gb=0.00015
+    )
+    assert eng.block_manager.num_blocks * 16 < 512 and eng.prefill_limit == MAX_LEN
+    assert all(o.embedding is not None for o in eng.embed(TEXTS))

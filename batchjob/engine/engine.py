@@ -136,9 +136,10 @@ class Engine:
             self.tasks, self.prefill_limit = tasks.task_runner(model, tokenizer, config, model_id, encoder)
 
         shape = KVShape.from_config(model.config)
-        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, self.max_model_len)
+        longest = self.prefill_limit if self.tasks is not None else self.max_model_len  # one request's tokens
+        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
-            config.check_kv_fits(num_blocks, self.max_model_len)
+            config.check_kv_fits(num_blocks, longest)
         # An encoder's keys depend on the whole row: nothing of it can be reused by another.
         caching = config.enable_prefix_caching and not encoder
         self.block_manager = BlockManager(num_blocks, config.block_size, caching)
