@@ -85,6 +85,28 @@ def test_embed_equals_sentence_transformers(embedders, family, dtype):
     assert eng.block_manager.num_used_blocks == 0  # every block freed as its request finished
 
 
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_encoder_on_each_bidirectional_backend(embedders, backend, dtype):
+    """The torch reference and flex (dense in float64; in float32 its compiled kernel, where it compiles)
+    attend an encoder's rows both ways, as the default cpu backend does."""
+    folder = embedders["bert"]
+    ref = _st_encode(folder, dtype)
+    eng = Engine.from_pretrained(
+        str(folder),
+        task="embed",
+        device="cpu",
+        dtype=dtype,
+        attention_backend=backend,
+        max_num_batched_tokens=64,
+    )
+    assert eng.runner.attention.name == backend
+    got = np.stack([o.embedding for o in eng.embed(TEXTS)])
+    err = float(np.abs(got - ref).max())
+    print(f"bert {backend} {dtype}: max |ours - sentence-transformers| = {err:.3g}")
+    assert err <= TOL[dtype] and eng.stats.steps > 1
+
+
 def test_embed_options_override_and_matryoshka(embedders):
     folder = embedders["bert"]
     ref = _st_encode(folder, "float64", truncate_dim=16, normalize_embeddings=True)
@@ -214,12 +236,17 @@ def test_conditional_score_reuses_the_prompt(causal_lm):
 def test_refusals(embedders, causal_lm):
     folder = str(embedders["bert"])
     # An encoder attends both ways: a backend without it is refused by name, and so is generation.
-    with pytest.raises(
-        ConfigError, match="attention backend flex cannot run here: it does not implement bidirectional"
-    ):
-        Engine.from_pretrained(folder, task="embed", device="cpu", attention_backend="flex")
-    eng = Engine.from_pretrained(folder, task="embed", device="cpu", attention_backend="torch")
-    assert eng.runner.attention.name == "torch" and eng.embed(TEXTS[:2])[0].embedding is not None
+    from batchjob.engine.attention.registry import choose_attention
+    from batchjob.engine.support import attention_features
+
+    assert attention_features(Engine.from_pretrained(folder, task="embed", device="cpu").model.config) == {
+        "bidirectional"
+    }
+    for backend in ("flash", "varlen"):  # flash-attn's kernels are causal only
+        with pytest.raises(ConfigError, match="cannot run here: it does not implement bidirectional"):
+            choose_attention(
+                torch.device("cuda"), torch.bfloat16, frozenset({"bidirectional"}), backend=backend
+            )
     with pytest.raises(ConfigError, match="can embed or classify"):
         Engine.from_pretrained(folder, task="score", device="cpu")
     lm = Engine.from_pretrained(str(causal_lm), task="score", device="cpu")

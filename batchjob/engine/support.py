@@ -151,7 +151,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "bidirectional",
         "uses bidirectional attention",
-        "which only the torch and cpu attention backends compute (for embed and classify)",
+        "which only the torch, cpu and flex attention backends compute (for embed and classify)",
         _bidirectional,
     ),
     Feature(
