@@ -651,6 +651,11 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if self.tasks is not None:
+            raise ConfigError(
+                f"generate() needs an engine built with task='generate'; this one's task is {self.task!r} "
+                f"(call {self.task}() instead)"
+            )
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine; it has unfinished requests")
         ids = []
