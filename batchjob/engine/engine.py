@@ -187,11 +187,11 @@ class Engine:
     def from_pretrained(
         cls, model: str | None = None, *, trust_remote_code: bool = False, **options: Any
     ) -> Engine:
-        """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine.
+        """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
         ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
-        head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s (``engine/config.py`` declares each with its default and
-        check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
+        head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s
+        (``engine/config.py`` declares each with its default and check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
         cap the context below the model's own, ``check_kv_pool=True`` to refuse a KV pool that cannot hold
         one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
