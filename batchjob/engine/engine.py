@@ -191,9 +191,9 @@ class Engine:
 
         ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
         head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s
-        (``engine/config.py`` declares each with its default and check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
-        cap the context below the model's own, ``check_kv_pool=True`` to refuse a KV pool that cannot hold
-        one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;
+        (``engine/config.py`` declares each with its default and check; None: the engine decides), e.g.
+        ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap the context below the model's own,
+        ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
         """
         from batchjob.models import load_model_and_tokenizer
