@@ -295,3 +295,30 @@ def test_kv_pool_sized_for_the_task_limit(embedders):
     )
     assert eng.block_manager.num_blocks * 16 < 512 and eng.prefill_limit == MAX_LEN
     assert all(o.embedding is not None for o in eng.embed(TEXTS))
+
+
+@pytest.mark.parametrize("task", ["embed", "classify", "score"])
+def test_bench_task(embedders, classifiers, causal_lm, task, tmp_path):
+    """``batchjob bench --task``: ours and its anchors on the same docstring texts, ratios, the JSON file."""
+    import json
+
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    model = {"embed": embedders["bert"], "classify": classifiers["bert"], "score": causal_lm}[task]
+    out = tmp_path / "bench.json"
+    args = ["bench", "--task", task, "--model", str(model), "--num-requests", "6", "--text-tokens", "5,60"]
+    args += ["--st-batch-sizes", "4", "--hf-batch-size", "4", "--device", "cpu", "--threads", "1"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    body = json.loads(out.read_text())
+    names = [r["name"] for r in body["results"]]
+    expected = ["ours", "st-encode batch=32", "st-encode batch=4"] if task == "embed" else ["ours"]
+    assert names == [*expected, "hf-forward batch=4"]
+    assert body["texts"] == 6 and all(
+        r["tokens"] == body["results"][0]["tokens"] > 0 for r in body["results"]
+    )
+    assert f"task {task}: 6 texts" in result.output
+    if task == "embed":
+        assert "ours vs sentence-transformers encode:" in result.output
