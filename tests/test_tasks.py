@@ -322,3 +322,23 @@ def test_bench_task(embedders, classifiers, causal_lm, task, tmp_path):
     assert f"task {task}: 6 texts" in result.output
     if task == "embed":
         assert "ours vs sentence-transformers encode:" in result.output
+
+
+def test_modernbert_is_refused_by_name():
+    """ModernBERT attends within a window both ways in its local layers, which no backend computes."""
+    from transformers import AutoModel, ModernBertConfig
+
+    from batchjob.engine import support
+
+    ids = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1)
+    config = ModernBertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        **ids,
+    )
+    for model in (None, AutoModel.from_config(config)):
+        with pytest.raises(ConfigError, match="model family 'modernbert' uses windowed attention both ways"):
+            support.check_supported(config, model)

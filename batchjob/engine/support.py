@@ -112,7 +112,8 @@ def _bidirectional(config, model) -> str | None:
         ]
         if layers and all(m.is_causal is False for m in layers):
             return f"an encoder: {type(layers[0]).__name__}.is_causal is False"
-        return None
+        if layers:
+            return None
     if config.model_type in _ENCODER_FAMILIES and not getattr(config, "is_decoder", False):
         return f"an encoder ({config.model_type})"
     return None
