@@ -208,12 +208,23 @@ def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:
 
 
 def load_model_and_tokenizer(
-    name: str | None, dtype: Any, device: Any, trust_remote_code: bool = False
+    name: str | None, dtype: Any, device: Any, trust_remote_code: bool = False, task: str = "generate"
 ) -> tuple[Any, Any, str]:
-    """Load an unmodified Hugging Face causal LM and its tokenizer. Returns (model, tokenizer, resolved).
+    """Load an unmodified Hugging Face model and its tokenizer. Returns (model, tokenizer, resolved).
 
-    ``trust_remote_code``: allow the Python code a model folder ships (``auto_map``) to run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ``task``: generate and score load the causal LM, embed the model's body (``AutoModel``), classify its
+    sequence-classification head. ``trust_remote_code``: allow the Python code a model folder ships
+    (``auto_map``) to run."""
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    auto = {"embed": AutoModel, "classify": AutoModelForSequenceClassification}.get(
+        task, AutoModelForCausalLM
+    )
 
     resolved = resolve_model(name)
     try:
@@ -222,9 +233,7 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
         if not trust_remote_code:  # a hub model's tokenizer_config.json, read only now
             _refuse_own_code(resolved, tokenizer.init_kwargs.get("auto_map"), "tokenizer_config.json", None)
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = auto.from_pretrained(resolved, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e) from e
     model.to(device)

@@ -17,7 +17,7 @@ PROCESS_MODULES = {
     "test_checkpoint_damage",
     "test_cluster",
 }
-ENGINE_MODULES = {"test_families", "test_gpu", "test_graphs", "test_engine", "test_bench"}
+ENGINE_MODULES = {"test_families", "test_gpu", "test_graphs", "test_engine", "test_bench", "test_tasks"}
 MODEL_FIXTURES = {"tiny_model_dir", "tiny_model_dirs", "decode_path"}
 
 

@@ -255,7 +255,10 @@ def _configs():
         "stablelm": (tf.StableLmConfig(), set()),
         "falcon with alibi": (tf.FalconConfig(alibi=True), {"own_attention", "alibi"}),
         "mpt": (tf.MptConfig(), {"own_attention", "alibi"}),
-        "bidirectional gemma3": (tf.Gemma3TextConfig(use_bidirectional_attention=True), {"bidirectional"}),
+        "bidirectional gemma3": (
+            tf.Gemma3TextConfig(use_bidirectional_attention=True),
+            {"bidirectional_window"},
+        ),
         "llama4 chunked attention": (tf.Llama4TextConfig(), {"layer_types"}),
     }
 

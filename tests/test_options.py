@@ -29,7 +29,9 @@ def test_every_job_option_is_a_spec_field_with_the_declared_default():
     assert not {"static_batching", "check_kv_pool"} & names  # the job layer sets these itself
     options = JobSpec(admission="static", prefix_caching=False).engine_options()
     assert options["static_batching"] and not options["enable_prefix_caching"] and options["check_kv_pool"]
-    assert set(options) == {f.name for f, _ in declared()}
+    # The prefill-only task options reach jobs with the job layer's part of issue 24 (--task), not yet.
+    pending = {"task", "pooling", "normalize", "dimensions", "truncate"}
+    assert set(options) == {f.name for f, _ in declared()} - pending
 
 
 @pytest.mark.parametrize("command", ["run", "validate", "bench"])

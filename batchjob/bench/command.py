@@ -329,6 +329,27 @@ def _llama_cpp_runs(
     help="Run ours and static generate in a worker thread, as transformers CB runs its loop (on a busy "
     "machine the main thread can be several times slower).",
 )
+@click.option(
+    "--task",
+    type=click.Choice(["generate", "embed", "classify", "score"]),
+    default="generate",
+    show_default=True,
+    help="embed, classify, score: ours against sentence-transformers encode and HF forward in padded batches, "
+    "on docstrings of installed packages (bench/tasks.py); --num-requests texts.",
+)
+@click.option(
+    "--text-tokens", type=LengthRange(), default="20,512", show_default=True, help="--task: text lengths."
+)
+@click.option(
+    "--st-batch-sizes",
+    type=TokenBudgets(),
+    default="16,32,64,128",
+    show_default=True,
+    help="--task embed: sentence-transformers batch sizes tried (32, its default, always).",
+)
+@click.option(
+    "--hf-batch-size", type=int, default=32, show_default=True, help="--task: HF forward batch size."
+)
 @apply(engine_flags())  # our engine's options, as `batchjob run` has them (engine/options.py)
 @errors
 def bench(
@@ -346,6 +367,10 @@ def bench(
     threads: int | None,
     repeat: int,
     worker_thread: bool,
+    task: str,
+    text_tokens: tuple[int, int],
+    st_batch_sizes: list[int | None],
+    hf_batch_size: int,
     **engine_options: Any,
 ) -> None:
     """Benchmark our engine against transformers' continuous batching and static generate, in one process.
@@ -354,6 +379,15 @@ def bench(
     ignored), after a short warm-up. Prints output and total tokens/s, ratios ours/theirs, where our time
     goes, and how many greedy outputs agree token for token.
     """
+    if task != "generate":  # the prefill-only tasks have their own runs and report
+        from batchjob.bench.tasks import task_bench
+
+        sizes = [b for b in st_batch_sizes if b is not None]
+        options = by_engine_name(engine_options)
+        task_bench(
+            task, model, num_requests, seed, text_tokens, sizes, hf_batch_size, threads, json_path, options
+        )
+        return
     import torch
     import transformers
     from transformers import AutoModelForCausalLM

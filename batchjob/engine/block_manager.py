@@ -106,13 +106,15 @@ class BlockManager:
         """Take the cached blocks that hold a prefix of ``req`` (a new request, no blocks yet).
 
         Returns the number of tokens they hold. At least one token is left to compute, so the request
-        still gets the logits of its last token.
+        still gets the logits of its last token; a prefill-only request (tasks.py) also computes every
+        position from its ``compute_from`` on (the rows its result is made of).
         """
         assert not req.block_ids
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        for i, digest in enumerate(self._digests(req, (req.num_tokens - 1) // bs)):
+        last = req.num_tokens - 1 if req.task is None else min(req.num_tokens - 1, req.task.compute_from)
+        for i, digest in enumerate(self._digests(req, last // bs)):
             block = self._cached.get(digest)
             if block is None or self._block_key[block][1] != tuple(req.token_ids[i * bs : (i + 1) * bs]):
                 break

@@ -9,6 +9,10 @@
 - ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
   conditions; finished requests are freed and returned as outputs.
 
+With ``task`` embed, classify or score (the engine option) every request is prefill-only (tasks.py): it
+finishes in the step that computes its last token, with its result made from that forward's hidden states
+(``Engine.embed``, ``classify``, ``score``; or ``add_request``/``step()`` as for generation).
+
 A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
 schedule; each step first calls the device's platform hook (cpu/platform.py: on the CPU a spin guard checks,
 about once a second, whether other programs share our cores).
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 
-from batchjob.engine import choices, cpu, speculative
+from batchjob.engine import choices, cpu, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.constraints import (
@@ -46,7 +50,7 @@ from batchjob.engine.output import OutputProcessor, RequestOutput
 from batchjob.engine.request import LogprobState, Request, RequestStatus, request_key
 from batchjob.engine.sampler import apply_bitmask, sample, top_logprobs
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
-from batchjob.engine.support import check_supported
+from batchjob.engine.support import attention_features, check_supported
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
@@ -60,6 +64,8 @@ class RequestState:
     output_ids: list[int]
     params: SamplingParams
     sample_index: int = 0  # pass it back to add_request when params.n > 1
+    continuation_ids: list[int] | None = None  # score: the scored continuation (pass it back likewise)
+    token_logprobs: bool = False  # score: the per-token list was asked for
 
 
 @dataclass
@@ -117,16 +123,30 @@ class Engine:
         self.max_model_len = config.resolve_max_model_len(model.config)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.task = config.task
+        encoder = "bidirectional" in attention_features(model.config, model)
+        if encoder and self.task not in ("embed", "classify"):
+            raise ConfigError(
+                f"model family {model.config.model_type!r} attends both ways (an encoder): it can embed or "
+                f"classify (task='embed' or 'classify', --task), not {self.task}"
+            )
+        self.tasks: tasks.TaskRunner | None = None
+        self.prefill_limit = self.max_model_len  # the longest prefill-only request, in tokens
+        if self.task != "generate":
+            self.tasks, self.prefill_limit = tasks.task_runner(model, tokenizer, config, model_id, encoder)
 
         shape = KVShape.from_config(model.config)
-        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, self.max_model_len)
+        longest = self.prefill_limit if self.tasks is not None else self.max_model_len  # one request's tokens
+        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
-            config.check_kv_fits(num_blocks, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            config.check_kv_fits(num_blocks, longest)
+        # An encoder's keys depend on the whole row: nothing of it can be reused by another.
+        caching = config.enable_prefix_caching and not encoder
+        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
         # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
         self.platform = cpu.platform(config.device, spin_guard=True)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
-        scratch = num_blocks if config.cuda_graphs else None
+        scratch = num_blocks if config.cuda_graphs and self.tasks is None else None
         kv = allocate_kv_cache(
             shape,
             num_blocks + (scratch is not None),
@@ -147,11 +167,13 @@ class Engine:
             attention_backend=config.attention_backend,
             platform=self.platform,
         )
+        budget = config.max_num_batched_tokens
         self.scheduler = Scheduler(
             self.block_manager,
-            config.max_num_batched_tokens,
+            max(budget, self.prefill_limit) if encoder else budget,  # an encoder's row runs whole
             config.max_num_seqs,
             static=config.static_batching,
+            split_prompts=not encoder,
         )
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         self._requests: dict[str, Request] = {}
@@ -165,19 +187,21 @@ class Engine:
     def from_pretrained(
         cls, model: str | None = None, *, trust_remote_code: bool = False, **options: Any
     ) -> Engine:
-        """Load a Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) into a new engine.
+        """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
-        ``options``: any of ``EngineConfig``'s (``engine/options.py`` declares each with its default and
-        check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to
-        cap the context below the model's own, ``check_kv_pool=True`` to refuse a KV pool that cannot hold
-        one request of that context. ``trust_remote_code``: run Python code shipped in the model's folder;
+        ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
+        head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s
+        (``engine/options.py`` declares each with its default and check; None: the engine decides), e.g.
+        ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap the context below the model's own,
+        ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of that context.
+        ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
         """
         from batchjob.models import load_model_and_tokenizer
 
         config = EngineConfig(**options)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
-            model, config.dtype, config.device, trust_remote_code=trust_remote_code
+            model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )
         return cls(hf_model, tokenizer, config, model_id=resolved)
 
@@ -187,11 +211,13 @@ class Engine:
         self,
         request_id: str,
         prompt_ids: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | None = None,
         output_ids: Sequence[int] | None = None,
         *,
         key: int | None = None,
         sample_index: int | None = None,
+        continuation_ids: Sequence[int] | None = None,
+        token_logprobs: bool = False,
     ) -> None:
         """Queue a request. ``output_ids`` resumes one that already generated tokens in an earlier run.
 
@@ -203,7 +229,20 @@ class Engine:
         With ``params.n > 1`` this queues the prompt's n samples (each with its own sampler key; the first
         computes the prompt and the others then take its KV blocks from the prefix cache), or only sample
         ``sample_index`` when given (to resume it).
+
+        With a prefill-only task (tasks.py) ``params`` and ``output_ids`` are not used; ``score`` takes
+        ``continuation_ids`` (only they are scored, given the prompt) and ``token_logprobs`` (keep the
+        per-token list). Longer than ``prefill_limit`` tokens: cut to it with the option ``truncate``, else
+        an error output.
         """
+        if self.tasks is not None:
+            if params is not None and params.n != 1:
+                raise ConfigError(f"task {self.task} takes one sample per request, got n={params.n}")
+            self._add_prefill(request_id, prompt_ids, continuation_ids, token_logprobs)
+            return
+        if continuation_ids is not None or token_logprobs:
+            raise ConfigError("continuation_ids and token_logprobs are for task='score'")
+        params = SamplingParams() if params is None else params
         if params.seed is None and not params.greedy:
             params = params.replace(seed=random.getrandbits(63))
         if params.n == 1:
@@ -260,6 +299,38 @@ class Engine:
             self.scheduler.add(req)
         return req
 
+    def _add_prefill(
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        continuation_ids: Sequence[int] | None,
+        token_logprobs: bool,
+    ) -> None:
+        if rid in self._requests:
+            raise ConfigError(f"request id {rid!r} is already in the engine")
+        if (continuation_ids is not None or token_logprobs) and self.task != "score":
+            raise ConfigError(f"continuation_ids and token_logprobs are for task='score', not {self.task!r}")
+        prompt = [int(t) for t in prompt_ids]
+        continuation = [int(t) for t in continuation_ids or ()]
+        tokens = prompt + continuation
+        cut = self.config.truncate and len(tokens) > self.prefill_limit
+        if cut:
+            tokens = tokens[: self.prefill_limit]
+        req = Request(rid, tokens, min(len(prompt), len(tokens)), SamplingParams(), time.monotonic())
+        assert self.tasks is not None
+        req.task = self.tasks.new_state(
+            req.num_prompt_tokens, len(tokens), continuation_ids is not None, token_logprobs
+        )
+        self._requests[rid] = req
+        self.stats.prompt_tokens += len(tokens)
+        req.error = tasks.check_request(
+            req, continuation_ids is not None, self.prefill_limit, self.vocab_size, self.block_manager
+        )
+        if req.error is not None:
+            self._failed.append(req)
+        else:
+            self.scheduler.add(req)
+
     def _new_constraint(self, params: SamplingParams) -> Constraint:
         stop_ids = sorted(self.eos_token_ids)
         if params.choices is not None:
@@ -305,6 +376,12 @@ class Engine:
         states = []
         for r in self._requests.values():
             if r.score is not None or (r.is_finished and not choices.pending(r)):
+                continue
+            if r.task is not None:
+                conditional = r.task.kind == "score" and r.task.score_from > 1
+                cont = r.output_ids if conditional else None
+                keep = r.task.keep_token_logprobs
+                states.append(RequestState(r.request_id, r.prompt_ids, [], r.params, 0, cont, keep))
                 continue
             replay = r.logprobs.replay if r.logprobs is not None else None
             output = replay if replay is not None and len(replay) > r.num_output_tokens else r.output_ids
@@ -366,6 +443,10 @@ class Engine:
             for r, n in zip(plan.requests, plan.num_tokens, strict=True)
             if r.num_computed_tokens + n == r.num_tokens
         ]
+        if self.tasks is not None:  # prefill-only: the result comes from the hidden states
+            hidden, lay = self.runner.hidden_states(plan)
+            self.tasks.consume(plan, lay, hidden)
+            return [], []
         masks = self._start_masks(will_sample)
         logits, sampling = self.runner.execute(plan)
         if not sampling:
@@ -396,6 +477,12 @@ class Engine:
             if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
                 self.block_manager.register_full_blocks(req)
         finished: list[Request] = []
+        if self.tasks is not None:
+            for req in plan.requests:
+                if req.num_computed_tokens == req.num_tokens:
+                    self.tasks.finish(req)
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks freed at once
+                    finished.append(req)
         now = time.monotonic()
         for req, tokens in zip(sampling, drawn, strict=True):
             if req.score is not None:
@@ -565,6 +652,11 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if self.tasks is not None:
+            raise ConfigError(
+                f"generate() needs an engine built with task='generate'; this one's task is {self.task!r} "
+                f"(call {self.task}() instead)"
+            )
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine; it has unfinished requests")
         ids = []
@@ -579,3 +671,61 @@ class Engine:
             for out in self.step():
                 results[out.request_id, out.sample_index] = out
         return [results[rid, k] for rid, p in zip(ids, params, strict=True) for k in range(p.n)]
+
+    # -- prefill-only tasks (tasks.py) -----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """A text's token ids as a task request takes them: with the tokenizer's special tokens (as
+        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on."""
+        cut = self.config.truncate and self.tasks is not None
+        return self.tokenizer(
+            text,
+            add_special_tokens=special_tokens,
+            truncation=cut,
+            max_length=self.prefill_limit if cut else None,
+        ).input_ids
+
+    def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
+        """Embed texts (or token id lists); outputs in input order, each with ``embedding`` (or ``error``)."""
+        return self._run_task("embed", [(x, None) for x in inputs], False)
+
+    def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
+        """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""
+        return self._run_task("classify", [(x, None) for x in inputs], False)
+
+    def score(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        continuations: Sequence[str] | Sequence[Sequence[int]] | None = None,
+        *,
+        token_logprobs: bool = False,
+    ) -> list[RequestOutput]:
+        """The log-likelihood of each prompt (every token but the first scored), or with ``continuations``
+        of each continuation given its prompt (a text continuation is tokenized without special tokens):
+        ``logprob``, ``num_scored_tokens``, ``perplexity``, and ``token_logprobs`` when asked for."""
+        if continuations is not None and len(continuations) != len(prompts):
+            raise ConfigError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
+        conts = list(continuations) if continuations is not None else [None] * len(prompts)
+        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs)
+
+    def _run_task(self, task: str, items: list, token_logprobs: bool) -> list[RequestOutput]:
+        if self.task != task:
+            raise ConfigError(
+                f"{task}() needs an engine built with task={task!r} (Engine.from_pretrained(..., task="
+                f"{task!r})); this one's task is {self.task!r}"
+            )
+        if self.has_unfinished():
+            raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
+
+        def ids(x, special: bool) -> list[int]:
+            return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)
+
+        for i, (prompt, cont) in enumerate(items):
+            c = None if cont is None else ids(cont, False)
+            kw = {"continuation_ids": c, "token_logprobs": token_logprobs} if task == "score" else {}
+            self.add_request(f"{task}-{i}", ids(prompt, True), **kw)
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[f"{task}-{i}"] for i in range(len(items))]

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu
+from batchjob.engine import attention, cpu, tasks
 from batchjob.engine.attention import AttentionBackend, AttentionMetadata, Packer, StepLayout
 from batchjob.engine.attention.layout import ramps
 from batchjob.engine.attention.registry import backend_class, choose_attention
@@ -89,6 +89,9 @@ class ModelRunner:
         self.features = attention_features(model.config, model)
         choice = choose_attention(device, kv_dtype, self.features, block_size, attention_backend)
         self._max_rows = max(max_graph_rows, ROW_BUCKETS[-1])  # rows one step can have
+        # An encoder attends within each row both ways (the backend chosen has ``bidirectional``).
+        self.causal = "bidirectional" not in self.features
+        self.position_offset = tasks.position_offset(model.config)  # RoBERTa counts from padding_idx + 1
         self.attention: AttentionBackend = self.new_backend(choice.backend)
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         self.platform = platform or cpu.platform(device)
@@ -113,7 +116,9 @@ class ModelRunner:
         """A backend over this runner's cache, unchecked: :func:`choose_attention` has checked the one the
         runner starts with (tests and ``examples/attention_ab.py`` swap ``self.attention`` for another)."""
         heads = self.model.config.get_text_config().num_attention_heads
-        return backend_class(name)(self.kv_caches, self.block_size, self.device, heads, self._max_rows)
+        backend = backend_class(name)(self.kv_caches, self.block_size, self.device, heads, self._max_rows)
+        backend.causal = self.causal
+        return backend
 
     def _layout(self, plan: SchedulerOutput) -> StepLayout:
         """The step's host-side index arrays (numpy)."""
@@ -203,6 +208,33 @@ class ModelRunner:
             log.warning("torch.compile failed (%s: %s); the model runs eagerly", type(e).__name__, e)
             self.forward = self.model
             return self.model(**kwargs)
+
+    @torch.inference_mode()
+    def hidden_states(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepLayout]:
+        """Run the plan through the model's body (``base_model``: no head); returns the last hidden states
+        [T, H] of every packed row, and the step's layout (the prefill-only tasks, engine/tasks.py)."""
+        lay = self._layout(plan)
+        input_ids, position_ids, meta, _ = self._prepare(plan, lay)
+        t0 = time.perf_counter()
+        if self.position_offset:
+            position_ids = position_ids + self.position_offset
+        if self.hand_over is not None:
+            self.hand_over.meta = meta
+        try:
+            out = self.model.base_model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                **{attention.META_KWARG: meta},
+            )
+        finally:
+            if self.hand_over is not None:
+                self.hand_over.meta = None
+        hidden = out.last_hidden_state[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - t0
+        return hidden, lay
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:

@@ -26,6 +26,8 @@ DEFAULT_SPECULATIVE_TOKENS = 4  # most prompt-lookup drafts a request takes per 
 # The attention_backend option's values: auto, or a backend's ``option`` (engine/attention/registry.py lists
 # the same; a test holds them equal, so this module need not import the backends).
 ATTENTION_BACKENDS = ("auto", "flex", "torch", "cpu", "flash", "varlen")
+TASKS = ("generate", "embed", "classify", "score")  # engine/tasks.py: what a request computes
+POOLINGS = ("cls", "mean", "last")
 DEVICE_WORDS = {"cuda": "CUDA", "cpu": "CPU"}
 
 Check = Callable[[Any], "str | None"]  # what is wrong with a value ("must be ..., got 0"), None when fine
@@ -125,6 +127,13 @@ def _dtype(value: Any) -> str | None:
     return None if ok else f"must be one of {', '.join(DTYPE_CHOICES)}; got {value!r}"
 
 
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}; got {value!r}"
+
+    return check
+
+
 def _attention_backend(value: Any) -> str | None:
     ok = value in ATTENTION_BACKENDS
     return None if ok else f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {value!r}"
@@ -219,6 +228,49 @@ class EngineOptions:
         bool,
         "Run the model under torch.compile (compiles on first use; default: off).",
         check=_flag,
+    )
+    # The task (engine/tasks.py). Jobs do not take these yet (job=False): the job layer's --task comes next.
+    task: str = option(
+        "generate",
+        str,
+        "What each request computes: generate (text), embed (a pooled hidden state), classify (a "
+        "sequence-classification head's logits) or score (the log-likelihood of the text) (default: "
+        "generate).",
+        choices=TASKS,
+        check=_one_of(TASKS),
+        job=False,
+    )
+    pooling: str | None = option(
+        None,
+        str,
+        "embed: cls, mean or last (default: the model folder's sentence-transformers pooling, else mean).",
+        choices=POOLINGS,
+        check=_one_of(POOLINGS),
+        job=False,
+    )
+    normalize: bool | None = option(
+        None,
+        bool,
+        "embed: scale each embedding to unit length (default: when the model folder's sentence-transformers "
+        "modules include Normalize).",
+        check=_flag,
+        job=False,
+    )
+    dimensions: int | None = option(
+        None,
+        int,
+        "embed: keep the first N dimensions (Matryoshka), renormalised when normalize is on.",
+        check=integer(1),
+        job=False,
+        metavar="N",
+    )
+    truncate: bool = option(
+        False,
+        bool,
+        "embed, classify, score: cut a text longer than the model's limit to the limit (default: off: such a "
+        "request is an error).",
+        check=_flag,
+        job=False,
     )
     # Jobs set these two themselves: static batching is their --admission static, and a job always wants a
     # pool that holds one request of the full context.

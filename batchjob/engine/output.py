@@ -11,8 +11,11 @@ where the output stops and the text it keeps are what decoding the whole output 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from batchjob.engine import choices
 from batchjob.engine.constraints import normalize_choices
@@ -40,6 +43,22 @@ class RequestOutput:
     choice_logprobs: dict[str, float] | None = None  # with choices: log P(choice | prompt), each choice
     logprobs: list[list[tuple[int, float]]] | None = None  # with logprobs=K: per generated token
     first_scheduled_time: float | None = None  # when it first ran in a step (None: it never ran)
+    # Prefill-only tasks (tasks.py documents each); None for generation and for errors.
+    embedding: np.ndarray | None = None  # embed: [D]
+    logits: np.ndarray | None = None  # classify: [L] the head's raw outputs
+    probs: np.ndarray | None = None  # classify, L > 1: softmax of logits
+    label: str | None = None  # classify, L > 1: id2label of the largest
+    score: float | None = None  # classify, L == 1: the one output
+    logprob: float | None = None  # score: sum of the scored tokens' log-probabilities
+    num_scored_tokens: int | None = None  # score
+    token_logprobs: list[float] | None = None  # score, when asked for: one per scored token
+
+    @property
+    def perplexity(self) -> float | None:
+        """score: exp(-logprob / num_scored_tokens)."""
+        if self.logprob is None or self.num_scored_tokens is None:
+            return None
+        return math.exp(-self.logprob / self.num_scored_tokens) if self.num_scored_tokens else math.nan
 
     @property
     def choice_probs(self) -> dict[str, float] | None:
@@ -124,4 +143,5 @@ class OutputProcessor:
             choice_logprobs=choice_logprobs,
             logprobs=None if req.logprobs is None else req.logprobs.top,
             first_scheduled_time=req.first_scheduled_time,
+            **((req.task.result or {}) if req.task is not None else {}),
         )

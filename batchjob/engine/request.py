@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from batchjob.engine.constraints import Constraint
     from batchjob.engine.output import StopScan
     from batchjob.engine.speculative import SpecState
+    from batchjob.engine.tasks import TaskState
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,6 +83,7 @@ class Request:
     spec: SpecState | None = None  # speculative.py: prompt-lookup state, from its first draft on
     score: ScoreTarget | None = None  # choices.py: this request scores a choice trie node, never samples
     stop: StopScan | None = None  # output.py: the incremental text its stop strings are looked for in
+    task: TaskState | None = None  # tasks.py: a prefill-only request (embed, classify, score), never samples
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

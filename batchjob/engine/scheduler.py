@@ -51,8 +51,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         static: bool = False,
+        split_prompts: bool = True,
     ) -> None:
         self.block_manager = block_manager
+        # False for an encoder (rows attended both ways): a prompt runs whole in one step or waits.
+        self.split_prompts = split_prompts
         # Static batching, the baseline that continuous batching replaces: once a batch has filled (or the
         # queue ran dry, or blocks ran out), nothing is admitted until every request of it has finished.
         self.static = static
@@ -123,6 +126,10 @@ class Scheduler:
                 cached = bm.match_prefix(req)
                 req.num_computed_tokens = cached
                 n = min(req.num_tokens - cached, budget)
+                if not self.split_prompts and n < req.num_tokens - cached:
+                    bm.free(req)
+                    req.num_computed_tokens = 0
+                    break  # whole in the next step
                 if not bm.allocate(req, cached + n):
                     bm.free(req)
                     req.num_computed_tokens = 0

@@ -96,9 +96,34 @@ def _sinks(config, model) -> str | None:
     return f"a learned sink logit per head in {len(layers)} layers" if layers else None
 
 
+# Encoder families (attention within a row both ways) as their config alone tells; with a model at hand its
+# attention modules decide (``is_causal`` False).
+_ENCODER_FAMILIES = {"bert", "roberta", "xlm-roberta", "camembert", "modernbert", "distilbert", "electra"}
+
+
 def _bidirectional(config, model) -> str | None:
-    bidirectional = getattr(config, "use_bidirectional_attention", False)
-    return "use_bidirectional_attention=True" if bidirectional else None
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True"
+    if model is not None:
+        layers = [
+            m
+            for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "is_causal")
+        ]
+        if layers and all(m.is_causal is False for m in layers):
+            return f"an encoder: {type(layers[0]).__name__}.is_causal is False"
+        if layers:
+            return None
+    if config.model_type in _ENCODER_FAMILIES and not getattr(config, "is_decoder", False):
+        return f"an encoder ({config.model_type})"
+    return None
+
+
+def _bidirectional_window(config, model) -> str | None:
+    window = getattr(config, "sliding_window", None) or getattr(config, "local_attention", None)
+    if window and _bidirectional(config, model) is not None:
+        return f"a window both ways ({window} tokens)"
+    return None
 
 
 _KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -127,8 +152,14 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "bidirectional",
         "uses bidirectional attention",
-        "and batchjob's attention is causal",
+        "which only the torch, cpu and flex attention backends compute (for embed and classify)",
         _bidirectional,
+    ),
+    Feature(
+        "bidirectional_window",
+        "uses windowed attention both ways",
+        "which no attention backend of batchjob applies (their windows look back only)",
+        _bidirectional_window,
     ),
     Feature(
         "layer_types",

@@ -2,8 +2,10 @@
 
 A backend is a class. Its class attributes declare what it computes exactly (``computes``: the model
 features of :mod:`batchjob.engine.support` it applies, beyond plain causal attention; ``bidirectional``
-for attention within a row both ways, which no backend has yet), its block-size rule (``page_multiple``,
-``default_block_size``) and the devices and dtypes it takes; :meth:`AttentionBackend.unusable` says why
+for attention within a row both ways), its block-size rule (``page_multiple``,
+``default_block_size``) and the devices and dtypes it takes; ``bidirectional`` backends attend within each
+row both ways when the runner sets ``causal = False`` on the instance (an encoder: each row is then a whole
+request, computed in one step, so its keys are the step's own); :meth:`AttentionBackend.unusable` says why
 it cannot run a model somewhere. The registry (:mod:`.registry`) chooses by these declarations alone.
 
 An instance serves one model runner (one KV pool). Each step it builds its own metadata from the runner's
@@ -38,7 +40,7 @@ class AttentionBackend:
     option: ClassVar[str]  # its value of the engine option attention_backend (--attention-backend)
     computes: ClassVar[frozenset[str]] = frozenset({"sliding_window"})  # model features it applies exactly
     implemented: ClassVar[frozenset[str]] = frozenset()  # applied when handed, but not claimed (see flex)
-    bidirectional: ClassVar[bool] = False  # attends within a row both ways (encoders): none does yet
+    bidirectional: ClassVar[bool] = False  # can attend within a row both ways (encoders)
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ALL_DTYPES
     page_multiple: ClassVar[int] = 1  # block sizes it takes: multiples of this
@@ -94,6 +96,7 @@ class AttentionBackend:
         self.device = device
         self.num_heads = num_heads
         self.max_rows = max_rows
+        self.causal = True  # False (set by the runner, only where ``bidirectional``): rows attend both ways
 
     # -- each step -------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The ``flex`` backend: FlexAttention over the paged cache (:mod:`.flex_kernel`), on every device with
-nothing but torch, at any block size; the only one with logit soft-capping and attention sinks. The
+nothing but torch, at any block size; the only one with logit soft-capping and attention sinks; it also
+attends an encoder's rows both ways. The
 default on CUDA without flash-attn, and wherever a model needs what the others lack.
 
 ALiBi is implemented (``alibi_slopes``) but not declared: no transformers model hands it to the attention
@@ -20,6 +21,7 @@ class Flex(AttentionBackend):
     option = "flex"
     computes = frozenset({"sliding_window", "softcap", "sinks"})
     implemented = frozenset({"alibi"})
+    bidirectional = True
 
     def __init__(self, kv_caches, block_size, device, num_heads, max_rows) -> None:
         super().__init__(kv_caches, block_size, device, num_heads, max_rows)
@@ -58,5 +60,5 @@ class Flex(AttentionBackend):
         if scale is None:
             scale = q.shape[2] ** -0.5
         return flex_kernel.paged_flex_attention(
-            q, k_cache, v_cache, data, scale, window, softcap, slopes, sinks
+            q, k_cache, v_cache, data, scale, window, softcap, slopes, sinks, self.causal
         )

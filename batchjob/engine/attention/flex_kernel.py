@@ -15,6 +15,10 @@ The query heads that share a KV head are folded into the query axis (query row `
 group becomes row ``i * G + g``), so the kernel runs per KV head and reads each page once for the whole
 group, as the CPU decode kernel does and flash-attn does for decoding.
 
+Bidirectional (an encoder's rows, each whole in its step): every query of a request sees what its last
+query sees, all of the request's keys; the mask, the BlockMask and the dense path take the last query's
+position for every query, so nothing else changes.
+
 ``score_mod`` adds what some models need beyond a mask: logit soft-capping (Gemma-2's ``softcap``) and
 ALiBi slopes; attention sinks (gpt-oss's ``s_aux``, a learned logit per head that joins the softmax's
 denominator and adds no value) are a correction of the output by the log-sum-exp the kernel returns:
@@ -125,7 +129,15 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> to
     return out * keep.view(b, kvh, rows, 1).to(out.dtype)
 
 
-def block_tensors(seqs: FlexSeqs, group: int, q_block: int, block_size: int, window: int | None, width: int):
+def block_tensors(
+    seqs: FlexSeqs,
+    group: int,
+    q_block: int,
+    block_size: int,
+    window: int | None,
+    width: int,
+    causal: bool = True,
+):
     """The BlockMask of one call, as tensors (built on the device, so a CUDA graph can capture it):
     kv_num [B, 1, nqb] and kv_idx [B, 1, nqb, width] list the pages each block of ``q_block`` folded query
     rows sees in part; full_num and full_idx the pages all its queries see whole."""
@@ -139,6 +151,8 @@ def block_tensors(seqs: FlexSeqs, group: int, q_block: int, block_size: int, win
     last = torch.minimum(first + q_block, qlen[:, None] * group) - 1
     p_lo = start[:, None] + torch.div(first, group, rounding_mode="floor")  # first and last query position
     p_hi = start[:, None] + torch.div(last, group, rounding_mode="floor")
+    if not causal:  # every query sees what the request's last one sees
+        p_lo = p_hi = (start + qlen - 1)[:, None].expand_as(p_lo)
     hi = torch.div(p_hi, bs, rounding_mode="floor")  # the last page any query of the block sees
     # full pages: every key at or before the first query, and (window) within the last query's reach
     f_hi = torch.minimum(torch.div(p_lo + 1, bs, rounding_mode="floor") - 1, hi)
@@ -174,6 +188,7 @@ def block_tensors(seqs: FlexSeqs, group: int, q_block: int, block_size: int, win
 def _paged_kernel(
     q, k_cache, v_cache, logical, info, kv_num, kv_idx, full_num, full_idx, slopes, sinks,
     scale: float, group: int, window: int | None, softcap: float | None, q_block: int, kernel_options,
+    causal: bool = True,
 ):  # fmt: skip
     """One FlexAttention call over the paged cache (the function ``torch.compile`` compiles).
     q [B, KVH, L * G, D], query heads folded; returns the same shape."""
@@ -192,7 +207,8 @@ def _paged_kernel(
 
     def mask_mod(b, h, r, kv_idx):
         i = r // group
-        return visible(start[b] + i, kv_pos(kv_idx), i < qlen[b], window)
+        qpos = start[b] + i if causal else start[b] + qlen[b] - 1
+        return visible(qpos, kv_pos(kv_idx), i < qlen[b], window)
 
     def score_mod(score, b, h, r, kv_idx):
         return modify_score(
@@ -218,7 +234,9 @@ def _paged_kernel(
     return apply_sinks(out, aux.lse, sinks)
 
 
-def dense(q, k_cache, v_cache, seqs: FlexSeqs, scale, window, softcap, slopes, sinks) -> torch.Tensor:
+def dense(
+    q, k_cache, v_cache, seqs: FlexSeqs, scale, window, softcap, slopes, sinks, causal: bool = True
+) -> torch.Tensor:
     """The same attention written out: each request's pages gathered, every score materialized, the same
     ``visible`` and ``modify_score`` applied with broadcasting. q [B, KVH, L * G, D] -> the same shape."""
     b, kvh, rows, dim = q.shape
@@ -237,6 +255,8 @@ def dense(q, k_cache, v_cache, seqs: FlexSeqs, scale, window, softcap, slopes, s
     i = torch.div(r, group, rounding_mode="floor")
     qpos = seqs.start[:, None, None, None] + i
     scores = modify_score(scores, kv_head * group + r % group, qpos, kpos, softcap, slopes)
+    if not causal:
+        qpos = (seqs.start + seqs.qlen - 1)[:, None, None, None]
     ok = visible(qpos, kpos, i < seqs.qlen[:, None, None, None], window)
     scores = scores.masked_fill(~ok, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees nothing
@@ -292,11 +312,13 @@ class FlexState:
         # inductor's CPU template returns no log-sum-exp, which sinks need.
         return self.compiled and not (sinks is not None and self.device.type == "cpu")
 
-    def attend(self, q, k_cache, v_cache, seqs: FlexSeqs, scale, window, softcap, slopes, sinks):
+    def attend(self, q, k_cache, v_cache, seqs: FlexSeqs, scale, window, softcap, slopes, sinks, causal=True):
         """q [B, KVH, L * G, D] -> the same shape."""
         if self.use_kernel(sinks):
             try:
-                return self._compiled(q, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks)
+                return self._compiled(
+                    q, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks, causal
+                )
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - compiler errors come in many types
@@ -306,14 +328,14 @@ class FlexState:
                     str(e)[:500],
                 )
                 self.compiled = False
-        return dense(q, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks)
+        return dense(q, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks, causal)
 
-    def _compiled(self, q, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks):
+    def _compiled(self, q, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks, causal=True):
         group = q.shape[2] // seqs.q_len
         masks = seqs._masks.get(window)
         if masks is None:
             width = self.num_blocks if self.device.type == "cpu" else seqs.table.shape[1]
-            masks = block_tensors(seqs, group, self.q_block, self.block_size, window, width)
+            masks = block_tensors(seqs, group, self.q_block, self.block_size, window, width, causal)
             seqs._masks[window] = masks
         kv_num, kv_idx, full_num, full_idx = masks
         chunks = seqs.kind == CHUNKS
@@ -347,6 +369,7 @@ class FlexState:
             softcap,
             self.q_block,
             self.kernel_options,
+            causal,
         )
 
 
@@ -375,6 +398,7 @@ def paged_flex_attention(
     softcap: float | None = None,
     slopes: torch.Tensor | None = None,  # [H] ALiBi slopes
     sinks: torch.Tensor | None = None,  # [H] sink logits
+    causal: bool = True,  # False: each request's queries see all its keys (an encoder's whole rows)
 ) -> torch.Tensor:
     """Every call of the step; returns [T, H, D]."""
     heads, t, dim = q.shape
@@ -386,7 +410,7 @@ def paged_flex_attention(
         rows = torch.where(seqs.rows < 0, t, seqs.rows)
         qb = q.index_select(1, rows.clamp(max=t - 1)).view(kvh, g, b, n, dim)
         qb = qb.permute(2, 0, 3, 1, 4).reshape(b, kvh, n * g, dim)  # row i of head h*g+j -> (h, i*g+j)
-        o = meta.state.attend(qb, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks)
+        o = meta.state.attend(qb, k_cache, v_cache, seqs, scale, window, softcap, slopes, sinks, causal)
         o = o.view(b, kvh, n, g, dim).permute(0, 2, 1, 3, 4).reshape(b * n, heads, dim)
         out.index_copy_(0, rows, o)
     return out[:t]

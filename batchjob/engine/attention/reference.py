@@ -2,7 +2,9 @@
 
 Single-token rows go in batched SDPA calls over their requests' keys, gathered a whole block at a time and
 padded to the longest request of a length group; prompt chunks (and draft verification) by one SDPA call
-each over their gathered keys, with a bottom-right causal mask. It computes windows, nothing more.
+each over their gathered keys, with a bottom-right causal mask. It computes windows, and with ``causal``
+off (an encoder) attends within each row both ways: a row is then a whole request, one SDPA call without a
+mask.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ class PrefillChunk:
     q_len: int
     ctx_len: int  # keys it attends to, its new tokens included
     blocks: torch.Tensor | None  # [num_blocks] int64 its KV blocks; None when the chunk is the whole context
+    causal: bool = True  # False: the whole row attends both ways (blocks is then None)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
-        """[q_len, ctx_len] bool, bottom-right causal; None means plain causal (no cached keys)."""
+        """[q_len, ctx_len] bool, bottom-right causal; None means plain causal (no cached keys), or with
+        ``causal`` off no mask at all."""
+        if not self.causal:
+            assert window is None and self.blocks is None, "a bidirectional row is whole and unwindowed"
+            return None
         if window is None and self.q_len == self.ctx_len:
             return None
         if window not in self._masks:
@@ -115,6 +122,7 @@ def sdpa(q, k, v, mask, scale, is_causal=False):
 class TorchReference(AttentionBackend):
     name = "torch"
     option = "torch"
+    bidirectional = True
 
     # -- metadata ----------------------------------------------------------------------------------------
 
@@ -138,6 +146,7 @@ class TorchReference(AttentionBackend):
         for i in np.flatnonzero(~single).tolist():
             ctx = int(lay.ends[i])
             h_blocks = pk.add(lay.table[i, : -(-ctx // self.block_size)]) if lay.starts[i] > 0 else None
+            assert self.causal or lay.starts[i] == 0, "a bidirectional row is computed whole, in one step"
             prefills.append((int(lay.offsets[i]), int(lay.n[i]), ctx, h_blocks))
         return decodes, prefills
 
@@ -146,7 +155,10 @@ class TorchReference(AttentionBackend):
         v = Packer.view
         return SdpaMeta(
             [DecodeGroup(*(v(buf, h) for h in hs)) for hs in decodes],
-            [PrefillChunk(s, n, ctx, None if h is None else v(buf, h)) for s, n, ctx, h in prefills],
+            [
+                PrefillChunk(s, n, ctx, None if h is None else v(buf, h), self.causal)
+                for s, n, ctx, h in prefills
+            ],
         )
 
     def decode_metadata(self, slots, table, lens) -> SdpaMeta:
@@ -198,6 +210,6 @@ class TorchReference(AttentionBackend):
                 vp = v_cache.index_select(0, chunk.blocks).view(-1, num_kv_heads, head_dim)[: chunk.ctx_len]
                 kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
             mask = chunk.mask(window)
-            op = sdpa(qp, kp, vp, mask, scale, is_causal=mask is None and chunk.q_len > 1)
+            op = sdpa(qp, kp, vp, mask, scale, is_causal=chunk.causal and mask is None and chunk.q_len > 1)
             out[s:e] = op[0].transpose(0, 1)
         return out

@@ -1,0 +1,392 @@
+"""Prefill-only tasks: ``embed``, ``classify`` and ``score``. A request of these is a prompt with no decode.
+
+It is scheduled and packed like any prompt (chunked when longer than the step's budget; an encoder's row,
+attended both ways, always whole in one step), its result is made from the hidden states the forward
+returns for its rows, and it finishes in the step that computes its last token, which frees its KV blocks
+at once (the full ones stay findable in the prefix cache: score requests sharing a prompt reuse them).
+The task is the engine's (``Engine.from_pretrained(model, task=...)``, the option ``task``); each request's
+state is a :class:`TaskState` on ``Request.task``.
+
+The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for other tasks and errors):
+
+- ``embed``: ``embedding``, a 1-D numpy array (the model's dtype; float32 for half dtypes): the pooled last
+  hidden state (``cls``: the first token's, ``mean``: the mean of all tokens', ``last``: the last token's),
+  cut to ``dimensions`` and scaled to unit length when ``normalize``. Pooling and normalisation come from
+  the model folder's sentence-transformers files (``modules.json``, ``1_Pooling/config.json``) when present,
+  else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option given wins.
+- ``classify``: ``logits``, a 1-D numpy array of the sequence-classification head's raw outputs, read at the
+  first token for an encoder (through its pooler when it has one, as the model does) and at the last token
+  for a decoder (a reward model); with more than one label also ``probs`` (softmax) and ``label`` (the
+  ``id2label`` name of the largest); with one output ``score`` (that output, a float).
+- ``score``: ``logprob`` (float, the sum of the scored tokens' log-probabilities, accumulated in float64),
+  ``num_scored_tokens``, and with ``token_logprobs=True`` the per-token list ``token_logprobs``. Unconditional
+  (no continuation): every token of the prompt but the first is scored; conditional: only the
+  continuation's tokens, each given the prompt and the continuation before it. The log-softmax is computed
+  only at the scored rows, a bounded number of rows at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from batchjob.engine.attention.layout import StepLayout
+from batchjob.engine.request import Request
+from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.errors import ConfigError
+
+PREFILL_TASKS = ("embed", "classify", "score")
+LOGIT_ELEMENTS = 1 << 24  # score: at most this many logits (rows x vocabulary) exist at once
+# Encoders whose positions start after the padding index (position ids are padding_idx + 1 + p).
+_PADDED_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
+
+
+@dataclass
+class TaskState:
+    """A prefill-only request's state (``Request.task``)."""
+
+    kind: str  # "embed" | "classify" | "score"
+    compute_from: int  # first position whose hidden state the result needs (the prefix cache stops before it)
+    score_from: int = 1  # score: first scored position (its token's log-probability given those before)
+    keep_token_logprobs: bool = False
+    pooled: torch.Tensor | None = None  # embed: running sum (mean) or the row (cls, last); classify: logits
+    logprob: float = 0.0  # score: running sum, float64
+    num_scored: int = 0
+    token_logprobs: list[float] = field(default_factory=list)
+    result: dict[str, Any] | None = None  # the RequestOutput fields, once finished
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How an embedding is made from the last hidden states."""
+
+    mode: str  # "cls" | "mean" | "last"
+    normalize: bool
+    dimensions: int | None  # keep the first N (Matryoshka); None: all
+    max_seq_length: int | None  # the sentence-transformers limit, when its files name one
+
+
+def _st_file(model_dir: str | None, name: str) -> Any:
+    """A sentence-transformers JSON file of the model folder (local, or the hub's cached copy); None if
+    there is none."""
+    if not model_dir:
+        return None
+    path = Path(model_dir) / name
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model_dir, name)
+        except Exception:  # noqa: BLE001 - not a hub id, no cache: no file
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the sentence-transformers file {path}: {e}") from e
+
+
+def resolve_pooling(
+    model_dir: str | None, pooling: str | None, normalize: bool | None, dimensions: int | None, width: int
+) -> Pooling:
+    """The embedding recipe: the options given, else the folder's sentence-transformers files, else mean
+    pooling without normalisation. Raises ``ConfigError`` for a sentence-transformers pipeline with a module
+    batchjob does not run (Dense, ...) or a pooling mode it does not compute (max, weighted mean)."""
+    modules = _st_file(model_dir, "modules.json") or []
+    st_mode, st_normalize = None, False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            st_normalize = True
+        elif kind == "Pooling":
+            config = _st_file(model_dir, f"{module.get('path', '1_Pooling')}/config.json") or {}
+            # sentence-transformers 6 writes "pooling_mode": "mean"; earlier versions a flag per mode.
+            modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+            if isinstance(config.get("pooling_mode"), str):
+                modes = [config["pooling_mode"]]
+            if config.get("include_prompt") is False:
+                modes = [f"{m} without the prompt" for m in modes]
+            names = {
+                "pooling_mode_cls_token": "cls",
+                "pooling_mode_mean_tokens": "mean",
+                "pooling_mode_lasttoken": "last",
+                "cls": "cls",
+                "mean": "mean",
+                "lasttoken": "last",
+            }
+            if len(modes) != 1 or modes[0] not in names:
+                if pooling is None:
+                    raise ConfigError(
+                        f"the model's sentence-transformers pooling ({', '.join(modes) or 'none'}, in "
+                        f"{model_dir}/{module.get('path')}/config.json) is not one batchjob computes; give "
+                        "pooling=cls, mean or last (--pooling) to override it"
+                    )
+            else:
+                st_mode = names[modes[0]]
+        elif pooling is None or normalize is None:
+            raise ConfigError(
+                f"the model's sentence-transformers pipeline (modules.json in {model_dir}) has a {kind} module, "
+                "which batchjob does not run; give both pooling and normalize (--pooling, --normalize) to "
+                "embed with the transformer's hidden states alone"
+            )
+    if dimensions is not None and dimensions > width:
+        raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
+    st_config = _st_file(model_dir, "sentence_bert_config.json") or {}
+    limit = st_config.get("max_seq_length")
+    return Pooling(
+        mode=pooling or st_mode or "mean",
+        normalize=st_normalize if normalize is None else normalize,
+        dimensions=dimensions,
+        max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
+    )
+
+
+def position_offset(config) -> int:
+    """What to add to a row's positions 0, 1, ... to get the model's position ids (RoBERTa-style encoders
+    count from ``pad_token_id + 1``)."""
+    if getattr(config, "model_type", None) in _PADDED_POSITIONS:
+        return int(config.pad_token_id) + 1
+    return 0
+
+
+def _classifier(model, encoder: bool):
+    """(pooled position "cls" | "last", head: hidden rows [R, H] -> logits [R, L]) of a
+    sequence-classification model, as its own forward applies it."""
+    name = type(model).__name__
+    score = getattr(model, "score", None)
+    head = getattr(model, "classifier", None)
+    if not encoder and isinstance(score, torch.nn.Linear):
+        return "last", score
+    if encoder and head is not None:
+        pooler = getattr(model.base_model, "pooler", None)
+        if isinstance(head, torch.nn.Linear) and pooler is not None:  # BERT: classifier(pooler(h[:, 0]))
+            return "cls", lambda h: head(pooler(h[:, None, :]))
+        if not isinstance(head, torch.nn.Linear):  # RoBERTa-style heads read features[:, 0] themselves
+            return "cls", lambda h: head(h[:, None, :])
+    raise ConfigError(
+        f"{name}'s classification head is not one batchjob applies (a decoder's `score` linear at the last "
+        "token, an encoder's `classifier` at the first); use a BERT, RoBERTa or decoder classifier"
+    )
+
+
+def _score_head(model):
+    """hidden rows [R, H] -> logits [R, V], as the causal LM's forward computes them after its head."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ConfigError(f"{type(model).__name__} has no language-model head to score with")
+    config = model.config.get_text_config()
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+    divide = getattr(config, "logits_scaling", None)  # Granite divides
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        logits = head(h)
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return apply
+
+
+class TaskRunner:
+    """Turns the hidden states of each step into the results of the prefill-only requests in it."""
+
+    def __init__(self, task: str, model, *, encoder: bool, pooling: Pooling | None = None) -> None:
+        assert task in PREFILL_TASKS
+        self.task = task
+        self.pooling = pooling
+        self.id2label: dict[int, str] = {}
+        self.position = "cls"
+        if task == "embed":
+            assert pooling is not None
+            self.position = pooling.mode
+        elif task == "classify":
+            self.position, self.head = _classifier(model, encoder)
+            self.id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
+        else:
+            self.head = _score_head(model)
+            self.position = "all"
+            self.vocab = model.get_output_embeddings().weight.shape[0]
+
+    def new_state(
+        self, num_prompt: int, num_tokens: int, conditional: bool, token_logprobs: bool
+    ) -> TaskState:
+        if self.task == "score":
+            score_from = num_prompt if conditional else 1
+            return TaskState("score", score_from - 1, score_from, token_logprobs)
+        compute_from = num_tokens - 1 if self.position == "last" else 0
+        return TaskState(self.task, compute_from)
+
+    # -- each step -------------------------------------------------------------------------------------
+
+    def consume(self, plan: SchedulerOutput, lay: StepLayout, hidden: torch.Tensor) -> None:
+        """Take what each request of the step needs from ``hidden`` [T, H], the step's last hidden states."""
+        if self.task == "score":
+            self._score(plan, lay, hidden)
+            return
+        if self.position == "mean":
+            sums = hidden.new_zeros(len(plan.requests), hidden.shape[1])
+            sums.index_add_(0, torch.from_numpy(lay.req_of_row).to(hidden.device), hidden)
+            for i, req in enumerate(plan.requests):
+                st = req.task
+                st.pooled = sums[i] if st.pooled is None else st.pooled + sums[i]
+            return
+        picks, owners = [], []
+        for i, req in enumerate(plan.requests):
+            if self.position == "cls" and lay.starts[i] == 0:
+                picks.append(int(lay.offsets[i]))
+            elif self.position == "last" and lay.ends[i] == req.num_tokens:
+                picks.append(int(lay.offsets[i + 1]) - 1)
+            else:
+                continue
+            owners.append(req)
+        if not picks:
+            return
+        rows = hidden.index_select(0, torch.tensor(picks, device=hidden.device))
+        if self.task == "classify":
+            rows = self.head(rows)
+        for req, row in zip(owners, rows, strict=True):
+            req.task.pooled = row
+
+    def _score(self, plan: SchedulerOutput, lay: StepLayout, hidden: torch.Tensor) -> None:
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Request] = []
+        for i, req in enumerate(plan.requests):
+            st = req.task
+            start = int(lay.starts[i])
+            lo = max(start, st.score_from - 1)  # the row at position p predicts the token at p + 1
+            hi = min(int(lay.ends[i]), req.num_tokens - 1)
+            if hi <= lo:
+                continue
+            first = int(lay.offsets[i]) + lo - start
+            rows.extend(range(first, first + hi - lo))
+            targets.extend(req.token_ids[lo + 1 : hi + 1])
+            owners.extend([req] * (hi - lo))
+        if not rows:
+            return
+        per = max(1, LOGIT_ELEMENTS // self.vocab)
+        values: list[float] = []
+        index = torch.tensor(rows, device=hidden.device)
+        target = torch.tensor(targets, device=hidden.device)
+        for c in range(0, len(rows), per):
+            logits = self.head(hidden.index_select(0, index[c : c + per]))
+            lp = torch.log_softmax(logits, dim=-1).gather(1, target[c : c + per, None])[:, 0]
+            values.extend(lp.double().tolist())
+        for req, v in zip(owners, values, strict=True):
+            st = req.task
+            st.logprob += v
+            st.num_scored += 1
+            if st.keep_token_logprobs:
+                st.token_logprobs.append(v)
+
+    # -- when a request finishes -----------------------------------------------------------------------
+
+    def finish(self, req: Request) -> None:
+        """Make the request's result (``TaskState.result``: the fields of its RequestOutput)."""
+        st = req.task
+        assert st is not None
+        if self.task == "score":
+            st.result = {
+                "logprob": float(st.logprob),
+                "num_scored_tokens": st.num_scored,
+                "token_logprobs": list(st.token_logprobs) if st.keep_token_logprobs else None,
+            }
+            return
+        assert st.pooled is not None, f"request {req.request_id} finished without its pooled row"
+        vec = st.pooled
+        if self.task == "embed":
+            p = self.pooling
+            assert p is not None
+            if p.mode == "mean":
+                vec = vec / req.num_tokens
+            if p.dimensions is not None:
+                vec = vec[: p.dimensions]
+            if p.normalize:
+                vec = F.normalize(vec, p=2, dim=0)
+            st.result = {"embedding": _array(vec)}
+            return
+        logits = _array(vec)
+        if logits.shape[0] == 1:
+            st.result = {"logits": logits, "score": float(logits[0])}
+            return
+        probs = torch.softmax(vec.float() if vec.dtype in (torch.float16, torch.bfloat16) else vec, dim=0)
+        best = int(torch.argmax(vec))
+        st.result = {"logits": logits, "probs": _array(probs), "label": self.id2label.get(best, str(best))}
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    return t.detach().cpu().numpy().copy()
+
+
+def perplexity(logprob: float, num_scored_tokens: int) -> float:
+    """exp(-logprob / num_scored_tokens); NaN when nothing was scored."""
+    return math.exp(-logprob / num_scored_tokens) if num_scored_tokens else math.nan
+
+
+def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple[TaskRunner, int]:
+    """The engine's task runner for ``config.task``, and the longest request it takes, in tokens: the
+    model's context (less RoBERTa's position offset), capped by the sentence-transformers ``max_seq_length``
+    and the tokenizer's ``model_max_length`` for embed and classify."""
+    from batchjob.engine.config import model_context_len
+
+    limit = model_context_len(model.config) - position_offset(model.config)
+    if config.max_model_len is not None:
+        limit = min(limit, config.max_model_len)
+    pooling = None
+    if config.task == "embed":
+        width = model.config.get_text_config().hidden_size
+        pooling = resolve_pooling(model_id, config.pooling, config.normalize, config.dimensions, width)
+        if pooling.max_seq_length is not None:
+            limit = min(limit, pooling.max_seq_length)
+    elif config.pooling is not None or config.normalize is not None or config.dimensions is not None:
+        raise ConfigError(f"pooling, normalize and dimensions are options of task embed, not {config.task}")
+    if config.task != "score":
+        own = getattr(tokenizer, "model_max_length", None)
+        if isinstance(own, int) and 0 < own < 1_000_000:
+            limit = min(limit, own)
+    return TaskRunner(config.task, model, encoder=encoder, pooling=pooling), limit
+
+
+def check_request(req: Request, conditional: bool, limit: int, vocab_size: int, block_manager) -> str | None:
+    """Why a prefill-only request cannot run (its error output), None when it can. ``req.token_ids`` are
+    already cut to ``limit`` when the option ``truncate`` is on."""
+    n = req.num_tokens
+    if n == 0:
+        return "empty prompt: no tokens"
+    if n > limit:
+        return (
+            f"text of {n} tokens is longer than the model's limit of {limit} tokens; set truncate "
+            "(--truncate) to cut it to the limit"
+        )
+    if conditional and req.num_prompt_tokens >= n:
+        return "nothing to score: the continuation has no tokens (or was cut off by truncate)"
+    if not conditional and req.task is not None and req.task.kind == "score" and n < 2:
+        return "nothing to score: one token (the first token of a text is never scored)"
+    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+    need = block_manager.blocks_for(n)
+    if need > block_manager.num_blocks:
+        return (
+            f"request needs {need} KV blocks of {block_manager.block_size} tokens for {n} tokens, but the "
+            f"pool has {block_manager.num_blocks}; raise num_blocks or kv_memory_gb"
+        )
+    return None

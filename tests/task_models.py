@@ -1,0 +1,92 @@
+"""Tiny random models for the prefill-only tasks (embed, classify), saved the normal way: encoders (BERT,
+XLM-RoBERTa) and a decoder embedder (Qwen3), each with its sentence-transformers files written by
+sentence-transformers itself; sequence classifiers (BERT, XLM-RoBERTa, Qwen2). No downloads: the tokenizer
+is :func:`tests.tiny_models.make_tokenizer`'s, without a chat template (sentence-transformers 6 would
+otherwise format each text as a chat message)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.tiny_models import make_tokenizer
+
+WIDTH = 64
+MAX_LEN = 96  # the sentence-transformers max_seq_length of the embedders
+
+
+def _tokenizer(folder: Path):
+    tok = make_tokenizer(folder, 512)
+    tok.chat_template = None
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(str(folder))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return tok
+
+
+def _config(family: str, tok, **extra):
+    from transformers import BertConfig, Qwen2Config, Qwen3Config, XLMRobertaConfig
+
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        pad_token_id=tok.pad_token_id,
+        **extra,
+    )
+    if family == "bert":
+        return BertConfig(max_position_embeddings=128, **common)
+    if family == "xlm-roberta":  # positions count from pad_token_id + 1
+        return XLMRobertaConfig(max_position_embeddings=128 + tok.pad_token_id + 1, **common)
+    if family == "qwen3":
+        return Qwen3Config(num_key_value_heads=2, head_dim=16, max_position_embeddings=512, **common)
+    if family == "qwen2":
+        return Qwen2Config(num_key_value_heads=2, max_position_embeddings=512, **common)
+    raise ValueError(family)
+
+
+def make_embedder(folder: Path, family: str, pooling: str, normalize: bool = True, seed: int = 0) -> Path:
+    """A sentence-transformers model folder: ``family``'s body, then Pooling(``pooling``: cls | mean |
+    lasttoken), then Normalize when ``normalize``."""
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoModel
+
+    folder = Path(folder)
+    body = folder / "body"
+    body.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(body)
+    torch.manual_seed(seed)
+    AutoModel.from_config(_config(family, tok)).save_pretrained(str(body))
+    modules = [
+        models.Transformer(str(body), max_seq_length=MAX_LEN),
+        models.Pooling(WIDTH, pooling_mode=pooling),
+    ]
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+def make_classifier(folder: Path, family: str, num_labels: int, seed: int = 0) -> Path:
+    """A sequence-classification model folder with ``num_labels`` outputs (labels named ``L0``, ...)."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(folder)
+    labels = {i: f"L{i}" for i in range(num_labels)}
+    cfg = _config(
+        family, tok, num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()}
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    with torch.no_grad():  # a decisive head, so the label is not a near-tie
+        for p in model.parameters():
+            if p.dim() == 2 and p.shape[0] == num_labels:
+                p.mul_(8.0)
+    model.save_pretrained(str(folder))
+    return folder

@@ -1,0 +1,344 @@
+"""Prefill-only tasks (engine/tasks.py) on tiny random models, against the references people use:
+sentence-transformers ``encode`` for embeddings, HF ``forward`` at batch size 1 for classifier logits and
+token log-probabilities. float64: equal to 1e-12; float32: to 1e-5 absolute. Rows of mixed lengths go in
+one forward, long ones in chunks, and score requests sharing a prompt reuse its KV blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchjob.engine.engine import Engine
+from batchjob.errors import ConfigError
+from tests.task_models import MAX_LEN, make_classifier, make_embedder
+from tests.tiny_models import make_model
+
+pytestmark = pytest.mark.timeout(600)
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "0 1 2",
+    "This product is great, I love it! Terrible quality, it broke after a day. " * 3,
+    "Classify the sentiment of the review as positive, negative or neutral.",
+    "!",
+    "Batch inference over a large dataset of prompts writes answers to Parquet files. " * 2,
+]
+TOL = {"float64": 1e-12, "float32": 1e-5}
+
+# (family, sentence-transformers pooling): an encoder with mean and one with CLS pooling (XLM-RoBERTa's
+# positions start after its padding index), and a causal decoder embedder with last-token pooling.
+EMBEDDERS = [("bert", "mean"), ("xlm-roberta", "cls"), ("qwen3", "lasttoken")]
+
+
+@pytest.fixture(scope="module")
+def embedders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embedders")
+    return {f: make_embedder(root / f, f, pooling) for f, pooling in EMBEDDERS}
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("classifiers")
+    return {
+        "bert": make_classifier(root / "bert", "bert", 3),
+        "xlm-roberta": make_classifier(root / "xlmr", "xlm-roberta", 3),
+        "qwen2": make_classifier(root / "qwen2", "qwen2", 1),  # a reward model: one output
+    }
+
+
+@pytest.fixture(scope="module")
+def causal_lm(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("lm") / "llama", "llama", head_scale=1.0)
+
+
+def _st_encode(folder, dtype, **kw):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu")
+    st.to(getattr(torch, dtype))
+    return st.encode(TEXTS, convert_to_numpy=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("family", [f for f, _ in EMBEDDERS])
+def test_embed_equals_sentence_transformers(embedders, family, dtype):
+    ref = _st_encode(embedders[family], dtype)
+    # The decoder's rows go in chunks of 16 tokens; an encoder's rows are never split, and all seven go in
+    # one forward of 256 tokens.
+    budget = 16 if family == "qwen3" else 256
+    eng = Engine.from_pretrained(
+        str(embedders[family]), task="embed", device="cpu", dtype=dtype, max_num_batched_tokens=budget
+    )
+    outs = eng.embed(TEXTS)
+    assert [o.error for o in outs] == [None] * len(TEXTS)
+    got = np.stack([o.embedding for o in outs])
+    assert got.dtype == np.dtype(dtype)
+    err = float(np.abs(got - ref).max())
+    print(f"{family} {dtype}: max |ours - sentence-transformers| = {err:.3g}")
+    assert err <= TOL[dtype]
+    if family == "qwen3":
+        assert eng.stats.steps > 1 and eng.stats.batched_tokens == sum(len(eng.tokenize(t)) for t in TEXTS)
+    else:
+        assert eng.stats.steps == 1  # mixed lengths packed in one forward
+    assert eng.block_manager.num_used_blocks == 0  # every block freed as its request finished
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_encoder_on_each_bidirectional_backend(embedders, backend, dtype):
+    """The torch reference and flex (dense in float64; in float32 its compiled kernel, where it compiles)
+    attend an encoder's rows both ways, as the default cpu backend does."""
+    folder = embedders["bert"]
+    ref = _st_encode(folder, dtype)
+    eng = Engine.from_pretrained(
+        str(folder),
+        task="embed",
+        device="cpu",
+        dtype=dtype,
+        attention_backend=backend,
+        max_num_batched_tokens=64,
+    )
+    assert eng.runner.attention.name == backend
+    got = np.stack([o.embedding for o in eng.embed(TEXTS)])
+    err = float(np.abs(got - ref).max())
+    print(f"bert {backend} {dtype}: max |ours - sentence-transformers| = {err:.3g}")
+    assert err <= TOL[dtype] and eng.stats.steps > 1
+
+
+def test_embed_options_override_and_matryoshka(embedders):
+    folder = embedders["bert"]
+    ref = _st_encode(folder, "float64", truncate_dim=16, normalize_embeddings=True)
+    eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64", dimensions=16)
+    got = np.stack([o.embedding for o in eng.embed(TEXTS)])
+    assert got.shape == (len(TEXTS), 16)
+    assert np.abs(got - ref).max() <= 1e-12
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0)
+    # Options win over the folder's files: CLS pooling, no normalisation, is the first hidden state.
+    from transformers import AutoModel
+
+    eng = Engine.from_pretrained(
+        str(folder), task="embed", device="cpu", dtype="float64", pooling="cls", normalize=False
+    )
+    hf = AutoModel.from_pretrained(str(folder), dtype=torch.float64).eval()
+    for text, out in zip(TEXTS, eng.embed(TEXTS), strict=True):
+        with torch.no_grad():
+            first = hf(torch.tensor([eng.tokenize(text)])).last_hidden_state[0, 0].numpy()
+        assert np.abs(out.embedding - first).max() <= 1e-12
+
+
+def test_embed_too_long_is_an_error_row_unless_truncated(embedders):
+    folder = embedders["bert"]
+    long = "The quick brown fox jumps over the lazy dog. " * 40
+    eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64")
+    assert eng.prefill_limit == MAX_LEN
+    ok, bad = eng.embed([TEXTS[0], long])
+    assert ok.error is None and bad.finish_reason == "error" and bad.embedding is None
+    assert f"longer than the model's limit of {MAX_LEN} tokens" in bad.error and "truncate" in bad.error
+    eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64", truncate=True)
+    (cut,) = eng.embed([long])
+    ref = _st_encode_one(folder, long)
+    assert (
+        cut.error is None and np.abs(cut.embedding - ref).max() <= 1e-12
+    )  # cut as sentence-transformers cuts
+
+
+def _st_encode_one(folder, text):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu")
+    st.to(torch.float64)
+    return st.encode([text], convert_to_numpy=True)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "qwen2"])
+def test_classify_equals_hf_forward(classifiers, family, dtype):
+    from transformers import AutoModelForSequenceClassification
+
+    folder = classifiers[family]
+    hf = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    eng = Engine.from_pretrained(
+        str(folder), task="classify", device="cpu", dtype=dtype, max_num_batched_tokens=16
+    )
+    outs = eng.classify(TEXTS)
+    err = 0.0
+    for text, out in zip(TEXTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([eng.tokenize(text)])).logits[0].numpy()
+        assert out.error is None
+        err = max(err, float(np.abs(out.logits - ref).max()))
+        if ref.shape[0] == 1:
+            assert out.score == pytest.approx(float(ref[0]), abs=TOL[dtype]) and out.label is None
+        else:
+            assert out.label == f"L{int(np.argmax(ref))}"
+            assert np.abs(out.probs - torch.softmax(torch.from_numpy(ref), 0).numpy()).max() <= TOL[dtype]
+    print(f"{family} {dtype}: max |ours - HF logits| = {err:.3g}")
+    assert err <= TOL[dtype]
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def _hf_logprobs(hf, ids: list[int]) -> np.ndarray:
+    """log P(ids[p + 1] | ids[: p + 1]) for every p, from HF's forward at batch size 1."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
+    return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_score_equals_hf_forward(causal_lm, dtype):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(causal_lm), dtype=getattr(torch, dtype)).eval()
+    # 16 tokens a step: the long texts are scored in chunks, several texts share a forward.
+    eng = Engine.from_pretrained(
+        str(causal_lm), task="score", device="cpu", dtype=dtype, max_num_batched_tokens=16
+    )
+    outs = eng.score(TEXTS, token_logprobs=True)
+    err = 0.0
+    for text, out in zip(TEXTS, outs, strict=True):
+        ids = eng.tokenize(text)
+        if len(ids) < 2:
+            assert out.error is not None and "nothing to score" in out.error
+            continue
+        ref = _hf_logprobs(hf, ids)
+        assert out.num_scored_tokens == len(ids) - 1 == len(out.token_logprobs)
+        err = max(err, float(np.abs(np.array(out.token_logprobs) - ref).max()))
+        assert out.logprob == pytest.approx(float(ref.sum()), abs=TOL[dtype] * len(ids))
+        assert out.perplexity == pytest.approx(np.exp(-out.logprob / out.num_scored_tokens))
+    print(f"score {dtype}: max |ours - HF token log-probability| = {err:.3g}")
+    assert err <= TOL[dtype]
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_conditional_score_reuses_the_prompt(causal_lm):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(causal_lm), dtype=torch.float64).eval()
+    eng = Engine.from_pretrained(str(causal_lm), task="score", device="cpu", dtype="float64", block_size=4)
+    prompt = "Classify the sentiment of the review as positive, negative or neutral. The review:"
+    answers = [" positive", " negative", " neutral"]
+    outs = eng.score([prompt] * 3, answers, token_logprobs=True)
+    p = eng.tokenize(prompt)
+    for answer, out in zip(answers, outs, strict=True):
+        c = eng.tokenize(answer, special_tokens=False)
+        ref = _hf_logprobs(hf, p + c)[len(p) - 1 :]  # only the continuation's tokens
+        assert out.num_scored_tokens == len(c)
+        assert np.abs(np.array(out.token_logprobs) - ref).max() <= 1e-12
+        assert out.logprob == pytest.approx(float(ref.sum()), abs=1e-12)
+    # The three share the prompt: its full blocks were computed once and then taken from the prefix cache
+    # (up to the block holding the prompt's last token, whose row predicts the continuation's first).
+    assert eng.stats.cached_prompt_tokens >= 2 * ((len(p) - 1) // 4) * 4 > 0
+
+
+def test_refusals(embedders, causal_lm):
+    folder = str(embedders["bert"])
+    # An encoder attends both ways: a backend without it is refused by name, and so is generation.
+    from batchjob.engine.attention.registry import choose_attention
+    from batchjob.engine.support import attention_features
+
+    assert attention_features(Engine.from_pretrained(folder, task="embed", device="cpu").model.config) == {
+        "bidirectional"
+    }
+    for backend in ("flash", "varlen"):  # flash-attn's kernels are causal only
+        with pytest.raises(ConfigError, match="cannot run here: it does not implement bidirectional"):
+            choose_attention(
+                torch.device("cuda"), torch.bfloat16, frozenset({"bidirectional"}), backend=backend
+            )
+    with pytest.raises(ConfigError, match="can embed or classify"):
+        Engine.from_pretrained(folder, task="score", device="cpu")
+    lm = Engine.from_pretrained(str(causal_lm), task="score", device="cpu")
+    with pytest.raises(ConfigError, match="embed\\(\\) needs an engine built with task='embed'"):
+        lm.embed(TEXTS)
+    with pytest.raises(ConfigError, match="generate\\(\\) needs an engine built with task='generate'"):
+        lm.generate(TEXTS)
+    with pytest.raises(ConfigError, match="pooling, normalize and dimensions are options of task embed"):
+        Engine.from_pretrained(str(causal_lm), task="score", device="cpu", pooling="mean")
+    with pytest.raises(ConfigError, match="task must be one of generate, embed, classify, score"):
+        Engine.from_pretrained(str(causal_lm), task="rerank", device="cpu")
+
+
+def test_incremental_api_and_snapshot(causal_lm):
+    """The job loop's way: add_request and step(); an unfinished score request snapshots its
+    continuation, and re-added from the snapshot it gives the same result."""
+    eng = Engine.from_pretrained(
+        str(causal_lm), task="score", device="cpu", dtype="float64", max_num_batched_tokens=8
+    )
+    p = eng.tokenize(TEXTS[1])
+    c = eng.tokenize(TEXTS[0], special_tokens=False)
+    eng.add_request("row-1", p, continuation_ids=c, token_logprobs=True)
+    assert eng.step() == []  # 8 of its tokens computed
+    (state,) = eng.snapshot()
+    assert state.prompt_ids == p and state.continuation_ids == c and state.token_logprobs
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    (first,) = outs
+    eng.add_request(
+        state.request_id,
+        state.prompt_ids,
+        continuation_ids=state.continuation_ids,
+        token_logprobs=state.token_logprobs,
+    )
+    (again,) = [o for _ in range(20) for o in eng.step()]
+    assert again.request_id == "row-1" and again.logprob == first.logprob
+    assert again.token_logprobs == first.token_logprobs and again.num_scored_tokens == len(c)
+
+
+def test_kv_pool_sized_for_the_task_limit(embedders):
+    """A decoder embedder's pool needs room for one text of its sentence-transformers limit, not for the
+    model's whole context: 18 blocks of 16 tokens hold 96 tokens, not the 512 of its positions."""
+    eng = Engine.from_pretrained(
+        str(embedders["qwen3"]), task="embed", device="cpu", dtype="float32", kv_memory_gb=0.00015
+    )
+    assert eng.block_manager.num_blocks * 16 < 512 and eng.prefill_limit == MAX_LEN
+    assert all(o.embedding is not None for o in eng.embed(TEXTS))
+
+
+@pytest.mark.parametrize("task", ["embed", "classify", "score"])
+def test_bench_task(embedders, classifiers, causal_lm, task, tmp_path):
+    """``batchjob bench --task``: ours and its anchors on the same docstring texts, ratios, the JSON file."""
+    import json
+
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    model = {"embed": embedders["bert"], "classify": classifiers["bert"], "score": causal_lm}[task]
+    out = tmp_path / "bench.json"
+    args = ["bench", "--task", task, "--model", str(model), "--num-requests", "6", "--text-tokens", "5,60"]
+    args += ["--st-batch-sizes", "4", "--hf-batch-size", "4", "--device", "cpu", "--threads", "1"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    body = json.loads(out.read_text())
+    names = [r["name"] for r in body["results"]]
+    expected = ["ours", "st-encode batch=32", "st-encode batch=4"] if task == "embed" else ["ours"]
+    assert names == [*expected, "hf-forward batch=4"]
+    assert body["texts"] == 6 and all(
+        r["tokens"] == body["results"][0]["tokens"] > 0 for r in body["results"]
+    )
+    assert f"task {task}: 6 texts" in result.output
+    if task == "embed":
+        assert "ours vs sentence-transformers encode:" in result.output
+
+
+def test_modernbert_is_refused_by_name():
+    """ModernBERT attends within a window both ways in its local layers, which no backend computes."""
+    from transformers import AutoModel, ModernBertConfig
+
+    from batchjob.engine import support
+
+    ids = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1)
+    config = ModernBertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        **ids,
+    )
+    for model in (None, AutoModel.from_config(config)):
+        with pytest.raises(ConfigError, match="model family 'modernbert' uses windowed attention both ways"):
+            support.check_supported(config, model)
