@@ -233,7 +233,7 @@ def _llama_cpp_runs(
         return []
     dtype = str(engine.dtype).removeprefix("torch.")
     gguf = llama_cpp.convert(Path(engine.model_id), dtype, bins, progress)
-    slots = engine.config.max_num_seqs
+    slots = min(engine.config.max_num_seqs, len(work.prompts))  # as many at once as ours may run
     runs: list[tuple[str, Callable[[], Result]]] = [
         (
             f"llama.cpp server slots={slots}",

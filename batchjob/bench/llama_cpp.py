@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -82,7 +83,10 @@ def convert(model_dir: Path, dtype: str, bins: Path, progress: Any) -> Path:
         progress(f"converting {model_dir} to GGUF {outtype} with llama.cpp's converter ...")
         tmp = target.with_suffix(".partial")
         done = subprocess.run(
-            [str(bins / "llama-convert"), str(model_dir), outtype, str(tmp)], capture_output=True, text=True
+            [str(bins / "llama-convert"), str(model_dir), outtype, str(tmp)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHON": sys.executable},  # its torch, numpy and transformers are ours
         )
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-5:])
