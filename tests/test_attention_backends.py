@@ -242,9 +242,11 @@ def test_what_backends_declare():
     for name, cls in REGISTRY.items():
         assert cls.name == name and "sliding_window" in cls.computes
         assert cls.computes <= cls.applies()
-        assert not cls.bidirectional and "bidirectional" not in cls.features()  # none has it yet
+        # encoders (issue 24): the torch reference, its CPU-kernel subclass and flex attend both ways
+        both_ways = name in ("torch", "cpu_kernel", "flex")
+        assert cls.bidirectional == both_ways and ("bidirectional" in cls.features()) == both_ways
         assert cls.default_block_size % cls.page_multiple == 0
-    assert supported_features() == {"sliding_window", "softcap", "sinks"}
+    assert supported_features() == {"sliding_window", "softcap", "sinks", "bidirectional"}
     assert REGISTRY["flex"].applies() >= {"softcap", "sinks", "alibi"}
     for name in ("flash_attn", "varlen"):
         cls = REGISTRY[name]

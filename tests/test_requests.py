@@ -572,7 +572,8 @@ def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_pa
     one, _ = seconds(1, 4)
     many, lines = seconds(10_000, 4)
     longer, _ = seconds(10_000, 8)
-    assert one > 0 and many > 1000 * one, (one, many)  # 10,000 answers a request, not one
+    # 10,000 answers a request, not one (each costs less than a lone answer: a row's samples decode together)
+    assert one > 0 and many > 100 * one, (one, many)
     assert longer > 1.5 * many  # twice the tokens each
     assert any("10,000.0 samples a usable row (80,000 in the first 8)" in line for line in lines), lines
 
