@@ -88,6 +88,7 @@ class _Pending:
     prompt: list[int] = field(default_factory=list)
     answer_params: SamplingParams | None = None
     thoughts: dict[int, Any] = field(default_factory=dict)
+    continuation: list[int] | None = None  # --task score --score-column: the scored text's ids
 
 
 class JobLoop:
@@ -112,7 +113,11 @@ class JobLoop:
             )
         self.answer_of: dict[str, tuple[str, int]] = {}  # an answer request -> (its row's id, sample index)
         extra = extra_fields(self.params, every=self.spec.per_row_params, reasoning=self.tags is not None)
-        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        self.task = self.spec.task
+        if self.task != "generate":
+            extra = ()
+        result = result_fields(self.spec, engine)
+        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result)
         self.parts = Parts(prep.out_dir, self.manifest, writer)
         self.model_names = model_names(self.spec.model)  # --format openai: what body.model may say
         self.models_seen: set[str] = set()
@@ -184,6 +189,8 @@ class JobLoop:
     def _in_flight(self) -> list[InFlight]:
         """Every unfinished row: those in the engine (a reasoning row's answer saved as its finished
         thinking: the answer is redone), then those restored by the last checkpoint and not yet re-added."""
+        if self.task != "generate":
+            return []  # a prefill-only request has no tokens of its own to save: a resume computes it again
         by_id: dict[str, InFlight] = {}
         for snap in self.engine.snapshot():
             row_id, k, prompt, output = snap.request_id, snap.sample_index, snap.prompt_ids, snap.output_ids
@@ -266,6 +273,16 @@ class JobLoop:
             self._finish_row(row, None, "error", 0, 0, error)
             return
         pending = _Pending(row, row_id, len(ids), params)
+        if self.task != "generate":
+            if self.spec.score_column is not None:
+                pending.continuation, error = self._continuation(row)
+                if pending.continuation is None:
+                    self._finish_row(row, None, "error", 0, 0, error)
+                    return
+                pending.num_prompt_tokens += len(pending.continuation)
+            self.ready.append((row_id, ids, {}))
+            self.pending[row_id] = pending
+            return
         if self.tags is not None:
             pending.inside = self.tags.inside(ids)
             closed = not pending.inside and self.tags.closed(ids)  # the template turned thinking off
@@ -283,6 +300,22 @@ class JobLoop:
             samples = saved.samples
         self.ready.append((row_id, ids, samples))
         self.pending[row_id] = pending
+
+    def _continuation(self, row: Row) -> tuple[list[int] | None, str | None]:
+        """--score-column: the scored text's token ids (as ``Engine.score`` tokenizes a continuation), or
+        why the row has none."""
+        assert row.values is not None
+        col = self.spec.score_column
+        value = row.values.get(col)
+        where = f"{row.source} line {row.line}: " if row.line is not None else ""
+        if value is None:
+            return None, f"{where}score column {col!r} is null or missing"
+        if not isinstance(value, str):
+            return None, f"{where}score column {col!r} is not text (got {type(value).__name__})"
+        ids = self.engine.tokenize(value, special_tokens=False) if value else []
+        if not ids:
+            return None, f"{where}score column {col!r} is empty: there is nothing to score"
+        return list(ids), None
 
     def _thinking_params(self, params: SamplingParams) -> SamplingParams:
         """A row's thinking: unconstrained, until the close tag or --max-reasoning-tokens (else
@@ -320,6 +353,16 @@ class JobLoop:
             i = admission.next_index(self.spec.admission, [len(ids) for _, ids, _ in self.ready])
             row_id, ids, samples = self.ready[i]
             del self.ready[i]
+            if self.task != "generate":
+                p = self.pending[row_id]
+                kw: dict[str, Any] = {}
+                if self.task == "score":
+                    kw = {
+                        "continuation_ids": p.continuation,
+                        "token_logprobs": self.spec.logprobs is not None,
+                    }
+                self.engine.add_request(row_id, ids, **kw)
+                continue
             params = self.pending[row_id].params
             if params.n > 1 and samples:  # --n, resumed: each sample from its saved tokens (or afresh)
                 for k in range(params.n):
@@ -328,6 +371,17 @@ class JobLoop:
                 self.engine.add_request(row_id, ids, params, output_ids=samples.get(0))
 
     def _finished(self, out: Any) -> None:
+        if self.task != "generate":
+            p = self.pending.pop(out.request_id)
+            self.stats.request(out)
+            error = out.error if out.finish_reason == "error" else None
+            if out.finish_reason == "error" and error is None:
+                error = "the engine could not run this request"
+            result = {"finish_reason": out.finish_reason, "num_generated_tokens": 0, "error": error}
+            if error is None:
+                result |= task_columns(self.task, out)
+            self._finish_samples(p.row, p.num_prompt_tokens, [result])
+            return
         if out.request_id in self.answer_of:  # a reasoning row's answer
             row_id, k = self.answer_of.pop(out.request_id)
             p = self.pending[row_id]
@@ -528,6 +582,38 @@ def _row_request(
             return None, None, where + str(error)
     ids, error = builder.build(row.values)
     return params, ids, error
+
+
+def result_fields(spec: JobSpec, engine: Any) -> list[Any]:
+    """The result columns of the job's task for this engine's model (``writers.task_fields``)."""
+    from batchjob.io.writers import task_fields
+
+    width, num_labels = None, 1
+    if spec.task == "embed":
+        pooling = getattr(engine.tasks, "pooling", None)
+        width = (pooling and pooling.dimensions) or engine.model.config.get_text_config().hidden_size
+    elif spec.task == "classify":
+        num_labels = int(engine.model.config.num_labels)
+    return task_fields(spec.task, width, num_labels, token_logprobs=spec.logprobs is not None)
+
+
+def task_columns(task: str, out: Any) -> dict[str, Any]:
+    """A prefill-only request's result columns (``writers.task_fields``) from its ``RequestOutput``."""
+    if task == "embed":
+        return {"embedding": out.embedding.astype("float32").tolist()}
+    if task == "classify":
+        columns: dict[str, Any] = {"scores": out.logits.astype("float32").tolist()}
+        if out.probs is not None:
+            columns |= {"probs": out.probs.astype("float32").tolist(), "label": out.label}
+        if out.score is not None:
+            columns["score"] = float(out.score)
+        return columns
+    return {
+        "logprob": float(out.logprob),
+        "num_scored_tokens": int(out.num_scored_tokens),
+        "perplexity": out.perplexity,
+        "token_logprobs": None if out.token_logprobs is None else [float(x) for x in out.token_logprobs],
+    }
 
 
 def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> tuple[Any, ...]:
