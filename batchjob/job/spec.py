@@ -162,16 +162,21 @@ class JobSpec:
         """Refuse, before any work, the options that mean nothing for the job's task, naming them."""
         task = self.task
         if task == "generate":
-            wrong = [
-                n
-                for n in ("pooling", "normalize", "dimensions", "score_column")
-                if getattr(self, n) is not None
-            ]
-            wrong += ["truncate"] if self.truncate else []
+            owners = {
+                "pooling": "embed",
+                "normalize": "embed",
+                "dimensions": "embed",
+                "score_column": "score",
+            }
+            wrong = [n for n in owners if getattr(self, n) is not None] + (
+                ["truncate"] if self.truncate else []
+            )
             if wrong:
+                name = wrong[0]
+                owner = owners.get(name, "embed, classify or score")
                 raise ConfigError(
-                    f"{_flags(wrong)} {'is' if len(wrong) == 1 else 'are'} for --task embed, classify or score "
-                    "(see the README's Tasks section); this job generates text (--task generate)"
+                    f"{_flags([name])} is an option of --task {owner}; this job generates text (--task "
+                    f"generate): give --task {owner.split(',')[0]}, or leave {_flags([name])} out"
                 )
             return
         defaults = {
