@@ -130,7 +130,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         if not prep.shard.single:
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
         writer.remove_orphans(manifest.names)
-        builder = _builder(spec, plan, engine)
+        builder = prompt_builder(spec, plan, engine)
         loop = JobLoop(prep, engine, builder)
         # While it runs, SIGTERM/SIGINT ask the loop to checkpoint and stop. Before, the command's own
         # handlers apply (signals.py): during start-up a signal exits 75 at once, with nothing to save.
@@ -141,7 +141,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         state.unlock()
 
 
-def _builder(spec: JobSpec, plan: Any, engine: Any) -> PromptBuilder:
+def prompt_builder(spec: JobSpec, plan: Any, engine: Any) -> PromptBuilder:
     """The prompt builder for the job's task: generation checks a prompt against the context; a prefill-only
     task leaves the length to the engine (an error, or cut with --truncate as ``Engine.tokenize`` cuts)."""
     if spec.task == "generate":
