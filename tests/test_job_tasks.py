@@ -298,3 +298,21 @@ def test_killed_and_resumed_task_job_writes_what_an_uninterrupted_one_does(tiny_
     got, expected = rows_of(out), rows_of(ref)
     assert [r["rid"] for r in got] == [r["rid"] for r in expected]  # every row exactly once
     assert got == expected
+
+
+def test_devices_split_an_embed_job_into_shards_that_add_up(tiny_model_dir, tmp_path):
+    from tests.jobproc import launch
+
+    data = write_rows(tmp_path / "rows.jsonl", n=30)
+    args = ["--input", data, "--model", tiny_model_dir, "--task", "embed", "--id-column", "rid"]
+    args += ["--max-model-len", "64", "--no-prefix-caching", "--max-num-seqs", "2"]
+    code, text = invoke("run", *args, "--output", tmp_path / "ref")
+    assert code == 0, text
+    out = tmp_path / "out"
+    proc = launch([str(a) for a in ["--devices", "cpu,cpu", *args, "--output", out]])
+    text = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, text
+    assert "worker shard 0 of 2 on cpu: exit 0" in text and "worker shard 1 of 2 on cpu: exit 0" in text
+    assert rows_of(out) == rows_of(tmp_path / "ref")
+    code, text = invoke("status", out)
+    assert code == 0 and "complete (2 of 2 workers complete)" in text
