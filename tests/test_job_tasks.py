@@ -316,3 +316,55 @@ def test_devices_split_an_embed_job_into_shards_that_add_up(tiny_model_dir, tmp_
     assert rows_of(out) == rows_of(tmp_path / "ref")
     code, text = invoke("status", out)
     assert code == 0 and "complete (2 of 2 workers complete)" in text
+
+
+def test_openai_embeddings_requests_in_and_embedding_objects_out(tiny_model_dir, tmp_path):
+    data = tmp_path / "requests.jsonl"
+    lines = [
+        {"custom_id": "one", "body": {"input": "The cat sat.", "model": "m", "encoding_format": "float"}},
+        {
+            "custom_id": "many",
+            "body": {"input": ["One.", "Two words.", "Three more words."], "dimensions": 16},
+        },
+        {"custom_id": "dims", "body": {"input": "x", "dimensions": 8}},
+        {"custom_id": "b64", "body": {"input": "x", "encoding_format": "base64"}},
+        {"custom_id": "empty", "body": {"input": []}},
+    ]
+    with open(data, "w") as f:
+        for line in lines:
+            f.write(json.dumps({"method": "POST", "url": "/v1/embeddings"} | line) + "\n")
+        f.write(
+            json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": {}})
+        )
+        f.write("\n")
+    out = tmp_path / "out"
+    args = ["--task", "embed", "--format", "openai", "--dimensions", "16", "--model", tiny_model_dir]
+    code, text = invoke("run", *args, "--input", data, "--output", out)
+    assert code == 0 and "complete: 6 of 6 rows done (4 errors)" in text, text
+    assert ds.dataset(out, format="parquet").schema.field("sample_index").type == pa.int64()
+    code, text = invoke("export", out, "--format", "openai", "--to", tmp_path / "out.jsonl")
+    assert code == 0, text
+    got = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    engine = Engine.from_pretrained(str(tiny_model_dir), task="embed", dimensions=16)
+    for custom_id, texts in (
+        ("one", ["The cat sat."]),
+        ("many", ["One.", "Two words.", "Three more words."]),
+    ):
+        body = got[custom_id]["response"]["body"]
+        assert got[custom_id]["response"]["status_code"] == 200 and got[custom_id]["error"] is None
+        assert (
+            body["object"] == "list"
+            and body["model"]
+            and set(body["usage"]) == {"prompt_tokens", "total_tokens"}
+        )
+        expected = engine.embed(texts)
+        assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+        for d, e in zip(body["data"], expected, strict=True):
+            assert d["object"] == "embedding"
+            assert np.array_equal(np.asarray(d["embedding"], dtype=np.float32), e.embedding)
+        assert body["usage"]["prompt_tokens"] == sum(len(e.prompt_ids) for e in expected)
+    assert "body.dimensions 8 is not this job's embedding length 16" in got["dims"]["error"]["message"]
+    assert "encoding_format 'base64' is not supported" in got["b64"]["error"]["message"]
+    assert "body.input must be a non-empty" in got["empty"]["error"]["message"]
+    assert "url '/v1/chat/completions' is not supported by --task embed" in got["chat"]["error"]["message"]
+    assert got["chat"]["response"]["status_code"] == 400

@@ -26,6 +26,7 @@ from batchjob.job.loop import (  # noqa: F401  (re-exported)
     part_prefix,
     result_fields,
     row_request,
+    task_extra,
 )
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import (  # noqa: F401  (re-exported)
@@ -115,7 +116,11 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             prep = reload(prep)
             _settle_model(prep, engine)
         manifest = Manifest(prep.state.manifest_file)
-        extra = extra_fields(spec.sampling_params(prep.info.job_seed)) if spec.task == "generate" else ()
+        extra = (
+            extra_fields(spec.sampling_params(prep.info.job_seed))
+            if spec.task == "generate"
+            else task_extra(spec)
+        )
         writer = PartWriter(
             prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result_fields(spec, engine)
         )

@@ -196,8 +196,11 @@ class JobSpec:
                 f"(it computes {TASK_RESULTS[task]} in one forward, without generating); leave "
                 f"{'it' if len(given) == 1 else 'them'} out"
             )
-        if self.format != "rows":
-            raise ConfigError(f"--format {self.format} is for --task generate; --task {task} reads rows")
+        if self.format != "rows" and task != "embed":
+            raise ConfigError(
+                f"--format {self.format} is for --task generate (chat and completions requests) and embed "
+                f"(/v1/embeddings requests); --task {task} reads rows"
+            )
         if self.logprobs is not None and self.logprobs != 0:
             raise ConfigError(
                 f"--task score: --logprobs takes no K (got {self.logprobs}); it adds the token_logprobs "
