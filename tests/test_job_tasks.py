@@ -368,3 +368,32 @@ def test_openai_embeddings_requests_in_and_embedding_objects_out(tiny_model_dir,
     assert "body.input must be a non-empty" in got["empty"]["error"]["message"]
     assert "url '/v1/chat/completions' is not supported by --task embed" in got["chat"]["error"]["message"]
     assert got["chat"]["response"]["status_code"] == 400
+
+
+def test_a_lost_part_is_redone_and_append_takes_new_rows_for_a_task_job(tiny_model_dir, tmp_path):
+    out, before = job(tmp_path, tiny_model_dir, "score", max_model_len=64)
+    parts = sorted(out.glob("part-*.parquet"))
+    parts[0].unlink()  # a part lost: its rows are redone, the same
+    _, again = job(tmp_path, tiny_model_dir, "score", max_model_len=64)
+    assert again == before
+    with open(tmp_path / "rows.jsonl", "a") as f:
+        f.write(json.dumps({"rid": "new", "text": "river stone", "topic": "river", "answer": " x"}) + "\n")
+    spec = make_spec(
+        input=[str(tmp_path / "rows.jsonl")],
+        output=str(out),
+        model=str(tiny_model_dir),
+        task="score",
+        id_column="rid",
+        max_model_len=64,
+    )
+    with pytest.raises(Exception, match="--append"):
+        run_job(spec)
+    spec.append = True
+    assert run_job(spec).status == "complete"
+    rows = rows_of(out)
+    new = next(r for r in rows if r["rid"] == "new")
+    (expected,) = Engine.from_pretrained(str(tiny_model_dir), task="score", max_model_len=64).score(
+        ["river stone"]
+    )
+    assert new["logprob"] == expected.logprob and new["error"] is None
+    assert [r for r in rows if r["rid"] != "new"] == before
