@@ -24,9 +24,7 @@ from batchjob.job.loop import (  # noqa: F401  (re-exported)
     feature_columns,
     model_names,
     part_prefix,
-    result_fields,
     row_request,
-    task_extra,
 )
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import (  # noqa: F401  (re-exported)
@@ -40,6 +38,7 @@ from batchjob.job.prompts import PromptBuilder
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
+from batchjob.job.tasks import result_fields, task_extra
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 
 
