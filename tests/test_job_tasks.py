@@ -245,6 +245,12 @@ def test_classify_job_equals_engine_classify(task_model_dirs, tmp_path, num_labe
             assert r["label"] == e.label and np.array_equal(np.asarray(r["probs"], dtype=np.float32), e.probs)
         else:
             assert r["score"] == np.float32(e.score)
+    if num_labels > 1:  # report: the labels counted, the generation-only figures left out
+        page = tmp_path / "report.html"
+        code, text = invoke("report", out, "--to", page)
+        assert code == 0, text
+        html = page.read_text()
+        assert "labels" in html and "finish reasons" not in html and "output lengths" not in html
 
 
 # -- identity, status, report, export ----------------------------------------------------------------------
