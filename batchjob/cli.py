@@ -509,10 +509,19 @@ def status(dir: str) -> None:
             f"samples: {st.total('samples')} result rows ({st.total('samples') / max(done, 1):g} a row)"
         )
     click.echo(f"errors: {st.total('errors')} rows")
-    click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
+    if st.task != "generate":  # prefill-only: tokens read, none generated
+        click.echo(f"tokens: {st.total('prompt_tokens')} read (--task {st.task})")
+    else:
+        click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
     if len(st.workers) == 1:
         w = st.workers[0]
-        if w.stats:
+        if w.stats and st.task != "generate":
+            click.echo(
+                f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"{w.stats.get('rows_per_s', 0):.1f} rows/s, {w.stats.get('total_tokens_per_s', 0):.1f} tok/s "
+                "read"
+            )
+        elif w.stats:
             run_samples = w.stats.get("samples", w.stats.get("rows", 0))
             extra = f" ({run_samples} samples)" if run_samples != w.stats.get("rows", 0) else ""
             click.echo(

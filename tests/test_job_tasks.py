@@ -269,7 +269,7 @@ def test_resume_with_another_task_or_embed_option_is_refused_naming_it(tiny_mode
     code, text = invoke(*base, "--task", "embed", "--pooling", "mean")
     assert code == 0 and "already complete" in text
     code, text = invoke("status", out)
-    assert code == 0 and "complete" in text
+    assert code == 0 and f"{out}: complete" in text and "read (--task embed)" in text, text
     code, text = invoke("report", out)
     assert code == 0, text
     for fmt in ("jsonl", "csv"):
