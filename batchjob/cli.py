@@ -145,9 +145,17 @@ def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--logprobs",
             type=int,
-            metavar="K",
-            help="Add a logprobs column: JSON, per generated token, its top-K [token id, log-probability] "
-            "pairs (and the chosen token's when it is not among them).",
+            is_flag=False,
+            flag_value=0,
+            metavar="[K]",
+            help="Add a logprobs column: per generated token, its log-probability and the top-K tokens' "
+            "(K alone: 0). --task score: a token_logprobs column, the log-probability of each scored token.",
+        ),
+        click.option(
+            "--score-column",
+            metavar="COL",
+            help="--task score: the column whose text, after the prompt, is scored (given the prompt); "
+            "default: the whole prompt is scored.",
         ),
         click.option(
             "--n",
@@ -327,10 +335,15 @@ def run(
     rows = s.get("rows", 0)
     samples = s.get("samples", rows)
     outputs = f" ({samples} samples)" if samples != rows else ""  # --n: input rows, and their outputs
+    if spec.task == "generate":
+        tokens = f"{s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
+        tokens += f"({s.get('generated_tokens_per_s', 0):.1f} tok/s)"
+    else:  # prefill-only: the tokens read are the work
+        tokens = f"{s.get('prompt_tokens', 0)} tokens read in {s.get('elapsed_s', 0):.1f} s "
+        tokens += f"({s.get('total_tokens_per_s', 0):.1f} tok/s, {s.get('rows_per_s', 0):.1f} rows/s)"
     click.echo(
         f"{result.status}: {result.rows_done}{total} rows done ({result.errors} errors); this run: "
-        f"{rows} rows{outputs}, {s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
-        f"({s.get('generated_tokens_per_s', 0):.1f} tok/s) -> {result.out_dir}"
+        f"{rows} rows{outputs}, {tokens} -> {result.out_dir}"
     )
     if result.exit_code:
         click.echo("state saved; run the same command again to resume", err=True)
@@ -496,10 +509,19 @@ def status(dir: str) -> None:
             f"samples: {st.total('samples')} result rows ({st.total('samples') / max(done, 1):g} a row)"
         )
     click.echo(f"errors: {st.total('errors')} rows")
-    click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
+    if st.task != "generate":  # prefill-only: tokens read, none generated
+        click.echo(f"tokens: {st.total('prompt_tokens')} read (--task {st.task})")
+    else:
+        click.echo(f"tokens: {st.total('prompt_tokens')} in, {st.total('generated_tokens')} out")
     if len(st.workers) == 1:
         w = st.workers[0]
-        if w.stats:
+        if w.stats and st.task != "generate":
+            click.echo(
+                f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"{w.stats.get('rows_per_s', 0):.1f} rows/s, {w.stats.get('total_tokens_per_s', 0):.1f} tok/s "
+                "read"
+            )
+        elif w.stats:
             run_samples = w.stats.get("samples", w.stats.get("rows", 0))
             extra = f" ({run_samples} samples)" if run_samples != w.stats.get("rows", 0) else ""
             click.echo(

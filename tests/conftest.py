@@ -18,7 +18,7 @@ PROCESS_MODULES = {
     "test_cluster",
 }
 ENGINE_MODULES = {"test_families", "test_gpu", "test_graphs", "test_engine", "test_bench", "test_tasks"}
-MODEL_FIXTURES = {"tiny_model_dir", "tiny_model_dirs", "decode_path"}
+MODEL_FIXTURES = {"tiny_model_dir", "tiny_model_dirs", "decode_path", "task_model_dirs"}
 
 
 def _tier(item) -> str:

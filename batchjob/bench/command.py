@@ -14,7 +14,7 @@ import click
 
 from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static, workload_num_blocks
 from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
-from batchjob.engine.options import by_engine_name
+from batchjob.engine.options import by_engine_name, job_options
 from batchjob.errors import ConfigError
 from batchjob.program import apply, engine_flags, errors, main
 
@@ -350,7 +350,8 @@ def _llama_cpp_runs(
 @click.option(
     "--hf-batch-size", type=int, default=32, show_default=True, help="--task: HF forward batch size."
 )
-@apply(engine_flags())  # our engine's options, as `batchjob run` has them (engine/options.py)
+# our engine's options, as `batchjob run` has them (engine/options.py); --task is the bench's own, above
+@apply(engine_flags([name for name, _, _ in job_options() if name != "task"]))
 @errors
 def bench(
     model: str | None,

@@ -229,7 +229,8 @@ class EngineOptions:
         "Run the model under torch.compile (compiles on first use; default: off).",
         check=_flag,
     )
-    # The task (engine/tasks.py). Jobs do not take these yet (job=False): the job layer's --task comes next.
+    # The task (engine/tasks.py) and its options: jobs take them (``batchjob run --task``, JobSpec checks
+    # which make sense for which task).
     task: str = option(
         "generate",
         str,
@@ -238,7 +239,6 @@ class EngineOptions:
         "generate).",
         choices=TASKS,
         check=_one_of(TASKS),
-        job=False,
     )
     pooling: str | None = option(
         None,
@@ -246,7 +246,6 @@ class EngineOptions:
         "embed: cls, mean or last (default: the model folder's sentence-transformers pooling, else mean).",
         choices=POOLINGS,
         check=_one_of(POOLINGS),
-        job=False,
     )
     normalize: bool | None = option(
         None,
@@ -254,14 +253,12 @@ class EngineOptions:
         "embed: scale each embedding to unit length (default: when the model folder's sentence-transformers "
         "modules include Normalize).",
         check=_flag,
-        job=False,
     )
     dimensions: int | None = option(
         None,
         int,
         "embed: keep the first N dimensions (Matryoshka), renormalised when normalize is on.",
         check=integer(1),
-        job=False,
         metavar="N",
     )
     truncate: bool = option(
@@ -270,7 +267,6 @@ class EngineOptions:
         "embed, classify, score: cut a text longer than the model's limit to the limit (default: off: such a "
         "request is an error).",
         check=_flag,
-        job=False,
     )
     # Jobs set these two themselves: static batching is their --admission static, and a job always wants a
     # pool that holds one request of the full context.

@@ -33,6 +33,37 @@ RESULT_FIELDS = [
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 
 
+def task_fields(
+    task: str, width: int | None = None, num_labels: int = 1, token_logprobs: bool = False
+) -> list[pa.Field]:
+    """The result columns of a job of ``task`` (generate: ``RESULT_FIELDS``). ``width``: embed's embedding
+    length; ``num_labels``: classify's head outputs (one: a ``score``; more: ``probs`` and ``label``);
+    ``token_logprobs``: score's per-token list."""
+    if task == "generate":
+        return list(RESULT_FIELDS)
+    if task == "embed":
+        if width is None:
+            raise ValueError("an embed job's result columns need the embedding's width")
+        out = [pa.field("embedding", pa.list_(pa.float32(), width))]
+    elif task == "classify":
+        out = [pa.field("scores", pa.list_(pa.float32()))]
+        if num_labels > 1:
+            out += [pa.field("probs", pa.list_(pa.float32())), pa.field("label", pa.string())]
+        else:
+            out.append(pa.field("score", pa.float32()))
+    elif task == "score":
+        out = [
+            pa.field("logprob", pa.float64()),
+            pa.field("num_scored_tokens", pa.int64()),
+            pa.field("perplexity", pa.float64()),
+        ]
+        if token_logprobs:
+            out.append(pa.field("token_logprobs", pa.list_(pa.float64())))
+    else:
+        raise ValueError(f"unknown task {task!r}")
+    return out + [pa.field("num_prompt_tokens", pa.int64()), pa.field("error", pa.string())]
+
+
 # A token and its log-probability (``--logprobs``): its text (``tokenizer.decode`` of the one token), its id.
 TOKEN_LOGPROB = pa.struct(
     [pa.field("token", pa.string()), pa.field("token_id", pa.int64()), pa.field("logprob", pa.float64())]
@@ -61,15 +92,19 @@ EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
 }
 
 
-def output_name(column: str, extra: tuple[pa.Field, ...] = ()) -> str:
-    """The output name of an input column."""
-    taken = column in RESULT_NAMES or any(f.name == column for f in extra)
+def output_name(column: str, extra: tuple[pa.Field, ...] = (), result: list[pa.Field] | None = None) -> str:
+    """The output name of an input column (``result``: the job's result columns, default generation's)."""
+    names = RESULT_NAMES if result is None else [f.name for f in result]
+    taken = column in names or any(f.name == column for f in extra)
     return f"input_{column}" if taken else column
 
 
-def output_schema(input_schema: pa.Schema, extra: tuple[pa.Field, ...] = ()) -> pa.Schema:
-    fields = [pa.field(output_name(f.name, extra), f.type) for f in input_schema]
-    return pa.schema(fields + RESULT_FIELDS + list(extra), metadata=input_schema.metadata)
+def output_schema(
+    input_schema: pa.Schema, extra: tuple[pa.Field, ...] = (), result: list[pa.Field] | None = None
+) -> pa.Schema:
+    result = RESULT_FIELDS if result is None else result
+    fields = [pa.field(output_name(f.name, extra, result), f.type) for f in input_schema]
+    return pa.schema(fields + result + list(extra), metadata=input_schema.metadata)
 
 
 def file_sha256(path: Path) -> str:
@@ -102,15 +137,19 @@ def _coerce(values: list[Any], type_: pa.DataType) -> pa.Array:
 
 
 def build_table(
-    rows: list[dict[str, Any]], input_schema: pa.Schema, extra: tuple[pa.Field, ...] = ()
+    rows: list[dict[str, Any]],
+    input_schema: pa.Schema,
+    extra: tuple[pa.Field, ...] = (),
+    result: list[pa.Field] | None = None,
 ) -> pa.Table:
     """A table with the output schema from result rows (input values and result fields in one dict)."""
-    schema = output_schema(input_schema, extra)
+    result = RESULT_FIELDS if result is None else result
+    schema = output_schema(input_schema, extra, result)
     columns = []
     for field in input_schema:
         values = [(r.get("values") or {}).get(field.name) for r in rows]
         columns.append(_coerce(values, field.type))
-    for field in RESULT_FIELDS + list(extra):
+    for field in result + list(extra):
         columns.append(pa.array([r.get(field.name) for r in rows], type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)
 
@@ -123,9 +162,15 @@ class PartWriter:
     """
 
     def __init__(
-        self, out_dir: Path, input_schema: pa.Schema, prefix: str = "part-", extra: tuple[pa.Field, ...] = ()
+        self,
+        out_dir: Path,
+        input_schema: pa.Schema,
+        prefix: str = "part-",
+        extra: tuple[pa.Field, ...] = (),
+        result: list[pa.Field] | None = None,
     ) -> None:
         self.out_dir = out_dir
+        self.result = RESULT_FIELDS if result is None else result  # the task's result columns
         self.input_schema = input_schema
         self.prefix = prefix
         self.extra = extra  # the feature columns after the result columns
@@ -146,7 +191,7 @@ class PartWriter:
 
     def write(self, seq: int, rows: list[dict[str, Any]]) -> str:
         """Write rows as part ``seq`` (temporary name, fsync, rename); returns the part's file name."""
-        return self.write_table(seq, build_table(rows, self.input_schema, self.extra))
+        return self.write_table(seq, build_table(rows, self.input_schema, self.extra, self.result))
 
     def write_table(self, seq: int, table: pa.Table) -> str:
         """Write a table with the output schema as part ``seq``, atomically; returns the part's file name."""
@@ -160,7 +205,7 @@ class PartWriter:
 
     @property
     def schema(self) -> pa.Schema:
-        return output_schema(self.input_schema, self.extra)
+        return output_schema(self.input_schema, self.extra, self.result)
 
     def size(self, name: str) -> int:
         """A part's size in bytes, as recorded in the manifest."""

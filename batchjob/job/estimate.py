@@ -30,8 +30,7 @@ from tqdm import tqdm
 
 from batchjob.io.readers import iter_rows
 from batchjob.job.progress import _duration as duration
-from batchjob.job.prompts import PromptBuilder
-from batchjob.job.runner import Prepared, load_engine, row_request
+from batchjob.job.runner import Prepared, load_engine, prompt_builder, row_request
 
 _LENGTH_EDGES = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 10**9]
 
@@ -234,7 +233,9 @@ def estimate(
     engine = load_engine(spec)
     tokenizer = engine.tokenizer
     plan = prep.plan.for_tokenizer(spec, bool(getattr(tokenizer, "chat_template", None)))
-    builder = PromptBuilder(plan, tokenizer, engine.max_model_len, spec.template_kwargs)
+    builder = prompt_builder(spec, plan, engine)
+    prefill = spec.task != "generate"  # a prefill-only task: no output; longer than the engine's limit fails
+    context = engine.prefill_limit if prefill else engine.max_model_len
     base = spec.sampling_params(prep.info.job_seed)
     skip, covered = prep.shard.filters(_nothing())
     lengths: list[int] = []
@@ -262,9 +263,12 @@ def estimate(
             else:
                 no_prompt += 1
             continue
+        if prefill and len(ids) > context:  # --truncate cut it already (prompt_builder)
+            too_long += 1
+            continue
         lengths.append(len(ids))
         samples += params.n
-        budget += params.n * params.max_new_tokens
+        budget += 0 if prefill else params.n * params.max_new_tokens
         if len(prompts) < calibration_rows:
             prompts.append((ids, params))
     bar.close()
@@ -304,7 +308,7 @@ def estimate(
         lengths,
         too_long,
         no_prompt,
-        engine.max_model_len,
+        context,
         samples,
         budget,
         main,

@@ -101,6 +101,9 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         "response": None,
         "error": None,
     }
+    failed = next((r.row for r in group if r.row.get("error") is not None), None)
+    if failed is not None and "embedding" in first:  # one input of an embeddings request failed: all did
+        first = failed
     if first.get("error") is not None:
         # as OpenAI and vLLM write a failed request: its HTTP status and error body in ``response``; a
         # request refused before it ran (no prompt tokens) is a bad request (400), else the server failed
@@ -109,6 +112,9 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         error = {"message": first["error"], "type": kind, "param": None, "code": "batchjob_error"}
         line["response"] = {"status_code": status, "request_id": digest, "body": {"error": error}}
         line["error"] = {"code": "batchjob_error", "message": first["error"]}
+        return line
+    if "embedding" in first:  # --task embed: an embeddings response, an object per input
+        line["response"] = {"status_code": 200, "request_id": digest, "body": _embeddings_body(group, model)}
         return line
     completions = str(first.get("url") or "").endswith("/v1/completions")
     choices = []
@@ -139,6 +145,22 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
     }
     line["response"] = {"status_code": 200, "request_id": digest, "body": body}
     return line
+
+
+def _embeddings_body(group: list[Result], model: str) -> dict[str, Any]:
+    """The body of an OpenAI ``/v1/embeddings`` response: the group's rows (a request's inputs, by
+    ``sample_index``) as embedding objects, float encoded."""
+    data = [
+        {"object": "embedding", "index": r.row.get("sample_index", 0), "embedding": r.row["embedding"]}
+        for r in group
+    ]
+    prompt = group[0].row.get("num_prompt_tokens") or 0  # the request's inputs together
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+    }
 
 
 def _openai_logprobs(tokens: Any, completions: bool) -> dict[str, Any] | None:

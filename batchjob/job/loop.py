@@ -32,10 +32,11 @@ from batchjob.job.prepare import Prepared
 from batchjob.job.progress import Progress
 from batchjob.job.prompts import PromptBuilder
 from batchjob.job.reasoning import find_tags, parse_tags
-from batchjob.job.requests import params_from_column, parse_request
+from batchjob.job.requests import params_from_column, parse_embeddings_request, parse_request
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.stats import RunStats
+from batchjob.job.tasks import result_fields, task_columns, task_extra
 from batchjob.sampling import SamplingParams
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
@@ -88,6 +89,8 @@ class _Pending:
     prompt: list[int] = field(default_factory=list)
     answer_params: SamplingParams | None = None
     thoughts: dict[int, Any] = field(default_factory=dict)
+    continuation: list[int] | None = None  # --task score --score-column: the scored text's ids
+    inputs: list[list[int]] | None = None  # --task embed --format openai: each of body.input's token ids
 
 
 class JobLoop:
@@ -112,7 +115,13 @@ class JobLoop:
             )
         self.answer_of: dict[str, tuple[str, int]] = {}  # an answer request -> (its row's id, sample index)
         extra = extra_fields(self.params, every=self.spec.per_row_params, reasoning=self.tags is not None)
-        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        self.task = self.spec.task
+        if self.task != "generate":
+            extra = task_extra(self.spec)
+        result = result_fields(self.spec, engine)
+        self.width = result[0].type.list_size if self.task == "embed" else 0  # body.dimensions' only value
+        self.input_of: dict[str, tuple[str, int]] = {}  # an embeddings request's input -> (row id, index)
+        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result)
         self.parts = Parts(prep.out_dir, self.manifest, writer)
         self.model_names = model_names(self.spec.model)  # --format openai: what body.model may say
         self.models_seen: set[str] = set()
@@ -184,6 +193,8 @@ class JobLoop:
     def _in_flight(self) -> list[InFlight]:
         """Every unfinished row: those in the engine (a reasoning row's answer saved as its finished
         thinking: the answer is redone), then those restored by the last checkpoint and not yet re-added."""
+        if self.task != "generate":
+            return []  # a prefill-only request has no tokens of its own to save: a resume computes it again
         by_id: dict[str, InFlight] = {}
         for snap in self.engine.snapshot():
             row_id, k, prompt, output = snap.request_id, snap.sample_index, snap.prompt_ids, snap.output_ids
@@ -261,11 +272,31 @@ class JobLoop:
                 )
                 return
         assert row_id not in self.pending, row_id
-        params, ids, error = self._request(row)
+        inputs = None
+        if self.task != "generate" and self.spec.format == "openai":  # /v1/embeddings request lines
+            inputs, error = self._embedding_inputs(row)
+            if inputs is None:
+                self._finish_row(row, None, "error", 0, 0, error)
+                return
+            params, ids = self.params, inputs[0]
+        else:
+            params, ids, error = self._request(row)
         if ids is None or params is None:
             self._finish_row(row, None, "error", 0, 0, error)
             return
         pending = _Pending(row, row_id, len(ids), params)
+        if self.task != "generate":
+            if inputs is not None:
+                pending.inputs, pending.num_prompt_tokens = inputs, sum(len(x) for x in inputs)
+            if self.spec.score_column is not None:
+                pending.continuation, error = self._continuation(row)
+                if pending.continuation is None:
+                    self._finish_row(row, None, "error", 0, 0, error)
+                    return
+                pending.num_prompt_tokens += len(pending.continuation)
+            self.ready.append((row_id, ids, {}))
+            self.pending[row_id] = pending
+            return
         if self.tags is not None:
             pending.inside = self.tags.inside(ids)
             closed = not pending.inside and self.tags.closed(ids)  # the template turned thinking off
@@ -283,6 +314,41 @@ class JobLoop:
             samples = saved.samples
         self.ready.append((row_id, ids, samples))
         self.pending[row_id] = pending
+
+    def _embedding_inputs(self, row: Row) -> tuple[list[list[int]] | None, str | None]:
+        """--task embed --format openai: the token ids of each of the request's inputs, or its error."""
+        assert row.values is not None
+        body = row.values.get("body")
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            self.models_seen.add(body["model"])
+        where = f"{row.source} line {row.line}: " if row.line is not None else ""
+        check = self.model_names if self.spec.check_model_name else None
+        texts, error = parse_embeddings_request(row.values, check, self.width)
+        if texts is None:
+            return None, where + str(error)
+        inputs = []
+        for k, text in enumerate(texts):
+            ids, error = self.builder.build_request({"prompt": text})
+            if ids is None:
+                return None, f"{where}body.input[{k}]: {error}"
+            inputs.append(ids)
+        return inputs, None
+
+    def _continuation(self, row: Row) -> tuple[list[int] | None, str | None]:
+        """--score-column: the scored text's token ids (as ``Engine.score`` tokenizes a continuation), or
+        why the row has none."""
+        assert row.values is not None
+        col = self.spec.score_column
+        value = row.values.get(col)
+        where = f"{row.source} line {row.line}: " if row.line is not None else ""
+        if value is None:
+            return None, f"{where}score column {col!r} is null or missing"
+        if not isinstance(value, str):
+            return None, f"{where}score column {col!r} is not text (got {type(value).__name__})"
+        ids = self.engine.tokenize(value, special_tokens=False) if value else []
+        if not ids:
+            return None, f"{where}score column {col!r} is empty: there is nothing to score"
+        return list(ids), None
 
     def _thinking_params(self, params: SamplingParams) -> SamplingParams:
         """A row's thinking: unconstrained, until the close tag or --max-reasoning-tokens (else
@@ -320,6 +386,21 @@ class JobLoop:
             i = admission.next_index(self.spec.admission, [len(ids) for _, ids, _ in self.ready])
             row_id, ids, samples = self.ready[i]
             del self.ready[i]
+            if self.task != "generate":
+                p = self.pending[row_id]
+                if p.inputs is not None:  # an embeddings request: a request per input
+                    for k, input_ids in enumerate(p.inputs):
+                        self.input_of[f"{row_id}\x1finput{k}"] = (row_id, k)
+                        self.engine.add_request(f"{row_id}\x1finput{k}", input_ids)
+                    continue
+                kw: dict[str, Any] = {}
+                if self.task == "score":
+                    kw = {
+                        "continuation_ids": p.continuation,
+                        "token_logprobs": self.spec.logprobs is not None,
+                    }
+                self.engine.add_request(row_id, ids, **kw)
+                continue
             params = self.pending[row_id].params
             if params.n > 1 and samples:  # --n, resumed: each sample from its saved tokens (or afresh)
                 for k in range(params.n):
@@ -328,6 +409,9 @@ class JobLoop:
                 self.engine.add_request(row_id, ids, params, output_ids=samples.get(0))
 
     def _finished(self, out: Any) -> None:
+        if self.task != "generate":
+            self._finished_task(out)
+            return
         if out.request_id in self.answer_of:  # a reasoning row's answer
             row_id, k = self.answer_of.pop(out.request_id)
             p = self.pending[row_id]
@@ -365,6 +449,30 @@ class JobLoop:
                     "reasoning": reasoning,
                 }
                 | feature_columns(out, (p.answer_params or p.params).logprobs, self._token_text)
+            )
+        self._finish_samples(p.row, p.num_prompt_tokens, results)
+
+    def _finished_task(self, out: Any) -> None:
+        """A prefill-only request finished: its row's result (an embeddings request's, once all its inputs
+        are: a result row each, by ``sample_index``)."""
+        row_id, k = self.input_of.pop(out.request_id, (out.request_id, 0))
+        p = self.pending[row_id]
+        self.stats.request(out)
+        p.samples[k] = out
+        if len(p.samples) < (len(p.inputs) if p.inputs is not None else 1):
+            return
+        del self.pending[row_id]
+        results = []
+        for k in sorted(p.samples):
+            out = p.samples[k]
+            error = out.error if out.finish_reason == "error" else None
+            if out.finish_reason == "error" and error is None:
+                error = "the engine could not run this request"
+            if error is not None and p.inputs is not None:
+                error = f"body.input[{k}]: {error}"
+            result = {"finish_reason": out.finish_reason, "num_generated_tokens": 0, "error": error}
+            results.append(
+                result | {"sample_index": k} | (task_columns(self.task, out) if error is None else {})
             )
         self._finish_samples(p.row, p.num_prompt_tokens, results)
 

@@ -114,6 +114,8 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
             "sampling": spec.sampling_fingerprint(),
             "sharding": {"num_shards": shard.count},
         }
+        if spec.task != "generate":  # a generation job keeps the identity it had before tasks
+            fingerprint["task"] = spec.task_fingerprint()
         return plan, fingerprint
 
     if spec.format == "openai":

@@ -158,10 +158,13 @@ def render_template(
 
 
 def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
-    """Whether plain prompts are wrapped in the chat template: ``--chat/--no-chat``, else if there is one."""
+    """Whether plain prompts are wrapped in the chat template: ``--chat/--no-chat``, else if there is one
+    (generation; the other tasks take a text as it is unless --chat asks)."""
     if spec.chat and not has_chat_template:
         raise ConfigError("--chat asked for, but the model's tokenizer has no chat template; use --no-chat")
-    return has_chat_template if spec.chat is None else spec.chat
+    if spec.chat is None:
+        return has_chat_template and spec.task == "generate"
+    return spec.chat
 
 
 def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> PromptPlan:
@@ -181,6 +184,8 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
         need(spec.id_column, "--id-column")
     if spec.params_column is not None:
         need(spec.params_column, "--params-column")
+    if spec.score_column is not None:
+        need(spec.score_column, "--score-column")
     resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)
@@ -292,12 +297,17 @@ class PromptBuilder:
         self,
         plan: PromptPlan,
         tokenizer: Any,
-        max_model_len: int,
+        max_model_len: int | None,
         template_kwargs: dict[str, Any] | None = None,
+        truncate_to: int | None = None,
     ) -> None:
+        """``max_model_len``: a prompt of this many tokens or more is an error (None: the engine checks its
+        length, as prefill-only tasks do); ``truncate_to``: cut a text longer than this by the tokenizer (the
+        tasks' --truncate, as ``Engine.tokenize`` cuts)."""
         self.plan = plan
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.truncate_to = truncate_to
         self.template_kwargs = (
             template_kwargs or {}
         )  # --chat-template-kwargs, e.g. {"enable_thinking": false}
@@ -390,10 +400,13 @@ class PromptBuilder:
 
     def _tokens(self, text: str, chat: bool) -> tuple[list[int] | None, str | None]:
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
-        ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        cut = self.truncate_to is not None
+        ids = self.tokenizer(
+            text, add_special_tokens=not chat, truncation=cut, max_length=self.truncate_to if cut else None
+        )["input_ids"]
         if not ids:
             return None, "the prompt has no tokens"
-        if len(ids) >= self.max_model_len:
+        if self.max_model_len is not None and len(ids) >= self.max_model_len:
             return (
                 None,
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} tokens "

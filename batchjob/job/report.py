@@ -86,13 +86,18 @@ def read_outputs(
                 names = set(pq.read_schema(part).names)
             except (OSError, pa.ArrowException) as e:
                 raise DamagedPartError(out_dir, record.name, f"cannot be read ({e})") from e
-            columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error"]
+            # generation's columns; a prefill-only task's parts have no finish reason or output length
+            # (their generation-only figures are left out), a classify job's have its label
+            columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error", "label"]
             id_col = next((c for c in (id_column, f"input_{id_column}") if c and c in names), None)
             columns += [c for c in (id_col, "generated_text" if choices else None) if c]
+            columns = [c for c in columns if c in names]
+            generated = "finish_reason" in names
             for batch in read_batches(out_dir, record.name, batch_size=4096, columns=columns):
                 for r in batch.to_pylist():
                     out.rows += 1
-                    out.finish_reasons[r["finish_reason"] or "unknown"] += 1
+                    if generated:
+                        out.finish_reasons[r["finish_reason"] or "unknown"] += 1
                     if r["error"] is not None:
                         kind = error_kind(r["error"])
                         out.errors[kind] += 1
@@ -101,9 +106,12 @@ def read_outputs(
                             examples.append((str(r.get(id_col) if id_col else "") or "", r["error"]))
                         continue
                     out.prompt_lengths[_bucket(_LENGTH_EDGES, r["num_prompt_tokens"] or 0)] += 1
-                    out.output_lengths[_bucket(_LENGTH_EDGES, r["num_generated_tokens"] or 0)] += 1
+                    if generated:
+                        out.output_lengths[_bucket(_LENGTH_EDGES, r["num_generated_tokens"] or 0)] += 1
                     if choices and r.get("generated_text") is not None:
                         out.labels[r["generated_text"]] += 1
+                    elif r.get("label") is not None and not generated:  # --task classify
+                        out.labels[r["label"]] += 1
     return out
 
 

@@ -105,6 +105,8 @@ REQUEST_FIELDS = ("custom_id", "method", "url", "body")  # what an OpenAI Batch 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the Chat Completions API's message roles
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"  # --task embed
+_EMBEDDING_FIELDS = {"input", "model", "dimensions", "encoding_format", "user"}
 # Fields accepted and ignored: they change nothing about the answer.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # Fields accepted at their neutral value only.
@@ -260,3 +262,56 @@ def parse_request(
     if not isinstance(prompt, str) or not prompt:
         return None, None, "body.prompt must be a non-empty string (lists of prompts are not supported)"
     return {"prompt": prompt}, params, None
+
+
+def parse_embeddings_request(
+    values: dict[str, Any], model_names: set[str] | None, width: int
+) -> tuple[list[str] | None, str | None]:
+    """An OpenAI Batch ``/v1/embeddings`` request line (``--task embed --format openai``): its inputs (the
+    body's ``input``, a string or a list of strings), or the error naming the field. ``width``: the job's
+    embedding length, the one ``body.dimensions`` may ask for (the job's --dimensions sets it)."""
+    other = [k for k, v in values.items() if k not in REQUEST_FIELDS and v is not None]
+    if other:
+        return (
+            None,
+            f"unknown request field {other[0]!r} (an OpenAI Batch request line has only {', '.join(REQUEST_FIELDS)})",
+        )
+    if not isinstance(values.get("custom_id"), str) or not values["custom_id"]:
+        return None, f"custom_id must be a non-empty string, got {values.get('custom_id')!r}"
+    method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            return None, f"body is not a JSON object ({e})"
+    if method != "POST":
+        return None, f"method {method!r} is not supported (POST)"
+    if url != EMBEDDINGS_URL:
+        return None, f"url {url!r} is not supported by --task embed ({EMBEDDINGS_URL})"
+    if not isinstance(body, dict):
+        return None, "body must be a JSON object"
+    unknown = sorted(set(body) - _EMBEDDING_FIELDS)
+    if unknown:
+        return (
+            None,
+            f"body.{unknown[0]} is not supported by batchjob ({', '.join(sorted(_EMBEDDING_FIELDS))})",
+        )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return None, f"body.model must be a string, got {model!r}"
+    if model_names is not None and model is not None and model not in model_names:
+        return None, f"body.model {model!r} is not this job's model ({', '.join(sorted(model_names))})"
+    if body.get("encoding_format", "float") != "float":
+        return None, f"body.encoding_format {body['encoding_format']!r} is not supported (float)"
+    dims = body.get("dimensions")
+    if dims is not None and dims != width:
+        return None, (
+            f"body.dimensions {dims!r} is not this job's embedding length {width} (a job has one length: "
+            "give --dimensions to the job, and run requests of another length as a job of their own)"
+        )
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) and t for t in inputs):
+        return None, "body.input must be a non-empty string or a non-empty list of non-empty strings"
+    return inputs, None

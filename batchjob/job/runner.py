@@ -38,6 +38,7 @@ from batchjob.job.prompts import PromptBuilder
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
+from batchjob.job.tasks import result_fields, task_extra
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 
 
@@ -114,8 +115,14 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             prep = reload(prep)
             _settle_model(prep, engine)
         manifest = Manifest(prep.state.manifest_file)
-        extra = extra_fields(spec.sampling_params(prep.info.job_seed))
-        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra)
+        extra = (
+            extra_fields(spec.sampling_params(prep.info.job_seed))
+            if spec.task == "generate"
+            else task_extra(spec)
+        )
+        writer = PartWriter(
+            prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result_fields(spec, engine)
+        )
         check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))  # one job, one schema
         # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
         # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
@@ -127,7 +134,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         if not prep.shard.single:
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
         writer.remove_orphans(manifest.names)
-        builder = PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
+        builder = prompt_builder(spec, plan, engine)
         loop = JobLoop(prep, engine, builder)
         # While it runs, SIGTERM/SIGINT ask the loop to checkpoint and stop. Before, the command's own
         # handlers apply (signals.py): during start-up a signal exits 75 at once, with nothing to save.
@@ -136,6 +143,15 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             return loop.run()
     finally:
         state.unlock()
+
+
+def prompt_builder(spec: JobSpec, plan: Any, engine: Any) -> PromptBuilder:
+    """The prompt builder for the job's task: generation checks a prompt against the context; a prefill-only
+    task leaves the length to the engine (an error, or cut with --truncate as ``Engine.tokenize`` cuts)."""
+    if spec.task == "generate":
+        return PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
+    cut = engine.prefill_limit if spec.truncate else None
+    return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut)
 
 
 def _restamp(prep: Prepared) -> None:

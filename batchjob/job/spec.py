@@ -95,6 +95,8 @@ class JobSpec:
     checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
     max_errors: int | None = None  # stop (exit 1) once this many rows have failed
     retry_errors: bool = False  # redo committed rows with an error (not part of the job's identity)
+    # --task score: the column whose text is scored after the prompt (conditional); None: the whole prompt
+    score_column: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
@@ -152,8 +154,66 @@ class JobSpec:
             raise ConfigError(f"checkpoint_interval must be > 0 seconds, got {self.checkpoint_interval!r}")
         if self.max_errors is not None and self.max_errors < 1:
             raise ConfigError(f"max_errors must be >= 1, got {self.max_errors!r}")
+        self._check_task()
         self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
+
+    def _check_task(self) -> None:
+        """Refuse, before any work, the options that mean nothing for the job's task, naming them."""
+        task = self.task
+        if task == "generate":
+            owners = {
+                "pooling": "embed",
+                "normalize": "embed",
+                "dimensions": "embed",
+                "score_column": "score",
+            }
+            wrong = [n for n in owners if getattr(self, n) is not None] + (
+                ["truncate"] if self.truncate else []
+            )
+            if wrong:
+                name = wrong[0]
+                owner = owners.get(name, "embed, classify or score")
+                raise ConfigError(
+                    f"{_flags([name])} is an option of --task {owner}; this job generates text (--task "
+                    f"generate): give --task {owner.split(',')[0]}, or leave {_flags([name])} out"
+                )
+            return
+        defaults = {
+            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            for f in dataclasses.fields(self)
+        }
+        given = [n for n in GENERATION_ONLY if getattr(self, n) != defaults[n]]
+        if task != "score" and self.logprobs is not None:
+            given.append("logprobs")
+        if task != "embed":
+            given += [n for n in ("pooling", "normalize", "dimensions") if getattr(self, n) is not None]
+        if task != "score" and self.score_column is not None:
+            given.append("score_column")
+        if given:
+            raise ConfigError(
+                f"{_flags(given)} {'has' if len(given) == 1 else 'have'} no meaning for --task {task} "
+                f"(it computes {TASK_RESULTS[task]} in one forward, without generating); leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+        if self.format != "rows" and task != "embed":
+            raise ConfigError(
+                f"--format {self.format} is for --task generate (chat and completions requests) and embed "
+                f"(/v1/embeddings requests); --task {task} reads rows"
+            )
+        if self.logprobs is not None and self.logprobs != 0:
+            raise ConfigError(
+                f"--task score: --logprobs takes no K (got {self.logprobs}); it adds the token_logprobs "
+                "column, one log-probability per scored token"
+            )
+        if self.score_column is not None and self.score_column in (
+            self.prompt_column,
+            self.messages_column,
+        ):
+            raise ConfigError(
+                f"--score-column {self.score_column!r} is also the prompt's column; the scored text comes "
+                "after the prompt, from a column of its own"
+            )
 
     def _load_schema(self) -> str | None:
         if self.json_schema is None:
@@ -239,7 +299,22 @@ class JobSpec:
             out["reasoning_tags"] = self.reasoning_tags
         return out
 
+    def task_fingerprint(self) -> dict[str, Any]:
+        """The task and its options (empty for generation, so a generation job keeps its identity)."""
+        if self.task == "generate":
+            return {}
+        out: dict[str, Any] = {"task": self.task, "truncate": self.truncate}
+        if self.task == "embed":
+            out |= {"pooling": self.pooling, "normalize": self.normalize, "dimensions": self.dimensions}
+        if self.task == "score":
+            out |= {"score_column": self.score_column, "token_logprobs": self.logprobs is not None}
+        if self.max_model_len is not None:  # it cuts (with --truncate) or fails long texts
+            out["max_model_len"] = self.max_model_len
+        return out
+
     def sampling_fingerprint(self) -> dict[str, Any]:
+        if self.task != "generate":
+            return {}  # nothing is sampled: the task's identity is task_fingerprint()
         keys = ("max_new_tokens", "top_p", "top_k", "min_p", "seed", "stop")
         out = {k: getattr(self, k) for k in keys} | {"temperature": self.effective_temperature}
         # Constraints and samples only when given, so a job without them keeps its old identity.
@@ -252,6 +327,36 @@ class JobSpec:
         if self.max_reasoning_tokens is not None:
             out["max_reasoning_tokens"] = self.max_reasoning_tokens
         return out
+
+
+# What each task computes, in words (messages).
+TASK_RESULTS = {
+    "embed": "an embedding",
+    "classify": "a classifier head's scores",
+    "score": "the text's log-likelihood",
+}
+# Options that only generation has: refused (when given) with the other tasks.
+GENERATION_ONLY = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "choices",
+    "json_schema",
+    "regex",
+    "n",
+    "max_reasoning_tokens",
+    "reasoning_tags",
+    "params_column",
+    "num_speculative_tokens",
+)
+
+
+def _flags(names: list[str]) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
 
 
 def _finite_float(name: str, value: Any) -> float:

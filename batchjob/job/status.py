@@ -60,6 +60,7 @@ class JobStatus:
     workers: list[WorkerStatus]
     rows_total: int | None  # all rows of the job's input, once known
     input_changes: list[str] = field(default_factory=list)  # the inputs now differ from what the job read
+    task: str = "generate"  # the job's --task (a prefill-only task reads tokens, generates none)
 
     @property
     def complete(self) -> bool:
@@ -144,4 +145,6 @@ def job_status(out_dir: Path) -> JobStatus:
         )
     for w in workers:
         w.rows_total = w.shard.share_of(info.row_counts)
-    return JobStatus(out_dir, workers, info.total_rows, changes_now(info.inputs, info.input_paths, out_dir))
+    task = str((info.fingerprint.get("task") or {}).get("task", "generate"))
+    changes = changes_now(info.inputs, info.input_paths, out_dir)
+    return JobStatus(out_dir, workers, info.total_rows, changes, task)

@@ -219,6 +219,8 @@ def _without(
             done.add(o)
 
     def total(column: str) -> int:
+        if column not in kept.column_names:  # a prefill-only task's parts: nothing generated
+            return 0
         return int(pc.sum(kept.column(column)).as_py() or 0)
 
     new = PartRecord(

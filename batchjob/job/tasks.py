@@ -1,0 +1,51 @@
+"""The job layer's side of the prefill-only tasks (``--task embed|classify|score``, ``engine/tasks.py``):
+a task job's result columns for its model, and a finished request's values for them.
+
+The rest of a task job is every job's (``loop.py``): rows, ids, parts, checkpoints (a prefill-only request
+saves nothing in flight: a resume computes it again), shards, status, export.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchjob.io.writers import EXTRA_FIELDS
+from batchjob.job.spec import JobSpec
+
+
+def result_fields(spec: JobSpec, engine: Any) -> list[Any]:
+    """The result columns of the job's task for this engine's model (``writers.task_fields``)."""
+    from batchjob.io.writers import task_fields
+
+    width, num_labels = None, 1
+    if spec.task == "embed":
+        pooling = getattr(engine.tasks, "pooling", None)
+        width = (pooling and pooling.dimensions) or engine.model.config.get_text_config().hidden_size
+    elif spec.task == "classify":
+        num_labels = int(engine.model.config.num_labels)
+    return task_fields(spec.task, width, num_labels, token_logprobs=spec.logprobs is not None)
+
+
+def task_extra(spec: JobSpec) -> tuple[Any, ...]:
+    """The feature columns of a prefill-only task's job: ``sample_index`` (which of an embeddings request's
+    inputs) with --format openai, else none."""
+    return (EXTRA_FIELDS["sample_index"],) if spec.format == "openai" else ()
+
+
+def task_columns(task: str, out: Any) -> dict[str, Any]:
+    """A prefill-only request's result columns (``writers.task_fields``) from its ``RequestOutput``."""
+    if task == "embed":
+        return {"embedding": out.embedding.astype("float32").tolist()}
+    if task == "classify":
+        columns: dict[str, Any] = {"scores": out.logits.astype("float32").tolist()}
+        if out.probs is not None:
+            columns |= {"probs": out.probs.astype("float32").tolist(), "label": out.label}
+        if out.score is not None:
+            columns["score"] = float(out.score)
+        return columns
+    return {
+        "logprob": float(out.logprob),
+        "num_scored_tokens": int(out.num_scored_tokens),
+        "perplexity": out.perplexity,
+        "token_logprobs": None if out.token_logprobs is None else [float(x) for x in out.token_logprobs],
+    }

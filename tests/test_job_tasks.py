@@ -1,0 +1,405 @@
+"""Jobs of the prefill-only tasks (``--task embed|classify|score``): the options each task takes, the result
+columns and their Arrow types, Parquet values equal to ``Engine.embed/classify/score`` (which test_tasks.py
+proves against sentence-transformers and HF), error rows, the job's identity, and exact resume after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.engine.engine import Engine
+from batchjob.errors import ConfigError
+from batchjob.job import make_spec, run_job
+from tests.task_models import make_classifier, make_embedder
+
+pytestmark = pytest.mark.timeout(600)
+
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "light", "music"]
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def write_rows(path, n=12, long_at=(5,), empty_at=(7,)):
+    """``n`` JSONL rows (ids ``r00``..): a ``text``, a ``topic`` and an ``answer``; the rows in ``long_at``
+    have a text of 300 words, those in ``empty_at`` an empty one; a torn last line."""
+    with open(path, "w") as f:
+        for i in range(n):
+            words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(3 + i % 5)]
+            text = " ".join(words * 60) if i in long_at else "" if i in empty_at else " ".join(words)
+            row = {
+                "rid": f"r{i:02d}",
+                "text": text,
+                "topic": WORDS[i % 10],
+                "answer": f" {WORDS[(i + 3) % 10]}",
+            }
+            f.write(json.dumps(row) + "\n")
+        f.write("{torn json\n")
+    return path
+
+
+def rows_of(out) -> list[dict]:
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    return sorted(rows, key=lambda r: (r["rid"] is None, r["rid"] or "", r["error"] or ""))
+
+
+def job(tmp_path, model, task, name="out", **kw):
+    data = tmp_path / "rows.jsonl"
+    if not data.exists():
+        write_rows(data)
+    spec = make_spec(
+        input=[str(data)], output=str(tmp_path / name), model=str(model), task=task, id_column="rid", **kw
+    )
+    result = run_job(spec)
+    assert result.status == "complete"
+    return tmp_path / name, rows_of(tmp_path / name)
+
+
+# -- options: what each task takes, refused before any work ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "task, given, named",
+    [
+        ("embed", {"choices": "a,b"}, "--choices"),
+        ("classify", {"temperature": 0.7}, "--temperature"),
+        ("score", {"max_new_tokens": 5}, "--max-new-tokens"),
+        ("score", {"n": 2}, "--n"),
+        ("embed", {"logprobs": 0}, "--logprobs"),
+        ("classify", {"pooling": "cls"}, "--pooling"),
+        ("score", {"dimensions": 8}, "--dimensions"),
+        ("embed", {"score_column": "answer"}, "--score-column"),
+        ("generate", {"pooling": "mean"}, "--pooling"),
+        ("generate", {"truncate": True}, "--truncate"),
+        ("generate", {"score_column": "answer"}, "--score-column"),
+    ],
+)
+def test_an_option_the_task_has_no_use_for_is_refused_by_name(task, given, named):
+    with pytest.raises(ConfigError, match=named):
+        make_spec(input=["x.jsonl"], output="out", task=task, **given)
+
+
+def test_score_logprobs_takes_no_k_and_the_cli_refuses_before_work(tmp_path):
+    with pytest.raises(ConfigError, match="--logprobs takes no K"):
+        make_spec(input=["x.jsonl"], output="out", task="score", logprobs=3)
+    data = write_rows(tmp_path / "rows.jsonl")
+    code, text = invoke("run", "--task", "embed", "--input", data, "--output", tmp_path / "o", "--stop", "x")
+    assert code == 2 and "--stop has no meaning for --task embed" in text and "Traceback" not in text
+    assert not (tmp_path / "o").exists()
+    code, text = invoke("run", "--task", "bogus", "--input", data, "--output", tmp_path / "o")
+    assert code == 2 and "bogus" in text
+    code, text = invoke(
+        "validate", "--task", "score", "--score-column", "nope", "--input", data, "--output", tmp_path / "o"
+    )
+    assert code == 2 and "--score-column 'nope'" in text and "Traceback" not in text
+
+
+def test_job_file_takes_task_keys(tmp_path):
+    (tmp_path / "job.toml").write_text(
+        'input = "in.jsonl"\noutput = "out"\ntask = "embed"\npooling = "cls"\nnormalize = true\ndimensions = 16\n'
+    )
+    spec = make_spec(tmp_path / "job.toml")
+    assert (spec.task, spec.pooling, spec.normalize, spec.dimensions) == ("embed", "cls", True, 16)
+    options = spec.engine_options()
+    assert options["task"] == "embed" and options["pooling"] == "cls" and options["dimensions"] == 16
+
+
+# -- results equal the engine's ----------------------------------------------------------------------------
+
+
+def _texts(tmp_path):
+    return {
+        json.loads(line)["rid"]: json.loads(line)
+        for line in (tmp_path / "rows.jsonl").read_text().splitlines()
+        if line.startswith('{"')
+    }
+
+
+def test_embed_job_writes_what_engine_embed_computes(tiny_model_dir, tmp_path):
+    out, rows = job(tmp_path, tiny_model_dir, "embed", max_model_len=64, dimensions=24, normalize=True)
+    schema = ds.dataset(out, format="parquet").schema
+    assert schema.field("embedding").type == pa.list_(pa.float32(), 24)
+    assert schema.names[-3:] == ["embedding", "num_prompt_tokens", "error"]
+    assert "generated_text" not in schema.names and "finish_reason" not in schema.names
+    texts = _texts(tmp_path)
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir), task="embed", max_model_len=64, dimensions=24, normalize=True
+    )
+    ok = [r for r in rows if r["error"] is None]
+    expected = engine.embed([texts[r["rid"]]["text"] for r in ok])
+    for r, e in zip(ok, expected, strict=True):
+        assert np.array_equal(np.asarray(r["embedding"], dtype=np.float32), e.embedding.astype(np.float32))
+        assert r["num_prompt_tokens"] == len(e.prompt_ids)
+    by_id = {r["rid"]: r for r in rows}
+    assert "longer" in by_id["r05"]["error"] or "tokens" in by_id["r05"]["error"]  # too long, no --truncate
+    assert by_id["r05"]["embedding"] is None
+    assert by_id["r07"]["error"] == "column 'text' is empty"
+    assert any(r["rid"] is None and "line 13" in r["error"] for r in rows)  # the torn line
+    assert len(ok) == 10
+
+
+def test_embed_truncate_cuts_as_the_engine_does(tiny_model_dir, tmp_path):
+    _, rows = job(
+        tmp_path, tiny_model_dir, "embed", max_model_len=64, truncate=True, template="{topic}: {text}"
+    )
+    texts = _texts(tmp_path)
+    engine = Engine.from_pretrained(str(tiny_model_dir), task="embed", max_model_len=64, truncate=True)
+    long = next(r for r in rows if r["rid"] == "r05")
+    assert long["error"] is None and long["num_prompt_tokens"] == 64
+    (expected,) = engine.embed([f"{texts['r05']['topic']}: {texts['r05']['text']}"])
+    assert np.array_equal(np.asarray(long["embedding"], dtype=np.float32), expected.embedding)
+
+
+@pytest.fixture(scope="module")
+def task_model_dirs(tmp_path_factory):
+    """Tiny models with the files real ones have: an embedder whose sentence-transformers files say CLS
+    pooling and Normalize, and BERT classifiers with three labels and with one output."""
+    root = tmp_path_factory.mktemp("task_models")
+    return {
+        "embedder": make_embedder(root / "st", "bert", "cls"),
+        3: make_classifier(root / "clf3", "bert", 3),
+        1: make_classifier(root / "clf1", "bert", 1),
+    }
+
+
+def test_embed_pooling_from_sentence_transformers_files(task_model_dirs, tmp_path):
+    model = task_model_dirs["embedder"]
+    _, rows = job(tmp_path, model, "embed")
+    ok = [r for r in rows if r["error"] is None]
+    expected = Engine.from_pretrained(str(model), task="embed").embed(
+        [_texts(tmp_path)[r["rid"]]["text"] for r in ok]
+    )
+    for r, e in zip(ok, expected, strict=True):
+        assert np.array_equal(np.asarray(r["embedding"], dtype=np.float32), e.embedding)
+        assert abs(np.linalg.norm(r["embedding"]) - 1.0) < 1e-5  # the folder's Normalize module
+
+
+def test_score_job_conditional_with_token_logprobs_equals_engine_score(tiny_model_dir, tmp_path):
+    out, rows = job(
+        tmp_path, tiny_model_dir, "score", template="Topic {topic}:", score_column="answer", logprobs=0
+    )
+    schema = ds.dataset(out, format="parquet").schema
+    assert [(f.name, f.type) for f in schema][-6:] == [
+        ("logprob", pa.float64()),
+        ("num_scored_tokens", pa.int64()),
+        ("perplexity", pa.float64()),
+        ("token_logprobs", pa.list_(pa.float64())),
+        ("num_prompt_tokens", pa.int64()),
+        ("error", pa.string()),
+    ]
+    texts = _texts(tmp_path)
+    ok = [r for r in rows if r["error"] is None]
+    assert len(ok) == 12  # the text column is not used: every row has a topic and an answer
+    engine = Engine.from_pretrained(str(tiny_model_dir), task="score")
+    expected = engine.score(
+        [f"Topic {texts[r['rid']]['topic']}:" for r in ok],
+        [texts[r["rid"]]["answer"] for r in ok],
+        token_logprobs=True,
+    )
+    for r, e in zip(ok, expected, strict=True):
+        assert r["logprob"] == e.logprob and r["num_scored_tokens"] == e.num_scored_tokens
+        assert r["token_logprobs"] == e.token_logprobs and r["perplexity"] == e.perplexity
+
+
+def test_score_job_unconditional_equals_engine_score(tiny_model_dir, tmp_path):
+    _, rows = job(tmp_path, tiny_model_dir, "score", max_model_len=64)
+    texts = _texts(tmp_path)
+    ok = [r for r in rows if r["error"] is None]
+    expected = Engine.from_pretrained(str(tiny_model_dir), task="score", max_model_len=64).score(
+        [texts[r["rid"]]["text"] for r in ok]
+    )
+    for r, e in zip(ok, expected, strict=True):
+        assert r["logprob"] == e.logprob and r["num_scored_tokens"] == e.num_scored_tokens
+    assert "token_logprobs" not in rows[0]
+    errors = {r["rid"]: r["error"] for r in rows if r["error"] is not None}
+    assert set(errors) == {"r05", "r07", None}
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_classify_job_equals_engine_classify(task_model_dirs, tmp_path, num_labels):
+    model = task_model_dirs[num_labels]
+    out, rows = job(tmp_path, model, "classify", truncate=True)
+    names = ds.dataset(out, format="parquet").schema.names
+    if num_labels > 1:
+        assert names[-5:] == ["scores", "probs", "label", "num_prompt_tokens", "error"]
+    else:
+        assert names[-4:] == ["scores", "score", "num_prompt_tokens", "error"]
+    ok = [r for r in rows if r["error"] is None]
+    expected = Engine.from_pretrained(str(model), task="classify", truncate=True).classify(
+        [_texts(tmp_path)[r["rid"]]["text"] for r in ok]
+    )
+    assert len(ok) == 11  # the long row is cut (--truncate), the empty one is an error
+    for r, e in zip(ok, expected, strict=True):
+        assert np.array_equal(np.asarray(r["scores"], dtype=np.float32), e.logits.astype(np.float32))
+        if num_labels > 1:
+            assert r["label"] == e.label and np.array_equal(np.asarray(r["probs"], dtype=np.float32), e.probs)
+        else:
+            assert r["score"] == np.float32(e.score)
+    if num_labels > 1:  # report: the labels counted, the generation-only figures left out
+        page = tmp_path / "report.html"
+        code, text = invoke("report", out, "--to", page)
+        assert code == 0, text
+        html = page.read_text()
+        assert "labels" in html and "finish reasons" not in html and "output lengths" not in html
+
+
+# -- identity, status, report, export ----------------------------------------------------------------------
+
+
+def test_resume_with_another_task_or_embed_option_is_refused_naming_it(tiny_model_dir, tmp_path):
+    out, _ = job(tmp_path, tiny_model_dir, "embed", pooling="mean")
+    data = tmp_path / "rows.jsonl"
+    base = ["run", "--input", data, "--output", out, "--model", tiny_model_dir, "--id-column", "rid"]
+    code, text = invoke(*base, "--task", "embed", "--pooling", "last")
+    assert code == 2 and "task.pooling: was 'mean', now 'last'" in text
+    code, text = invoke(*base, "--task", "embed", "--pooling", "mean", "--dimensions", "8")
+    assert code == 2 and "task.dimensions: was None, now 8" in text
+    code, text = invoke(*base, "--task", "score")
+    assert code == 2 and "task.task: was 'embed', now 'score'" in text
+    code, text = invoke(*base, "--task", "embed", "--pooling", "mean")
+    assert code == 0 and "already complete" in text
+    code, text = invoke("status", out)
+    assert code == 0 and f"{out}: complete" in text and "read (--task embed)" in text, text
+    code, text = invoke("report", out)
+    assert code == 0, text
+    for fmt in ("jsonl", "csv"):
+        target = tmp_path / f"export.{fmt}"
+        code, text = invoke("export", out, "--format", fmt, "--to", target)
+        assert code == 0, text
+        assert target.read_text().count("\n") >= 12
+
+
+def test_killed_and_resumed_task_job_writes_what_an_uninterrupted_one_does(tiny_model_dir, tmp_path):
+    from tests.faultproc import wait_for_points, wait_gone
+    from tests.jobproc import launch
+
+    data = write_rows(tmp_path / "rows.jsonl", n=60, long_at=(), empty_at=(3,))
+    ref = tmp_path / "ref"
+    args = ["--input", data, "--model", tiny_model_dir, "--task", "score", "--score-column", "answer"]
+    args += ["--template", "About {topic}: {text}", "--id-column", "rid", "--logprobs"]
+    args += ["--max-num-seqs", "2", "--no-prefix-caching", "--checkpoint-interval", "0.001"]
+    code, text = invoke("run", *args, "--output", ref)  # uninterrupted, in this process
+    assert code == 0, text
+    out = tmp_path / "out"
+    proc = launch([str(a) for a in [*args, "--output", out]], BATCHJOB_FAULT_PAUSE="part_committed")
+    [pid], _ = wait_for_points(proc)  # a part committed, rows in the engine
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not wait_gone([pid])
+    partial = rows_of(out)
+    assert 0 < len(partial) < 61
+    proc = launch([str(a) for a in [*args, "--output", out]])
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    got, expected = rows_of(out), rows_of(ref)
+    assert [r["rid"] for r in got] == [r["rid"] for r in expected]  # every row exactly once
+    assert got == expected
+
+
+def test_devices_split_an_embed_job_into_shards_that_add_up(tiny_model_dir, tmp_path):
+    from tests.jobproc import launch
+
+    data = write_rows(tmp_path / "rows.jsonl", n=30)
+    args = ["--input", data, "--model", tiny_model_dir, "--task", "embed", "--id-column", "rid"]
+    args += ["--max-model-len", "64", "--no-prefix-caching", "--max-num-seqs", "2"]
+    code, text = invoke("run", *args, "--output", tmp_path / "ref")
+    assert code == 0, text
+    out = tmp_path / "out"
+    proc = launch([str(a) for a in ["--devices", "cpu,cpu", *args, "--output", out]])
+    text = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, text
+    assert "worker shard 0 of 2 on cpu: exit 0" in text and "worker shard 1 of 2 on cpu: exit 0" in text
+    assert rows_of(out) == rows_of(tmp_path / "ref")
+    code, text = invoke("status", out)
+    assert code == 0 and "complete (2 of 2 workers complete)" in text
+
+
+def test_openai_embeddings_requests_in_and_embedding_objects_out(tiny_model_dir, tmp_path):
+    data = tmp_path / "requests.jsonl"
+    lines = [
+        {"custom_id": "one", "body": {"input": "The cat sat.", "model": "m", "encoding_format": "float"}},
+        {
+            "custom_id": "many",
+            "body": {"input": ["One.", "Two words.", "Three more words."], "dimensions": 16},
+        },
+        {"custom_id": "dims", "body": {"input": "x", "dimensions": 8}},
+        {"custom_id": "b64", "body": {"input": "x", "encoding_format": "base64"}},
+        {"custom_id": "empty", "body": {"input": []}},
+    ]
+    with open(data, "w") as f:
+        for line in lines:
+            f.write(json.dumps({"method": "POST", "url": "/v1/embeddings"} | line) + "\n")
+        f.write(
+            json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": {}})
+        )
+        f.write("\n")
+    out = tmp_path / "out"
+    args = ["--task", "embed", "--format", "openai", "--dimensions", "16", "--model", tiny_model_dir]
+    code, text = invoke("run", *args, "--input", data, "--output", out)
+    assert code == 0 and "complete: 6 of 6 rows done (4 errors)" in text, text
+    assert ds.dataset(out, format="parquet").schema.field("sample_index").type == pa.int64()
+    code, text = invoke("export", out, "--format", "openai", "--to", tmp_path / "out.jsonl")
+    assert code == 0, text
+    got = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    engine = Engine.from_pretrained(str(tiny_model_dir), task="embed", dimensions=16)
+    for custom_id, texts in (
+        ("one", ["The cat sat."]),
+        ("many", ["One.", "Two words.", "Three more words."]),
+    ):
+        body = got[custom_id]["response"]["body"]
+        assert got[custom_id]["response"]["status_code"] == 200 and got[custom_id]["error"] is None
+        assert (
+            body["object"] == "list"
+            and body["model"]
+            and set(body["usage"]) == {"prompt_tokens", "total_tokens"}
+        )
+        expected = engine.embed(texts)
+        assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+        for d, e in zip(body["data"], expected, strict=True):
+            assert d["object"] == "embedding"
+            assert np.array_equal(np.asarray(d["embedding"], dtype=np.float32), e.embedding)
+        assert body["usage"]["prompt_tokens"] == sum(len(e.prompt_ids) for e in expected)
+    assert "body.dimensions 8 is not this job's embedding length 16" in got["dims"]["error"]["message"]
+    assert "encoding_format 'base64' is not supported" in got["b64"]["error"]["message"]
+    assert "body.input must be a non-empty" in got["empty"]["error"]["message"]
+    assert "url '/v1/chat/completions' is not supported by --task embed" in got["chat"]["error"]["message"]
+    assert got["chat"]["response"]["status_code"] == 400
+
+
+def test_a_lost_part_is_redone_and_append_takes_new_rows_for_a_task_job(tiny_model_dir, tmp_path):
+    out, before = job(tmp_path, tiny_model_dir, "score", max_model_len=64)
+    parts = sorted(out.glob("part-*.parquet"))
+    parts[0].unlink()  # a part lost: its rows are redone, the same
+    _, again = job(tmp_path, tiny_model_dir, "score", max_model_len=64)
+    assert again == before
+    with open(tmp_path / "rows.jsonl", "a") as f:
+        f.write(json.dumps({"rid": "new", "text": "river stone", "topic": "river", "answer": " x"}) + "\n")
+    spec = make_spec(
+        input=[str(tmp_path / "rows.jsonl")],
+        output=str(out),
+        model=str(tiny_model_dir),
+        task="score",
+        id_column="rid",
+        max_model_len=64,
+    )
+    with pytest.raises(Exception, match="--append"):
+        run_job(spec)
+    spec.append = True
+    assert run_job(spec).status == "complete"
+    rows = rows_of(out)
+    new = next(r for r in rows if r["rid"] == "new")
+    (expected,) = Engine.from_pretrained(str(tiny_model_dir), task="score", max_model_len=64).score(
+        ["river stone"]
+    )
+    assert new["logprob"] == expected.logprob and new["error"] is None
+    assert [r for r in rows if r["rid"] != "new"] == before
