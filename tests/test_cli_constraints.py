@@ -185,7 +185,10 @@ def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp
     ("extra", "message"),
     [
         (["--n", "0"], "n must be"),
-        (["--logprobs", "-1"], "logprobs must be"),
+        (
+            ["--logprobs", "-1"],
+            "No such option '-1'",
+        ),  # its value is optional (--task score): -1 reads as an option
         (["--json-schema", "/no/such/schema.json"], "cannot be read"),
         (["--choices", "a,b", "--regex", "x"], "exclude each other"),
         (["--choices", "a,a"], "distinct"),
