@@ -2,6 +2,7 @@
 
 For benchmarks where nothing can be downloaded: the shapes of a 0.5B or 1.5B model, the speed of one, no
 meaning. The tokenizer is SmolLM2's (49,152 tokens); the embedding keeps the real model's vocabulary size.
+The Qwen2.5 shapes are written as Llama models (see ``config_for``).
 
     python examples/gpu/random_model.py /tmp/random-0.5b                     # Llama-shaped, ~0.5B
     python examples/gpu/random_model.py /tmp/qwen2.5-1.5b qwen2.5-1.5b       # Qwen2.5-1.5B's config
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from batchjob.models import resolve_model
 
@@ -35,19 +36,21 @@ def config_for(shape: str, vocab_size: int):
             tie_word_embeddings=True,
         )
     hidden, inter, layers, heads, kv = QWEN25[shape]
-    return Qwen2Config(
+    # Llama's architecture at Qwen2.5's shapes (vocabulary included): the same GEMMs and attention, less
+    # Qwen2's small q/k/v biases. llama.cpp's converter takes it with the default model's tokenizer, which
+    # it does not recognise under Qwen2's own architecture.
+    return LlamaConfig(
         vocab_size=151936,
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
+        head_dim=hidden // heads,
         max_position_embeddings=32768,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=2,
     )
 
 
