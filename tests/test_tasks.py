@@ -342,3 +342,16 @@ def test_modernbert_is_refused_by_name():
     for model in (None, AutoModel.from_config(config)):
         with pytest.raises(ConfigError, match="model family 'modernbert' uses windowed attention both ways"):
             support.check_supported(config, model)
+
+
+def test_embeddings_and_classifier_scores_never_reuse_a_cached_prefix(embedders, classifiers):
+    """Their floats are the output: a prefix taken from the cache after a restart (computed in another
+    chunking) could change their last bits, so a resumed job would not write what an uninterrupted one did.
+    A decoder embedder and a decoder reward model sharing a long prefix: computed in full every time."""
+    prefix = "Classify the sentiment of the review as positive, negative or neutral. The review: "
+    texts = [prefix + "great", prefix + "terrible", prefix + "fine"]
+    for folder, task in ((embedders["qwen3"], "embed"), (classifiers["qwen2"], "classify")):
+        eng = Engine.from_pretrained(str(folder), task=task, device="cpu", dtype="float64", block_size=4)
+        assert not eng.block_manager.enable_prefix_caching
+        getattr(eng, task)(texts)
+        assert eng.stats.cached_prompt_tokens == 0

@@ -140,8 +140,11 @@ class Engine:
         num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
             config.check_kv_fits(num_blocks, longest)
-        # An encoder's keys depend on the whole row: nothing of it can be reused by another.
-        caching = config.enable_prefix_caching and not encoder
+        # An encoder's keys depend on the whole row: nothing of it can be reused by another. Embeddings and
+        # classifier scores are floats written as they are: a prefix taken from the cache after a restart
+        # (computed in another chunking) could change their last bits, so only generation (tokens) and
+        # score (whose shared prompts are its point, with that limit stated) reuse prefixes.
+        caching = config.enable_prefix_caching and not encoder and config.task in ("generate", "score")
         self.block_manager = BlockManager(num_blocks, config.block_size, caching)
         # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
         self.platform = cpu.platform(config.device, spin_guard=True)
