@@ -54,6 +54,14 @@ def _wait_for(cond, timeout: float = 5.0) -> bool:
 
 
 @pytest.fixture
+def new_helpers():
+    """The spin-guard helpers started during the test. An engine of an earlier test in this process may still
+    hold its own (on a loaded machine its guard turned on and it was never released), so count only ours."""
+    before = set(_helpers())
+    return lambda: [t for t in _helpers() if t not in before]
+
+
+@pytest.fixture
 def two_threads():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -62,22 +70,22 @@ def two_threads():
 
 
 @linux_libgomp
-def test_busy_readings_hold_a_helper_team_and_calm_ones_let_it_go(two_threads):
+def test_busy_readings_hold_a_helper_team_and_calm_ones_let_it_go(two_threads, new_helpers):
     guard = SpinGuard(torch.device("cpu"))
-    assert guard.enabled and not guard.on and not _helpers()
+    assert guard.enabled and not guard.on and not new_helpers()
     tasks = len(os.listdir("/proc/self/task"))
     guard.observe(1.5)
     assert guard.on and guard.times_on == 1
     # the helper and the OpenMP thread of its own team: libgomp now manages more threads than before
     assert _wait_for(lambda: len(os.listdir("/proc/self/task")) >= tasks + 2)
     guard.observe(1.0)  # still busy: the same helper
-    assert guard.times_on == 1 and len(_helpers()) == 1
+    assert guard.times_on == 1 and len(new_helpers()) == 1
     for _ in range(cpu_spin.CALM_CHECKS - 1):
         guard.observe(0.0)
     assert guard.on  # not yet: a few calm readings in a row first
     guard.observe(0.1)
     assert not guard.on
-    assert _wait_for(lambda: not _helpers())
+    assert _wait_for(lambda: not new_helpers())
     assert _wait_for(lambda: len(os.listdir("/proc/self/task")) <= tasks)
 
 
@@ -120,7 +128,7 @@ def test_two_spinning_processes_turn_the_guard_on(two_threads):
 
 
 @linux_libgomp
-def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads, monkeypatch):
+def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads, new_helpers, monkeypatch):
     monkeypatch.setenv(cpu.SPIN_GUARD_ENV, "0")
     assert (
         Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu").platform.spin_guard is None
@@ -134,4 +142,4 @@ def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_thre
     assert len(out[0].token_ids) == 3
     assert engine.stats.short_spin_steps >= 1
     assert not engine.platform.spin_guard.on  # idle again: the runtime is left as found
-    assert _wait_for(lambda: not _helpers())
+    assert _wait_for(lambda: not new_helpers())
