@@ -180,3 +180,17 @@ def test_bench_against_llama_cpp_on_the_default_model(tmp_path):
     # Greedy, float32 both, EOS ignored: most requests agree token for token (llama.cpp's ignore_eos also
     # bans EOS, ours lets it be picked and goes on, so a request whose argmax is EOS parts there).
     assert body["agreement"]["llama.cpp"]["total"] == 4
+
+
+def test_agreement_is_counted_against_a_baseline_setting_that_gave_tokens_back():
+    """On a loaded machine llama-batched-bench (no tokens printed) can beat llama-server: the ratio takes the
+    fastest setting, the agreement the fastest one with tokens."""
+    from batchjob.bench.command import summarize
+    from batchjob.bench.engines import Result
+
+    ours = Result("ours", {}, 1.0, 8, 4, [[1, 2], [3, 4]])
+    server = Result("llama.cpp", {"program": "server"}, 2.0, 8, 4, [[1, 2], [3, 5]])
+    batched = Result("llama.cpp", {"program": "batched-bench"}, 0.5, 8, 4, [])
+    summary = summarize([ours, server, batched])
+    assert summary["ratios"]["ours/llama.cpp"] == 0.5
+    assert summary["agreement"]["llama.cpp"]["total"] == 2 and summary["agreement"]["llama.cpp"]["equal"] == 1

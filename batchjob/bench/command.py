@@ -149,8 +149,8 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
 # -- the report ------------------------------------------------------------------------------------------
 
 
-def _best(results: Sequence[Result], name: str) -> Result | None:
-    ok = [r for r in results if r.name == name and r.error is None]
+def _best(results: Sequence[Result], name: str, with_tokens: bool = False) -> Result | None:
+    ok = [r for r in results if r.name == name and r.error is None and (r.outputs or not with_tokens)]
     return max(ok, key=lambda r: r.output_tps) if ok else None
 
 
@@ -165,8 +165,11 @@ def summarize(results: list[Result]) -> dict[str, Any]:
         summary["best"][name] = best.label
         if ours is not None:
             summary["ratios"][f"ours/{name}"] = ours.output_tps / best.output_tps if best.output_tps else None
-            if best.outputs:  # llama-batched-bench prints no tokens
-                summary["agreement"][name] = agreement(ours, best)
+            # Agreement against the fastest setting that gave its tokens back (llama-batched-bench prints
+            # none, and on a loaded machine it can be the fastest).
+            tokens = _best(results, name, with_tokens=True)
+            if tokens is not None:
+                summary["agreement"][name] = agreement(ours, tokens)
     return summary
 
 
