@@ -128,7 +128,9 @@ def test_two_spinning_processes_turn_the_guard_on(two_threads):
 
 
 @linux_libgomp
-def test_engine_checks_each_step_and_releases_when_idle(tiny_model_dir, two_threads, new_helpers, monkeypatch):
+def test_engine_checks_each_step_and_releases_when_idle(
+    tiny_model_dir, two_threads, new_helpers, monkeypatch
+):
     monkeypatch.setenv(cpu.SPIN_GUARD_ENV, "0")
     assert (
         Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu").platform.spin_guard is None
