@@ -238,6 +238,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
+        # llguidance is optional and heavy: loaded when a row first asks for a grammar
         import llguidance
         import llguidance.hf
         import llguidance.torch

@@ -52,6 +52,7 @@ from batchjob.engine.sampler import apply_bitmask, sample, top_logprobs
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.support import attention_features, check_supported
 from batchjob.errors import ConfigError
+from batchjob.models import load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
 
 
@@ -200,8 +201,6 @@ class Engine:
         ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
         """
-        from batchjob.models import load_model_and_tokenizer
-
         config = EngineConfig(**options)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.engine.attention.layout import StepLayout
+from batchjob.engine.config import model_context_len
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.errors import ConfigError
@@ -81,7 +82,7 @@ def _st_file(model_dir: str | None, name: str) -> Any:
     path = Path(model_dir) / name
     if not path.is_file():
         try:
-            from huggingface_hub import try_to_load_from_cache
+            from huggingface_hub import try_to_load_from_cache  # heavy: only for a hub id
 
             cached = try_to_load_from_cache(model_dir, name)
         except Exception:  # noqa: BLE001 - not a hub id, no cache: no file
@@ -345,8 +346,6 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
     """The engine's task runner for ``config.task``, and the longest request it takes, in tokens: the
     model's context (less RoBERTa's position offset), capped by the sentence-transformers ``max_seq_length``
     and the tokenizer's ``model_max_length`` for embed and classify."""
-    from batchjob.engine.config import model_context_len
-
     limit = model_context_len(model.config) - position_offset(model.config)
     if config.max_model_len is not None:
         limit = min(limit, config.max_model_len)

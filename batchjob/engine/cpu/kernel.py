@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from batchjob import env
+from batchjob.models import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ def load() -> ctypes.CDLL | None:
     if cxx is None:
         log.warning("no C++ compiler found: CPU decode attention uses the slower torch reference")
         return None
-    from batchjob.models import cache_dir
-
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         digest = hashlib.sha256()
