@@ -4,10 +4,11 @@
 
 - ``_schedule``: the scheduler's plan for one forward (running requests first, then admissions, preempting
   when blocks run out); running requests that can draft propose speculative tokens first (speculative.py).
-- ``_execute``: the model runner's forward of the plan, then the sampler (constrained rows masked, the masks
-  computed on a thread beside the forward): the tokens each sampling request drew.
+- ``_execute``: the model runner's forward of the plan, then the sampler, with the request features' hooks
+  around the draw (feature.py): the tokens each sampling request drew.
 - ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
-  conditions; finished requests are freed and returned as outputs.
+  conditions; finished requests are freed and returned as outputs (after the helper requests a feature
+  asked for have run).
 
 With ``task`` embed, classify or score (the engine option) every request is prefill-only (tasks.py): it
 finishes in the step that computes its last token, with its result made from that forward's hidden states
@@ -16,8 +17,9 @@ finishes in the step that computes its last token, with its result made from tha
 A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
 schedule; each step first calls the device's platform hook (cpu/platform.py: on the CPU a spin guard checks,
 about once a second, whether other programs share our cores).
-Around it, each in its own module: text (detokenizing, stop strings, finish reasons) in output.py; the
-scoring requests behind choices' log-probabilities in choices.py; KV pool sizing in kv_cache.py; CPU-only
+Around it, each in its own module: the request features (constraints in masks.py, log-probabilities in
+logprobs.py, choice scores in choices.py; feature.py lists them); text (detokenizing, stop strings, finish
+reasons) in output.py; prompt-lookup drafts in speculative.py; KV pool sizing in kv_cache.py; CPU-only
 machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
 blocks, the model and the device, and nothing about rows or jobs.
 """

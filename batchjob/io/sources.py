@@ -56,10 +56,6 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _hidden(rel: str) -> bool:
-    return any(part.startswith((".", "_")) for part in Path(rel).parts)
-
-
 @dataclass(frozen=True)
 class Skipped:
     """A path inside an ``--input`` folder or glob that is not an input, and why (``validate`` lists them)."""

@@ -108,10 +108,6 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in _SYMBOLS and load() is not None
-
-
 def paged_decode(
     q: torch.Tensor,  # [G, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -123,7 +119,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """Attention of one query token per request over its cached keys; returns [G, H, D]."""
     lib = load()
-    assert lib is not None, "paged_decode called without the kernel; check supports() first"
+    assert lib is not None, "paged_decode called without the kernel; check load() first"
     q = q.contiguous()
     block_table = block_table.contiguous()
     ctx_lens = ctx_lens.contiguous()
