@@ -9,9 +9,10 @@ import pytest
 
 from batchjob import Engine, SamplingParams
 from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.ngram import NgramIndex
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
-from batchjob.engine.speculative import BACKOFF_STEPS, NgramIndex, draft, propose, record, trim
+from batchjob.engine.speculative import BACKOFF_STEPS, draft, propose, record, trim
 from tests.test_engine import _hf
 from tests.tiny_models import hf_greedy
 

@@ -17,7 +17,7 @@ __all__ = ["Engine", "EngineStats", "RequestOutput", "RequestState"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from batchjob.engine import engine
+        from batchjob.engine import engine  # torch and the model code: loaded on first use (see above)
 
         return getattr(engine, name)
     raise AttributeError(f"module 'batchjob.engine' has no attribute {name!r}")

@@ -1,11 +1,12 @@
 """Choices: the answer is one of a few strings, and the output carries log P(choice | prompt) for each.
 
-A choice request decodes down its ``ChoiceTrie`` under a mask (constraints.py), and every step it records the
-log-probabilities of the children of the trie node it stands at. The trie nodes off its path are scored when
-it has finished: a scoring request per node, the prompt followed by the node's prefix, queued at the front.
-It takes the prompt's KV blocks from the prefix cache, computes only the prefix, and hands the
-log-softmax of its last position to the request it scores for instead of sampling. The request's output
-waits until all of them are in; then each choice's log-probability is the sum over its tokens.
+A request feature (feature.py). A choice request decodes down its ``ChoiceTrie`` under a mask (masks.py,
+constraints.py), and every step it records the log-probabilities of the children of the trie node it stands
+at. The trie nodes off its path are scored when it has finished: a helper request per node (its ``owner``
+the choice request, ``score_node`` the node), the prompt followed by the node's prefix, queued at the front.
+It takes the prompt's KV blocks from the prefix cache, computes only the prefix, and hands the log-softmax
+of its last position to its owner's constraint; the token it draws is dropped. The owner's output waits
+until all of them have run; then each choice's log-probability is the sum over its tokens.
 
 With greedy sampling the answer is the most likely whole choice, which a token-by-token walk can miss when
 choices share a first token.
@@ -15,26 +16,26 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from batchjob.engine.constraints import ChoiceConstraint
+from batchjob.engine.feature import RequestFeature
 from batchjob.engine.request import Request
 from batchjob.engine.sampler import log_softmax
 from batchjob.sampling import SamplingParams
 
 
-@dataclass(eq=False)
-class ScoreTarget:
-    """What a scoring request scores: trie node ``node`` of ``owner``'s choices."""
-
-    owner: Request
-    node: int
-
-
 def is_choice(req: Request) -> bool:
     return isinstance(req.constraint, ChoiceConstraint)
+
+
+class ChoiceScores(RequestFeature):
+    def see_logits(self, rows: list[Request], logits: torch.Tensor) -> None:
+        record(rows, logits)
+
+    def helpers(self, req: Request) -> list[Request]:
+        return scoring_requests(req)
 
 
 def scoring_requests(req: Request) -> list[Request]:
@@ -52,7 +53,7 @@ def scoring_requests(req: Request) -> list[Request]:
             SamplingParams(max_new_tokens=1, temperature=0.0),
             time.monotonic(),
         )
-        scorer.score = ScoreTarget(req, node)
+        scorer.score_node = node
         out.append(scorer)
     return out
 
@@ -60,29 +61,22 @@ def scoring_requests(req: Request) -> list[Request]:
 def record(rows: list[Request], logits: torch.Tensor) -> None:
     """Keep what the choices need from a step's logits (``logits[i]`` belongs to ``rows[i]``): the children's
     log-probabilities at a choice request's current node, and at the node a scoring request scores."""
-    idx = [i for i, r in enumerate(rows) if r.score is not None or isinstance(r.constraint, ChoiceConstraint)]
+    idx = [
+        i
+        for i, r in enumerate(rows)
+        if r.score_node is not None or isinstance(r.constraint, ChoiceConstraint)
+    ]
     if not idx:
         return
     lp = log_softmax(logits.index_select(0, torch.tensor(idx, device=logits.device)))
     for j, i in enumerate(idx):
         r = rows[i]
-        if r.score is not None:
-            c = r.score.owner.constraint
-            assert isinstance(c, ChoiceConstraint)
-            c.record(lp[j], node=r.score.node)
+        if r.score_node is not None:
+            assert r.owner is not None and isinstance(r.owner.constraint, ChoiceConstraint)
+            r.owner.constraint.record(lp[j], node=r.score_node)
         else:
             assert isinstance(r.constraint, ChoiceConstraint)
             r.constraint.record(lp[j])
-
-
-def scored(scorer: Request) -> Request | None:
-    """Count a scoring request in; returns the request it scored for once that one has all its scores."""
-    assert scorer.score is not None
-    owner = scorer.score.owner
-    c = owner.constraint
-    assert isinstance(c, ChoiceConstraint) and c.pending_scores > 0
-    c.pending_scores -= 1
-    return owner if c.pending_scores == 0 else None
 
 
 def answer(req: Request) -> tuple[dict[str, float], tuple[list[int], str] | None]:
@@ -96,9 +90,3 @@ def answer(req: Request) -> tuple[dict[str, float], tuple[list[int], str] | None
     if best is None:
         return logprobs, None
     return logprobs, (list(c.trie.token_ids[best]), c.trie.choices[best])
-
-
-def pending(req: Request) -> int:
-    """Scoring requests a finished choice request still waits for (0 for any other request)."""
-    c = req.constraint
-    return c.pending_scores if isinstance(c, ChoiceConstraint) else 0

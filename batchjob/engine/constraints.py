@@ -58,6 +58,7 @@ class ChoiceTrie:
         self.choices = choices
         self.token_ids = token_ids
         self.nodes = [_Node()]
+        self.max_tokens = max((len(t) for t in token_ids), default=0)  # of the longest choice
         for i, toks in enumerate(token_ids):
             if not toks:
                 raise ConfigError(f"choice {choices[i]!r} has no tokens")
@@ -89,7 +90,8 @@ class ChoiceConstraint:
         self.node = 0
         self.done = False
         self.node_logprobs: dict[int, dict[int, float]] = {}  # node -> {child token: log-prob}
-        self.pending_scores = 0  # scoring requests of the nodes off its path not yet run (choices.py)
+        # The trie bounds the answer (``max_new_tokens`` does not cut it): its longest choice and a stop.
+        self.output_limit: int | None = trie.max_tokens + 1
 
     def allowed(self) -> list[int]:
         node = self.trie.nodes[self.node]
@@ -153,6 +155,8 @@ class GrammarConstraint:
     string (or separators outside one), and only then the longest allowed tokens (a forced key). Whether the answer is inside a string is
     tracked from the tokens' bytes, so it too is a function of the output ids.
     """
+
+    output_limit: int | None = None  # no bound of its own on the answer's length: max_new_tokens is it
 
     def __init__(self, matcher, tables: _Tables | None = None, budget: int = 0, reserve: int = 0) -> None:
         self.matcher = matcher
@@ -238,6 +242,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
+        # llguidance is optional and heavy: loaded when a row first asks for a grammar
         import llguidance
         import llguidance.hf
         import llguidance.torch

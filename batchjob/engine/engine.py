@@ -4,10 +4,11 @@
 
 - ``_schedule``: the scheduler's plan for one forward (running requests first, then admissions, preempting
   when blocks run out); running requests that can draft propose speculative tokens first (speculative.py).
-- ``_execute``: the model runner's forward of the plan, then the sampler (constrained rows masked, the masks
-  computed on a thread beside the forward): the tokens each sampling request drew.
+- ``_execute``: the model runner's forward of the plan, then the sampler, with the request features' hooks
+  around the draw (feature.py): the tokens each sampling request drew.
 - ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
-  conditions; finished requests are freed and returned as outputs.
+  conditions; finished requests are freed and returned as outputs (after the helper requests a feature
+  asked for have run).
 
 With ``task`` embed, classify or score (the engine option) every request is prefill-only (tasks.py): it
 finishes in the step that computes its last token, with its result made from that forward's hidden states
@@ -16,8 +17,9 @@ finishes in the step that computes its last token, with its result made from tha
 A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
 schedule; each step first calls the device's platform hook (cpu/platform.py: on the CPU a spin guard checks,
 about once a second, whether other programs share our cores).
-Around it, each in its own module: text (detokenizing, stop strings, finish reasons) in output.py; the
-scoring requests behind choices' log-probabilities in choices.py; KV pool sizing in kv_cache.py; CPU-only
+Around it, each in its own module: the request features (constraints in masks.py, log-probabilities in
+logprobs.py, choice scores in choices.py; feature.py lists them); text (detokenizing, stop strings, finish
+reasons) in output.py; prompt-lookup drafts in speculative.py; KV pool sizing in kv_cache.py; CPU-only
 machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
 blocks, the model and the device, and nothing about rows or jobs.
 """
@@ -28,44 +30,27 @@ import hashlib
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from batchjob.engine import choices, cpu, speculative, tasks
+from batchjob.engine import cpu, logprobs, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.choices import ChoiceScores
 from batchjob.engine.config import EngineConfig
-from batchjob.engine.constraints import (
-    ChoiceConstraint,
-    ChoiceTrie,
-    Constraint,
-    GrammarCompiler,
-    fill_bitmask,
-)
+from batchjob.engine.feature import RequestFeature
 from batchjob.engine.kv_cache import KVShape, allocate_kv_cache, size_kv_pool
+from batchjob.engine.masks import Constraints
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.output import OutputProcessor, RequestOutput
-from batchjob.engine.request import LogprobState, Request, RequestStatus, request_key
-from batchjob.engine.sampler import apply_bitmask, sample, top_logprobs
+from batchjob.engine.request import Request, RequestState, RequestStatus, request_key
+from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.support import attention_features, check_supported
 from batchjob.errors import ConfigError
+from batchjob.models import load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
-
-
-@dataclass
-class RequestState:
-    """What a checkpoint needs to resume an unfinished request: no KV, it is recomputed."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    params: SamplingParams
-    sample_index: int = 0  # pass it back to add_request when params.n > 1
-    continuation_ids: list[int] | None = None  # score: the scored continuation (pass it back likewise)
-    token_logprobs: bool = False  # score: the per-token list was asked for
 
 
 @dataclass
@@ -181,9 +166,13 @@ class Engine:
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
-        self._grammars: GrammarCompiler | None = None  # built on the first json_schema or regex
-        self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
-        self._mask_pool: ThreadPoolExecutor | None = None  # computes masks while the forward runs
+        # The request features beside the core (feature.py), in the order their hooks run: log-probabilities
+        # first (a resumed request's replayed tokens replace the draw before a constraint takes them).
+        self.features: list[RequestFeature] = [
+            logprobs.Logprobs(),
+            Constraints(tokenizer, self.vocab_size, self.eos_token_ids),
+            ChoiceScores(),
+        ]
         self.output = OutputProcessor(tokenizer)
 
     @classmethod
@@ -200,8 +189,6 @@ class Engine:
         ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
         """
-        from batchjob.models import load_model_and_tokenizer
-
         config = EngineConfig(**options)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
@@ -274,28 +261,24 @@ class Engine:
     ) -> Request:
         if rid in self._requests:
             raise ConfigError(f"request id {rid!r} is already in the engine")
-        constraint = self._new_constraint(params) if params.constrained else None
         prompt = [int(t) for t in prompt_ids]
         output = [int(t) for t in output_ids] if output_ids else []
-        logprobs = None
-        if params.logprobs is not None:  # resumed tokens are replayed, to recompute their log-probabilities
-            logprobs, output = LogprobState(replay=output or None), []
         req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
-        req.sample_index, req.constraint, req.logprobs = sample_index, constraint, logprobs
+        req.sample_index = sample_index
         if key is not None:
             req.key = key
+        for feature in self.features:
+            feature.admit(req)
         self._requests[rid] = req
         self.stats.prompt_tokens += len(prompt)
         error = self._check(req)
-        if error is None and constraint is not None:
-            for i, tok in enumerate(output):
-                if not constraint.advance(tok):
-                    error = f"resumed output token {tok} at position {i} breaks the request's constraint"
-                    break
+        if error is None and req.num_output_tokens:
+            for feature in self.features:
+                error = error or feature.replay(req)
         if error is not None:
             req.error = error
             self._failed.append(req)
-        elif output and self._stop_status(req, output[-1]) is not None:
+        elif req.num_output_tokens and self._stop_status(req, req.token_ids[-1]) is not None:
             self._failed.append(req)  # already complete: report it as finished at the next step
         else:
             req.wait_for = wait_for
@@ -334,18 +317,6 @@ class Engine:
         else:
             self.scheduler.add(req)
 
-    def _new_constraint(self, params: SamplingParams) -> Constraint:
-        stop_ids = sorted(self.eos_token_ids)
-        if params.choices is not None:
-            trie = self._tries.get(tuple(params.choices))
-            if trie is None:
-                ids = [self.tokenizer(c, add_special_tokens=False).input_ids for c in params.choices]
-                trie = self._tries[tuple(params.choices)] = ChoiceTrie(params.choices, ids)
-            return ChoiceConstraint(trie, stop_ids)
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, stop_ids)
-        return self._grammars.new(params)
-
     def _check(self, req: Request) -> str | None:
         n = req.num_prompt_tokens
         if n == 0:
@@ -356,8 +327,9 @@ class Engine:
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
         new = req.params.max_new_tokens
-        if isinstance(req.constraint, ChoiceConstraint):  # the longest choice bounds the answer instead
-            new = max(len(t) for t in req.constraint.trie.token_ids) + 1
+        c = req.constraint
+        if c is not None and c.output_limit is not None:  # a choice's longest answer bounds it instead
+            new = c.output_limit
         longest = min(n + new, self.max_model_len)
         need = self.block_manager.blocks_for(longest)
         if need > self.block_manager.num_blocks:
@@ -375,20 +347,16 @@ class Engine:
         return len(self._requests)
 
     def snapshot(self) -> list[RequestState]:
-        """Every unfinished request (a finished one still waiting for its choice scores included)."""
+        """Every unfinished request (a finished one still waiting for its helpers included)."""
         states = []
         for r in self._requests.values():
-            if r.score is not None or (r.is_finished and not choices.pending(r)):
+            if r.owner is not None or (r.is_finished and not r.pending_helpers):
                 continue
             if r.task is not None:
-                conditional = r.task.kind == "score" and r.task.score_from > 1
-                cont = r.output_ids if conditional else None
-                keep = r.task.keep_token_logprobs
-                states.append(RequestState(r.request_id, r.prompt_ids, [], r.params, 0, cont, keep))
+                states.append(tasks.request_state(r))
                 continue
-            replay = r.logprobs.replay if r.logprobs is not None else None
-            output = replay if replay is not None and len(replay) > r.num_output_tokens else r.output_ids
-            states.append(RequestState(r.group_id, r.prompt_ids, list(output), r.params, r.sample_index))
+            output = logprobs.output_to_resume(r)
+            states.append(RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index))
         return states
 
     def reset_prefix_cache(self) -> None:
@@ -399,9 +367,9 @@ class Engine:
         self.block_manager.reset_prefix_cache()
 
     def abort(self, request_id: str) -> None:
-        """Drop ``request_id`` (all its samples, and their scoring requests) without an output."""
+        """Drop ``request_id`` (all its samples, and their helper requests) without an output."""
         for rid, req in list(self._requests.items()):
-            owner = req.score.owner if req.score is not None else req
+            owner = req.owner or req
             if owner.group_id != request_id:
                 continue
             del self._requests[rid]
@@ -450,17 +418,17 @@ class Engine:
             hidden, lay = self.runner.hidden_states(plan)
             self.tasks.consume(plan, lay, hidden)
             return [], []
-        masks = self._start_masks(will_sample)
+        for feature in self.features:
+            feature.before_forward(will_sample)
         logits, sampling = self.runner.execute(plan)
         if not sampling:
             return [], []
-        assert masks is None or sampling == will_sample
         rows, positions = [], []
         for req in sampling:
             first = req.num_output_tokens - req.num_draft_tokens
             rows += [req] * (req.num_draft_tokens + 1)
             positions += range(first, first + req.num_draft_tokens + 1)
-        tokens = self._sample(logits, rows, masks, positions)
+        tokens = self._sample(logits, rows, positions)
         drawn, i = [], 0
         for req in sampling:
             drawn.append(tokens[i : i + req.num_draft_tokens + 1])
@@ -488,8 +456,8 @@ class Engine:
                     finished.append(req)
         now = time.monotonic()
         for req, tokens in zip(sampling, drawn, strict=True):
-            if req.score is not None:
-                self._finish_score(req, finished)
+            if req.owner is not None:
+                self._finish_helper(req, finished)
                 continue
             status = self._take_tokens(req, tokens, now)
             if status is not None:
@@ -543,8 +511,6 @@ class Engine:
             self.stats.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.constraint is not None and not req.constraint.advance(tok):
-                req.error = f"the constraint allowed no token at output position {req.num_output_tokens - 1}"
             status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
             if status is not None or kept == d or tok != drafts[kept]:
                 break
@@ -559,10 +525,11 @@ class Engine:
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         c = req.constraint
-        if c is not None and c.done:
-            return RequestStatus.FINISHED_STOPPED
-        if isinstance(c, ChoiceConstraint):  # the trie bounds the answer; only the context can cut it
-            return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
+        if c is not None:
+            if c.done:
+                return RequestStatus.FINISHED_STOPPED
+            if c.output_limit is not None:  # it bounds the answer itself; only the context can cut it
+                return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
         p = req.params
         if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
@@ -572,68 +539,42 @@ class Engine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    # -- constraints, log-probabilities and choice scores ---------------------------------------------
+    # -- the request features' hooks (feature.py) ------------------------------------------------------
 
-    def _start_masks(self, rows: list[Request]) -> Future | None:
-        """Compute the bitmask of the constrained rows about to sample, on a thread beside the forward."""
-        constraints = [r.constraint for r in rows]
-        if all(c is None for c in constraints):
-            return None
-        if self._mask_pool is None:
-            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjob-masks")
-        return self._mask_pool.submit(fill_bitmask, constraints, self.vocab_size, self._grammars)
-
-    def _sample(
-        self, logits: torch.Tensor, rows: list[Request], masks: Future | None, positions: list[int]
-    ) -> list[int]:
-        """Record what needs the model's own distribution, mask the constrained rows, draw, replay resumed
-        tokens."""
-        choices.record(rows, logits)
-        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        raw = logits.index_select(0, torch.tensor(want, device=logits.device)) if want else None
-        if masks is not None:
-            mask = masks.result()
-            if mask is not None:
-                # The masks are numbered by request; a request verifying drafts has several rows (a
-                # constrained one never drafts, so its row is its first).
-                bitmask, owners = mask
-                first = [i for i, r in enumerate(rows) if i == 0 or rows[i - 1] is not r]
-                logits = apply_bitmask(logits, bitmask, [first[j] for j in owners])
+    def _sample(self, logits: torch.Tensor, rows: list[Request], positions: list[int]) -> list[int]:
+        """The features see the model's own distribution, then mask it; draw; the features see the draw
+        (and may replace it: a resumed request's replayed tokens)."""
+        features = self.features
+        for feature in features:
+            feature.see_logits(rows, logits)
+        for feature in features:
+            logits = feature.mask(rows, logits)
         tokens = sample(logits, [r.params for r in rows], [r.key for r in rows], positions)
-        if raw is None:
-            return tokens
-        for i in want:
-            lp = rows[i].logprobs
-            assert lp is not None
-            if lp.replay is not None:
-                n = rows[i].num_output_tokens
-                tokens[i] = lp.replay[n]
-                if n + 1 == len(lp.replay):
-                    lp.replay = None
-        ks = [rows[i].params.logprobs for i in want]
-        tops = top_logprobs(raw, list(range(len(want))), ks, [tokens[i] for i in want])
-        for i, top in zip(want, tops, strict=True):
-            rows[i].logprobs.top.append(top)  # type: ignore[union-attr]
+        for feature in features:
+            feature.after_sample(rows, tokens)
         return tokens
 
     def _ready(self, req: Request) -> bool:
-        """Whether a finished request can be reported now: a choice answer first scores the trie nodes its
-        decoding did not see (choices.py), with requests that share its prompt's KV blocks."""
-        c = req.constraint
-        for scorer in choices.scoring_requests(req):
-            if self._check(scorer) is not None:
-                continue  # cannot be scored (past the context): the choices through it get NaN
-            assert isinstance(c, ChoiceConstraint)
-            self._requests[scorer.request_id] = scorer
-            self.scheduler.add(scorer, front=True)
-            c.pending_scores += 1
-        return choices.pending(req) == 0
+        """Whether a finished request can be reported now: first the helper requests the features want for
+        it (choices: the trie nodes its decoding did not see) run, at the front of the queue."""
+        for feature in self.features:
+            for helper in feature.helpers(req):
+                if self._check(helper) is not None:
+                    continue  # cannot run (past the context): the feature goes without (choices: NaN)
+                helper.owner = req
+                req.pending_helpers += 1
+                self._requests[helper.request_id] = helper
+                self.scheduler.add(helper, front=True)
+        return req.pending_helpers == 0
 
-    def _finish_score(self, scorer: Request, finished: list[Request]) -> None:
-        self.scheduler.finish(scorer, RequestStatus.FINISHED_STOPPED)
-        del self._requests[scorer.request_id]
-        owner = choices.scored(scorer)
-        if owner is not None and owner.request_id in self._requests:
+    def _finish_helper(self, helper: Request, finished: list[Request]) -> None:
+        """A helper request ran (its logits went to the features); its owner is reported after the last."""
+        self.scheduler.finish(helper, RequestStatus.FINISHED_STOPPED)
+        del self._requests[helper.request_id]
+        owner = helper.owner
+        assert owner is not None and owner.pending_helpers > 0
+        owner.pending_helpers -= 1
+        if owner.pending_helpers == 0 and owner.request_id in self._requests:
             finished.append(owner)
 
     # -- convenience ---------------------------------------------------------------------------------

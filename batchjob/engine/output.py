@@ -2,24 +2,22 @@
 ``RequestOutput``s with their finish reason in words.
 
 The engine core decides by token ids (EOS, stop token ids, lengths, constraints); stop strings are the one
-rule about text, and it asks :meth:`OutputProcessor.stop_string_found` after each token. That check is
-incremental: it decodes only a short window of the latest tokens, keeps the settled text, and looks for the
-stop strings only in the tail where a new match can be (the last ``len(longest stop) - 1`` characters of
-what was there before, and the new text). A hit is confirmed against the decoding of the whole output, so
-where the output stops and the text it keeps are what decoding the whole output at every token gave.
+rule about text, and it asks :meth:`OutputProcessor.stop_string_found` after each token (the incremental
+search is :class:`~.stop_strings.StopScan`'s).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from batchjob.engine import choices
 from batchjob.engine.constraints import normalize_choices
 from batchjob.engine.request import Request, RequestStatus
+from batchjob.engine.stop_strings import StopScan
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -66,19 +64,6 @@ class RequestOutput:
         return None if self.choice_logprobs is None else normalize_choices(self.choice_logprobs)
 
 
-@dataclass
-class StopScan:
-    """A request's output text, decoded a few tokens at a time, for its stop strings (offsets count output
-    tokens)."""
-
-    text: str = ""  # the settled text: of output[:read]
-    prefix: int = 0  # each check decodes output[prefix:] again (a window that starts a token or so back)
-    read: int = 0
-    window_text: str = ""  # the decoding of output[prefix:read]
-    longest: int = 1  # characters in the longest stop string
-    match: int | None = field(default=None)  # where the first stop string starts in the output's text
-
-
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -88,35 +73,13 @@ class OutputProcessor:
 
     def stop_string_found(self, req: Request) -> bool:
         """Whether the request's output, up to its last token, contains one of its stop strings; the first
-        one's position is kept for its text."""
+        one's position is kept for its text (stop_strings.py)."""
         stops = req.params.stop
         if not stops:
             return False
-        scan = req.stop
-        if scan is None:
-            scan = req.stop = StopScan(longest=max(len(s) for s in stops))
-        elif scan.match is not None:  # found already (a resumed request is checked twice)
-            return True
-        base, end = req.num_prompt_tokens, req.num_tokens
-        window = self.decode(req.token_ids[base + scan.prefix : end])
-        if not window.startswith(scan.window_text):  # the window decodes differently in context: rescan
-            scan.text, scan.prefix, scan.read, scan.window_text = "", 0, 0, ""
-            window = self.decode(req.token_ids[base:end])
-        pending = window[len(scan.window_text) :]
-        start = max(0, len(scan.text) - scan.longest + 1)
-        tail = scan.text[start:] + pending
-        if pending and not pending.endswith("\ufffd"):  # a character cut in its bytes waits for the rest
-            scan.text += pending
-            scan.prefix, scan.read = scan.read, end - base
-            scan.window_text = self.decode(req.token_ids[base + scan.prefix : end])
-        if not any(s in tail for s in stops):
-            return False
-        text = self.decode(req.token_ids[base:end])
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if not hits:
-            return False
-        scan.match = min(hits)
-        return True
+        if req.stop is None:
+            req.stop = StopScan(longest=max(len(s) for s in stops))
+        return req.stop.found(req.token_ids, req.num_prompt_tokens, stops, self.decode)
 
     def output(self, req: Request) -> RequestOutput:
         token_ids = req.output_ids

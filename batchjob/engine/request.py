@@ -3,6 +3,11 @@
 There are no prefill and decode phases. A request is behind by ``num_tokens - num_computed_tokens``: a new
 prompt is far behind, a decoding request is one token behind, and a preempted request is reset to zero and
 recomputes everything (its generated tokens included) the next time it is scheduled.
+
+The core state comes first; then each request feature's state in a slot of its own, None when the request
+does not use the feature. The slots' types live in leaf modules that import nothing of the engine
+(constraints.py, ngram.py, stop_strings.py, task_state.py), so this module imports no feature: the features
+import it.
 """
 
 from __future__ import annotations
@@ -15,11 +20,10 @@ from typing import TYPE_CHECKING
 from batchjob.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from batchjob.engine.choices import ScoreTarget
     from batchjob.engine.constraints import Constraint
-    from batchjob.engine.output import StopScan
-    from batchjob.engine.speculative import SpecState
-    from batchjob.engine.tasks import TaskState
+    from batchjob.engine.ngram import SpecState
+    from batchjob.engine.stop_strings import StopScan
+    from batchjob.engine.task_state import TaskState
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,12 +47,25 @@ def request_key(request_id: str) -> int:
 
 @dataclass
 class LogprobState:
-    """A request that asked for its tokens' top-K log-probabilities."""
+    """A request that asked for its tokens' top-K log-probabilities (logprobs.py)."""
 
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per generated token, K + its own
     # A resumed request's tokens, replayed one per step (instead of drawn) so that their log-probabilities
     # are computed again; None once replayed.
     replay: list[int] | None = None
+
+
+@dataclass
+class RequestState:
+    """What a checkpoint needs to resume an unfinished request: no KV, it is recomputed."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    sample_index: int = 0  # pass it back to add_request when params.n > 1
+    continuation_ids: list[int] | None = None  # score: the scored continuation (pass it back likewise)
+    token_logprobs: bool = False  # score: the per-token list was asked for
 
 
 @dataclass(eq=False)
@@ -76,12 +93,17 @@ class Request:
     group_id: str = ""  # the caller's id; request_id adds "#k" when the prompt is sampled n > 1 times
     sample_index: int = 0
     wait_for: Request | None = None  # not admitted before this one has computed its prompt (shares its KV)
-    priority: bool = False  # admitted before the other waiting requests (preempted, scoring requests)
-    # Feature state:
+    priority: bool = False  # admitted before the other waiting requests (preempted, helper requests)
+    # A helper request a feature queued for another one when it finished (feature.py): run at the front, its
+    # sampled token dropped, never checkpointed, aborted with its owner, which is reported once the last
+    # of its helpers has run.
+    owner: Request | None = None
+    pending_helpers: int = 0  # the owner's count of its helpers still to run
+    # Feature state (feature.py):
     constraint: Constraint | None = None  # constraints.py; rebuilt from the output ids on resume
-    logprobs: LogprobState | None = None  # top-K log-probabilities asked for
+    logprobs: LogprobState | None = None  # logprobs.py: top-K log-probabilities asked for
     spec: SpecState | None = None  # speculative.py: prompt-lookup state, from its first draft on
-    score: ScoreTarget | None = None  # choices.py: this request scores a choice trie node, never samples
+    score_node: int | None = None  # choices.py: a helper scoring this node of its owner's choice trie
     stop: StopScan | None = None  # output.py: the incremental text its stop strings are looked for in
     task: TaskState | None = None  # tasks.py: a prefill-only request (embed, classify, score), never samples
 

@@ -39,7 +39,7 @@ def _model_class(config, model):
     """The model's class, else the class transformers would build for this config (None if it has none)."""
     if model is not None:
         return type(model)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: only for a config without its model
 
     try:
         return AutoModelForCausalLM._model_mapping[type(config)]

@@ -5,7 +5,7 @@ attended both ways, always whole in one step), its result is made from the hidde
 returns for its rows, and it finishes in the step that computes its last token, which frees its KV blocks
 at once (the full ones stay findable in the prefix cache: score requests sharing a prompt reuse them).
 The task is the engine's (``Engine.from_pretrained(model, task=...)``, the option ``task``); each request's
-state is a :class:`TaskState` on ``Request.task``.
+state is a :class:`~.task_state.TaskState` on ``Request.task``.
 
 The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for other tasks and errors):
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,29 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.engine.attention.layout import StepLayout
-from batchjob.engine.request import Request
+from batchjob.engine.config import model_context_len
+from batchjob.engine.request import Request, RequestState
 from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.task_state import TaskState
 from batchjob.errors import ConfigError
 
 PREFILL_TASKS = ("embed", "classify", "score")
 LOGIT_ELEMENTS = 1 << 24  # score: at most this many logits (rows x vocabulary) exist at once
 # Encoders whose positions start after the padding index (position ids are padding_idx + 1 + p).
 _PADDED_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
-
-
-@dataclass
-class TaskState:
-    """A prefill-only request's state (``Request.task``)."""
-
-    kind: str  # "embed" | "classify" | "score"
-    compute_from: int  # first position whose hidden state the result needs (the prefix cache stops before it)
-    score_from: int = 1  # score: first scored position (its token's log-probability given those before)
-    keep_token_logprobs: bool = False
-    pooled: torch.Tensor | None = None  # embed: running sum (mean) or the row (cls, last); classify: logits
-    logprob: float = 0.0  # score: running sum, float64
-    num_scored: int = 0
-    token_logprobs: list[float] = field(default_factory=list)
-    result: dict[str, Any] | None = None  # the RequestOutput fields, once finished
 
 
 @dataclass(frozen=True)
@@ -81,7 +68,7 @@ def _st_file(model_dir: str | None, name: str) -> Any:
     path = Path(model_dir) / name
     if not path.is_file():
         try:
-            from huggingface_hub import try_to_load_from_cache
+            from huggingface_hub import try_to_load_from_cache  # heavy: only for a hub id
 
             cached = try_to_load_from_cache(model_dir, name)
         except Exception:  # noqa: BLE001 - not a hub id, no cache: no file
@@ -336,6 +323,15 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
+def request_state(req: Request) -> RequestState:
+    """What a checkpoint keeps of an unfinished prefill-only request: its prompt and, for a conditional
+    score, the continuation (nothing was generated)."""
+    assert req.task is not None
+    conditional = req.task.kind == "score" and req.task.score_from > 1
+    cont = req.output_ids if conditional else None
+    return RequestState(req.request_id, req.prompt_ids, [], req.params, 0, cont, req.task.keep_token_logprobs)
+
+
 def perplexity(logprob: float, num_scored_tokens: int) -> float:
     """exp(-logprob / num_scored_tokens); NaN when nothing was scored."""
     return math.exp(-logprob / num_scored_tokens) if num_scored_tokens else math.nan
@@ -345,8 +341,6 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
     """The engine's task runner for ``config.task``, and the longest request it takes, in tokens: the
     model's context (less RoBERTa's position offset), capped by the sentence-transformers ``max_seq_length``
     and the tokenizer's ``model_max_length`` for embed and classify."""
-    from batchjob.engine.config import model_context_len
-
     limit = model_context_len(model.config) - position_offset(model.config)
     if config.max_model_len is not None:
         limit = min(limit, config.max_model_len)

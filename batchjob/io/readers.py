@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from batchjob import faults
 from batchjob.errors import InputError
-from batchjob.io.sources import Source, _fsspec, open_binary
+from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
 
 _PARQUET_BATCH_ROWS = 1024
 _SCHEMA_SAMPLE_ROWS = 1000
@@ -37,19 +37,6 @@ class Row:
     @property
     def derived_id(self) -> str:
         return f"{self.source}:{self.index}"
-
-
-def load_hf(source: Source) -> list[tuple[str, Any]]:
-    """The (split name, memory-mapped Dataset) pairs of a ``save_to_disk`` folder."""
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(source.path)
-    except Exception as e:
-        raise InputError(f"cannot load dataset folder {source.path}: {e}") from e
-    if isinstance(loaded, datasets.DatasetDict):
-        return [(split, loaded[split]) for split in sorted(loaded)]
-    return [("", loaded)]
 
 
 def _parquet_file(source: Source) -> Any:

@@ -56,10 +56,6 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _hidden(rel: str) -> bool:
-    return any(part.startswith((".", "_")) for part in Path(rel).parts)
-
-
 @dataclass(frozen=True)
 class Skipped:
     """A path inside an ``--input`` folder or glob that is not an input, and why (``validate`` lists them)."""
@@ -326,6 +322,19 @@ def open_binary(source: Source) -> IO[bytes]:
     return raw
 
 
+def load_hf(source: Source) -> list[tuple[str, Any]]:
+    """The (split name, memory-mapped Dataset) pairs of a ``save_to_disk`` folder."""
+    import datasets  # heavy and optional: loaded only when an input is a dataset folder
+
+    try:
+        loaded = datasets.load_from_disk(source.path)
+    except Exception as e:
+        raise InputError(f"cannot load dataset folder {source.path}: {e}") from e
+    if isinstance(loaded, datasets.DatasetDict):
+        return [(split, loaded[split]) for split in sorted(loaded)]
+    return [("", loaded)]
+
+
 def count_rows(source: Source) -> int | None:
     """The number of rows when it is cheap to know (Parquet metadata, small JSONL files), else None."""
     try:
@@ -337,8 +346,6 @@ def count_rows(source: Source) -> int | None:
                     return pq.ParquetFile(f).metadata.num_rows
             return pq.ParquetFile(source.path).metadata.num_rows
         if source.kind == "hf":
-            from batchjob.io.readers import load_hf
-
             return sum(len(ds) for _, ds in load_hf(source))
         if source.remote or not source.path.endswith((".jsonl", ".ndjson")):
             return None

@@ -80,7 +80,7 @@ class FlashAttn(AttentionBackend):
         slopes=None,
         sinks=None,
     ):
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # optional: only when the backend was chosen
 
         return flash_attn_varlen_func(
             q.transpose(0, 1),

@@ -14,7 +14,7 @@ from batchjob.engine.attention.flash import FlashAttn, FlashMeta
 @functools.cache
 def import_varlen():
     try:
-        from torch.nn.attention import varlen
+        from torch.nn.attention import varlen  # only in newer torch versions
     except ImportError:
         return None
     return varlen

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from batchjob import env
+from batchjob.models import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ def load() -> ctypes.CDLL | None:
     if cxx is None:
         log.warning("no C++ compiler found: CPU decode attention uses the slower torch reference")
         return None
-    from batchjob.models import cache_dir
-
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         digest = hashlib.sha256()
@@ -109,10 +108,6 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in _SYMBOLS and load() is not None
-
-
 def paged_decode(
     q: torch.Tensor,  # [G, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -124,7 +119,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """Attention of one query token per request over its cached keys; returns [G, H, D]."""
     lib = load()
-    assert lib is not None, "paged_decode called without the kernel; check supports() first"
+    assert lib is not None, "paged_decode called without the kernel; check load() first"
     q = q.contiguous()
     block_table = block_table.contiguous()
     ctx_lens = ctx_lens.contiguous()
