@@ -221,7 +221,7 @@ def _launch(
 
     from batchjob.errors import ConfigError
     from batchjob.job.launch import parse_devices, run_devices, run_ray, saved_num_shards, worst_exit
-    from batchjob.job.runner import prepare
+    from batchjob.job.prepare import prepare
     from batchjob.job.shard import detect_shard
 
     if devices is not None and ray_address is not None:
@@ -275,7 +275,8 @@ def validate(
     """Check a job (options, inputs, columns, model, saved state) without running it."""
     import os
 
-    from batchjob.job.runner import check_engine, prepare
+    from batchjob.job.prepare import prepare
+    from batchjob.job.runner import check_engine
     from batchjob.job.shard import detect_shard
 
     spec = _spec(ctx, job_file, options)
