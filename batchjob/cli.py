@@ -1,9 +1,10 @@
-"""The command line: ``batchjob run``, ``status`` and ``validate``.
+"""The command line: ``batchjob run``, ``validate``, ``status``, ``export`` and ``report``.
 
 Each command parses its options, builds a JobSpec (job file first, command-line options on top), calls the
 library, and maps our errors to exit codes in one place (``_errors``): no traceback for anything a user
-controls. The ``main`` group, that mapping and the engine's flags live in ``program.py``, which ``bench/``
-uses too; importing this module registers every command.
+controls. The flags of ``run`` and ``validate`` are made from the job's option declarations (``JobSpec``'s
+fields, ``job/spec.py``), none by hand. The ``main`` group, that mapping and the engine's flags live in
+``program.py``, which ``bench/`` uses too; importing this module registers every command.
 """
 
 from __future__ import annotations
