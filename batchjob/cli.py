@@ -1,23 +1,25 @@
-"""The command line: ``batchjob run``, ``status`` and ``validate``.
+"""The command line: ``batchjob run``, ``validate``, ``status``, ``export`` and ``report``.
 
 Each command parses its options, builds a JobSpec (job file first, command-line options on top), calls the
 library, and maps our errors to exit codes in one place (``_errors``): no traceback for anything a user
-controls. The ``main`` group, that mapping and the engine's flags live in ``program.py``, which ``bench/``
-uses too; importing this module registers every command.
+controls. The flags of ``run`` and ``validate`` are made from the job's option declarations (``JobSpec``'s
+fields, ``job/spec.py``), none by hand. The ``main`` group, that mapping and the engine's flags live in
+``program.py``, which ``bench/`` uses too; importing this module registers every command.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import Field
 from pathlib import Path
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
-from batchjob.job.admission import ADMISSION_CHOICES
-from batchjob.program import Failure as _Failure  # noqa: F401  (re-exported: tests use these names)
-from batchjob.program import engine_flags, main
+from batchjob.job.options import JobOption, shown_help
+from batchjob.job.spec import declared
+from batchjob.program import apply, engine_flags, main
 from batchjob.program import errors as _errors
 
 EXIT_CODES = """\b
@@ -34,175 +36,33 @@ Exit codes:
   With --devices or --ray: the worst of the workers' codes (2, then 1, then 75, then 0)."""
 
 
+def _job_flag(f: Field[Any], opt: JobOption) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The flag of the job option declared by ``f`` (``job/spec.py``): its name with - for _, its help with
+    its default. Left out, its value is None (the job file's, else the declared default decides); the checks
+    run in ``JobSpec``, with the messages the library gives."""
+    flag = "--" + f.name.replace("_", "-")
+    kw: dict[str, Any] = {"help": shown_help(f), "default": None, "metavar": opt.metavar}
+    if opt.switch:
+        return click.option(flag, f.name, is_flag=True, **kw)
+    if str(f.type).startswith("bool"):
+        return click.option(f"{flag}/--no-{flag[2:]}", f.name, **kw)
+    kind = opt.cli_type or {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+    kw["type"] = click.Choice(opt.choices) if opt.choices else kind
+    if opt.flag_value is not None:  # may be given alone
+        kw |= {"is_flag": False, "flag_value": opt.flag_value}
+    return click.option(flag, f.name, multiple=opt.multiple, **kw)
+
+
 def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    options = [
-        click.argument("job_file", required=False, type=click.Path(dir_okay=False)),
-        click.option(
-            "--input",
-            "input",
-            multiple=True,
-            metavar="PATH",
-            help="Input file, folder or glob (repeatable): .parquet, .jsonl[.gz|.zst], a "
-            "datasets.save_to_disk folder, or s3:// gs:// hf:// with fsspec installed.",
-        ),
-        click.option(
-            "--output", metavar="DIR", help="Output folder: Parquet parts, state under DIR/_batchjob."
-        ),
-        click.option(
-            "--prompt-column",
-            metavar="COL",
-            help="Column whose text is the prompt (default: 'prompt' or 'text').",
-        ),
-        click.option("--messages-column", metavar="COL", help="Column holding a list of chat messages."),
-        click.option(
-            "--template", metavar="FMT", help='Prompt format string over columns, e.g. "Classify: {review}".'
-        ),
-        click.option("--system", metavar="TEXT", help="System message put before each prompt."),
-        click.option(
-            "--chat/--no-chat",
-            default=None,
-            help="Wrap each prompt as a user message in the chat template "
-            "(default: on when the tokenizer has a chat template).",
-        ),
-        click.option(
-            "--id-column", metavar="COL", help="Column of unique row ids (default: '<file>:<row>')."
-        ),
-        click.option(
-            "--format",
-            "format",
-            type=click.Choice(["rows", "openai"]),
-            help="rows: each input row is a record with columns (default); openai: each line is an OpenAI "
-            "Batch API request (custom_id, method, url, body), its body giving the prompt and parameters.",
-        ),
-        click.option(
-            "--params-column",
-            metavar="COL",
-            help="Column of per-row sampling parameters: a JSON object (text or struct) such as "
-            '{"max_new_tokens": 3, "temperature": 0.7}; what a row leaves out takes the job\'s options.',
-        ),
-        click.option(
-            "--chat-template-kwargs",
-            metavar="JSON",
-            help="Keyword arguments for the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3).",
-        ),
-        click.option(
-            "--reasoning-tags",
-            metavar="OPEN,CLOSE",
-            help="A reasoning model's think tags (default: found in its tokenizer, e.g. <think>,</think>); "
-            "the text between them goes to a reasoning column, the rest is the answer.",
-        ),
-        click.option(
-            "--max-reasoning-tokens",
-            type=int,
-            metavar="N",
-            help="Close the thinking after N tokens; the answer (under --choices / --json-schema / --regex, "
-            "and --max-new-tokens) comes after it.",
-        ),
-        click.option(
-            "--check-model-name",
-            is_flag=True,
-            default=None,
-            help="--format openai: a request whose body.model is not this job's model becomes an error row "
-            "(default: the name is ignored, with one warning listing the names seen).",
-        ),
-        click.option(
-            "--model", help="Local model folder or hub id (default: embedded SmolLM2-135M-Instruct)."
-        ),
-        click.option(
-            "--trust-remote-code",
-            is_flag=True,
-            default=False,
-            help="Let a model folder run the Python code it ships (auto_map in its config). Off by default: "
-            "such a model is refused.",
-        ),
-        click.option("--max-new-tokens", type=int, help="Tokens to generate per row at most (default: 128)."),
-        click.option(
-            "--temperature",
-            type=float,
-            help="Sampling temperature; 0 is greedy (default: 0; with --format openai, OpenAI's 1).",
-        ),
-        click.option("--top-p", type=float, help="Nucleus sampling threshold in (0, 1] (default: 1)."),
-        click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 keeps all (default: 0)."),
-        click.option(
-            "--min-p", type=float, help="Drop tokens below min_p x the top probability (default: 0)."
-        ),
-        click.option(
-            "--seed", type=int, help="Sampling seed; each row mixes in its id (default: one per job)."
-        ),
-        click.option("--stop", multiple=True, help="Stop string (repeatable); the text is cut before it."),
-        click.option(
-            "--choices",
-            metavar="A,B,C",
-            help="The answer is exactly one of these comma-separated labels (decoded under a token "
-            "constraint); adds a choice_logprobs column: JSON {label: log-probability}.",
-        ),
-        click.option(
-            "--json-schema",
-            metavar="FILE",
-            help="The answer is compact JSON valid against the JSON schema in FILE.",
-        ),
-        click.option("--regex", metavar="PATTERN", help="The answer matches this regular expression."),
-        click.option(
-            "--logprobs",
-            type=int,
-            is_flag=False,
-            flag_value=0,
-            metavar="[K]",
-            help="Add a logprobs column: per generated token, its log-probability and the top-K tokens' "
-            "(K alone: 0). --task score: a token_logprobs column, the log-probability of each scored token.",
-        ),
-        click.option(
-            "--score-column",
-            metavar="COL",
-            help="--task score: the column whose text, after the prompt, is scored (given the prompt); "
-            "default: the whole prompt is scored.",
-        ),
-        click.option(
-            "--n",
-            "n",
-            type=int,
-            metavar="N",
-            help="Samples per row: N result rows with a sample_index column; the prompt is computed once.",
-        ),
-        *engine_flags(),  # the engine's options, each declared once (engine/options.py)
-        click.option(
-            "--admission",
-            type=click.Choice(ADMISSION_CHOICES),
-            help="Order rows enter the engine: input order, longest or shortest prompt first within "
-            "--lookahead rows, or static batches (a baseline) (default: fcfs).",
-        ),
-        click.option(
-            "--lookahead",
-            type=int,
-            metavar="ROWS",
-            help="Rows read ahead for longest-first / shortest-first (default: 512).",
-        ),
-        click.option(
-            "--append",
-            is_flag=True,
-            default=None,
-            help="The inputs grew since the job ran (rows appended to JSONL files, new files): process the "
-            "new rows, keep what is done. Any other change to the inputs is still refused.",
-        ),
-        click.option(
-            "--checkpoint-interval",
-            type=float,
-            metavar="SECONDS",
-            help="Seconds between in-flight checkpoints (default: 30).",
-        ),
-        click.option(
-            "--max-errors", type=int, metavar="N", help="Stop (exit 1, state saved) once N rows failed."
-        ),
-        click.option(
-            "--retry-errors",
-            is_flag=True,
-            help="Redo the rows already written with an error (e.g. after raising --num-blocks); the same "
-            "job, resumed, even when it was complete.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    """The job file argument and a flag per option of a job, in ``JobSpec``'s order (``job/spec.py`` declares
+    the job's own, ``engine/options.py`` the engine's)."""
+    options = [click.argument("job_file", required=False, type=click.Path(dir_okay=False))]
+    for f, opt in declared():
+        if isinstance(opt, JobOption):
+            options.append(_job_flag(f, opt))
+        else:
+            options += engine_flags([f.name])
+    return apply(options)(fn)
 
 
 def _shard_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -362,7 +222,7 @@ def _launch(
 
     from batchjob.errors import ConfigError
     from batchjob.job.launch import parse_devices, run_devices, run_ray, saved_num_shards, worst_exit
-    from batchjob.job.runner import prepare
+    from batchjob.job.prepare import prepare
     from batchjob.job.shard import detect_shard
 
     if devices is not None and ray_address is not None:
@@ -416,7 +276,8 @@ def validate(
     """Check a job (options, inputs, columns, model, saved state) without running it."""
     import os
 
-    from batchjob.job.runner import check_engine, prepare
+    from batchjob.job.prepare import prepare
+    from batchjob.job.runner import check_engine
     from batchjob.job.shard import detect_shard
 
     spec = _spec(ctx, job_file, options)

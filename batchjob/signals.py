@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-EXIT_INTERRUPTED = 75  # the same code as batchjob.job.runner.EXIT_INTERRUPTED (that module imports pyarrow)
+EXIT_INTERRUPTED = 75  # the same code as batchjob.job.loop.EXIT_INTERRUPTED (that module imports pyarrow)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PARENT_ENV = "BATCHJOB_PARENT_PID"  # set by the --devices launcher for its workers: the launcher's pid
 _PR_SET_PDEATHSIG = 1

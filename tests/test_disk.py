@@ -123,9 +123,9 @@ def test_a_really_full_disk(reviews, tiny_model_dir, small_tmpfs, expected):
 def test_the_cli_names_the_output_folder_when_the_error_names_no_file():
     from click import ClickException
 
-    from batchjob.cli import _errors
+    from batchjob.program import errors
 
-    @_errors
+    @errors
     def command(output=None):
         raise OSError(errno.ENOSPC, "No space left on device")  # as a plain file write reports it
 

@@ -545,7 +545,7 @@ def test_job_path_on_cuda_chooses_what_the_engine_chooses(tiny_model_dir, monkey
     expected = 256 if flash_installed else 16
     line = job_runner.check_engine(spec)  # what `batchjob validate` reports, from the model's config
     assert f"blocks x {expected} tokens" in line
-    options = job_runner._engine_options(spec)
+    options = spec.engine_options()
     device = torch.device(options.pop("device"))
     job = EngineConfig(device=device, dtype=resolve_dtype(options.pop("dtype"), device), **options)
     engine = EngineConfig(device=CUDA, dtype=resolve_dtype("auto", CUDA))  # Engine.from_pretrained's defaults

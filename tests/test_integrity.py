@@ -360,7 +360,7 @@ def test_replaced_weights_are_refused(tmp_path, tiny_model_dir):
 
 
 def test_default_model_has_one_identity_whatever_it_is_called():
-    from batchjob.job.runner import model_fingerprint
+    from batchjob.job.prepare import model_fingerprint
 
     names = [None, "default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
     identities = [model_fingerprint(n) for n in names]

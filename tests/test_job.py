@@ -152,3 +152,24 @@ def test_dirty_parquet_job_every_row_once(tmp_path, tiny_model_dir):
     assert (
         json.loads((tmp_path / "o" / "_batchjob" / "stats.json").read_text())["body"]["job"]["rows_done"] == 6
     )
+
+
+def test_the_engine_is_what_the_job_layer_names(tiny_model_dir):
+    """The job layer knows an engine only as ``JobEngine`` (job/seam.py): ``Engine`` has each of its members,
+    and its methods take the protocol's parameters, of the same kinds."""
+    import inspect
+
+    from batchjob import Engine
+    from batchjob.job.seam import JobEngine
+
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", num_blocks=16)
+    members = {n for n in vars(JobEngine) if not n.startswith("_")} | set(JobEngine.__annotations__)
+    assert {"add_request", "step", "snapshot", "stats", "config", "tokenizer"} <= members
+    for name in members:
+        assert hasattr(engine, name), name
+        want = vars(JobEngine).get(name)
+        if inspect.isfunction(want):
+            have = inspect.signature(getattr(Engine, name)).parameters
+            for p in inspect.signature(want).parameters.values():
+                assert p.name in have and have[p.name].kind == p.kind, (name, p.name)
+    assert engine.stats.as_dict()  # the loop writes it into stats.json

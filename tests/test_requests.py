@@ -287,6 +287,21 @@ def test_params_column_job(params_data, tiny_model_dir, tmp_path):
     assert [r["rid"] for r in got] == ["s0", "s1", "s1", "s1"] and got[0]["num_generated_tokens"] <= 1
 
 
+def test_retry_errors_keeps_a_parts_good_rows_with_per_row_params(params_data, tiny_model_dir, tmp_path):
+    """One part writer per run: --retry-errors takes the failed row out of a part that has every per-row
+    feature column and keeps the others (a writer built without those columns could not read the part back,
+    and redid all its rows)."""
+    out = tmp_path / "out"
+    args = params_args(params_data / "rows.jsonl", out, tiny_model_dir)
+    assert invoke(*args)[0] == 0
+    before = sorted(results(out), key=lambda r: (r["rid"], r["sample_index"]))
+    code, text = invoke(*args, "--retry-errors")
+    assert code == 0, text
+    assert "holds 1 rows with errors; they will be redone" in text and "cannot be read back" not in text
+    assert "this run: 1 rows" in text  # only the failed row is computed again
+    assert sorted(results(out), key=lambda r: (r["rid"], r["sample_index"])) == before
+
+
 def test_params_column_job_resumes_exactly(params_data, tiny_model_dir, tmp_path, monkeypatch):
     want, out = tmp_path / "want", tmp_path / "out"
     assert invoke(*params_args(params_data / "rows.jsonl", want, tiny_model_dir))[0] == 0
@@ -554,7 +569,7 @@ def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_pa
     request (and its max_tokens), not one answer a row; the calibration runs a batch of each row's samples."""
     from batchjob.job import make_spec
     from batchjob.job.estimate import estimate
-    from batchjob.job.runner import prepare
+    from batchjob.job.prepare import prepare
 
     def seconds(n: int, max_tokens: int) -> tuple[float, list[str]]:
         path = tmp_path / f"n{n}-{max_tokens}.jsonl"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchjob import signals
-from batchjob.job import runner
+from batchjob.job import loop
 from tests.faultproc import job_args, reference, temp_files, wait_for_points, wait_gone, write_reviews
 from tests.jobproc import launch
 from tests.jobproc import read_results as results
@@ -54,7 +54,7 @@ def test_importing_the_library_installs_no_handlers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]
-    assert signals.EXIT_INTERRUPTED == runner.EXIT_INTERRUPTED == 75
+    assert signals.EXIT_INTERRUPTED == loop.EXIT_INTERRUPTED == 75
 
 
 @pytest.mark.parametrize(

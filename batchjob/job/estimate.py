@@ -29,8 +29,10 @@ from typing import Any
 from tqdm import tqdm
 
 from batchjob.io.readers import iter_rows
+from batchjob.job.loop import row_request
+from batchjob.job.prepare import Prepared
 from batchjob.job.progress import _duration as duration
-from batchjob.job.runner import Prepared, load_engine, prompt_builder, row_request
+from batchjob.job.runner import load_engine, prompt_builder
 
 _LENGTH_EDGES = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 10**9]
 

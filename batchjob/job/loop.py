@@ -5,8 +5,9 @@ Rows are keyed two ways: the id (``--id-column``, else ``"<file>:<row>"``) that 
 sampler see, and the ordinal (the row's position in the input stream) that says what is done. Whatever moment
 the process dies at, a resume skips committed ordinals, continues the checkpointed requests from their saved
 tokens, and recomputes everything else: because a request's tokens are a pure function of (prompt, seed, id,
-position), the result equals an uninterrupted run's. The loop talks to the engine through its public API
-(``add_request``, ``step``, ``snapshot``, ``has_unfinished``, ``num_unfinished``, ``stats``).
+position), the result equals an uninterrupted run's. The loop talks to the engine only through
+``JobEngine`` (``seam.py``): ``add_request``, ``step``, ``snapshot``, ``has_unfinished``, ``num_unfinished``,
+``stats``, ``tokenize``, ``tokenizer``, ``config``. The runner hands it the run's one part writer.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import BatchjobError, ConfigError
 from batchjob.io.atomic import write_json
@@ -31,13 +33,17 @@ from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import Progress
 from batchjob.job.prompts import PromptBuilder
-from batchjob.job.reasoning import find_tags, parse_tags
+from batchjob.job.reasoning import ReasoningTags, find_tags, parse_tags
 from batchjob.job.requests import params_from_column, parse_embeddings_request, parse_request
+from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.stats import RunStats
 from batchjob.job.tasks import result_fields, task_columns, task_extra
 from batchjob.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from batchjob.engine.output import RequestOutput
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT with its state saved; run again to resume
 _PART_ROWS = 5000  # commit a part at least this often, checkpoint or not
@@ -96,7 +102,16 @@ class _Pending:
 class JobLoop:
     """One process's run of a job: rows in, the engine kept fed, results and checkpoints out."""
 
-    def __init__(self, prep: Prepared, engine: Any, builder: PromptBuilder) -> None:
+    def __init__(
+        self,
+        prep: Prepared,
+        engine: JobEngine,
+        builder: PromptBuilder,
+        writer: PartWriter,
+        tags: ReasoningTags | None,
+    ) -> None:
+        """``writer``: the run's part writer (``part_writer``); ``tags``: the model's think tags
+        (``think_tags``), which give a reasoning column and two-phase rows."""
         self.prep = prep
         self.spec = prep.spec
         self.engine = engine
@@ -106,22 +121,12 @@ class JobLoop:
         self.params = self.spec.sampling_params(
             prep.info.job_seed
         )  # what rows leave out, with per-row params
-        given = parse_tags(self.spec.reasoning_tags) if self.spec.reasoning_tags else None
-        self.tags = find_tags(engine.tokenizer, given)  # think tags: a reasoning column, two-phase rows
-        if self.tags is None and self.spec.max_reasoning_tokens is not None:
-            raise ConfigError(
-                "--max-reasoning-tokens needs the model's think tags, and its tokenizer names none: give them "
-                "with --reasoning-tags OPEN,CLOSE"
-            )
+        self.tags = tags
         self.answer_of: dict[str, tuple[str, int]] = {}  # an answer request -> (its row's id, sample index)
-        extra = extra_fields(self.params, every=self.spec.per_row_params, reasoning=self.tags is not None)
         self.task = self.spec.task
-        if self.task != "generate":
-            extra = task_extra(self.spec)
-        result = result_fields(self.spec, engine)
-        self.width = result[0].type.list_size if self.task == "embed" else 0  # body.dimensions' only value
+        # --task embed: body.dimensions' only value
+        self.width = writer.result[0].type.list_size if self.task == "embed" else 0
         self.input_of: dict[str, tuple[str, int]] = {}  # an embeddings request's input -> (row id, index)
-        writer = PartWriter(prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result)
         self.parts = Parts(prep.out_dir, self.manifest, writer)
         self.model_names = model_names(self.spec.model)  # --format openai: what body.model may say
         self.models_seen: set[str] = set()
@@ -136,6 +141,17 @@ class JobLoop:
         self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
         self.names = {s.base >> ORDINAL_BITS: s.name for s in prep.sources}
         self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
+        # How many rows there are: all workers' (None until every input is counted), this worker's share.
+        counts = prep.info.row_counts
+        for source in prep.sources:
+            if counts.get(source.base >> ORDINAL_BITS) is None:
+                counts[source.base >> ORDINAL_BITS] = count_rows(source)
+        self.stream_hint = None if None in counts.values() else sum(counts.values())  # type: ignore[arg-type]
+        self.total_hint = prep.shard.share_of(counts)
+        self.reader_done = False  # every row of this worker's share has been read
+        self.errors_before = self.manifest.errors  # rows failed in earlier runs (--max-errors counts all)
+        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
+        self.last_checkpoint = self.last_live = time.monotonic()
 
     def _token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -219,9 +235,7 @@ class JobLoop:
         return InFlight(p.row.ordinal, row_id, prompt, dict(samples or {}), params, p.params.n > 1)
 
     def write_stats(self) -> None:
-        body = self.stats.to_json(
-            self.engine.stats.as_dict() if hasattr(self.engine.stats, "as_dict") else {}
-        )
+        body = self.stats.to_json(self.engine.stats.as_dict())
         finished = len({r["ordinal"] for r in self.parts.buffer})
         body["live"] = {  # what `status` shows of a running job beyond its committed rows
             "updated": time.time(),
@@ -408,7 +422,7 @@ class JobLoop:
             else:
                 self.engine.add_request(row_id, ids, params, output_ids=samples.get(0))
 
-    def _finished(self, out: Any) -> None:
+    def _finished(self, out: RequestOutput) -> None:
         if self.task != "generate":
             self._finished_task(out)
             return
@@ -416,7 +430,7 @@ class JobLoop:
             row_id, k = self.answer_of.pop(out.request_id)
             p = self.pending[row_id]
         else:
-            row_id, k = out.request_id, getattr(out, "sample_index", 0)
+            row_id, k = out.request_id, out.sample_index
             p = self.pending[row_id]
             if p.answer_params is not None and out.finish_reason != "error":
                 self._answer(p, k, out)  # the thinking is done: now the answer, after it
@@ -452,7 +466,7 @@ class JobLoop:
             )
         self._finish_samples(p.row, p.num_prompt_tokens, results)
 
-    def _finished_task(self, out: Any) -> None:
+    def _finished_task(self, out: RequestOutput) -> None:
         """A prefill-only request finished: its row's result (an embeddings request's, once all its inputs
         are: a result row each, by ``sample_index``)."""
         row_id, k = self.input_of.pop(out.request_id, (out.request_id, 0))
@@ -476,7 +490,7 @@ class JobLoop:
             )
         self._finish_samples(p.row, p.num_prompt_tokens, results)
 
-    def _answer(self, p: _Pending, k: int, thought: Any) -> None:
+    def _answer(self, p: _Pending, k: int, thought: RequestOutput) -> None:
         """Queue sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
         assert self.tags is not None and p.answer_params is not None
         p.thoughts[k] = thought
@@ -491,16 +505,31 @@ class JobLoop:
     # -- the loop -------------------------------------------------------------------------------------
 
     def run(self) -> JobResult:
-        info = self.prep.info
-        done = self.manifest.done
-        inflight = self.state.load_inflight()
-        counts = info.row_counts
-        for source in self.prep.sources:
-            if counts.get(source.base >> ORDINAL_BITS) is None:
-                counts[source.base >> ORDINAL_BITS] = count_rows(source)
-        self.stream_hint = None if None in counts.values() else sum(counts.values())  # type: ignore[arg-type]
-        self.total_hint = self.prep.shard.share_of(counts)
-        skip, covered = self.prep.shard.filters(done)
+        """Run to the end of this worker's rows, or until a signal or --max-errors stops it."""
+        try:
+            reader = self._reader()
+            inflight = self.state.load_inflight()  # the last checkpoint's unfinished rows, by ordinal
+            while True:
+                self._read(reader, inflight)
+                self._feed()
+                if self.engine.has_unfinished():
+                    self._step()
+                elif self.reader_done:
+                    break
+                if self.stop_signal is not None:
+                    self.checkpoint()
+                    return self._result("interrupted")
+                self._check_errors()
+                self._save_as_due()
+            self._complete()
+            return self._result("complete")
+        finally:
+            self._close()
+
+    def _reader(self) -> Iterator[Row]:
+        """This worker's rows not yet done, in input order (with --id-column, the rows it skips still
+        record their ids, so a duplicate is found whichever worker holds its first use)."""
+        skip, covered = self.prep.shard.filters(self.manifest.done)
         on_skipped = None
         if self.ids is not None:
             ids = self.ids
@@ -511,84 +540,87 @@ class JobLoop:
                     ids.first(str(value), ordinal)
                 ids.seen(ordinal + 1)
 
-        reader = iter_rows(
+        return iter_rows(
             self.prep.sources,
             skip=skip,
             covered=covered,
             on_skipped=on_skipped,
             id_column=self.spec.id_column,
         )
-        reader_done = False
-        errors_before = self.manifest.errors
-        self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
-        last_checkpoint = last_live = time.monotonic()
-        try:
-            while True:
-                while not reader_done and len(self.ready) < self._read_ahead():
-                    try:
-                        row = next(reader)
-                    except StopIteration as stop:
-                        reader_done = True
-                        info.set_counts(
-                            {
-                                s.base >> ORDINAL_BITS: n
-                                for s, n in zip(self.prep.sources, stop.value, strict=True)
-                            }
-                        )
-                        self.total_hint = self.prep.shard.share_of(info.row_counts)
-                        self.stream_hint = info.total_rows
-                        self.bar.set_total(self.total_hint)
-                    else:
-                        self._admit(row, inflight)
-                        if self.ids is not None:
-                            self.ids.seen(row.ordinal + 1)
-                self._feed()
-                if self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        self._finished(out)
-                    self.stats.step(self.engine.stats)
-                    self.bar.step(self.stats.generated_tokens)
-                elif reader_done:
-                    break
-                if self.stop_signal is not None:
-                    self.checkpoint()
-                    return self._result("interrupted")
-                max_errors = self.spec.max_errors
-                if max_errors is not None and errors_before + self.stats.errors >= max_errors:
-                    self.checkpoint()
-                    raise TooManyErrors(
-                        f"stopped after {errors_before + self.stats.errors} failed rows (--max-errors "
-                        f"{max_errors}); state saved in {self.prep.out_dir}. See the error column; "
-                        "raise --max-errors to go on"
-                    )
-                if len(self.parts.buffer) >= _PART_ROWS:
-                    self.commit()
-                if time.monotonic() - last_live >= min(_LIVE_SECONDS, self.spec.checkpoint_interval):
-                    self.write_stats()  # a running job's progress for `status`, between checkpoints
-                    last_live = time.monotonic()
-                if time.monotonic() - last_checkpoint >= self.spec.checkpoint_interval:
-                    self.checkpoint()
-                    last_checkpoint = last_live = time.monotonic()
-            self.commit()
-            if self.ids is not None:
-                self.ids.commit()
-            info.mark_complete()
-            self.prep.state.save_job(info)
-            self.state.clear_inflight()
-            self.write_stats()
-            return self._result("complete")
-        finally:
-            self.bar.close()
-            if self.ids is not None:
-                self.ids.close()
-            other = sorted(self.models_seen - self.model_names)
-            if other and not self.spec.check_model_name:
-                print(
-                    f"batchjob: body.model ignored: the requests name {', '.join(map(repr, other))}, this job "
-                    f"runs {model_identity.display_name(self.spec.model)!r} (--check-model-name makes such "
-                    "requests errors)",
-                    file=sys.stderr,
+
+    def _read(self, reader: Iterator[Row], inflight: dict[int, InFlight]) -> None:
+        """Read rows and prepare them until the read-ahead is full or the input ends (then the row counts
+        are known: the progress gets its total)."""
+        while not self.reader_done and len(self.ready) < self._read_ahead():
+            try:
+                row = next(reader)
+            except StopIteration as stop:
+                self.reader_done = True
+                info = self.prep.info
+                info.set_counts(
+                    {s.base >> ORDINAL_BITS: n for s, n in zip(self.prep.sources, stop.value, strict=True)}
                 )
+                self.total_hint = self.prep.shard.share_of(info.row_counts)
+                self.stream_hint = info.total_rows
+                self.bar.set_total(self.total_hint)
+            else:
+                self._admit(row, inflight)
+                if self.ids is not None:
+                    self.ids.seen(row.ordinal + 1)
+
+    def _step(self) -> None:
+        """One engine step; its finished requests become result rows."""
+        for out in self.engine.step():
+            self._finished(out)
+        self.stats.step(self.engine.stats)
+        self.bar.step(self.stats.generated_tokens)
+
+    def _check_errors(self) -> None:
+        """--max-errors: stop, with the state saved, once that many rows have failed (this run and before)."""
+        max_errors = self.spec.max_errors
+        failed = self.errors_before + self.stats.errors
+        if max_errors is not None and failed >= max_errors:
+            self.checkpoint()
+            raise TooManyErrors(
+                f"stopped after {failed} failed rows (--max-errors {max_errors}); state saved in "
+                f"{self.prep.out_dir}. See the error column; raise --max-errors to go on"
+            )
+
+    def _save_as_due(self) -> None:
+        """Commit a part once enough rows wait; the live stats and the checkpoint at their intervals."""
+        if len(self.parts.buffer) >= _PART_ROWS:
+            self.commit()
+        if time.monotonic() - self.last_live >= min(_LIVE_SECONDS, self.spec.checkpoint_interval):
+            self.write_stats()  # a running job's progress for `status`, between checkpoints
+            self.last_live = time.monotonic()
+        if time.monotonic() - self.last_checkpoint >= self.spec.checkpoint_interval:
+            self.checkpoint()
+            self.last_checkpoint = self.last_live = time.monotonic()
+
+    def _complete(self) -> None:
+        """Every row is done: commit the last part, mark the job complete, drop the in-flight checkpoint."""
+        self.commit()
+        if self.ids is not None:
+            self.ids.commit()
+        self.prep.info.mark_complete()
+        self.state.save_job(self.prep.info)
+        self.state.clear_inflight()
+        self.write_stats()
+
+    def _close(self) -> None:
+        """However the run ends: close the progress and the id index; say which body.model names were
+        ignored."""
+        self.bar.close()
+        if self.ids is not None:
+            self.ids.close()
+        other = sorted(self.models_seen - self.model_names)
+        if other and not self.spec.check_model_name:
+            print(
+                f"batchjob: body.model ignored: the requests name {', '.join(map(repr, other))}, this job "
+                f"runs {model_identity.display_name(self.spec.model)!r} (--check-model-name makes such "
+                "requests errors)",
+                file=sys.stderr,
+            )
 
     def _result(self, status: str) -> JobResult:
         return JobResult(
@@ -599,6 +631,33 @@ class JobLoop:
             self.manifest.errors,
             self.stats.to_json(),
         )
+
+
+def think_tags(spec: JobSpec, tokenizer: Any) -> ReasoningTags | None:
+    """The model's think tags (``--reasoning-tags``, else found in its tokenizer), or None; refuses
+    --max-reasoning-tokens for a model without them."""
+    given = parse_tags(spec.reasoning_tags) if spec.reasoning_tags else None
+    tags = find_tags(tokenizer, given)
+    if tags is None and spec.max_reasoning_tokens is not None:
+        raise ConfigError(
+            "--max-reasoning-tokens needs the model's think tags, and its tokenizer names none: give them "
+            "with --reasoning-tags OPEN,CLOSE"
+        )
+    return tags
+
+
+def part_writer(prep: Prepared, engine: JobEngine, tags: ReasoningTags | None) -> PartWriter:
+    """The run's one part writer: the input's columns, the task's result columns, then the feature columns
+    the job's options (and with ``tags``, the model's thinking) call for."""
+    spec = prep.spec
+    if spec.task == "generate":
+        params = spec.sampling_params(prep.info.job_seed)
+        extra = extra_fields(params, every=spec.per_row_params, reasoning=tags is not None)
+    else:
+        extra = task_extra(spec)
+    return PartWriter(
+        prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result_fields(spec, engine)
+    )
 
 
 def row_request(
@@ -655,14 +714,12 @@ def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> t
     return tuple(EXTRA_FIELDS[n] for n in names)
 
 
-def feature_columns(out: Any, top_k: int | None = None, token_text: Any = None) -> dict[str, Any]:
+def feature_columns(out: RequestOutput, top_k: int | None = None, token_text: Any = None) -> dict[str, Any]:
     """The feature columns of one engine output: ``choice_*`` as ``{label: value}`` (Arrow maps), ``logprobs``
     as a list of per-token structs (``top_k``: the request's K; ``token_text``: a token id's text)."""
-    choice_lp = getattr(out, "choice_logprobs", None)
-    choice_p = getattr(out, "choice_probs", None)
-    logprobs = getattr(out, "logprobs", None)
+    choice_lp, choice_p, logprobs = out.choice_logprobs, out.choice_probs, out.logprobs
     return {
-        "sample_index": getattr(out, "sample_index", 0),
+        "sample_index": out.sample_index,
         "choice_logprobs": None if choice_lp is None else dict(choice_lp),
         "choice_probs": None if choice_p is None else dict(choice_p),
         "logprobs": None

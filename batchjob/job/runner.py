@@ -1,9 +1,8 @@
 """Running a job: prepare it (``prepare.py``), load and check the engine, settle the saved state, then the
 loop (``loop.py``) under the job's own signal handling; checkpoints and parts are ``checkpoint.py``'s.
 
-``run_job`` is the entry point (the CLI's ``run``, each ``--devices`` or Ray worker). The names that used to
-live here (``prepare``, ``row_request``, ...) are imported from their modules, so ``batchjob.job.runner``
-still offers them.
+``run_job`` is the entry point (the CLI's ``run``, each ``--devices`` or Ray worker); ``load_engine`` and
+``check_engine`` (``validate``) load or check the engine a spec asks for, ``prompt_builder`` builds its prompts.
 """
 
 from __future__ import annotations
@@ -13,45 +12,24 @@ from typing import Any
 
 from batchjob import faults, signals
 from batchjob.errors import StateError
-from batchjob.io.writers import EXTRA_FIELDS, PartWriter
+from batchjob.io.writers import EXTRA_FIELDS
 from batchjob.job import model_identity
-from batchjob.job.loop import (  # noqa: F401  (re-exported)
-    EXIT_INTERRUPTED,
-    JobLoop,
-    JobResult,
-    TooManyErrors,
-    extra_fields,
-    feature_columns,
-    model_names,
-    part_prefix,
-    row_request,
-)
+from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.manifest import Manifest
-from batchjob.job.prepare import (  # noqa: F401  (re-exported)
-    Prepared,
-    input_paths,
-    model_fingerprint,
-    prepare,
-    reload,
-)
+from batchjob.job.prepare import Prepared, prepare, reload
 from batchjob.job.prompts import PromptBuilder
+from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
-from batchjob.job.tasks import result_fields, task_extra
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 
 
-def _engine_options(spec: JobSpec) -> dict[str, Any]:
-    """The spec's engine settings, as ``Engine.from_pretrained`` and ``EngineConfig`` name them."""
-    return spec.engine_options()
-
-
-def load_engine(spec: JobSpec) -> Any:
+def load_engine(spec: JobSpec) -> JobEngine:
     from batchjob.engine import Engine
 
     return Engine.from_pretrained(
-        spec.model, trust_remote_code=spec.trust_remote_code, **_engine_options(spec)
+        spec.model, trust_remote_code=spec.trust_remote_code, **spec.engine_options()
     )
 
 
@@ -67,7 +45,7 @@ def check_engine(spec: JobSpec) -> str:
 
     model_config, _ = load_config(spec.model, spec.trust_remote_code)
     check_supported(model_config)
-    config = EngineConfig(**_engine_options(spec))
+    config = EngineConfig(**spec.engine_options())
     device = config.device
     max_len = config.resolve_max_model_len(model_config)
     blocks = config.planned_num_blocks(KVShape.from_config(model_config), max_len)
@@ -83,7 +61,7 @@ def check_engine(spec: JobSpec) -> str:
     )
 
 
-def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> JobResult:
+def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None = None) -> JobResult:
     """Run (or resume) a job to completion. Returns its result; raises BatchjobError for what the user can fix.
 
     SIGTERM and SIGINT stop it cleanly: finished rows are committed, in-flight requests checkpointed, and the
@@ -115,14 +93,8 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             prep = reload(prep)
             _settle_model(prep, engine)
         manifest = Manifest(prep.state.manifest_file)
-        extra = (
-            extra_fields(spec.sampling_params(prep.info.job_seed))
-            if spec.task == "generate"
-            else task_extra(spec)
-        )
-        writer = PartWriter(
-            prep.out_dir, prep.info.schema, part_prefix(prep.shard), extra, result_fields(spec, engine)
-        )
+        tags = think_tags(spec, engine.tokenizer)  # the model's thinking: a reasoning column, two-phase rows
+        writer = part_writer(prep, engine, tags)  # the run's one writer: repairs here, then the loop's parts
         check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))  # one job, one schema
         # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
         # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
@@ -135,7 +107,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
         writer.remove_orphans(manifest.names)
         builder = prompt_builder(spec, plan, engine)
-        loop = JobLoop(prep, engine, builder)
+        loop = JobLoop(prep, engine, builder, writer, tags)
         # While it runs, SIGTERM/SIGINT ask the loop to checkpoint and stop. Before, the command's own
         # handlers apply (signals.py): during start-up a signal exits 75 at once, with nothing to save.
         with signals.handling(loop.on_signal):
@@ -145,7 +117,7 @@ def run_job(spec: JobSpec, engine: Any = None, shard: Shard | None = None) -> Jo
         state.unlock()
 
 
-def prompt_builder(spec: JobSpec, plan: Any, engine: Any) -> PromptBuilder:
+def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:
     """The prompt builder for the job's task: generation checks a prompt against the context; a prefill-only
     task leaves the length to the engine (an error, or cut with --truncate as ``Engine.tokenize`` cuts)."""
     if spec.task == "generate":
@@ -167,7 +139,7 @@ def _restamp(prep: Prepared) -> None:
         prep.state.unlock()
 
 
-def _settle_model(prep: Prepared, engine: Any) -> None:
+def _settle_model(prep: Prepared, engine: JobEngine) -> None:
     """A model named by a hub id that was not on this machine before loading: identify it now, by content."""
     model = prep.info.fingerprint["model"]
     hub_id = model["identity"].get("hub_id") or (prep.model_check and engine.model_id)

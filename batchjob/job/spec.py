@@ -1,7 +1,10 @@
 """A job's specification: every option of ``batchjob run`` in one validated dataclass, and TOML job files.
 
-The engine's options are not declared here: ``EngineConfig`` (``engine/config.py``) declares each one once,
-and ``JobSpec`` gets a field for each (same name, default and check; ``None``: the engine decides).
+Each job option is declared once, as a field of ``JobSpec`` made by ``job_option()`` (``options.py``): its
+name is the TOML key (``max_new_tokens`` or ``max-new-tokens``) and the flag (``--max-new-tokens``), with its
+default, help and check. The engine's options are declared in ``engine/options.py``, and ``JobSpec`` gets a
+field for each (same name, default and check; ``None``: the engine decides). The fields' order is the order
+of ``batchjob run --help``.
 
 A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``, not both);
 options given on the command line override it. Relative ``input`` and ``output`` paths in a job file are
@@ -16,13 +19,15 @@ import dataclasses
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass
 from pathlib import Path
 from typing import Any
 
-from batchjob.engine.options import job_options
+from batchjob.engine.options import Option, job_options
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
+from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
+from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
 
 if sys.version_info >= (3, 11):
@@ -30,73 +35,192 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 FORMAT_CHOICES = ("rows", "openai")
+ENGINE_OPTIONS_BEFORE = "admission"  # the engine's options come just before this job option
 
 
 def _with_engine_options(cls: type) -> type:
-    """Give the (not yet dataclass) ``cls`` a field per engine option jobs have, as ``EngineConfig`` declares
-    it: its job name (``prefix_caching`` for ``enable_prefix_caching``), type, default and declaration."""
+    """Give the (not yet dataclass) ``cls`` a field per engine option jobs have, as ``engine/options.py``
+    declares it: its job name (``prefix_caching`` for ``enable_prefix_caching``), type, default and
+    declaration; placed before the field ``ENGINE_OPTIONS_BEFORE``, as the command line lists them."""
+    own = list(cls.__annotations__.items())
+    at = next(i for i, (name, _) in enumerate(own) if name == ENGINE_OPTIONS_BEFORE)
+    engine = []
     for name, f, opt in job_options():
-        cls.__annotations__[name] = opt.kind.__name__ + (" | None" if f.default is None else "")
-        setattr(cls, name, field(default=f.default, metadata={"option": opt}))
+        engine.append((name, opt.kind.__name__ + (" | None" if f.default is None else "")))
+        setattr(cls, name, dataclasses.field(default=f.default, metadata={"option": opt}))
+    cls.__annotations__.clear()
+    cls.__annotations__.update(own[:at] + engine + own[at:])
     return cls
 
 
 @dataclass
 @_with_engine_options
 class JobSpec:
-    """What to run. Defaults here are the command line's defaults (temperature 0: greedy, reproducible).
+    """What to run: each field is a job option, declared once (``job_option``: default, help, check), and is
+    the same-named key of job files and flag of ``batchjob run``. Temperature defaults to 0: greedy,
+    reproducible.
 
-    Besides the fields below, one per engine option (``EngineConfig``'s, by their job names): ``device``,
-    ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``block_size``, ``kv_memory_gb``, ``num_blocks``,
-    ``max_model_len``, ``gpu_memory_utilization``, ``prefix_caching``, ``num_speculative_tokens``,
-    ``cuda_graphs``, ``compile``.
+    Besides the fields below, one per engine option (``engine/options.py``, by their job names), between
+    ``n`` and ``admission``: ``device``, ``dtype``, ``attention_backend``, ``max_num_batched_tokens``,
+    ``max_num_seqs``, ``block_size``, ``kv_memory_gb``, ``num_blocks``, ``max_model_len``,
+    ``gpu_memory_utilization``, ``prefix_caching``, ``num_speculative_tokens``, ``cuda_graphs``, ``compile``,
+    and the task's: ``task``, ``pooling``, ``normalize``, ``dimensions``, ``truncate``.
     """
 
-    input: list[str] = field(default_factory=list)
-    output: str | None = None
-    # prompt construction: at most one of prompt_column, messages_column, template
-    prompt_column: str | None = None
-    messages_column: str | None = None
-    template: str | None = None
-    system: str | None = None
-    chat: bool | None = None  # None: chat when the tokenizer has a chat template
-    id_column: str | None = None
-    # "rows": each input row is a record with columns; "openai": each line is an OpenAI Batch API request
-    format: str = "rows"
-    params_column: str | None = None  # a column of per-row sampling parameters (JSON object or struct)
-    check_model_name: bool = False  # --format openai: a request whose body.model is not this model fails
-    chat_template_kwargs: dict[str, Any] | str | None = (
-        None  # keyword arguments for the chat template: a JSON object (or its text)
+    # inputs and outputs
+    input: list[str] = job_option(
+        list,
+        "Input file, folder or glob (repeatable): .parquet, .jsonl[.gz|.zst], a datasets.save_to_disk folder, "
+        "or s3:// gs:// hf:// with fsspec installed.",
+        metavar="PATH",
+        multiple=True,
     )
-    reasoning_tags: str | None = None  # "OPEN,CLOSE": the think tags (default: found in the tokenizer)
+    output: str | None = job_option(
+        None, "Output folder: Parquet parts, state under DIR/_batchjob.", metavar="DIR"
+    )
+    # prompt construction: at most one of prompt_column, messages_column, template
+    prompt_column: str | None = job_option(
+        None, "Column whose text is the prompt", default_help="'prompt' or 'text'", metavar="COL"
+    )
+    messages_column: str | None = job_option(None, "Column holding a list of chat messages.", metavar="COL")
+    template: str | None = job_option(
+        None, 'Prompt format string over columns, e.g. "Classify: {review}".', metavar="FMT"
+    )
+    system: str | None = job_option(None, "System message put before each prompt.", metavar="TEXT")
+    chat: bool | None = job_option(
+        None,
+        "Wrap each prompt as a user message in the chat template",
+        default_help="on when the tokenizer has a chat template",
+    )
+    id_column: str | None = job_option(
+        None, "Column of unique row ids", default_help="'<file>:<row>'", metavar="COL"
+    )
+    format: str = job_option(
+        "rows",
+        "rows: each input row is a record with columns; openai: each line is an OpenAI Batch API request "
+        "(custom_id, method, url, body), its body giving the prompt and parameters",
+        choices=FORMAT_CHOICES,
+        check=one_of(FORMAT_CHOICES),
+    )
+    params_column: str | None = job_option(  # per-row sampling parameters (JSON object or struct)
+        None,
+        "Column of per-row sampling parameters: a JSON object (text or struct) such as "
+        '{"max_new_tokens": 3, "temperature": 0.7}; what a row leaves out takes the job\'s options.',
+        metavar="COL",
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = job_option(  # a JSON object (or its text)
+        None,
+        "Keyword arguments for the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3).",
+        metavar="JSON",
+        cli_type=str,
+    )
+    reasoning_tags: str | None = job_option(
+        None,
+        "A reasoning model's think tags; the text between them goes to a reasoning column, the rest is the "
+        "answer",
+        default_help="found in its tokenizer, e.g. <think>,</think>",
+        metavar="OPEN,CLOSE",
+    )
+    max_reasoning_tokens: int | None = job_option(
+        None,
+        "Close the thinking after N tokens; the answer (under --choices / --json-schema / --regex, and "
+        "--max-new-tokens) comes after it.",
+        check=at_least(1),
+        metavar="N",
+    )
+    check_model_name: bool = job_option(
+        False,
+        "--format openai: a request whose body.model is not this job's model becomes an error row",
+        default_help="the name is ignored, with one warning listing the names seen",
+        switch=True,
+    )
     # model
-    model: str | None = None  # None: the embedded default model
-    trust_remote_code: bool = False  # run Python code the model's folder ships (not part of the identity)
-    # sampling
-    max_new_tokens: int = 128
-    temperature: float | None = None  # None: 0 (greedy), or OpenAI's 1 for --format openai
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    model: str | None = job_option(
+        None, "Local model folder or hub id", default_help=f"embedded {DEFAULT_MODEL}"
+    )
+    trust_remote_code: bool = job_option(  # not part of the job's identity
+        False,
+        "Let a model folder run the Python code its config's auto_map names",
+        default_help="off: such a model is refused",
+        switch=True,
+    )
+    # sampling (checked by SamplingParams, like every row's own)
+    max_new_tokens: int = job_option(128, "Tokens to generate per row at most")
+    temperature: float | None = job_option(
+        None, "Sampling temperature; 0 is greedy", default_help="0; with --format openai, OpenAI's 1"
+    )
+    top_p: float = job_option(1.0, "Nucleus sampling threshold in (0, 1]")
+    top_k: int = job_option(0, "Keep the k most likely tokens; 0 keeps all")
+    min_p: float = job_option(0.0, "Drop tokens below min_p x the top probability")
+    seed: int | None = job_option(None, "Sampling seed; each row mixes in its id", default_help="one per job")
+    stop: list[str] = job_option(list, "Stop string (repeatable); the text is cut before it.", multiple=True)
     # constraints and samples
-    choices: list[str] | None = None  # the answer is exactly one of these ("a,b,c" is split at commas)
-    json_schema: str | None = None  # path of a JSON schema file; the answer is JSON valid against it
-    regex: str | None = None  # the answer matches this regular expression
-    logprobs: int | None = None  # top-K log-probabilities of each generated token, in a column
-    n: int = 1  # samples per row: n result rows, each with its sample_index
-    max_reasoning_tokens: int | None = None  # reasoning models: close the thinking after this many tokens
+    choices: list[str] | None = job_option(  # "a,b,c" is split at commas
+        None,
+        "The answer is exactly one of these comma-separated labels (decoded under a token constraint); adds a "
+        "choice_logprobs column: JSON {label: log-probability}.",
+        metavar="A,B,C",
+        cli_type=str,
+    )
+    json_schema: str | None = job_option(  # a path: the schema's content is part of the identity
+        None, "The answer is compact JSON valid against the JSON schema in FILE.", metavar="FILE"
+    )
+    regex: str | None = job_option(None, "The answer matches this regular expression.", metavar="PATTERN")
+    logprobs: int | None = job_option(
+        None,
+        "Add a logprobs column: per generated token, its log-probability and the top-K tokens' (K alone: 0). "
+        "--task score: a token_logprobs column, the log-probability of each scored token.",
+        metavar="[K]",
+        flag_value=0,
+    )
+    score_column: str | None = job_option(
+        None,
+        "--task score: the column whose text is scored, as the prompt's continuation",
+        default_help="the whole prompt is scored",
+        metavar="COL",
+    )
+    n: int = job_option(
+        1,
+        "Samples per row: N result rows with a sample_index column; the prompt is computed once",
+        metavar="N",
+    )
+    # (the engine's options come here)
     # admission (with --admission static, the engine's static_batching)
-    admission: str = "fcfs"  # fcfs | longest-first | shortest-first | static
-    lookahead: int = 512  # rows read ahead to choose from (longest-first, shortest-first)
+    admission: str = job_option(
+        "fcfs",
+        "Order rows enter the engine: input order, longest or shortest prompt first within --lookahead rows, "
+        "or static batches (a baseline)",
+        choices=ADMISSION_CHOICES,
+        check=one_of(ADMISSION_CHOICES),
+    )
+    lookahead: int = job_option(
+        512,
+        "Rows read ahead for longest-first / shortest-first",
+        check=at_least(1, " rows"),
+        metavar="ROWS",
+    )
     # state
-    append: bool = False  # the inputs grew (rows appended, files added): process the new rows
-    checkpoint_interval: float = 30.0  # seconds between in-flight checkpoints
-    max_errors: int | None = None  # stop (exit 1) once this many rows have failed
-    retry_errors: bool = False  # redo committed rows with an error (not part of the job's identity)
-    # --task score: the column whose text is scored after the prompt (conditional); None: the whole prompt
-    score_column: str | None = None
+    append: bool = job_option(
+        False,
+        "The inputs grew since the job ran (rows appended to JSONL files, new files): process the new rows, "
+        "keep what is done. Any other change to the inputs is still refused.",
+        switch=True,
+    )
+    checkpoint_interval: float = job_option(
+        30.0,
+        "Seconds between in-flight checkpoints",
+        check=positive(" seconds"),
+        metavar="SECONDS",
+    )
+    max_errors: int | None = job_option(
+        None, "Stop (exit 1, state saved) once N rows failed.", check=at_least(1), metavar="N"
+    )
+    retry_errors: bool = job_option(  # not part of the job's identity
+        False,
+        "Redo the rows already written with an error (e.g. after raising --num-blocks); the same job, "
+        "resumed, even when it was complete.",
+        switch=True,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
@@ -115,23 +239,15 @@ class JobSpec:
         modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
         if len(modes) > 1:
             raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
-        for name, _, opt in job_options():  # the engine's own checks (engine/config.py)
-            wrong = opt.complaint(name, getattr(self, name))
+        for f, opt in declared():  # each option's own check, the engine's (engine/options.py) included
+            wrong = opt.complaint(f.name, getattr(self, f.name))
             if wrong is not None:
                 raise ConfigError(wrong)
-        if self.admission not in ADMISSION_CHOICES:
-            raise ConfigError(
-                f"admission must be one of {', '.join(ADMISSION_CHOICES)}; got {self.admission!r}"
-            )
         self.template_kwargs = self._template_kwargs()
         if self.reasoning_tags is not None:
             from batchjob.job.reasoning import parse_tags
 
             parse_tags(self.reasoning_tags)
-        if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 1:
-            raise ConfigError(f"max_reasoning_tokens must be >= 1, got {self.max_reasoning_tokens!r}")
-        if self.format not in FORMAT_CHOICES:
-            raise ConfigError(f"format must be one of {', '.join(FORMAT_CHOICES)}; got {self.format!r}")
         if self.format == "openai":
             given = [
                 n
@@ -148,12 +264,6 @@ class JobSpec:
                     "--format openai: the row id is each request's custom_id; leave out --id-column"
                 )
             self.id_column = "custom_id"
-        if self.lookahead < 1:
-            raise ConfigError(f"lookahead must be >= 1 rows, got {self.lookahead!r}")
-        if not self.checkpoint_interval > 0:
-            raise ConfigError(f"checkpoint_interval must be > 0 seconds, got {self.checkpoint_interval!r}")
-        if self.max_errors is not None and self.max_errors < 1:
-            raise ConfigError(f"max_errors must be >= 1, got {self.max_errors!r}")
         self._check_task()
         self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
@@ -393,7 +503,13 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         raise ConfigError(f"{name} must be {'a' if base != 'int' else 'an'} {base}, got {value!r}")
 
 
-FIELD_NAMES = {f.name for f in dataclasses.fields(JobSpec)}
+FIELD_NAMES = {f.name for f in dataclasses.fields(JobSpec)}  # a job file's keys (or with - for _)
+
+
+def declared() -> list[tuple[Field[Any], JobOption | Option]]:
+    """Every option of a job, in order: ``JobSpec``'s fields with their declarations (``JobOption`` for the
+    job's own, ``Option`` for the engine's)."""
+    return [(f, f.metadata.get("job_option") or f.metadata["option"]) for f in dataclasses.fields(JobSpec)]
 
 
 def load_job_file(path: str | Path) -> dict[str, Any]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from batchjob.io.writers import EXTRA_FIELDS
+from batchjob.job.seam import JobEngine
 from batchjob.job.spec import JobSpec
 
 
-def result_fields(spec: JobSpec, engine: Any) -> list[Any]:
+def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
     """The result columns of the job's task for this engine's model (``writers.task_fields``)."""
     from batchjob.io.writers import task_fields
 

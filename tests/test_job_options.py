@@ -1,0 +1,93 @@
+"""The job's own options, declared once (``job/spec.py``, with ``job/options.py``): each is a ``JobSpec``
+field, a job file key and a flag of ``batchjob run`` and ``validate``, whose help shows the declared default."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from batchjob.cli import main
+from batchjob.errors import ConfigError
+from batchjob.job.options import JobOption, shown
+from batchjob.job.spec import JobSpec, declared, load_job_file
+
+OWN = [(f, opt) for f, opt in declared() if isinstance(opt, JobOption)]
+COMMAND_ONLY = {  # each command's own options, which are not a job's
+    "run": {"job_file", "num_shards", "shard_index", "devices", "ray_address"},
+    "validate": {"job_file", "num_shards", "shard_index", "estimate", "estimate_rows"},
+}
+
+
+def _sample(f: dataclasses.Field) -> str:
+    """A TOML value of the field's type."""
+    kind = str(f.type)
+    if kind.startswith("list"):
+        return '["a"]'
+    return {"int": "3", "float": "1.5", "bool": "true"}.get(kind.split(" ")[0], '"x"')
+
+
+def test_every_field_of_a_job_is_declared():
+    assert len(OWN) > 30 and {f.name for f, _ in declared()} == {f.name for f in dataclasses.fields(JobSpec)}
+    for f, opt in OWN:
+        assert "default" not in opt.help, f"{f.name}: the help restates a default by hand"
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_each_option_is_one_flag_with_its_default_in_the_help(command):
+    params = main.commands[command].params
+    flags = [o for p in params for o in p.opts]
+    assert {p.name for p in params} == {f.name for f, _ in declared()} | COMMAND_ONLY[command]
+    by_name = {p.name: p for p in params}
+    for f, opt in OWN:
+        flag = "--" + f.name.replace("_", "-")
+        assert flags.count(flag) == 1, (command, flag)
+        param = by_name[f.name]
+        assert param.opts == [flag] and param.default is None  # left out: the job file's, else the default
+        default = opt.default_help
+        if default is None and f.default not in (dataclasses.MISSING, None) and f.default is not False:
+            default = shown(f.default)
+        if default is not None:
+            assert param.help.endswith(f"(default: {default})."), (f.name, param.help)
+        else:
+            assert "default" not in param.help, (f.name, param.help)
+    helps = {f.name: by_name[f.name].help for f, _ in OWN}
+    assert helps["max_new_tokens"] == "Tokens to generate per row at most (default: 128)."
+    assert helps["checkpoint_interval"].endswith("(default: 30).")  # 30.0 shown as written
+    assert helps["top_k"].endswith("(default: 0).")  # a default of 0 is shown, not taken for "none"
+    assert helps["model"].endswith("(default: embedded SmolLM2-135M-Instruct).")
+    assert by_name["chat"].secondary_opts == ["--no-chat"] and by_name["append"].is_flag
+
+
+def test_each_option_is_one_job_file_key(tmp_path):
+    for f, _ in OWN:
+        for key in (f.name, f.name.replace("_", "-")):
+            path = tmp_path / "job.toml"
+            path.write_text(f"{key} = {_sample(f)}\n")
+            assert set(load_job_file(path)) == {f.name}, key
+        if "_" in f.name:
+            path.write_text(f"{f.name} = {_sample(f)}\n{f.name.replace('_', '-')} = {_sample(f)}\n")
+            with pytest.raises(ConfigError, match="are the same field; keep only one of them"):
+                load_job_file(path)
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"lookahead": 0}, "lookahead must be >= 1 rows, got 0"),
+        ({"checkpoint_interval": 0}, "checkpoint_interval must be > 0 seconds, got 0.0"),
+        ({"checkpoint_interval": "inf"}, "checkpoint_interval must be a float, got 'inf'"),
+        ({"max_errors": 0}, "max_errors must be >= 1, got 0"),
+        ({"max_reasoning_tokens": 0}, "max_reasoning_tokens must be >= 1, got 0"),
+        (
+            {"admission": "lifo"},
+            "admission must be one of fcfs, longest-first, shortest-first, static; got 'lifo'",
+        ),
+        ({"format": "csv"}, "format must be one of rows, openai; got 'csv'"),
+        ({"n": "2"}, "n must be an int, got '2'"),
+    ],
+)
+def test_the_declared_checks_keep_their_messages(given, message):
+    with pytest.raises(ConfigError) as e:
+        JobSpec(**given)
+    assert str(e.value) == message
