@@ -405,6 +405,12 @@ class Engine:
             states.append(RequestState(r.group_id, r.prompt_ids, list(output), r.params, r.sample_index))
         return states
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if it has any (at exit this happens by itself);
+        the engine cannot step afterwards. Nothing to do for a single-process engine."""
+        if self.runner.tensor_parallel is not None:
+            self.runner.tensor_parallel.close()
+
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt prefixes, so the next requests compute every token (e.g. to time a
         workload a second time). Only on an idle engine."""

@@ -53,6 +53,7 @@ def load_engine(engine_cls, model: str | None, config, options: dict[str, Any], 
     try:
         hf_model, tokenizer, resolved = load_model(model, config, trust_remote_code, group)
         group.wait_ready()
+        group.connect()
         return engine_cls(hf_model, tokenizer, config, model_id=resolved, tensor_parallel=group)
     except BaseException:
         group.close(force=True)

@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
         config = EngineConfig(**dict(spec["options"], device=spec["device"]))
         hf_model, tokenizer, resolved = load_model(spec["model"], config, spec["trust_remote_code"], group)
         group.ready()
+        group.connect()
         engine = Engine(hf_model, tokenizer, config, model_id=resolved, tensor_parallel=group)
         while True:
             kind, lay = group.receive_step()

@@ -17,6 +17,7 @@ after saving its state) and is killed by the kernel if rank 0 dies.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -102,44 +103,53 @@ class Group:
 
     @classmethod
     def start(cls, size: int, device: torch.device, follower_spec: dict[str, Any]) -> Group:
-        """Rank 0: start ranks 1..size-1 on this node and form the group with them."""
+        """Rank 0: start ranks 1..size-1 on this node (they load their shards while rank 0 loads its own;
+        then :meth:`wait_ready` and :meth:`connect`)."""
+        if dist.is_initialized():
+            raise ConfigError(
+                "this process already runs a tensor-parallel engine (or another torch.distributed group); "
+                "close it first (engine.close()): one per process"
+            )
         devices = rank_devices(device, size)
         port = _free_port()
         group = cls(0, size, devices[0], _timeout())
+        atexit.register(group.close)
+        group.store = dist.TCPStore(
+            "127.0.0.1", port, size, True, timeout=_FOLLOWER_WAIT, wait_for_workers=False
+        )
         for r in range(1, size):
             spec = dict(follower_spec, rank=r, size=size, port=port, device=str(devices[r]))
             cmd = [sys.executable, "-m", "batchjob.engine.parallel.follower", json.dumps(spec)]
             group.procs.append(subprocess.Popen(cmd, preexec_fn=_follower_preexec))
-        atexit.register(group.close)
-        group._join(port, is_master=True)
         return group
 
     @classmethod
     def join(cls, spec: dict[str, Any]) -> Group:
-        """Ranks 1..N-1: join rank 0's group."""
+        """Ranks 1..N-1: reach rank 0's store (the collectives start with :meth:`connect`)."""
         group = cls(spec["rank"], spec["size"], torch.device(spec["device"]), _FOLLOWER_WAIT.total_seconds())
-        group._join(spec["port"], is_master=False)
+        group.store = dist.TCPStore("127.0.0.1", spec["port"], group.size, False, timeout=_FOLLOWER_WAIT)
         return group
-
-    def _join(self, port: int, is_master: bool) -> None:
-        wait = timedelta(seconds=self.timeout)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.store = dist.TCPStore("127.0.0.1", port, self.size, is_master, timeout=wait)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=self.size, timeout=wait)
 
     def ready(self) -> None:
         """A follower: its shard is loaded."""
         self.store.set(f"ready{self.rank}", "1")
 
     def wait_ready(self) -> None:
-        """Rank 0: wait while the other ranks load their shards (as long as it takes), stopping at once with
-        the rank's name if one of them exits instead."""
+        """Rank 0: wait while the other ranks start and load their shards (as long as it takes), stopping at
+        once with the rank's name if one of them exits instead."""
         keys = [f"ready{r}" for r in range(1, self.size)]
         while not self.store.check(keys):
-            self._check_alive("while loading its shard of the model")
+            self._check_alive("while starting or loading its shard of the model")
             time.sleep(0.1)
+
+    def connect(self) -> None:
+        """Every rank, its shard loaded: form the process group (rank 0's collectives time out after
+        ``BATCHJOB_TP_TIMEOUT``)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        wait = timedelta(seconds=self.timeout)
+        dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=self.size, timeout=wait)
 
     # -- collectives ---------------------------------------------------------------------------------
 
@@ -235,7 +245,7 @@ class Group:
         if self.closed or self.rank != 0:
             return
         self.closed = True
-        if not force and not self._dead():
+        if not force and not self._dead() and dist.is_initialized():
             try:
                 dist.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=self.device), 0)
             except RuntimeError:
@@ -246,8 +256,9 @@ class Group:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if dist.is_initialized() and not force:
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            with contextlib.suppress(RuntimeError):  # a broken group: nothing more to release
+                dist.destroy_process_group()
 
     def stats(self) -> dict[str, float]:
         return {

@@ -28,7 +28,8 @@ import torch
 
 from batchjob.errors import ConfigError
 
-KINDS = {"colwise", "rowwise", "packed_colwise", "moe_tp_experts"}
+# "replicated_with_grad_allreduce" (Qwen3's per-head q/k norms) matters for training only: kept whole here.
+KINDS = {"colwise", "rowwise", "packed_colwise", "moe_tp_experts", "replicated_with_grad_allreduce"}
 # Qwen2-MoE's shared expert, outside transformers' plan, split the same way (see the module docstring).
 EXTRA_PLAN = {
     "layers.*.mlp.shared_expert.gate_proj": "colwise",
@@ -104,7 +105,7 @@ def shard_model(model: torch.nn.Module, rank: int, n: int, all_reduce: AllReduce
     with torch.no_grad():
         for path, module in model.base_model.named_modules():
             kind = _matches(plan, path)
-            if kind is None:
+            if kind is None or kind == "replicated_with_grad_allreduce":
                 continue
             if isinstance(module, torch.nn.Linear):
                 if kind == "colwise":
