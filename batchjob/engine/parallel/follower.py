@@ -15,6 +15,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     rank = spec["rank"]
     try:
+        from batchjob import faults
         from batchjob.engine.config import EngineConfig
         from batchjob.engine.engine import Engine
         from batchjob.engine.parallel import load_model
@@ -26,10 +27,13 @@ def main(argv: list[str]) -> int:
         group.ready()
         group.connect()
         engine = Engine(hf_model, tokenizer, config, model_id=resolved, tensor_parallel=group)
+        steps = 0
         while True:
             kind, lay = group.receive_step()
             if kind == STOP:
                 return 0
+            steps += 1
+            faults.point(f"tp_rank{rank}_step{steps}")  # a test stops (or kills) a rank mid-job here
             engine.runner.run_layout(kind, lay)
     except Exception as e:  # noqa: BLE001 - one line on stderr; rank 0 names this rank and stops the job
         print(f"batchjob: tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
