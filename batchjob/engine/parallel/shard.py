@@ -152,3 +152,20 @@ def _shard_experts(module: torch.nn.Module, path: str, plan: dict[str, str], ran
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, getattr(module, attr) // n)
+
+
+def bytes_per_rank(model: torch.nn.Module, n: int) -> tuple[int, int]:
+    """What one of ``n`` ranks holds of ``model``'s weights under its plan, without loading anything (a model
+    on the meta device will do): (bytes of the split tensors' shares, bytes of the tensors kept whole)."""
+    plan = plan_of(model.config)
+    split = whole = 0
+    for path, param in model.named_parameters():
+        inner = path.split(".", 1)[1] if path.startswith(model.base_model_prefix + ".") else path
+        module_path, _, name = inner.rpartition(".")
+        kind = _matches(plan, inner) or _matches(plan, module_path)
+        size = param.numel() * param.element_size()
+        if kind in ("colwise", "rowwise", "packed_colwise") and not (kind == "rowwise" and name == "bias"):
+            split += size // n
+        else:
+            whole += size
+    return split, whole
