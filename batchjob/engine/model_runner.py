@@ -20,6 +20,7 @@ from batchjob.engine import attention, cpu, tasks
 from batchjob.engine.attention import AttentionBackend, AttentionMetadata, Packer, StepLayout
 from batchjob.engine.attention.layout import ramps
 from batchjob.engine.attention.registry import backend_class, choose_attention
+from batchjob.engine.config import KVShape
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
 from batchjob.engine.parallel.group import HIDDEN, LOGITS
 from batchjob.engine.request import Request
@@ -120,8 +121,12 @@ class ModelRunner:
         """A backend over this runner's cache, unchecked: :func:`choose_attention` has checked the one the
         runner starts with (tests and ``examples/attention_ab.py`` swap ``self.attention`` for another)."""
         heads = self.model.config.get_text_config().num_attention_heads
-        if self.tensor_parallel is not None:  # this rank's shard of the query heads
-            heads //= self.tensor_parallel.size
+        if (
+            self.kv_caches
+        ):  # a tensor-parallel rank's cache holds 1/N of the KV heads: it has 1/N of the queries
+            heads = (
+                heads * self.kv_caches[0][0].shape[2] // KVShape.from_config(self.model.config).num_kv_heads
+            )
         backend = backend_class(name)(self.kv_caches, self.block_size, self.device, heads, self._max_rows)
         backend.causal = self.causal
         return backend
