@@ -145,3 +145,22 @@ def test_families_without_a_plan_or_divisible_heads_are_refused_by_name(tiny_mod
     with pytest.raises(ConfigError, match=r"'gpt2' has no tensor-parallel plan"):
         Engine.from_pretrained(str(tiny_model_dirs["gpt2"]), tensor_parallel_size=2, device="cpu")
     assert not dist.is_initialized()
+
+
+def test_the_command_line_refuses_before_work(tiny_model_dirs, tmp_path):
+    """``validate`` and ``run`` with a family that has no plan: exit 2, the family named, no traceback."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["--input", str(data), "--output", str(tmp_path / "out"), "--model", str(tiny_model_dirs["gpt2"])]
+    args += ["--tensor-parallel-size", "2", "--device", "cpu"]
+    for command in ("validate", "run"):
+        result = CliRunner().invoke(main, [command, *args])
+        assert result.exit_code == 2, result.output
+        assert "'gpt2' has no tensor-parallel plan" in result.output
+        assert "Traceback" not in result.output
+    assert not list((tmp_path / "out").glob("*.parquet"))
+    assert not dist.is_initialized()
