@@ -115,6 +115,8 @@ def test_a_killed_rank_stops_the_step_with_its_name(tp_dirs):
         _greedy(tp)
     assert time.monotonic() - t0 < 15
     assert not dist.is_initialized()  # a new engine can start in this process
+    with pytest.raises(ConfigError, match="one rank's shard of a tensor-parallel engine"):
+        Engine(tp.model, tp.tokenizer, tp.config)  # (as --estimate's calibration would)
 
 
 def test_a_hung_rank_is_caught_by_the_timeout(tp_dirs, monkeypatch):

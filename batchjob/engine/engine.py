@@ -119,6 +119,11 @@ class Engine:
         """``tensor_parallel``: this rank's :class:`~batchjob.engine.parallel.group.Group` when ``model`` is
         its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it)."""
         check_supported(model.config, model)  # a model our attention would answer wrongly, refused by name
+        if getattr(model, "_batchjob_tp_shard", None) is not None and tensor_parallel is None:
+            raise ConfigError(
+                "this model is one rank's shard of a tensor-parallel engine: it runs only in that engine "
+                "(a second engine over it, e.g. --estimate's calibration, needs --tensor-parallel-size 1)"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

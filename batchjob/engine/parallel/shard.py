@@ -96,6 +96,7 @@ def shard_model(model: torch.nn.Module, rank: int, n: int, all_reduce: AllReduce
     were split. Row-parallel outputs get ``all_reduce`` as a forward hook."""
     plan = plan_of(model.config)
     count = 0
+    model._batchjob_tp_shard = (rank, n)  # (Engine refuses a shard outside its tensor-parallel engine)
 
     def reduce_output(module, args, output):
         out = output[0] if isinstance(output, tuple) else output
