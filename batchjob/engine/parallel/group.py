@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -76,14 +77,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower_preexec() -> None:
-    """In a follower before exec: killed with its rank 0; deaf to SIGTERM/SIGINT (rank 0 stops it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _follower_preexec() -> Callable[[], None]:
+    """A ``preexec_fn`` for a follower: killed with its rank 0; deaf to SIGTERM/SIGINT (rank 0 stops it).
+    prctl is looked up here, in the parent: the child between fork and exec only calls it."""
+    prctl = None
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        with contextlib.suppress(OSError, AttributeError):
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if prctl is not None:
+            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    return preexec
 
 
 class Group:
@@ -120,7 +130,7 @@ class Group:
         for r in range(1, size):
             spec = dict(follower_spec, rank=r, size=size, port=port, device=str(devices[r]))
             cmd = [sys.executable, "-m", "batchjob.engine.parallel.follower", json.dumps(spec)]
-            group.procs.append(subprocess.Popen(cmd, preexec_fn=_follower_preexec))
+            group.procs.append(subprocess.Popen(cmd, preexec_fn=_follower_preexec()))
         return group
 
     @classmethod
