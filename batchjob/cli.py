@@ -221,7 +221,14 @@ def _launch(
     import os
 
     from batchjob.errors import ConfigError
-    from batchjob.job.launch import parse_devices, run_devices, run_ray, saved_num_shards, worst_exit
+    from batchjob.job.launch import (
+        parse_devices,
+        run_devices,
+        run_ray,
+        saved_num_shards,
+        worker_devices,
+        worst_exit,
+    )
     from batchjob.job.prepare import prepare
     from batchjob.job.shard import detect_shard
 
@@ -238,9 +245,10 @@ def _launch(
     else:
         device_list = parse_devices(devices or "")
         outer = detect_shard(os.environ, num_shards, shard_index)
-        n = len(device_list)
+        ranks = spec.tensor_parallel_size or 1  # each worker takes that many devices
+        n = len(worker_devices(device_list, ranks))
         prepare(spec, shard=detect_shard({}, outer.count * n, outer.index * n))  # fail early, once
-        codes = run_devices(device_list, outer, _worker_args(ctx))
+        codes = run_devices(device_list, outer, _worker_args(ctx), ranks)
     return worst_exit(codes)
 
 

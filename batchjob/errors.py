@@ -36,3 +36,9 @@ class StateError(BatchjobError):
     """The job's saved state is corrupt, torn, or belongs to a different job."""
 
     exit_code = 1
+
+
+class RankError(BatchjobError):
+    """A tensor-parallel rank died or stopped answering: the step cannot finish; the job stops (resumable)."""
+
+    exit_code = 1

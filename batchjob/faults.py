@@ -9,7 +9,8 @@ reached and cost nothing when unset.
   to parse its options), ``before_model_load`` and ``during_model_load`` (``run_job``, the state folder
   locked), ``loop_started`` (the job loop's own handlers are in place), ``launch`` (the ``--devices``
   launcher, before it starts a worker), ``worker_started`` (the launcher, after starting its first worker),
-  ``part_committed`` (the job loop, after a part is listed in the manifest). And ``finalizing``: the command
+  ``part_committed`` (the job loop, after a part is listed in the manifest), ``tp_rank<r>_step<n>``
+  (tensor-parallel rank r > 0, before the forward of its n-th step; it ignores SIGTERM otherwise). And ``finalizing``: the command
   is over and the interpreter shutting down (its signal handlers gone); the process announces it and waits
   for a line on stdin instead (``at_exit``).
 - ``BATCHJOB_FAULT_KILL=<point>``: at that point the process dies as if killed (exit 137, nothing flushed or

@@ -99,6 +99,8 @@ class EngineConfig(EngineOptions):
             ).block_size
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
+        if self.tensor_parallel_size > 1:
+            self.cuda_graphs = False  # decode graphs would have to capture the ranks' collectives
 
     def resolve_max_model_len(self, model_config) -> int:
         """The context the engine accepts: ``max_model_len``, which may only shorten the model's own."""

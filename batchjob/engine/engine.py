@@ -26,6 +26,7 @@ blocks, the model and the device, and nothing about rows or jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -97,8 +98,17 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, model_id: str = "") -> None:
+    def __init__(
+        self, model, tokenizer, config: EngineConfig, model_id: str = "", *, tensor_parallel=None
+    ) -> None:
+        """``tensor_parallel``: this rank's :class:`~batchjob.engine.parallel.group.Group` when ``model`` is
+        its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it)."""
         check_supported(model.config, model)  # a model our attention would answer wrongly, refused by name
+        if getattr(model, "_batchjob_tp_shard", None) is not None and tensor_parallel is None:
+            raise ConfigError(
+                "this model is one rank's shard of a tensor-parallel engine: it runs only in that engine "
+                "(a second engine over it, e.g. --estimate's calibration, needs --tensor-parallel-size 1)"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -121,8 +131,12 @@ class Engine:
             self.tasks, self.prefill_limit = tasks.task_runner(model, tokenizer, config, model_id, encoder)
 
         shape = KVShape.from_config(model.config)
+        if tensor_parallel is not None:  # each rank caches its own KV heads
+            shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // tensor_parallel.size)
         longest = self.prefill_limit if self.tasks is not None else self.max_model_len  # one request's tokens
         num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
+        if tensor_parallel is not None:  # the same pool on every rank: the smallest any of them holds
+            num_blocks = tensor_parallel.agree_min(num_blocks)
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
             config.check_kv_fits(num_blocks, longest)
         # An encoder's keys depend on the whole row: nothing of it can be reused by another. Embeddings and
@@ -154,6 +168,7 @@ class Engine:
             compile_model=config.compile,
             attention_backend=config.attention_backend,
             platform=self.platform,
+            tensor_parallel=tensor_parallel,
         )
         budget = config.max_num_batched_tokens
         self.scheduler = Scheduler(
@@ -190,6 +205,10 @@ class Engine:
         without it such a model is refused (transformers is never left to ask on stdin).
         """
         config = EngineConfig(**options)
+        if config.tensor_parallel_size > 1:
+            from batchjob.engine import parallel
+
+            return parallel.load_engine(cls, model, config, options, trust_remote_code)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )
@@ -358,6 +377,12 @@ class Engine:
             output = logprobs.output_to_resume(r)
             states.append(RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index))
         return states
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if it has any (at exit this happens by itself);
+        the engine cannot step afterwards. Nothing to do for a single-process engine."""
+        if self.runner.tensor_parallel is not None:
+            self.runner.tensor_parallel.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt prefixes, so the next requests compute every token (e.g. to time a

@@ -20,7 +20,9 @@ from batchjob.engine import attention, cpu, tasks
 from batchjob.engine.attention import AttentionBackend, AttentionMetadata, Packer, StepLayout
 from batchjob.engine.attention.layout import ramps
 from batchjob.engine.attention.registry import backend_class, choose_attention
+from batchjob.engine.config import KVShape
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
+from batchjob.engine.parallel.group import HIDDEN, LOGITS
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.support import attention_features
@@ -79,8 +81,11 @@ class ModelRunner:
         compile_model: bool = False,
         attention_backend: str | None = None,
         platform: cpu.Platform | None = None,
+        tensor_parallel=None,
     ) -> None:
         self.model = model
+        # Under tensor parallelism (engine/parallel/): this rank's group; rank 0 sends it each step's layout.
+        self.tensor_parallel = tensor_parallel
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -116,6 +121,12 @@ class ModelRunner:
         """A backend over this runner's cache, unchecked: :func:`choose_attention` has checked the one the
         runner starts with (tests and ``examples/attention_ab.py`` swap ``self.attention`` for another)."""
         heads = self.model.config.get_text_config().num_attention_heads
+        if (
+            self.kv_caches
+        ):  # a tensor-parallel rank's cache holds 1/N of the KV heads: it has 1/N of the queries
+            heads = (
+                heads * self.kv_caches[0][0].shape[2] // KVShape.from_config(self.model.config).num_kv_heads
+            )
         backend = backend_class(name)(self.kv_caches, self.block_size, self.device, heads, self._max_rows)
         backend.causal = self.causal
         return backend
@@ -162,9 +173,11 @@ class ModelRunner:
             sample_rows,
         )
 
-    def _prepare(self, plan: SchedulerOutput, lay: StepLayout | None = None):
+    def _prepare(self, plan: SchedulerOutput | None, lay: StepLayout | None = None):
         """The step's input ids, positions, attention metadata and sampled rows, on the device (one copy)."""
-        lay = lay or self._layout(plan)
+        if lay is None:
+            assert plan is not None
+            lay = self._layout(plan)
         pk = Packer()
         h_ids, h_pos, h_slots, h_sample = (
             pk.add(lay.ids),
@@ -214,7 +227,11 @@ class ModelRunner:
         """Run the plan through the model's body (``base_model``: no head); returns the last hidden states
         [T, H] of every packed row, and the step's layout (the prefill-only tasks, engine/tasks.py)."""
         lay = self._layout(plan)
-        input_ids, position_ids, meta, _ = self._prepare(plan, lay)
+        self._share(HIDDEN, lay)
+        return self._hidden(lay), lay
+
+    def _hidden(self, lay: StepLayout) -> torch.Tensor:
+        input_ids, position_ids, meta, _ = self._prepare(None, lay)
         t0 = time.perf_counter()
         if self.position_offset:
             position_ids = position_ids + self.position_offset
@@ -234,12 +251,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
-        return hidden, lay
+        return hidden
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Run the plan; returns logits [R, V] for the requests that sample, and those requests in order."""
         lay = self._layout(plan)
+        self._share(LOGITS, lay)
+        logits = self._logits(lay)
+        sampling = [r for r, m in zip(plan.requests, lay.sample_mask.tolist(), strict=True) if m]
+        return logits, sampling
+
+    def _logits(self, lay: StepLayout) -> torch.Tensor:
         logits = None
         if self.graphs is not None and lay.decode_like:
             t0 = time.perf_counter()
@@ -247,7 +270,7 @@ class ModelRunner:
             if logits is not None and len(lay.sample_rows) < len(lay.ids):
                 logits = logits.index_select(0, torch.from_numpy(lay.sample_rows).to(self.device))
         if logits is None:
-            input_ids, position_ids, meta, sample_rows = self._prepare(plan, lay)
+            input_ids, position_ids, meta, sample_rows = self._prepare(None, lay)
             t0 = time.perf_counter()
             out = self.call_model(
                 input_ids=input_ids,
@@ -260,5 +283,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
-        sampling = [r for r, m in zip(plan.requests, lay.sample_mask.tolist(), strict=True) if m]
-        return logits, sampling
+        return logits
+
+    # -- tensor parallelism: every forward of a step runs on every rank ---------------------------------
+
+    def _share(self, kind: int, lay: StepLayout) -> None:
+        """Rank 0: send the step's layout to the other ranks before its forward (nothing without TP)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_step(kind, lay)
+
+    @torch.inference_mode()
+    def run_layout(self, kind: int, lay: StepLayout) -> None:
+        """Another rank: run the forward rank 0 announced (its outputs are rank 0's to use)."""
+        if kind == HIDDEN:
+            self._hidden(lay)
+        else:
+            self._logits(lay)

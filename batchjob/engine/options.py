@@ -229,6 +229,15 @@ class EngineOptions:
         "Run the model under torch.compile (compiles on first use; default: off).",
         check=_flag,
     )
+    tensor_parallel_size: int = option(
+        1,
+        int,
+        "Split the model across N ranks on this node (tensor parallelism: each holds 1/N of the weights and "
+        "of the KV heads; CUDA devices from --device's on, or N CPU processes), for a model larger than one "
+        "device. The family needs a tensor-parallel plan and head counts divisible by N (default: 1).",
+        check=integer(1),
+        metavar="N",
+    )
     # The task (engine/tasks.py) and its options: jobs take them (``batchjob run --task``, JobSpec checks
     # which make sense for which task).
     task: str = option(

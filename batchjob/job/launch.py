@@ -43,6 +43,17 @@ def parse_devices(value: str) -> list[str]:
     return devices
 
 
+def worker_devices(devices: list[str], ranks: int) -> list[list[str]]:
+    """The devices of each worker: ``ranks`` consecutive devices per worker (its tensor-parallel ranks;
+    one device each without tensor parallelism)."""
+    if len(devices) % ranks:
+        raise ConfigError(
+            f"--devices lists {len(devices)} devices, not a multiple of --tensor-parallel-size {ranks}: each "
+            f"worker takes {ranks} of them"
+        )
+    return [devices[i : i + ranks] for i in range(0, len(devices), ranks)]
+
+
 class _Forward:
     """While the workers start and run, a SIGTERM/SIGINT to the launcher goes to each of them (once), and no
     further worker is started (``handle`` is the launcher's handler, under ``signals.handling``)."""
@@ -67,8 +78,10 @@ class _Forward:
                 self._sent.add(p.pid)
 
 
-def run_devices(devices: list[str], outer: Shard, worker_args: list[str]) -> list[int]:
-    """One ``batchjob run`` process per device; returns their exit codes.
+def run_devices(devices: list[str], outer: Shard, worker_args: list[str], ranks: int = 1) -> list[int]:
+    """One ``batchjob run`` process per device (per ``ranks`` devices with tensor parallelism: the worker
+    runs on the first and starts its other ranks on the rest, ``BATCHJOB_TP_DEVICES``); returns their exit
+    codes.
 
     Worker ``p`` on device ``devices[p]`` runs shard ``outer.index * D + p`` of ``outer.count * D``, so
     ``--devices`` also composes with a Slurm array or explicit shard flags (each array task runs D workers).
@@ -78,20 +91,26 @@ def run_devices(devices: list[str], outer: Shard, worker_args: list[str]) -> lis
     """
     from batchjob import faults
 
-    n = len(devices)
+    groups = worker_devices(devices, ranks)
+    n = len(groups)
     procs: list[subprocess.Popen[bytes]] = []
-    labels = [f"{Shard(outer.index * n + pos, outer.count * n)} on {d}" for pos, d in enumerate(devices)]
+    labels = [
+        f"{Shard(outer.index * n + pos, outer.count * n)} on {','.join(g)}" for pos, g in enumerate(groups)
+    ]
     env = dict(os.environ, **{signals.PARENT_ENV: str(os.getpid())})
     faults.point("launch")
     fwd = _Forward(procs)
     with signals.handling(fwd.handle):
-        for pos, device in enumerate(devices):
+        for pos, group in enumerate(groups):
             if fwd.signum is not None:
                 break
             shard = Shard(outer.index * n + pos, outer.count * n)
-            cmd = [sys.executable, "-m", "batchjob", "run", *worker_args, "--device", device]
+            cmd = [sys.executable, "-m", "batchjob", "run", *worker_args, "--device", group[0]]
             cmd += ["--num-shards", str(shard.count), "--shard-index", str(shard.index)]
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=signals.worker_preexec()))
+            ranks_env = {"BATCHJOB_TP_DEVICES": ",".join(group)} if ranks > 1 else {}
+            procs.append(
+                subprocess.Popen(cmd, env=dict(env, **ranks_env), preexec_fn=signals.worker_preexec())
+            )
             fwd.forward()
             if pos == 0:
                 faults.point("worker_started")

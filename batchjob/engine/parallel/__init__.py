@@ -1,0 +1,60 @@
+"""Tensor parallelism on one node: one engine whose forward runs on N ranks, each with 1/N of the weights.
+
+``Engine.from_pretrained(..., tensor_parallel_size=N)`` (``--tensor-parallel-size N``) goes through
+:func:`load_engine`: the family's plan is checked from its config first (shard.py refuses what it cannot
+split, by name), then rank 0 starts the other ranks (group.py), every rank loads the model and keeps its
+shard, and rank 0's engine is returned. Everything above the forward (scheduler, KV block allocation,
+sampling, checkpoints) runs on rank 0 only; the other ranks replay its steps (follower.py).
+
+Limitation: each rank reads the whole checkpoint before keeping its shard, so loading needs one model's
+memory per rank for a moment (the sharded weights and the KV pool are what stays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchjob.engine.parallel.shard import check_shardable, plan_of
+
+__all__ = ["check_shardable", "load_engine", "plan_of"]
+
+
+def _plain(options: dict[str, Any]) -> dict[str, Any]:
+    """Options a follower can read from JSON (a torch.device or dtype as its name)."""
+    out = {}
+    for k, v in options.items():
+        if type(v).__module__.split(".")[0] == "torch":
+            v = str(v).removeprefix("torch.")
+        out[k] = v
+    return out
+
+
+def load_model(model: str | None, config, trust_remote_code: bool, group) -> tuple[Any, Any, str]:
+    """Load the model on this rank's device and keep this rank's shard."""
+    from batchjob.engine.parallel.shard import shard_model
+    from batchjob.models import load_model_and_tokenizer
+
+    hf_model, tokenizer, resolved = load_model_and_tokenizer(
+        model, config.dtype, group.device, trust_remote_code=trust_remote_code, task=config.task
+    )
+    shard_model(hf_model, group.rank, group.size, group.all_reduce)
+    return hf_model, tokenizer, resolved
+
+
+def load_engine(engine_cls, model: str | None, config, options: dict[str, Any], trust_remote_code: bool):
+    """Rank 0's engine over ``config.tensor_parallel_size`` ranks (the others started here)."""
+    from batchjob.engine.parallel.group import Group
+    from batchjob.models import load_config
+
+    model_config, _ = load_config(model, trust_remote_code)
+    check_shardable(model_config, config.tensor_parallel_size)
+    spec = {"model": model, "options": _plain(options), "trust_remote_code": trust_remote_code}
+    group = Group.start(config.tensor_parallel_size, config.device, spec)
+    try:
+        hf_model, tokenizer, resolved = load_model(model, config, trust_remote_code, group)
+        group.wait_ready()
+        group.connect()
+        return engine_cls(hf_model, tokenizer, config, model_id=resolved, tensor_parallel=group)
+    except BaseException:
+        group.close(force=True)
+        raise
