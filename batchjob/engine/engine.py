@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from batchjob.engine import cpu, logprobs, speculative, tasks
+from batchjob.engine import cpu, logprobs, parallel, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.choices import ChoiceScores
 from batchjob.engine.config import EngineConfig
@@ -206,8 +206,6 @@ class Engine:
         """
         config = EngineConfig(**options)
         if config.tensor_parallel_size > 1:
-            from batchjob.engine import parallel
-
             return parallel.load_engine(cls, model, config, options, trust_remote_code)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchjob.engine.parallel.shard import check_shardable, plan_of
+from batchjob.engine.parallel.group import Group
+from batchjob.engine.parallel.shard import check_shardable, plan_of, shard_model
+from batchjob.models import load_config, load_model_and_tokenizer
 
 __all__ = ["check_shardable", "load_engine", "plan_of"]
 
@@ -31,9 +33,6 @@ def _plain(options: dict[str, Any]) -> dict[str, Any]:
 
 def load_model(model: str | None, config, trust_remote_code: bool, group) -> tuple[Any, Any, str]:
     """Load the model on this rank's device and keep this rank's shard."""
-    from batchjob.engine.parallel.shard import shard_model
-    from batchjob.models import load_model_and_tokenizer
-
     hf_model, tokenizer, resolved = load_model_and_tokenizer(
         model, config.dtype, group.device, trust_remote_code=trust_remote_code, task=config.task
     )
@@ -43,9 +42,6 @@ def load_model(model: str | None, config, trust_remote_code: bool, group) -> tup
 
 def load_engine(engine_cls, model: str | None, config, options: dict[str, Any], trust_remote_code: bool):
     """Rank 0's engine over ``config.tensor_parallel_size`` ranks (the others started here)."""
-    from batchjob.engine.parallel.group import Group
-    from batchjob.models import load_config
-
     model_config, _ = load_config(model, trust_remote_code)
     check_shardable(model_config, config.tensor_parallel_size)
     spec = {"model": model, "options": _plain(options), "trust_remote_code": trust_remote_code}

@@ -15,6 +15,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     rank = spec["rank"]
     try:
+        # Imported inside the try: a rank that cannot even import reports it in its one line to rank 0.
         from batchjob import faults
         from batchjob.engine.config import EngineConfig
         from batchjob.engine.engine import Engine

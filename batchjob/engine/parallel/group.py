@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -82,8 +83,6 @@ def _follower_preexec() -> Callable[[], None]:
     prctl is looked up here, in the parent: the child between fork and exec only calls it."""
     prctl = None
     if sys.platform.startswith("linux"):
-        import ctypes
-
         with contextlib.suppress(OSError, AttributeError):
             prctl = ctypes.CDLL(None, use_errno=True).prctl
 
