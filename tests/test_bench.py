@@ -159,6 +159,7 @@ def test_bench_without_llama_cpp_says_how_to_build_it(tiny_model_dir, tmp_path, 
     assert "ours max_num_batched_tokens=" in result.output and "ratio" not in result.output
 
 
+@pytest.mark.process  # the real llama.cpp server and benches, and our engine on the default model
 @pytest.mark.timeout(900)
 def test_bench_against_llama_cpp_on_the_default_model(tmp_path):
     """The real llama.cpp (built by examples/peers/llama_cpp.sh) on the embedded SmolLM2, float32 both: the

@@ -60,6 +60,7 @@ def test_kernel_equals_sdpa(dtype, heads, kv_heads, dim, block_size, window):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.engine  # runs the C++ compiler
 @needs_kernel
 def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path))

@@ -25,6 +25,7 @@ from batchjob.engine.attention.flex import Flex
 from batchjob.engine.attention.registry import supported_features
 from batchjob.engine.config import EngineConfig
 from batchjob.errors import ConfigError
+from tests.tiers import engine_fixture
 from tests.tiny_models import FAMILIES, hf_greedy, make_family_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,7 @@ BLOCK, BUDGET, SEQS, NUM_BLOCKS = 4, 8, 4, 12
 PREFIX, SUFFIXES, NEW = 12, (5, 14, 9, 18), 6  # prompts of 17..30 tokens, all longer than the window of 6
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def folder(tmp_path_factory):
     """The saved model of a family, built once per module."""
     root = tmp_path_factory.mktemp("families")

@@ -25,6 +25,7 @@ from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
 from batchjob.job.spec import JobSpec
 from tests.test_graphs import _flash_varlen_in_torch
+from tests.tiers import engine_fixture
 from tests.tiny_models import hf_greedy, make_model, make_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
@@ -212,6 +213,7 @@ def test_dense_path_is_flex_attentions_own_semantics():
         row += n
 
 
+@pytest.mark.engine  # torch.compile: inductor's compile workers
 @pytest.mark.parametrize(("softcap", "alibi", "window"), [(None, False, None), (2.0, True, 5)])
 def test_compiled_kernel_equals_reference(softcap, alibi, window):
     """The compiled kernel (inductor's CPU template; Triton on CUDA runs the same code): float32 against the
@@ -304,7 +306,7 @@ def force_flex():
     return {"attention_backend": "flex"}
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("mistral") / "m", "mistral")
 
@@ -437,7 +439,7 @@ def _tiny_family(folder, family):
     return folder
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {f: _tiny_family(root / f, f) for f in ("gemma2", "gpt_oss", "bloom")}
