@@ -30,6 +30,7 @@ def _reference(q, k_cache, v_cache, table, lens, scale, window):
     return out
 
 
+@pytest.mark.engine  # the decode kernel over many shapes against SDPA: seconds, not the unit tier's inner loop
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(

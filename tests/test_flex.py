@@ -143,6 +143,7 @@ def test_dense_equals_sdpa_per_request(heads, kv_heads, block_size, window):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.engine  # the attention kernels over whole packed steps: seconds, not the unit tier's inner loop
 @pytest.mark.parametrize(
     ("softcap", "alibi", "sinks", "window"),
     [(2.0, False, False, None), (None, True, False, 6), (None, False, True, 6), (1.5, True, True, None)],
@@ -163,6 +164,7 @@ def test_dense_score_mods_equal_the_written_out_reference(softcap, alibi, sinks,
     assert (out - plain).abs().max() > 1e-3  # the mods change the answer
 
 
+@pytest.mark.engine  # the attention kernels over whole packed steps: seconds, not the unit tier's inner loop
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_dense_path_is_flex_attentions_own_semantics():
     """The dense path against FlexAttention itself (its eager implementation) on gathered keys: the same

@@ -205,6 +205,7 @@ def test_progress_eta_is_withheld_until_rows_finish_then_right(monkeypatch):
     assert bar.line().endswith("ETA 0 s")
 
 
+@pytest.mark.engine  # renders plots with matplotlib: seconds, not the unit tier's inner loop
 def test_text_in_plots_is_drawn_as_given():
     """Labels and folder names with matplotlib's math markup ($...$, bad math too) are drawn as text."""
     from collections import Counter
