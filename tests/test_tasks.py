@@ -51,7 +51,7 @@ def classifiers(tmp_path_factory):
 
 @engine_fixture(scope="module")
 def causal_lm(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("lm") / "llama", "llama", head_scale=1.0)
+    return make_model(tmp_path_factory.mktemp("lm") / "llama", "llama")
 
 
 def _st_encode(folder, dtype, **kw):
