@@ -5,7 +5,7 @@ import torch
 
 from tests import jobproc
 from tests.tiers import TierGuard, engine_fixture, process_fixture, tier_of
-from tests.tiny_models import make_model
+from tests.tiny_models import make_decisive_model, make_model
 
 # Tiers (tests/tiers.py): `unit` (pure Python and tensors, no model, no process: the inner loop), `engine`
 # (tiny models in this process), `process` (real `batchjob` processes: kills, signals, shards, Slurm). A test's
@@ -71,6 +71,13 @@ def tiny_model_dirs(tmp_path_factory):
 def tiny_model_dir(tiny_model_dirs):
     """The tiny llama folder: the model most tests use."""
     return tiny_model_dirs["llama"]
+
+
+@engine_fixture(scope="session")
+def decisive_model_dir(tmp_path_factory):
+    """A tiny llama with a sharpened head (:func:`tests.tiny_models.make_decisive_model`): for the tests that
+    need decisive picks, such as sampled text repetitive enough for drafts to be taken."""
+    return make_decisive_model(tmp_path_factory.mktemp("decisive") / "llama", "llama")
 
 
 @engine_fixture(params=["kernel", "reference"])
