@@ -18,7 +18,8 @@ def read_results(out) -> list[dict]:
 
 
 def launch(args, **env) -> subprocess.Popen:
-    """``python -m batchjob run ARGS`` in a new process (offline; ``env`` added to the environment)."""
+    """``python -m batchjob run ARGS`` in a new process (offline; ``env`` added to the environment). Tests take
+    it as the ``launch`` fixture (tests/conftest.py), which puts them in the process tier."""
     return subprocess.Popen(
         [sys.executable, "-m", "batchjob", "run", *args],
         stdout=subprocess.PIPE,

@@ -185,6 +185,7 @@ def _configs():
     return out
 
 
+@pytest.mark.engine  # the attention kernels over whole packed steps: seconds, not the unit tier's inner loop
 @pytest.mark.parametrize(("name", "dev", "dtype", "block_size", "rendered"), _configs())
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])

@@ -11,7 +11,6 @@ import pytest
 from batchjob.errors import StateError
 from batchjob.io.atomic import read_json, write_json
 from tests.faultproc import job_args, reference, write_reviews
-from tests.jobproc import launch
 from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,7 +42,7 @@ def malformed(path):  # a sound file whose body is not a checkpoint
 
 @pytest.mark.parametrize("damage", [torn, altered, malformed])
 def test_a_damaged_checkpoint_is_set_aside_and_the_job_ends_exact(
-    reviews, tiny_model_dir, tmp_path, expected, damage
+    launch, reviews, tiny_model_dir, tmp_path, expected, damage
 ):
     out = tmp_path / "out"
     args = job_args(reviews, out, tiny_model_dir, "--checkpoint-interval", "0.001")

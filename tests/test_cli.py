@@ -178,13 +178,12 @@ def test_status_and_validate_errors(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_status_of_a_running_job_says_so_with_its_rows_in_flight(tiny_model_dir, tmp_path):
+def test_status_of_a_running_job_says_so_with_its_rows_in_flight(launch, tiny_model_dir, tmp_path):
     """`status` while a run is active: it names the running process (from the lock file) and shows what the
     run has in flight beyond its committed rows; once the run stops, it says stopped."""
     import signal
 
     from tests.faultproc import wait_for_points
-    from tests.jobproc import launch
 
     data = tmp_path / "rows.jsonl"
     with open(data, "w") as f:

@@ -29,7 +29,7 @@ from batchjob.job import make_spec, run_job
 from tests.faultproc import wait_for_points
 from tests.jobproc import read_results
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.process, pytest.mark.timeout(600)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "array.sbatch"
 N_ROWS = 100  # and one torn line; 8 rows at a time, so a worker's first part is a few rows of its 50

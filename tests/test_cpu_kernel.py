@@ -30,6 +30,7 @@ def _reference(q, k_cache, v_cache, table, lens, scale, window):
     return out
 
 
+@pytest.mark.engine  # the decode kernel over many shapes against SDPA: seconds, not the unit tier's inner loop
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
@@ -60,6 +61,7 @@ def test_kernel_equals_sdpa(dtype, heads, kv_heads, dim, block_size, window):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.engine  # runs the C++ compiler
 @needs_kernel
 def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path))

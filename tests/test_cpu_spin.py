@@ -110,6 +110,7 @@ def test_guard_is_off_on_one_thread_and_for_other_devices(two_threads):
     assert not guard.on and guard._last is None
 
 
+@pytest.mark.process
 @linux_libgomp
 @pytest.mark.timeout(60)
 def test_two_spinning_processes_turn_the_guard_on(two_threads):

@@ -13,7 +13,6 @@ import pytest
 
 from batchjob.io.atomic import DiskFullError, disk_full_message, is_disk_full, write_bytes
 from tests.faultproc import job_args, reference, temp_files, write_reviews
-from tests.jobproc import launch
 from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,10 +30,16 @@ def expected(reviews, tiny_model_dir, tmp_path_factory):
     return reference(reviews, tiny_model_dir, tmp_path_factory.mktemp("ref") / "out")
 
 
-def run(args, **env):
-    proc = launch(args, **env)
-    text = proc.communicate(timeout=240)[0]
-    return proc.returncode, text
+@pytest.fixture
+def run(launch):
+    """Run ``batchjob run ARGS`` as a process to its end: its exit code and output."""
+
+    def run_to_end(args, **env):
+        proc = launch(args, **env)
+        text = proc.communicate(timeout=240)[0]
+        return proc.returncode, text
+
+    return run_to_end
 
 
 def test_disk_full_is_recognised_however_it_is_worded(tmp_path):
@@ -63,7 +68,7 @@ def test_a_state_write_that_fails_names_the_file_and_leaves_no_temporary(tmp_pat
     ids=["part", "checkpoint"],
 )
 def test_disk_full_exits_1_naming_the_file_and_the_rerun_is_exact(
-    reviews, tiny_model_dir, tmp_path, expected, fault, temp
+    run, reviews, tiny_model_dir, tmp_path, expected, fault, temp
 ):
     out = tmp_path / "out"
     args = job_args(reviews, out, tiny_model_dir, "--checkpoint-interval", "0.001")  # a part per step
@@ -99,7 +104,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=30)
 
 
-def test_a_really_full_disk(reviews, tiny_model_dir, small_tmpfs, expected):
+def test_a_really_full_disk(run, reviews, tiny_model_dir, small_tmpfs, expected):
     filler = small_tmpfs / "filler"
     st = os.statvfs(small_tmpfs)
     filler.write_bytes(b"x" * (st.f_bavail * st.f_frsize - 32 * 1024))  # 32 KiB left: a few parts' worth

@@ -301,6 +301,7 @@ def test_resume_from_output_ids_is_exact(tiny_model_dir):
     assert done[0].token_ids == full
 
 
+@pytest.mark.engine  # the default model, loaded from its cache
 def test_default_model_knows_paris():
     engine = Engine.from_pretrained(device="cpu")
     prompt = engine.tokenizer.apply_chat_template(

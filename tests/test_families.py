@@ -5,8 +5,9 @@ Every family runs under the same pressure: prompts longer than the sliding windo
 every prompt, a KV pool small enough to force preemptions, and prefix caching with a prompt prefix shared by
 all requests. Tiny random models (hidden 64, 2 layers: a windowed and a full layer where a family alternates),
 float64 for all of them, MoE ones included (the engine runs transformers' experts eagerly in float64, as the
-reference does here). Untied output heads are scaled by 8 so greedy picks are decisive (see tiny_models);
-``test_unscaled_head_is_exact_in_float64`` runs without that.
+reference does here). The models are the ordinary random ones (no sharpened head), whose top two logits can
+be near-ties: float64 is exact all the same, and ``test_unscaled_head_in_float32_differs_only_at_near_ties``
+shows what holds in float32.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from batchjob.engine.attention.flex import Flex
 from batchjob.engine.attention.registry import supported_features
 from batchjob.engine.config import EngineConfig
 from batchjob.errors import ConfigError
+from tests.tiers import engine_fixture
 from tests.tiny_models import FAMILIES, hf_greedy, make_family_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +47,7 @@ BLOCK, BUDGET, SEQS, NUM_BLOCKS = 4, 8, 4, 12
 PREFIX, SUFFIXES, NEW = 12, (5, 14, 9, 18), 6  # prompts of 17..30 tokens, all longer than the window of 6
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def folder(tmp_path_factory):
     """The saved model of a family, built once per module."""
     root = tmp_path_factory.mktemp("families")
@@ -187,8 +189,8 @@ def test_what_only_flex_computes_changes_the_answers(folder, family):
 
 
 def test_unscaled_head_is_exact_in_float64(folder, capsys):
-    """The matrix scales untied heads for decisive picks; without that, float64 is still exact."""
-    path = folder("llama", head_scale=1.0)
+    """The ordinary head (no sharpening), whose picks can meet near-ties: float64 is still exact."""
+    path = folder("llama")
     engine = Engine.from_pretrained(str(path), dtype="float64", **_engine_options())
     hf = _reference(path)
     prompts = _prompts(engine.vocab_size, seed=3)
@@ -212,7 +214,7 @@ def test_unscaled_head_in_float32_differs_only_at_near_ties(folder, capsys):
     other may be picked differently; every sequence must agree with HF up to its first difference, and that
     difference must fall on a near-tie of HF's own logits (top-1 and top-2 within 1e-4). The agreement rate is
     measured and printed."""
-    path = folder("llama", head_scale=1.0)
+    path = folder("llama")
     options = _engine_options() | {"num_blocks": 64}
     engine = Engine.from_pretrained(str(path), dtype="float32", **options)
     hf = _reference(path, torch.float32)

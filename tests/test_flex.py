@@ -25,6 +25,7 @@ from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
 from batchjob.job.spec import JobSpec
 from tests.test_graphs import _flash_varlen_in_torch
+from tests.tiers import engine_fixture
 from tests.tiny_models import hf_greedy, make_model, make_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
@@ -142,6 +143,7 @@ def test_dense_equals_sdpa_per_request(heads, kv_heads, block_size, window):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.engine  # the attention kernels over whole packed steps: seconds, not the unit tier's inner loop
 @pytest.mark.parametrize(
     ("softcap", "alibi", "sinks", "window"),
     [(2.0, False, False, None), (None, True, False, 6), (None, False, True, 6), (1.5, True, True, None)],
@@ -162,6 +164,7 @@ def test_dense_score_mods_equal_the_written_out_reference(softcap, alibi, sinks,
     assert (out - plain).abs().max() > 1e-3  # the mods change the answer
 
 
+@pytest.mark.engine  # the attention kernels over whole packed steps: seconds, not the unit tier's inner loop
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_dense_path_is_flex_attentions_own_semantics():
     """The dense path against FlexAttention itself (its eager implementation) on gathered keys: the same
@@ -212,6 +215,7 @@ def test_dense_path_is_flex_attentions_own_semantics():
         row += n
 
 
+@pytest.mark.engine  # torch.compile: inductor's compile workers
 @pytest.mark.parametrize(("softcap", "alibi", "window"), [(None, False, None), (2.0, True, 5)])
 def test_compiled_kernel_equals_reference(softcap, alibi, window):
     """The compiled kernel (inductor's CPU template; Triton on CUDA runs the same code): float32 against the
@@ -304,7 +308,7 @@ def force_flex():
     return {"attention_backend": "flex"}
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("mistral") / "m", "mistral")
 
@@ -437,7 +441,7 @@ def _tiny_family(folder, family):
     return folder
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {f: _tiny_family(root / f, f) for f in ("gemma2", "gpt_oss", "bloom")}

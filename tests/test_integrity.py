@@ -424,10 +424,9 @@ def test_a_growing_log_caught_mid_line_is_finished_with_append(tmp_path, tiny_mo
 
 
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
-def test_finishing_a_torn_line_survives_a_kill_at_any_step(tmp_path, tiny_model_dir, point):
+def test_finishing_a_torn_line_survives_a_kill_at_any_step(launch, tmp_path, tiny_model_dir, point):
     """Killed while taking back the torn row (part rewritten, or manifest rewritten but the grown file not
     yet recorded): the next --append finds the same row to redo, and the job ends as a fresh run would."""
-    from tests.jobproc import launch
 
     data = tmp_path / "log.jsonl"
     whole = "".join(json.dumps(r) + "\n" for r in rows(6))

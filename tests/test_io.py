@@ -281,6 +281,7 @@ def test_result_name_clash_and_part_writer(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
+@pytest.mark.engine  # streams a large file to measure memory: seconds, not the unit tier's inner loop
 def test_reader_memory_is_flat(tmp_path):
     """Peak traced memory while streaming 4N rows is about that of N rows: the dataset is never held."""
     import tracemalloc

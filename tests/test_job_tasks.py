@@ -19,6 +19,7 @@ from batchjob.engine.engine import Engine
 from batchjob.errors import ConfigError
 from batchjob.job import make_spec, run_job
 from tests.task_models import make_classifier, make_embedder
+from tests.tiers import engine_fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -160,7 +161,7 @@ def test_embed_truncate_cuts_as_the_engine_does(tiny_model_dir, tmp_path):
     assert np.array_equal(np.asarray(long["embedding"], dtype=np.float32), expected.embedding)
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def task_model_dirs(tmp_path_factory):
     """Tiny models with the files real ones have: an embedder whose sentence-transformers files say CLS
     pooling and Normalize, and BERT classifiers with three labels and with one output."""
@@ -279,9 +280,8 @@ def test_resume_with_another_task_or_embed_option_is_refused_naming_it(tiny_mode
         assert target.read_text().count("\n") >= 12
 
 
-def test_killed_and_resumed_task_job_writes_what_an_uninterrupted_one_does(tiny_model_dir, tmp_path):
+def test_killed_and_resumed_task_job_writes_what_an_uninterrupted_one_does(launch, tiny_model_dir, tmp_path):
     from tests.faultproc import wait_for_points, wait_gone
-    from tests.jobproc import launch
 
     data = write_rows(tmp_path / "rows.jsonl", n=60, long_at=(), empty_at=(3,))
     ref = tmp_path / "ref"
@@ -306,8 +306,7 @@ def test_killed_and_resumed_task_job_writes_what_an_uninterrupted_one_does(tiny_
     assert got == expected
 
 
-def test_devices_split_an_embed_job_into_shards_that_add_up(tiny_model_dir, tmp_path):
-    from tests.jobproc import launch
+def test_devices_split_an_embed_job_into_shards_that_add_up(launch, tiny_model_dir, tmp_path):
 
     data = write_rows(tmp_path / "rows.jsonl", n=30)
     args = ["--input", data, "--model", tiny_model_dir, "--task", "embed", "--id-column", "rid"]

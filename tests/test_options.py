@@ -154,6 +154,7 @@ def test_job_files_keep_their_names(tmp_path):
         JobSpec(max_num_seqs=2.5)
 
 
+@pytest.mark.process  # a fresh interpreter
 def test_the_command_line_loads_no_torch():
     code = "import sys, batchjob.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,7 +18,6 @@ from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.manifest import _digest as manifest_digest
 from batchjob.job.state import JobInfo, StateDir
 from batchjob.job.verify import check_parts, repair_outputs
-from tests.jobproc import launch
 from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
@@ -165,7 +164,7 @@ def test_retry_errors_redoes_rows_that_failed(reviews, tiny_model_dir, tmp_path,
 
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
 def test_a_crash_in_the_middle_of_a_rewrite_loses_and_doubles_nothing(
-    reviews, tiny_model_dir, tmp_path, point
+    launch, reviews, tiny_model_dir, tmp_path, point
 ):
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(reviews, ref, tiny_model_dir)

@@ -13,6 +13,7 @@ from batchjob.cli import main
 from batchjob.engine import Engine
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
+from tests.tiers import engine_fixture
 from tests.tiny_models import make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +26,7 @@ THINKING_TEMPLATE = (  # Qwen3's shape: the model opens <think> itself; enable_t
 LABELS = ["yes", "no"]
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def thinker(tmp_path_factory):
     """A tiny llama whose tokenizer has <think> and </think> tokens and a template that can turn them off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

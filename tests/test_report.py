@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.job import make_spec, run_job
 from tests.faultproc import wait_for_points
-from tests.jobproc import launch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,7 +101,7 @@ def test_report_of_a_finished_choices_job(reviews, tiny_model_dir, tmp_path):
     assert "<code>empty</code>" in page  # an example row named by its id
 
 
-def test_report_of_a_killed_job_and_side_by_side(reviews, tiny_model_dir, tmp_path):
+def test_report_of_a_killed_job_and_side_by_side(launch, reviews, tiny_model_dir, tmp_path):
     killed = tmp_path / "killed"
     proc = launch(args(reviews, killed, tiny_model_dir), BATCHJOB_FAULT_PAUSE="part_committed")
     wait_for_points(proc)
@@ -166,7 +165,7 @@ def test_estimate_is_within_a_factor_two_of_the_real_run(tiny_model_dir, tmp_pat
     raise AssertionError(f"estimated vs actual seconds, each try: {tries}")
 
 
-def test_progress_lines_in_a_log(reviews, tiny_model_dir, tmp_path):
+def test_progress_lines_in_a_log(launch, reviews, tiny_model_dir, tmp_path):
     proc = launch(args(reviews, tmp_path / "out", tiny_model_dir), BATCHJOB_PROGRESS_SECONDS="0")
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, text
@@ -206,6 +205,7 @@ def test_progress_eta_is_withheld_until_rows_finish_then_right(monkeypatch):
     assert bar.line().endswith("ETA 0 s")
 
 
+@pytest.mark.engine  # renders plots with matplotlib: seconds, not the unit tier's inner loop
 def test_text_in_plots_is_drawn_as_given():
     """Labels and folder names with matplotlib's math markup ($...$, bad math too) are drawn as text."""
     from collections import Counter

@@ -198,6 +198,7 @@ def _request_lines(draw):
     return line
 
 
+@pytest.mark.engine  # 400 fuzzed lines take tens of seconds: not the unit tier's inner loop
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_request_lines())
 def test_openai_request_parser_fuzz(line):
@@ -737,6 +738,7 @@ JSON_VALUES = st.recursive(
 FIELDS = sorted(PARAM_NAMES) + ["max_tokens", "", "temprature"]
 
 
+@pytest.mark.engine  # 400 fuzzed rows take tens of seconds: not the unit tier's inner loop
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(row=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=5), as_text=st.booleans())
 def test_fuzz_params_column(row, as_text):

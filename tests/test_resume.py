@@ -10,7 +10,6 @@ import time
 import pytest
 
 from batchjob.job import make_spec, run_job
-from tests.jobproc import launch
 from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,7 +77,7 @@ def wait_started(out, proc, timeout=120):
 
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--seed", "7"]], ids=["greedy", "seeded"])
 def test_sigkill_any_number_of_times_then_resume_equals_uninterrupted(
-    reviews, tiny_model_dir, tmp_path, sampling
+    launch, reviews, tiny_model_dir, tmp_path, sampling
 ):
     ref = tmp_path / "ref"
     spec = dict(
@@ -123,7 +122,7 @@ def test_sigkill_any_number_of_times_then_resume_equals_uninterrupted(
     assert again.returncode == 0 and "already complete" in text
 
 
-def test_sigterm_saves_state_exits_75_and_resumes_exactly(reviews, tiny_model_dir, tmp_path):
+def test_sigterm_saves_state_exits_75_and_resumes_exactly(launch, reviews, tiny_model_dir, tmp_path):
     args = ["--temperature", "0.8", "--seed", "3", "--checkpoint-interval", "0.3"]
     ref = tmp_path / "ref"
     assert (

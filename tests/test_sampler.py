@@ -76,6 +76,7 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
     assert torch.isfinite(everything[1]).nonzero()[:, 0].tolist() == allowed[2]  # rows [b0, b1, b0, b1]
 
 
+@pytest.mark.engine  # sampling statistics over many draws: seconds, not the unit tier's inner loop
 def test_a_masked_row_draws_from_the_allowed_tokens_with_the_same_noise():
     from batchjob.engine.constraints import allocate_bitmask, set_allowed
     from batchjob.engine.sampler import apply_bitmask
@@ -107,6 +108,7 @@ def test_top_logprobs_are_the_log_softmax_top_k_plus_the_sampled_token():
     assert len(out[1]) == 3 and out[1][-1] == (worst, lp[1, worst].item())
 
 
+@pytest.mark.engine  # sampling statistics over many seeds: seconds, not the unit tier's inner loop
 def test_seeds_of_any_size_sample_by_their_value_mod_2_64():
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(5))
 

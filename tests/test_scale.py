@@ -5,6 +5,7 @@ Each compares the combined output with a single worker's: every id exactly once,
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 
@@ -14,7 +15,6 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.job import make_spec, run_job
 from tests.faultproc import wait_for_points
-from tests.jobproc import launch as launch_run
 from tests.jobproc import read_results as results
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,9 +67,11 @@ def expected(reviews, tiny_model_dir, tmp_path_factory):
     return results(out)
 
 
-def launch(args, **env):
-    # one thread each: three workers on a small machine otherwise spend their time contending
-    return launch_run(args, OMP_NUM_THREADS="1", **env)
+@pytest.fixture
+def launch(launch):
+    """The ``launch`` fixture with one thread per process: three workers on a small machine otherwise spend
+    their time contending."""
+    return functools.partial(launch, OMP_NUM_THREADS="1")
 
 
 def finish(procs, timeout=240):
@@ -84,7 +86,7 @@ def invoke(*args):
     return result.exit_code, result.output
 
 
-def test_three_workers_by_flags_equal_one_worker(reviews, tiny_model_dir, tmp_path, expected):
+def test_three_workers_by_flags_equal_one_worker(launch, reviews, tiny_model_dir, tmp_path, expected):
     out = tmp_path / "out"
     args = job_args(reviews, out, tiny_model_dir)
     procs = [launch([*args, "--num-shards", "3", "--shard-index", str(i)]) for i in range(3)]
@@ -122,7 +124,7 @@ def test_three_workers_by_flags_equal_one_worker(reviews, tiny_model_dir, tmp_pa
     assert code == 0 and "already complete" in text
 
 
-def test_slurm_array_with_a_killed_and_restarted_worker(reviews, tiny_model_dir, tmp_path, expected):
+def test_slurm_array_with_a_killed_and_restarted_worker(launch, reviews, tiny_model_dir, tmp_path, expected):
     out = tmp_path / "out"
     args = job_args(reviews, out, tiny_model_dir)
 
@@ -148,7 +150,7 @@ def test_slurm_array_with_a_killed_and_restarted_worker(reviews, tiny_model_dir,
     assert code == 0 and "complete (3 of 3 workers complete)" in text
 
 
-def test_devices_starts_one_worker_per_device(reviews, tiny_model_dir, tmp_path, expected):
+def test_devices_starts_one_worker_per_device(launch, reviews, tiny_model_dir, tmp_path, expected):
     out = tmp_path / "out"
     proc = launch(["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)])
     text = finish([proc])[0]
@@ -161,7 +163,7 @@ def test_devices_starts_one_worker_per_device(reviews, tiny_model_dir, tmp_path,
 
 
 @pytest.mark.ray
-def test_ray_tasks_on_a_local_instance_resume_and_status(reviews, tiny_model_dir, tmp_path, expected):
+def test_ray_tasks_on_a_local_instance_resume_and_status(launch, reviews, tiny_model_dir, tmp_path, expected):
     pytest.importorskip("ray")
     out = tmp_path / "out"
     # a first run that stops after one worker: --num-shards 3 on a 2-CPU local instance, the rest resumes

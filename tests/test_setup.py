@@ -75,6 +75,7 @@ def test_kv_pool_too_small_for_one_request_exits_2_before_any_work(
     assert parts(out) == [] and not (out / "_batchjob" / "manifest.jsonl").exists()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_default_cpu_pool_too_small_for_a_long_context_model(command, data, tmp_path):
     # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes a token: the 2 GiB CPU default holds
@@ -218,6 +219,7 @@ def _yes_y(command, data, out, model, tmp_path, *extra):
     )
 
 
+@pytest.mark.process  # `yes y | python -m batchjob ...`
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_model_code_never_runs_without_trust_remote_code(command, custom_code_model, data, tmp_path):
     folder, marker = custom_code_model
@@ -290,6 +292,7 @@ def test_a_known_model_type_that_ships_its_own_code_is_refused(
     assert not marker.exists() and parts(out) == []
 
 
+@pytest.mark.process  # `yes y | python -m batchjob ...`
 def test_trust_remote_code_runs_it_and_is_not_part_of_the_identity(custom_code_model, data, tmp_path):
     folder, marker = custom_code_model
     out = tmp_path / "out"

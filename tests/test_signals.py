@@ -17,7 +17,7 @@ from tests.faultproc import job_args, reference, temp_files, wait_for_points, wa
 from tests.jobproc import launch
 from tests.jobproc import read_results as results
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]  # every test starts processes
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 from batchjob.engine.engine import Engine
 from batchjob.errors import ConfigError
 from tests.task_models import MAX_LEN, make_classifier, make_embedder
+from tests.tiers import engine_fixture
 from tests.tiny_models import make_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,13 +33,13 @@ TOL = {"float64": 1e-12, "float32": 1e-5}
 EMBEDDERS = [("bert", "mean"), ("xlm-roberta", "cls"), ("qwen3", "lasttoken")]
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def embedders(tmp_path_factory):
     root = tmp_path_factory.mktemp("embedders")
     return {f: make_embedder(root / f, f, pooling) for f, pooling in EMBEDDERS}
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def classifiers(tmp_path_factory):
     root = tmp_path_factory.mktemp("classifiers")
     return {
@@ -48,9 +49,9 @@ def classifiers(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def causal_lm(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("lm") / "llama", "llama", head_scale=1.0)
+    return make_model(tmp_path_factory.mktemp("lm") / "llama", "llama")
 
 
 def _st_encode(folder, dtype, **kw):
@@ -324,6 +325,7 @@ def test_bench_task(embedders, classifiers, causal_lm, task, tmp_path):
         assert "ours vs sentence-transformers encode:" in result.output
 
 
+@pytest.mark.engine
 def test_modernbert_is_refused_by_name():
     """ModernBERT attends within a window both ways in its local layers, which no backend computes."""
     from transformers import AutoModel, ModernBertConfig

@@ -214,13 +214,15 @@ def make_model(
     *,
     seed: int = 0,
     vocab_size: int = 512,
-    head_scale: float = 8.0,
+    head_scale: float = 1.0,
     **overrides,
 ):
     """Build a tiny random ``family`` model, save it with a tokenizer to ``folder``.
 
     ``family``: llama | qwen2 | mistral | gpt2, or one of :data:`FAMILIES` (the family matrix).
-    ``head_scale``: an untied output head is multiplied by it (1.0: the random init as it comes).
+    ``head_scale``: an untied output head is multiplied by it. The default, 1.0, is the random init as it
+    comes: near-uniform logits whose top two can be within rounding of each other, as a real model's can.
+    :func:`make_decisive_model` is the sharpened one, for the few tests that need decisive picks.
     """
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -269,8 +271,6 @@ def make_model(
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    # Random init gives near-uniform logits; scale the output head so greedy picks are decisive, which
-    # keeps comparisons meaningful (a tie would make either engine's answer right).
     with torch.no_grad():
         head = model.get_output_embeddings()
         if head is not None and not cfg.get_text_config().tie_word_embeddings and head_scale != 1.0:
@@ -279,3 +279,13 @@ def make_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(folder))
     return folder
+
+
+DECISIVE_HEAD_SCALE = 8.0
+
+
+def make_decisive_model(folder: Path, family: str = "llama", **kwargs):
+    """:func:`make_model` with its untied output head ×8: peaked next-token distributions, so that sampled
+    picks are nearly the greedy ones and a token's probability is far from its neighbours'. Only for tests
+    that need decisive picks; the ordinary model is :func:`make_model`'s."""
+    return make_model(folder, family, head_scale=DECISIVE_HEAD_SCALE, **kwargs)
