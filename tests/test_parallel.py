@@ -51,6 +51,7 @@ def _greedy(engine: Engine) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(PROMPTS, params)]
 
 
+@pytest.mark.process  # starts its rank processes
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family):
     from transformers import AutoModelForCausalLM
@@ -78,6 +79,7 @@ def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family):
     assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
+@pytest.mark.process  # starts its rank processes
 def test_choices_and_embed_go_through_every_rank(tp_dirs):
     """Choice scoring requests and a prefill-only task (hidden states, not logits) under TP 2."""
     d = str(tp_dirs["llama"])
@@ -106,6 +108,7 @@ def test_choices_and_embed_go_through_every_rank(tp_dirs):
         np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.process  # starts its rank processes
 def test_a_killed_rank_stops_the_step_with_its_name(tp_dirs):
     tp = Engine.from_pretrained(str(tp_dirs["llama"]), tensor_parallel_size=2, **OPTIONS)
     follower = tp.runner.tensor_parallel.procs[0]
@@ -119,6 +122,7 @@ def test_a_killed_rank_stops_the_step_with_its_name(tp_dirs):
         Engine(tp.model, tp.tokenizer, tp.config)  # (as --estimate's calibration would)
 
 
+@pytest.mark.process  # starts its rank processes
 def test_a_hung_rank_is_caught_by_the_timeout(tp_dirs, monkeypatch):
     monkeypatch.setenv("BATCHJOB_TP_TIMEOUT", "3")
     tp = Engine.from_pretrained(str(tp_dirs["llama"]), tensor_parallel_size=2, **OPTIONS)

@@ -17,7 +17,7 @@ from tests.faultproc import alive, job_args, wait_for_points, wait_gone, write_r
 from tests.jobproc import launch as launch_run
 from tests.jobproc import read_results
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.process]  # real jobs with their rank processes
 
 N_ROWS = 20
 
