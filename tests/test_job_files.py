@@ -1,0 +1,37 @@
+"""The job files in ``jobs/`` are there to be copied: each validates as shipped on the embedded default model,
+and the task one runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+
+
+@pytest.mark.engine  # the default model's config and tokenizer, from its cache
+@pytest.mark.parametrize("path", sorted(JOBS.glob("*.toml")), ids=lambda p: p.name)
+def test_each_job_file_validates(path, tmp_path):
+    result = CliRunner().invoke(main, ["validate", str(path), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "ok: 1 input file(s)" in result.output, result.output
+
+
+@pytest.mark.engine  # runs the default model
+def test_the_perplexity_job_scores_every_review(tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", str(JOBS / "perplexity.toml"), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = pq.ParquetDataset(str(out)).read().to_pylist()
+    assert len(rows) == 200 and all(r["error"] is None for r in rows)
+    for r in rows:
+        # every token of the review but the first is scored; perplexity is exp of minus their mean
+        assert r["num_scored_tokens"] == r["num_prompt_tokens"] - 1 > 0
+        assert r["logprob"] < 0
+        assert math.isclose(r["perplexity"], math.exp(-r["logprob"] / r["num_scored_tokens"]), rel_tol=1e-12)
