@@ -11,10 +11,21 @@ fall into.
 
 Drafts live only inside one ``Engine.step()``: proposed before scheduling, trimmed to what the scheduler
 gave the request, resolved after sampling. A checkpoint or a preemption never sees them.
+
+Drafting must pay for itself. A draft costs a row of the forward whether it is kept or not; a kept one saves
+its request a step. ``Drafter`` fits each step's seconds to its rows (``alpha + beta * rows``, over the recent
+steps) and drafts a request's ``j``-th token only while the chance that it is kept (``p ** j``, ``p`` the
+request's own rate of kept drafts, starting from the engine's) beats ``beta * outputs / (alpha + beta *
+rows)``: a kept draft must add more to the step's tokens than its row adds to the step's time. A full batch of a small model on a CPU (rows dear) then drafts only
+for requests that copy their context; a few requests in the tail, or a GPU (rows nearly free), draft freely.
+A step whose prompt chunks fill the token budget takes no drafts: they would only push prompt tokens to a
+later step. These are decisions about time, never about the output: kept drafts are the tokens that decoding
+one at a time draws.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchjob.engine.block_manager import BlockManager
@@ -22,7 +33,15 @@ from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 
 NGRAM_SIZES = (3, 2)  # longest match first
-BACKOFF_STEPS = 4  # after a draft that was wholly rejected, steps before the request drafts again
+PRIOR_WEIGHT = 2.0  # a request's kept rate starts as the engine's, worth this many verified drafts
+REQUEST_DECAY = 0.8  # a request's evidence fades by this at each verification: its text changes as it goes
+ENGINE_DECAY = 0.98  # the engine's (every request's), likewise
+PROBE_STEPS = 32  # a request whose drafts don't pay still tries one this often (its text may start to loop)
+FIT_DECAY = 0.95  # the step-cost fit's memory, per step (about the last 20 steps)
+# A step's fixed cost in rows' worth (alpha / beta), until the fit has steps of different sizes. The embedded
+# model on 2 CPU cores: ~50 ms a step + ~4 ms a decode row (~350 keys), 12. A GPU: rows are nearly free until
+# a step is compute-bound.
+PRIOR_STEP_ROWS = {"cpu": 12.0, "cuda": 256.0}
 
 
 class NgramIndex:
@@ -50,13 +69,66 @@ class NgramIndex:
         return []
 
 
+class KeptRate:
+    """How often a verified draft is kept (a draft after the first counts only when the one before it was
+    kept): faded counts of kept drafts and of rejections, read over a prior."""
+
+    __slots__ = ("kept", "rejected", "decay")
+
+    def __init__(self, decay: float) -> None:
+        self.kept = 0.0
+        self.rejected = 0.0
+        self.decay = decay
+
+    def add(self, proposed: int, kept: int) -> None:
+        self.kept = self.decay * self.kept + kept
+        self.rejected = self.decay * self.rejected + (kept < proposed)
+
+    def rate(self, prior: float = 0.5, weight: float = PRIOR_WEIGHT) -> float:
+        return (self.kept + weight * prior) / (self.kept + self.rejected + weight)
+
+
 @dataclass
 class SpecState:
-    """A request's prompt-lookup state, from its first draft on."""
+    """A request's prompt-lookup state, from its first chance to draft on."""
 
     ngrams: NgramIndex = field(default_factory=NgramIndex)  # of its tokens
-    backoff: int = 0  # steps left before it drafts again
-    window: int = 1  # most drafts it may take next (slow start)
+    kept: KeptRate = field(default_factory=lambda: KeptRate(REQUEST_DECAY))
+    idle: int = 0  # steps it could have drafted since it last did
+
+
+class StepCost:
+    """A step's seconds as ``alpha + beta * rows``: least squares over the recent steps (faded), or the
+    device's prior ratio of the two while the steps seen are too alike in size to tell them apart."""
+
+    def __init__(self, prior_step_rows: float) -> None:
+        self.prior = prior_step_rows
+        self.n = self.x = self.xx = self.y = self.xy = 0.0  # faded sums of 1, rows, rows^2, s, rows * s
+
+    def observe(self, rows: int, seconds: float) -> None:
+        f = FIT_DECAY
+        self.n, self.x, self.xx = f * self.n + 1, f * self.x + rows, f * self.xx + rows * rows
+        self.y, self.xy = f * self.y + seconds, f * self.xy + rows * seconds
+
+    def step_rows(self) -> float:
+        """``alpha / beta``: what a step costs beyond its rows, in rows."""
+        if self.n < 4:
+            return self.prior
+        mx, my = self.x / self.n, self.y / self.n
+        var = self.xx / self.n - mx * mx
+        if var < 16.0:  # rows within ~4 of each other: the slope would be noise
+            return self.prior
+        beta = (self.xy / self.n - mx * my) / var
+        alpha = my - beta * mx
+        if beta <= 0 or alpha <= 0:
+            return self.prior
+        return min(max(alpha / beta, 1.0), 4096.0)
+
+    def threshold(self, outputs: int, rows: int) -> float:
+        """The chance of being kept that a draft needs to pay in a step of ``rows`` rows that makes
+        ``outputs`` tokens: a kept draft is one more token for the step, a row more of its cost, so
+        ``(outputs + 1) / (step + row) > outputs / step`` when the chance exceeds ``outputs * row / step``."""
+        return outputs / (self.step_rows() + rows)
 
 
 def can_draft(req: Request) -> bool:
@@ -70,51 +142,109 @@ def can_draft(req: Request) -> bool:
     )
 
 
-def propose(req: Request, k: int) -> list[int]:
-    """At most ``req.spec.window`` drafts (which grows while drafts are kept, see ``record``)."""
-    if req.spec is None:
-        req.spec = SpecState()
-    spec = req.spec
-    if spec.backoff > 0:
-        spec.backoff -= 1
-        return []
-    return spec.ngrams.propose(req.token_ids, min(k, spec.window))
+def window(p: float, threshold: float, k: int) -> int:
+    """How many drafts pay, at most ``k``: the ``j``-th is kept with chance ``p ** j``, which must beat
+    ``threshold``."""
+    j, chance = 0, p
+    while j < k and chance > threshold:
+        j += 1
+        chance *= p
+    return j
 
 
 def record(req: Request, proposed: int, kept: int) -> None:
-    """Slow start: a request drafts one token at first and doubles its window each time all its drafts
-    are kept; a rejection sends it back to one, and a draft rejected outright rests it a few steps. Text
-    that rarely repeats its context then costs about one wasted row per few steps, while a request that
-    loops soon drafts the full window."""
+    """A request's verified drafts: ``kept`` of ``proposed``."""
     if req.spec is None:
         req.spec = SpecState()
-    if kept == proposed:
-        req.spec.window = min(2 * req.spec.window, 64)
-    else:
-        req.spec.window = 1
-        if kept == 0:
-            req.spec.backoff = BACKOFF_STEPS
+    req.spec.kept.add(proposed, kept)
 
 
-def draft(running: list[Request], bm: BlockManager, max_drafts: int, max_model_len: int) -> list[Request]:
-    """Append drafts to the running requests that can take them; returns those requests. The pool keeps a
-    block per running request spare: drafting must never be the reason a request is preempted."""
+class Drafter:
+    """Proposes each step's drafts (``draft``) where they pay (see the module's docstring), and learns from
+    the steps' times (``observe``) and the drafts' fate (``record``)."""
+
+    def __init__(self, max_drafts: int, device: str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.max_drafts = max_drafts
+        self.budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.cost = StepCost(PRIOR_STEP_ROWS.get(device, PRIOR_STEP_ROWS["cpu"]))
+        self.kept = KeptRate(ENGINE_DECAY)  # every request's drafts: a new request's prior
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    def record(self, req: Request, proposed: int, kept: int) -> None:
+        self.kept.add(proposed, kept)
+        record(req, proposed, kept)
+
+    def draft(
+        self, running: list[Request], waiting: Sequence[Request], bm: BlockManager, max_model_len: int
+    ) -> list[Request]:
+        """Append drafts to the running requests whose drafts pay; returns those requests."""
+        if self.max_drafts <= 0:
+            return []
+        rows = rows_without_drafts(running, waiting, self.budget, self.max_num_seqs)
+        room = self.budget - rows  # more rows would push prompt tokens to a later step
+        if room <= 0:
+            return []
+        decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
+        threshold = self.cost.threshold(decoding, rows)
+        return draft(running, bm, self.max_drafts, max_model_len, room, threshold, self.kept.rate())
+
+
+def rows_without_drafts(
+    running: list[Request], waiting: Sequence[Request], budget: int, max_num_seqs: int
+) -> int:
+    """About the rows of the next step without drafts: the running requests' tokens, then the prompts of the
+    waiting ones there are slots for, up to the token budget."""
+    rows = sum(r.num_tokens - r.num_computed_tokens for r in running)
+    slots = max_num_seqs - len(running)
+    for req in waiting:
+        if rows >= budget or slots <= 0:
+            break
+        rows += req.num_tokens - req.num_computed_tokens
+        slots -= 1
+    return min(rows, budget)
+
+
+def draft(
+    running: list[Request],
+    bm: BlockManager,
+    max_drafts: int,
+    max_model_len: int,
+    room: int | None = None,
+    threshold: float = 0.0,
+    prior: float = 0.5,
+) -> list[Request]:
+    """Append drafts to the running requests that can take them, to each as many as pay at ``threshold``
+    (one every ``PROBE_STEPS`` steps where none does), ``room`` in all; returns those requests. The pool
+    keeps a block per running request spare: drafting must never be the reason a request is preempted."""
     spare = bm.num_free_blocks - len(running)
+    room = max_drafts * len(running) if room is None else room
     drafted = []
     for req in running:
-        if spare <= 0:
+        if spare <= 0 or room <= 0:
             break
         left = min(req.params.max_new_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
-        k = min(max_drafts, left - 1)  # the token drawn after the drafts counts too
+        k = min(max_drafts, left - 1, room)  # the token drawn after the drafts counts too
         if k <= 0 or not can_draft(req):
             continue
-        tokens = propose(req, k)
+        if req.spec is None:
+            req.spec = SpecState()
+        spec = req.spec
+        spec.idle += 1
+        k = window(spec.kept.rate(prior), threshold, k)
+        if k == 0 and spec.idle >= PROBE_STEPS:
+            k = 1
+        tokens = spec.ngrams.propose(req.token_ids, k) if k else []
         if not tokens:
             continue
         extra = bm.num_missing(req, req.num_tokens + len(tokens)) - bm.num_missing(req, req.num_tokens)
         if extra > spare:
             continue
         spare -= extra
+        room -= len(tokens)
+        spec.idle = 0
         req.token_ids.extend(tokens)
         req.num_draft_tokens = len(tokens)
         drafted.append(req)
