@@ -51,18 +51,23 @@ def test_a_draft_pays_while_its_chance_of_being_kept_beats_what_its_row_costs():
     assert rate.rate(prior=0.5, weight=2) == (5 + 1) / (5 + 1 + 2)
 
 
-def test_step_cost_fit_finds_a_steps_fixed_cost_in_rows():
+def test_step_cost_fit_tells_a_steps_fixed_cost_prompt_tokens_and_sampled_rows_apart():
     cost = StepCost(prior_step_rows=12.0)
-    assert cost.threshold(12, 12) == 0.5  # no steps yet: the prior
-    for rows in (1, 64, 8, 40, 200, 3, 64, 64):  # 50 ms a step + 2 ms a row
-        cost.observe(rows, 0.050 + 0.002 * rows)
-    assert abs(cost.step_rows() - 25.0) < 1e-6
-    assert abs(cost.threshold(75, 75) - 0.75) < 1e-6
-    assert abs(cost.threshold(25, 475) - 0.05) < 1e-6  # prompt rows in the step: its tokens cost more
+    assert cost.coefficients() == (12.0, 0.5, 1.0)  # no steps yet: the prior
+    for prompt, sampled in ((0, 1), (448, 64), (0, 8), (300, 40), (500, 12), (0, 3), (0, 64), (128, 64)):
+        cost.observe(prompt, sampled, 0.050 + 0.001 * prompt + 0.002 * sampled)  # 50 ms, 1 ms, 2 ms
+    alpha, beta_prompt, beta_row = cost.coefficients()
+    assert abs(alpha - 25.0) < 1e-6 and abs(beta_prompt - 0.5) < 1e-9 and beta_row == 1.0
+    assert abs(cost.threshold(75, 0, 75) - 0.75) < 1e-6  # 75 outputs of a 100-row step
+    assert abs(cost.threshold(25, 400, 25) - 0.1) < 1e-6  # prompt rows in the step: its tokens cost more
+    decode_only = StepCost(prior_step_rows=12.0)
+    for sampled in (1, 64, 8, 40, 3, 64):  # no prompt rows: the fixed cost and the row's, from decodes
+        decode_only.observe(0, sampled, 0.050 + 0.002 * sampled)
+    assert abs(decode_only.coefficients()[0] - 25.0) < 1e-6
     alike = StepCost(prior_step_rows=12.0)
-    for rows in (64, 64, 63, 64, 64, 62):  # too alike in size to tell the step from its rows
-        alike.observe(rows, 0.2)
-    assert alike.step_rows() == 12.0
+    for _ in range(6):  # every step the same: nothing to tell apart
+        alike.observe(0, 64, 0.2)
+    assert alike.coefficients() == (12.0, 0.5, 1.0)
 
 
 def _decoding(rid: str, bm: BlockManager) -> Request:
@@ -87,7 +92,7 @@ def test_drafter_drafts_where_it_pays_and_probes_where_it_does_not():
     running = [_decoding(f"r{i}", bm) for i in range(64)]
     drafter = Drafter(4, "cpu", 512, 64)
     for rows in (8, 64, 30, 64, 2, 64):  # 50 ms a step + 4 ms a row: a step is worth 12.5 rows
-        drafter.observe(rows, 0.050 + 0.004 * rows)
+        drafter.observe(0, rows, 0.050 + 0.004 * rows)
     # 64 rows: a draft must be kept 84% of the time to pay; a new request's prior is 50%
     assert _drafts(drafter, running, bm) == [0] * 64
     for r in running[:2]:  # two requests whose drafts have all been kept (95% with the prior): they draft,

@@ -421,8 +421,9 @@ class Engine:
         finished = self._flush_failed()
         plan = self._schedule()
         if not plan.is_empty:
+            rows = self.drafter.rows(plan)
             finished += self._update(plan, *self._execute(plan))
-            self.drafter.observe(plan.total_tokens, time.perf_counter() - t0)
+            self.drafter.observe(*rows, time.perf_counter() - t0)
         outputs = self._collect(finished)
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs

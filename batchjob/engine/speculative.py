@@ -13,14 +13,15 @@ Drafts live only inside one ``Engine.step()``: proposed before scheduling, trimm
 gave the request, resolved after sampling. A checkpoint or a preemption never sees them.
 
 Drafting must pay for itself. A draft costs a row of the forward whether it is kept or not; a kept one saves
-its request a step. ``Drafter`` fits each step's seconds to its rows (``alpha + beta * rows``, over the recent
-steps) and drafts a request's ``j``-th token only while the chance that it is kept (``p ** j``, ``p`` the
-request's own rate of kept drafts, starting from the engine's) beats ``beta * outputs / (alpha + beta *
-rows)``: a kept draft must add more to the step's tokens than its row adds to the step's time. A full batch of a small model on a CPU (rows dear) then drafts only
-for requests that copy their context; a few requests in the tail, or a GPU (rows nearly free), draft freely.
-A step whose prompt chunks fill the token budget takes no drafts: they would only push prompt tokens to a
-later step. These are decisions about time, never about the output: kept drafts are the tokens that decoding
-one at a time draws.
+its request a step. ``Drafter`` fits each step's seconds to its rows over the recent steps (a fixed cost, a
+cost per prompt token, a cost per sampled row: a decode or a draft) and drafts a request's ``j``-th token
+only while the chance that it is kept (``p ** j``, ``p`` the request's own rate of kept drafts, starting from
+the engine's) beats ``outputs * row / step``: a kept draft must add more to the step's tokens than its row
+adds to the step's time. A full batch of a small model on a CPU (rows dear) then drafts only for requests
+that copy their context; a few requests in the tail, or a GPU (rows nearly free), draft freely. A step
+whose prompt chunks fill the token budget takes no drafts: they would only push prompt tokens to a later
+step. These are decisions about time, never about the output: kept drafts are the tokens that decoding one
+at a time draws.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ FIT_DECAY = 0.95  # the step-cost fit's memory, per step (about the last 20 step
 # model on 2 CPU cores: ~50 ms a step + ~4 ms a decode row (~350 keys), 12. A GPU: rows are nearly free until
 # a step is compute-bound.
 PRIOR_STEP_ROWS = {"cpu": 12.0, "cuda": 256.0}
+PRIOR_PROMPT_SHARE = 0.5  # a prompt token's cost against a sampled row's, likewise
 
 
 class NgramIndex:
@@ -98,37 +100,60 @@ class SpecState:
 
 
 class StepCost:
-    """A step's seconds as ``alpha + beta * rows``: least squares over the recent steps (faded), or the
-    device's prior ratio of the two while the steps seen are too alike in size to tell them apart."""
+    """A step's seconds as ``alpha + beta_prompt * prompt_rows + beta_row * sampled_rows``: least squares
+    over the recent steps (faded). A sampled row (a decode or a draft: attention over the request's whole
+    context, and the output head) costs more than a prompt token. Until the steps seen tell the three
+    apart, the device's prior."""
 
     def __init__(self, prior_step_rows: float) -> None:
-        self.prior = prior_step_rows
-        self.n = self.x = self.xx = self.y = self.xy = 0.0  # faded sums of 1, rows, rows^2, s, rows * s
+        self.prior = (prior_step_rows, PRIOR_PROMPT_SHARE, 1.0)  # in units of beta_row
+        self.s = [[0.0] * 3 for _ in range(3)]  # faded sums of v v^T, v = (1, prompt_rows, sampled_rows)
+        self.b = [0.0] * 3  # faded sums of v * seconds
 
-    def observe(self, rows: int, seconds: float) -> None:
-        f = FIT_DECAY
-        self.n, self.x, self.xx = f * self.n + 1, f * self.x + rows, f * self.xx + rows * rows
-        self.y, self.xy = f * self.y + seconds, f * self.xy + rows * seconds
+    def observe(self, prompt_rows: int, sampled_rows: int, seconds: float) -> None:
+        v = (1.0, float(prompt_rows), float(sampled_rows))
+        for i in range(3):
+            self.b[i] = FIT_DECAY * self.b[i] + v[i] * seconds
+            for j in range(3):
+                self.s[i][j] = FIT_DECAY * self.s[i][j] + v[i] * v[j]
 
-    def step_rows(self) -> float:
-        """``alpha / beta``: what a step costs beyond its rows, in rows."""
-        if self.n < 4:
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(alpha, beta_prompt, beta_row)`` in units of ``beta_row`` (only their ratios matter)."""
+        if self.s[0][0] < 4:
             return self.prior
-        mx, my = self.x / self.n, self.y / self.n
-        var = self.xx / self.n - mx * mx
-        if var < 16.0:  # rows within ~4 of each other: the slope would be noise
+        fit = _solve(self.s, self.b, [0, 1, 2])
+        if fit is None:  # no prompt rows lately (or always the same share): decode steps alone
+            two = _solve(self.s, self.b, [0, 2])
+            fit = None if two is None else (two[0], self.prior[1] * two[1], two[1])
+        if fit is None or fit[0] <= 0 or fit[1] < 0 or fit[2] <= 0:
             return self.prior
-        beta = (self.xy / self.n - mx * my) / var
-        alpha = my - beta * mx
-        if beta <= 0 or alpha <= 0:
-            return self.prior
-        return min(max(alpha / beta, 1.0), 4096.0)
+        alpha, beta_prompt, beta_row = fit
+        return min(alpha / beta_row, 4096.0), beta_prompt / beta_row, 1.0
 
-    def threshold(self, outputs: int, rows: int) -> float:
-        """The chance of being kept that a draft needs to pay in a step of ``rows`` rows that makes
+    def threshold(self, outputs: int, prompt_rows: int, sampled_rows: int) -> float:
+        """The chance of being kept that a draft needs to pay in a step of these rows that makes
         ``outputs`` tokens: a kept draft is one more token for the step, a row more of its cost, so
         ``(outputs + 1) / (step + row) > outputs / step`` when the chance exceeds ``outputs * row / step``."""
-        return outputs / (self.step_rows() + rows)
+        alpha, beta_prompt, beta_row = self.coefficients()
+        return outputs * beta_row / (alpha + beta_prompt * prompt_rows + beta_row * sampled_rows)
+
+
+def _solve(s: list[list[float]], b: list[float], idx: list[int]) -> tuple[float, ...] | None:
+    """Least squares from the normal equations restricted to ``idx`` (Gaussian elimination); None when
+    they are near singular (a regressor that did not vary)."""
+    n = len(idx)
+    a = [[s[i][j] for j in idx] + [b[i]] for i in idx]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) <= 1e-9 * max(1.0, max(abs(a[i][i]) for i in range(n))):
+            return None
+        a[c], a[p] = a[p], a[c]
+        for r in range(n):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                for k in range(c, n + 1):
+                    a[r][k] -= f * a[c][k]
+    return tuple(a[i][n] / a[i][i] for i in range(n))
 
 
 def can_draft(req: Request) -> bool:
@@ -170,8 +195,17 @@ class Drafter:
         self.cost = StepCost(PRIOR_STEP_ROWS.get(device, PRIOR_STEP_ROWS["cpu"]))
         self.kept = KeptRate(ENGINE_DECAY)  # every request's drafts: a new request's prior
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self.cost.observe(rows, seconds)
+    @staticmethod
+    def rows(plan: SchedulerOutput) -> tuple[int, int]:
+        """A plan's prompt rows and sampled rows (decodes and drafts), before its counters advance."""
+        sampled = 0
+        for req, n in zip(plan.requests, plan.num_tokens, strict=True):
+            if n == 1 + req.num_draft_tokens and req.num_computed_tokens + n == req.num_tokens:
+                sampled += n
+        return plan.total_tokens - sampled, sampled
+
+    def observe(self, prompt_rows: int, sampled_rows: int, seconds: float) -> None:
+        self.cost.observe(prompt_rows, sampled_rows, seconds)
 
     def record(self, req: Request, proposed: int, kept: int) -> None:
         self.kept.add(proposed, kept)
@@ -188,7 +222,7 @@ class Drafter:
         if room <= 0:
             return []
         decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
-        threshold = self.cost.threshold(decoding, rows)
+        threshold = self.cost.threshold(decoding, rows - decoding, decoding)
         return draft(running, bm, self.max_drafts, max_model_len, room, threshold, self.kept.rate())
 
 
