@@ -59,8 +59,8 @@ digest = hashlib.sha256(json.dumps([outs[str(i)] for i in range(len(prompts))]).
 gen = eng.stats.generated_tokens - g0
 print(json.dumps(dict(wall=wall, tok_s=gen / wall, generated=gen, steps=eng.stats.steps - s0,
                       drafts=eng.stats.draft_tokens - d0, kept=eng.stats.accepted_draft_tokens - a0,
-                      digest=digest, step_rows=getattr(getattr(eng, "drafter", None), "cost", None)
-                      and round(eng.drafter.cost.step_rows(), 1))))
+                      digest=digest, fit=[round(c, 2) for c in eng.drafter.cost.coefficients()]
+                      if hasattr(eng, "drafter") else None)))
 """
 
 
