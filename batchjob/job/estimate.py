@@ -11,8 +11,10 @@ before a long run.
    ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` samples a step, whichever is
    more, plus the last batch's drain. Outputs are counted per request: each row's samples (``n``, from the
    job or the row's own parameters, e.g. an OpenAI body) times its ``max_new_tokens``, times the share of
-   that budget the calibration's samples used. A prompt is computed once for its samples. Prefix caching and
-   drafts are not counted otherwise, so the figure errs on the slow side. The calibration runs at most
+   that budget the calibration's samples used. A prompt is computed once for its samples; prompt tokens
+   count at the rate the calibration computed them per prompt token of its rows (less with a shared
+   system prompt in the prefix cache, more with ``choices`` scoring their labels). Drafts are not counted,
+   so the figure errs on the slow side. The calibration runs at most
    ``--max-num-seqs`` samples of a row: it times steps, not a row's every sample.
 3. The settings that matter changed (``--max-num-seqs``, ``--max-num-batched-tokens``, halved and
    doubled), as a small table: the same step costs in a different number of steps. (Timing each setting
@@ -52,6 +54,7 @@ class Calibration:
     beta_out: float = 0.0  # seconds per decoded token in a step
     max_num_seqs: int = 1
     budget: int = 1  # max_num_batched_tokens
+    computed_share: float = 1.0  # prompt tokens computed per prompt token of the rows (prefix cache, choices)
 
     @property
     def rows_per_s(self) -> float:
@@ -88,6 +91,7 @@ class Calibration:
         if self.rows <= 0:
             return float("inf")
         generated = budget_tokens * self.fill
+        prompt_tokens *= self.computed_share  # a shared prefix is computed once; choices score their labels
         tokens = prompt_tokens + generated
         steps = max(tokens / self.budget, generated / self.max_num_seqs) + self.output_per_row
         return steps * self.alpha + prompt_tokens * self.beta_prompt + generated * self.beta_out
@@ -150,7 +154,8 @@ class Estimate:
         out.append(
             f"  ({rows}; a step took {1000 * c.alpha:.1f} ms + {1000 * c.beta_prompt:.3f} ms a prompt token + "
             f"{1000 * c.beta_out:.3f} ms a decoded one, "
-            f"{c.output_per_row:.1f} tokens out a sample; this machine, today's settings; plus model loading)"
+            f"{c.output_per_row:.1f} tokens out a sample, {c.computed_share:.2f} prompt tokens computed a prompt "
+            "token (prefix cache, choices); this machine, today's settings; plus model loading)"
         )
         if self.alternatives:
             out.append(f"  {'with':<34}  estimated time")
@@ -193,20 +198,28 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
     budget = 0
     steps: list[tuple[int, int, float]] = []  # (prompt tokens, other tokens, seconds) of each step
     stats = engine.stats
+    computed0 = stats.computed_prompt_tokens
+    lengths = {f"calibrate-{i}": len(ids) for i, (ids, _) in enumerate(prompts)}
+    done: set[str] = set()  # the rows whose prompts were computed
     while engine.has_unfinished() and time.monotonic() - start < seconds:
         batched, prompt, t0 = stats.batched_tokens, stats.computed_prompt_tokens, time.perf_counter()
         for out in engine.step():
             rows += 1
+            done.add(out.request_id)
             tokens += len(out.token_ids)
             budget += limits[out.request_id]
         p = stats.computed_prompt_tokens - prompt
         steps.append((p, stats.batched_tokens - batched - p, time.perf_counter() - t0))
     elapsed = time.monotonic() - start
+    computed = stats.computed_prompt_tokens - computed0
     for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
         tokens += len(state.output_ids)
         rows += len(state.output_ids) / max(1, state.params.max_new_tokens)
+        if state.output_ids:  # its prompt is done
+            done.add(state.request_id)
         budget += len(state.output_ids)  # it has not stopped yet: it says nothing of stopping early
         engine.abort(state.request_id)
+    reached = sum(lengths.get(rid, 0) for rid in done)
     alpha, beta_prompt, beta_out = _fit(steps[1:] or steps)
     return Calibration(
         settings,
@@ -219,6 +232,7 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
         beta_out,
         cfg.max_num_seqs,
         cfg.max_num_batched_tokens,
+        computed / reached if reached else 1.0,
     )
 
 
