@@ -4,9 +4,9 @@ before a long run.
 1. Prompts: the job's first rows (all of them up to ``--estimate-rows``, else that many from the start of the
    stream) go through the job's own prompt builder, streaming, with a progress bar: a histogram of prompt
    lengths against the context, and the rows that will become errors (too long, no usable prompt).
-2. Calibration: the first usable prompts run through the engine with the job's settings (20 s at most, a
-   fifth of it an untimed warm-up pass), timing every step against its number of tokens: a step costs about
-   ``alpha + beta * tokens``.
+2. Calibration: the first usable prompts run through the engine with the job's settings (about 20 s: an
+   untimed warm-up pass, then a timed one), timing every step against its number of tokens: a step costs
+   about ``alpha + beta * tokens``.
    The whole job then takes as many steps as its tokens (the sampled prompt lengths, and its outputs) fill at
    ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` samples a step, whichever is
    more, plus the last batch's drain. Outputs are counted per request: each row's samples (``n``, from the
@@ -212,6 +212,10 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
         steps.append((p, stats.batched_tokens - batched - p, time.perf_counter() - t0))
     elapsed = time.monotonic() - start
     computed = stats.computed_prompt_tokens - computed0
+    partial = {}  # cut short in its prompt: the prompt tokens it reached (computed or from the cache)
+    for req in engine.scheduler.running:
+        if req.group_id in lengths and req.score is None and req.num_output_tokens == 0:
+            partial[req.group_id] = min(req.num_computed_tokens, req.num_prompt_tokens)
     for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
         tokens += len(state.output_ids)
         rows += len(state.output_ids) / max(1, state.params.max_new_tokens)
@@ -219,7 +223,9 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
             done.add(state.request_id)
         budget += len(state.output_ids)  # it has not stopped yet: it says nothing of stopping early
         engine.abort(state.request_id)
-    reached = sum(lengths.get(rid, 0) for rid in done)
+    reached = sum(lengths.get(rid, 0) for rid in done) + sum(
+        n for rid, n in partial.items() if rid not in done
+    )
     alpha, beta_prompt, beta_out = _fit(steps[1:] or steps)
     return Calibration(
         settings,
@@ -254,7 +260,7 @@ def estimate(
     seconds: float = 20.0,
 ) -> Estimate:
     """Look at the job's first ``max_rows`` rows, calibrate on ``calibration_rows`` of them; ``seconds``: the
-    calibration's budget (a fifth for its warm-up pass at most)."""
+    calibration's budget (a warm-up pass, then the timed one; each may end a step after its share)."""
     spec = prep.spec
     engine = load_engine(spec)
     tokenizer = engine.tokenizer
@@ -300,7 +306,7 @@ def estimate(
     bar.close()
     if total is None and sampled < max_rows:
         total = sampled  # the whole stream was read
-    main = _warm_then_time(engine, prompts, 0.2 * seconds, 0.8 * seconds)
+    main = _warm_then_time(engine, prompts, 0.15 * seconds, 0.65 * seconds)  # and a step over each, at most
     cfg = engine.config
     alternatives = []
     if prompts:
