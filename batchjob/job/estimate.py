@@ -174,11 +174,15 @@ def _fit(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
     a = np.array([[1.0, p, d] for p, d, _ in steps])
     y = np.array([t for _, _, t in steps])
     coef = np.linalg.lstsq(a, y, rcond=None)[0]
-    if (coef < 0).any():  # too few kinds of step to tell the three apart: one cost per token
-        tokens = a[:, 1] + a[:, 2]
-        per = float(y.sum() / max(tokens.sum(), 1e-9))
-        return 0.0, per, per
-    return float(coef[0]), float(coef[1]), float(coef[2])
+    if not (coef < 0).any():
+        return float(coef[0]), float(coef[1]), float(coef[2])
+    # too few kinds of step to tell the three apart: a step's cost and one cost per token, else the latter
+    tokens = a[:, 1] + a[:, 2]
+    two = np.linalg.lstsq(np.stack([a[:, 0], tokens], axis=1), y, rcond=None)[0]
+    if not (two < 0).any():
+        return float(two[0]), float(two[1]), float(two[1])
+    per = float(y.sum() / max(tokens.sum(), 1e-9))
+    return 0.0, per, per
 
 
 def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float) -> Calibration:
