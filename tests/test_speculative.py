@@ -93,19 +93,28 @@ def test_drafter_drafts_where_it_pays_and_probes_where_it_does_not():
     drafter = Drafter(4, "cpu", 512, 64)
     for rows in (8, 64, 30, 64, 2, 64):  # 50 ms a step + 4 ms a row: a step is worth 12.5 rows
         drafter.observe(0, rows, 0.050 + 0.004 * rows)
+    queued = [Request("q", [5, 6, 7], 3, SamplingParams(max_new_tokens=50), 0.0)]  # waits for a seat
     # 64 rows: a draft must be kept 84% of the time to pay; a new request's prior is 50%
-    assert _drafts(drafter, running, bm) == [0] * 64
+    assert _drafts(drafter, running, bm, queued) == [0] * 64
+    # nobody waits: the run ends with its longest requests, and for them a kept draft saves a whole step
+    # (1.3% of 76.5 rows' worth: the prior pays for the full window); a request with less than half the
+    # longest one's tokens left does not end the run: the throughput bar
+    running[1].params = SamplingParams(max_new_tokens=20)
+    assert _drafts(drafter, running, bm)[:3] == [4, 0, 4]
+    running[1].params = running[0].params
     for r in running[:2]:  # two requests whose drafts have all been kept (95% with the prior): they draft,
         for _ in range(10):  # as long as 0.95 ** j beats 84%: 3 drafts
             record(r, 4, 4)
-    assert _drafts(drafter, running, bm)[:3] == [3, 3, 0]
-    # two requests (the tail): a draft pays when kept 14% of the time, so the prior's 50% pays for two
+    assert _drafts(drafter, running, bm, queued)[:3] == [3, 3, 0]
+    # two requests: with others waiting a draft pays when kept 14% of the time (the prior's 50% pays for
+    # two); with none (the run's tail) 7% (three)
     few = [_decoding(f"t{i}", bm) for i in range(2)]
-    assert _drafts(drafter, few, bm) == [2, 2]
+    assert _drafts(drafter, few, bm, queued) == [2, 2]
+    assert _drafts(drafter, few, bm) == [3, 3]
     # a request that can't pay drafts one token every PROBE_STEPS steps, to see whether its text loops
     for r in running[2:]:
         r.spec.idle = 0
-    counts = [_drafts(drafter, running, bm)[2] for _ in range(PROBE_STEPS)]
+    counts = [_drafts(drafter, running, bm, queued)[2] for _ in range(PROBE_STEPS)]
     assert counts == [0] * (PROBE_STEPS - 1) + [1]
     for _ in range(20):  # the job's drafts are kept (its text loops): a new request starts from that
         drafter.record(running[0], 4, 4)

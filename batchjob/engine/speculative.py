@@ -20,8 +20,10 @@ the engine's) beats ``outputs * row / step``: a kept draft must add more to the 
 adds to the step's time. A full batch of a small model on a CPU (rows dear) then drafts only for requests
 that copy their context; a few requests in the tail, or a GPU (rows nearly free), draft freely. A step
 whose prompt chunks fill the token budget takes no drafts: they would only push prompt tokens to a later
-step. These are decisions about time, never about the output: kept drafts are the tokens that decoding one
-at a time draws.
+step. Once no request waits for a seat, the run ends with its longest request: for the requests with at
+least half the longest one's budget left, a kept draft saves a whole step, and the bar is ``row / step``.
+These are decisions about time, never about the output: kept drafts are the tokens that decoding one at a
+time draws.
 """
 
 from __future__ import annotations
@@ -223,7 +225,10 @@ class Drafter:
             return []
         decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
         threshold = self.cost.threshold(decoding, rows - decoding, decoding)
-        return draft(running, bm, self.max_drafts, max_model_len, room, threshold, self.kept.rate())
+        # No request waits for a seat: the run ends with its longest request, and a draft kept by one of
+        # the longest saves a whole step, not one token of it.
+        tail = None if waiting else self.cost.threshold(1, rows - decoding, decoding)
+        return draft(running, bm, self.max_drafts, max_model_len, room, threshold, self.kept.rate(), tail)
 
 
 def rows_without_drafts(
@@ -249,17 +254,24 @@ def draft(
     room: int | None = None,
     threshold: float = 0.0,
     prior: float = 0.5,
+    tail: float | None = None,
 ) -> list[Request]:
     """Append drafts to the running requests that can take them, to each as many as pay at ``threshold``
     (one every ``PROBE_STEPS`` steps where none does), ``room`` in all; returns those requests. The pool
-    keeps a block per running request spare: drafting must never be the reason a request is preempted."""
+    keeps a block per running request spare: drafting must never be the reason a request is preempted.
+    ``tail``: the threshold instead for the requests with at least half the longest one's tokens left."""
     spare = bm.num_free_blocks - len(running)
     room = max_drafts * len(running) if room is None else room
+
+    def tokens_left(r: Request) -> int:
+        return min(r.params.max_new_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
+
+    longest = max((tokens_left(r) for r in running), default=0) if tail is not None else 0
     drafted = []
     for req in running:
         if spare <= 0 or room <= 0:
             break
-        left = min(req.params.max_new_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
+        left = tokens_left(req)
         k = min(max_drafts, left - 1, room)  # the token drawn after the drafts counts too
         if k <= 0 or not can_draft(req):
             continue
@@ -267,7 +279,8 @@ def draft(
             req.spec = SpecState()
         spec = req.spec
         spec.idle += 1
-        k = window(spec.kept.rate(prior), threshold, k)
+        needed = tail if tail is not None and 2 * left >= longest else threshold
+        k = window(spec.kept.rate(prior), needed, k)
         if k == 0 and spec.idle >= PROBE_STEPS:
             k = 1
         tokens = spec.ngrams.propose(req.token_ids, k) if k else []
