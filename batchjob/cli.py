@@ -262,7 +262,7 @@ def _launch(
     is_flag=True,
     help="Also tokenize the prompts (a histogram of their lengths, the rows that will fail) and time a short "
     "calibration run: the job's expected time on this machine, and with other --max-num-seqs and "
-    "--max-num-batched-tokens (loads the model; about a minute).",
+    "--max-num-batched-tokens (loads the model; the calibration takes about 20 s).",
 )
 @click.option(
     "--estimate-rows",

@@ -9,10 +9,18 @@ import pytest
 
 from batchjob import Engine, SamplingParams
 from batchjob.engine.block_manager import BlockManager
-from batchjob.engine.ngram import NgramIndex
+from batchjob.engine.ngram import KeptRate, NgramIndex, SpecState
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
-from batchjob.engine.speculative import BACKOFF_STEPS, draft, propose, record, trim
+from batchjob.engine.speculative import (
+    PROBE_STEPS,
+    Drafter,
+    StepCost,
+    draft,
+    record,
+    trim,
+    window,
+)
 from tests.test_engine import _hf
 from tests.tiny_models import hf_greedy
 
@@ -29,18 +37,105 @@ def test_ngram_index_proposes_what_followed_the_latest_match():
     assert NgramIndex().propose([8, 8, 8], 3) == [8]  # "8 8" seen, followed by one 8
 
 
-def test_slow_start_grows_on_kept_drafts_and_rests_after_a_miss():
-    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], 3, SamplingParams(max_new_tokens=50), 0.0)
-    assert propose(req, 4) == [3]  # one draft at first
-    record(req, 1, 1)
-    assert propose(req, 4) == [3, 1]  # all kept: the window doubles
-    record(req, 2, 2)
-    assert propose(req, 4) == [3, 1, 2]  # window 4: all that followed the latest "3 1 2"
-    record(req, 4, 1)  # one kept, then a miss: back to one draft
-    assert req.spec.window == 1 and req.spec.backoff == 0
-    record(req, 1, 0)  # nothing kept: rest
-    assert [propose(req, 4) for _ in range(BACKOFF_STEPS)] == [[]] * BACKOFF_STEPS
-    assert propose(req, 4) == [3]
+def test_a_draft_pays_while_its_chance_of_being_kept_beats_what_its_row_costs():
+    assert window(0.9, 0.5, 4) == 4  # 0.9, 0.81, 0.73, 0.66: all above half a step
+    assert window(0.9, 0.75, 4) == 2  # 0.73 is not
+    assert window(0.4, 0.5, 4) == 0
+    assert window(0.4, 0.0, 4) == 4  # rows that cost nothing: every draft pays
+    rate = KeptRate(decay=1.0)
+    assert rate.rate(prior=0.7) == 0.7  # no evidence: the prior
+    rate.add(4, 4)  # all kept
+    rate.add(3, 1)  # one kept, then a rejection
+    assert rate.rate(prior=0.5, weight=2) == (5 + 1) / (5 + 1 + 2)
+
+
+def test_step_cost_fit_tells_a_steps_fixed_cost_prompt_tokens_and_sampled_rows_apart():
+    cost = StepCost(prior_step_rows=12.0)
+    assert cost.coefficients() == (12.0, 0.5, 1.0)  # no steps yet: the prior
+    for prompt, sampled in ((0, 1), (448, 64), (0, 8), (300, 40), (500, 12), (0, 3), (0, 64), (128, 64)):
+        cost.observe(prompt, sampled, 0.050 + 0.001 * prompt + 0.002 * sampled)  # 50 ms, 1 ms, 2 ms
+    alpha, beta_prompt, beta_row = cost.coefficients()
+    assert abs(alpha - 25.0) < 1e-6 and abs(beta_prompt - 0.5) < 1e-9 and beta_row == 1.0
+    assert abs(cost.threshold(75, 0, 75) - 0.75) < 1e-6  # 75 outputs of a 100-row step
+    assert abs(cost.threshold(25, 400, 25) - 0.1) < 1e-6  # prompt rows in the step: its tokens cost more
+    decode_only = StepCost(prior_step_rows=12.0)
+    for sampled in (1, 64, 8, 40, 3, 64):  # no prompt rows: the fixed cost and the row's, from decodes
+        decode_only.observe(0, sampled, 0.050 + 0.002 * sampled)
+    assert abs(decode_only.coefficients()[0] - 25.0) < 1e-6
+    alike = StepCost(prior_step_rows=12.0)
+    for _ in range(6):  # every step the same: nothing to tell apart
+        alike.observe(0, 64, 0.2)
+    assert alike.coefficients() == (12.0, 0.5, 1.0)
+
+
+def _decoding(rid: str, bm: BlockManager) -> Request:
+    """A request that repeats itself (the lookup always has a match), decoding."""
+    r = Request(rid, [1, 2, 3, 4] * 4, 16, SamplingParams(max_new_tokens=50), 0.0)
+    assert bm.allocate(r, 16)
+    r.num_computed_tokens = 15
+    return r
+
+
+def _drafts(drafter: Drafter, running: list[Request], bm: BlockManager, waiting=()) -> list[int]:
+    drafted = drafter.draft(running, list(waiting), bm, 1000)
+    counts = [r.num_draft_tokens for r in running]
+    for r in drafted:  # undo, as a step that verified nothing would
+        del r.token_ids[-r.num_draft_tokens :]
+        r.num_draft_tokens = 0
+    return counts
+
+
+def test_drafter_drafts_where_it_pays_and_probes_where_it_does_not():
+    bm = BlockManager(200, 16)
+    running = [_decoding(f"r{i}", bm) for i in range(64)]
+    drafter = Drafter(4, "cpu", 512, 64)
+    for rows in (8, 64, 30, 64, 2, 64):  # 50 ms a step + 4 ms a row: a step is worth 12.5 rows
+        drafter.observe(0, rows, 0.050 + 0.004 * rows)
+    queued = [Request("q", [5, 6, 7], 3, SamplingParams(max_new_tokens=50), 0.0)]  # waits for a seat
+    # 64 rows: a draft must be kept 84% of the time to pay; a new request's prior is 50%
+    assert _drafts(drafter, running, bm, queued) == [0] * 64
+    # nobody waits: the run ends with its longest requests, and for them a kept draft saves a whole step
+    # (1.3% of 76.5 rows' worth: the prior pays for the full window); a request with less than half the
+    # longest one's tokens left does not end the run: the throughput bar
+    running[1].params = SamplingParams(max_new_tokens=20)
+    assert _drafts(drafter, running, bm)[:3] == [4, 0, 4]
+    running[1].params = running[0].params
+    for r in running[:2]:  # two requests whose drafts have all been kept (95% with the prior): they draft,
+        for _ in range(10):  # as long as 0.95 ** j beats 84%: 3 drafts
+            record(r, 4, 4)
+    assert _drafts(drafter, running, bm, queued)[:3] == [3, 3, 0]
+    # two requests: with others waiting a draft pays when kept 14% of the time (the prior's 50% pays for
+    # two); with none (the run's tail) 7% (three)
+    few = [_decoding(f"t{i}", bm) for i in range(2)]
+    assert _drafts(drafter, few, bm, queued) == [2, 2]
+    assert _drafts(drafter, few, bm) == [3, 3]
+    # a request that can't pay drafts one token every PROBE_STEPS steps, to see whether its text loops
+    for r in running[2:]:
+        r.spec.idle = 0
+    counts = [_drafts(drafter, running, bm, queued)[2] for _ in range(PROBE_STEPS)]
+    assert counts == [0] * (PROBE_STEPS - 1) + [1]
+    for _ in range(20):  # the job's drafts are kept (its text loops): a new request starts from that
+        drafter.record(running[0], 4, 4)
+    assert _drafts(drafter, [_decoding("new", bm)], bm) == [4]
+
+
+def test_drafter_leaves_a_full_token_budget_to_prompts():
+    bm = BlockManager(400, 16)
+    running = [_decoding(f"r{i}", bm) for i in range(4)]
+    for r in running:
+        r.spec = SpecState()
+        for _ in range(10):
+            r.spec.kept.add(4, 4)
+    drafter = Drafter(4, "cpu", 512, 64)
+    assert _drafts(drafter, running, bm) == [4] * 4
+    waiting = [
+        Request(f"w{i}", list(range(5, 205)), 200, SamplingParams(max_new_tokens=5), 0.0) for i in range(3)
+    ]
+    assert _drafts(drafter, running, bm, waiting) == [0] * 4  # 4 + 600 prompt tokens: over the budget
+    # 404 rows: drafts pay (4 outputs in a step of 416 rows' worth) and fit, 16 of room for 108
+    assert _drafts(drafter, running, bm, waiting[:2]) == [4] * 4
+    drafter.budget = 410
+    assert _drafts(drafter, running, bm, waiting[:2]) == [4, 2, 0, 0]  # room for 6
 
 
 def test_trim_keeps_only_the_drafts_the_plan_computes():
@@ -56,7 +151,7 @@ def test_trim_keeps_only_the_drafts_the_plan_computes():
     assert left_out.token_ids == [5, 6, 7, 8] and left_out.num_draft_tokens == 0
 
 
-@pytest.mark.parametrize(("num_blocks", "drafts"), [(4 + 2, 0), (4 + 3, 1)])
+@pytest.mark.parametrize(("num_blocks", "drafts"), [(4 + 2, 0), (4 + 3, 3)])
 def test_drafting_leaves_a_block_per_running_request(num_blocks, drafts):
     """Two running requests, each at the end of a full block: a draft needs a new block, and it only
     gets one when a block per running request stays free afterwards (drafts never cause preemption)."""
@@ -69,7 +164,7 @@ def test_drafting_leaves_a_block_per_running_request(num_blocks, drafts):
         running.append(r)
     drafted = draft(running, bm, 4, 1000)
     assert [r.num_draft_tokens for r in running] == [drafts, 0]
-    assert len(drafted) == drafts
+    assert len(drafted) == (drafts > 0)
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -179,6 +179,10 @@ class Engine:
             split_prompts=not encoder,
         )
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
+        assert config.num_speculative_tokens is not None
+        self.drafter = speculative.Drafter(
+            config.num_speculative_tokens, self.device.type, budget, config.max_num_seqs
+        )
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
         # The request features beside the core (feature.py), in the order their hooks run: log-probabilities
@@ -408,7 +412,9 @@ class Engine:
         finished = self._flush_failed()
         plan = self._schedule()
         if not plan.is_empty:
+            rows = self.drafter.rows(plan)
             finished += self._update(plan, *self._execute(plan))
+            self.drafter.observe(*rows, time.perf_counter() - t0)
         outputs = self._collect(finished)
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
@@ -418,10 +424,8 @@ class Engine:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan for one forward; the running requests that can draft propose their next
         tokens first (speculative.py), and keep the drafts the plan has room for."""
-        k = self.config.num_speculative_tokens
-        drafted = (
-            speculative.draft(self.scheduler.running, self.block_manager, k, self.max_model_len) if k else []
-        )
+        sched = self.scheduler
+        drafted = self.drafter.draft(sched.running, sched.waiting, self.block_manager, self.max_model_len)
         plan = self.scheduler.schedule()
         if drafted:
             speculative.trim(drafted, plan)
@@ -542,7 +546,7 @@ class Engine:
         if d:
             self.stats.accepted_draft_tokens += kept
             if status is None:
-                speculative.record(req, d, kept)
+                self.drafter.record(req, d, kept)
             self.block_manager.register_full_blocks(req)
         return status
 

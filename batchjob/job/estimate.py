@@ -4,17 +4,21 @@ before a long run.
 1. Prompts: the job's first rows (all of them up to ``--estimate-rows``, else that many from the start of the
    stream) go through the job's own prompt builder, streaming, with a progress bar: a histogram of prompt
    lengths against the context, and the rows that will become errors (too long, no usable prompt).
-2. Calibration: the first usable prompts run through the engine with the job's settings (about a minute at
-   most), timing every step against its number of tokens: a step costs about ``alpha + beta * tokens``.
+2. Calibration: the first usable prompts run through the engine with the job's settings (about 20 s: an
+   untimed warm-up pass, then a timed one), timing every step against its number of tokens: a step costs
+   about ``alpha + beta * tokens``.
    The whole job then takes as many steps as its tokens (the sampled prompt lengths, and its outputs) fill at
    ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` samples a step, whichever is
    more, plus the last batch's drain. Outputs are counted per request: each row's samples (``n``, from the
    job or the row's own parameters, e.g. an OpenAI body) times its ``max_new_tokens``, times the share of
-   that budget the calibration's samples used. A prompt is computed once for its samples. Prefix caching and
-   drafts are not counted otherwise, so the figure errs on the slow side. The calibration runs at most
+   that budget the calibration's samples used. A prompt is computed once for its samples; prompt tokens
+   count at the rate the calibration computed them per prompt token of its rows (less with a shared
+   system prompt in the prefix cache, more with ``choices`` scoring their labels). Drafts are not counted,
+   so the figure errs on the slow side. The calibration runs at most
    ``--max-num-seqs`` samples of a row: it times steps, not a row's every sample.
-3. The same short calibration with the settings that matter changed (``--max-num-seqs``,
-   ``--max-num-batched-tokens``, halved and doubled), on the loaded model, as a small table.
+3. The settings that matter changed (``--max-num-seqs``, ``--max-num-batched-tokens``, halved and
+   doubled), as a small table: the same step costs in a different number of steps. (Timing each setting
+   again took longer than the small jobs it estimated, and the fit tells the steps apart already.)
 
 The line ``estimated time: <duration>`` (``41 s``, ``12.5 min``, ``3.2 h``) is for scripts to read.
 """
@@ -52,6 +56,7 @@ class Calibration:
     beta_out: float = 0.0  # seconds per decoded token in a step
     max_num_seqs: int = 1
     budget: int = 1  # max_num_batched_tokens
+    computed_share: float = 1.0  # prompt tokens computed per prompt token of the rows (prefix cache, choices)
 
     @property
     def rows_per_s(self) -> float:
@@ -71,6 +76,16 @@ class Calibration:
         """The share of their ``max_new_tokens`` the calibration's samples used (they stop early)."""
         return self.generated_tokens / self.budget_tokens if self.budget_tokens else 1.0
 
+    def with_settings(self, settings: str, max_num_seqs: int | None, budget: int | None) -> Calibration:
+        """The same step costs at another ``max_num_seqs`` or token budget: only the number of steps
+        changes (a step's cost per token is taken to be the same)."""
+        return dataclasses.replace(
+            self,
+            settings=settings,
+            max_num_seqs=max_num_seqs or self.max_num_seqs,
+            budget=budget or self.budget,
+        )
+
     def job_seconds(self, budget_tokens: float, prompt_tokens: float) -> float:
         """A job of ``prompt_tokens`` prompt tokens whose samples may generate ``budget_tokens`` in all, in
         steps of this calibration's cost: as many steps as its tokens fill at the step budget, or as its
@@ -78,6 +93,7 @@ class Calibration:
         if self.rows <= 0:
             return float("inf")
         generated = budget_tokens * self.fill
+        prompt_tokens *= self.computed_share  # a shared prefix is computed once; choices score their labels
         tokens = prompt_tokens + generated
         steps = max(tokens / self.budget, generated / self.max_num_seqs) + self.output_per_row
         return steps * self.alpha + prompt_tokens * self.beta_prompt + generated * self.beta_out
@@ -140,7 +156,8 @@ class Estimate:
         out.append(
             f"  ({rows}; a step took {1000 * c.alpha:.1f} ms + {1000 * c.beta_prompt:.3f} ms a prompt token + "
             f"{1000 * c.beta_out:.3f} ms a decoded one, "
-            f"{c.output_per_row:.1f} tokens out a sample; this machine, today's settings; plus model loading)"
+            f"{c.output_per_row:.1f} tokens out a sample, {c.computed_share:.2f} prompt tokens computed a prompt "
+            "token (prefix cache, choices); this machine, today's settings; plus model loading)"
         )
         if self.alternatives:
             out.append(f"  {'with':<34}  estimated time")
@@ -159,11 +176,15 @@ def _fit(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
     a = np.array([[1.0, p, d] for p, d, _ in steps])
     y = np.array([t for _, _, t in steps])
     coef = np.linalg.lstsq(a, y, rcond=None)[0]
-    if (coef < 0).any():  # too few kinds of step to tell the three apart: one cost per token
-        tokens = a[:, 1] + a[:, 2]
-        per = float(y.sum() / max(tokens.sum(), 1e-9))
-        return 0.0, per, per
-    return float(coef[0]), float(coef[1]), float(coef[2])
+    if not (coef < 0).any():
+        return float(coef[0]), float(coef[1]), float(coef[2])
+    # too few kinds of step to tell the three apart: a step's cost and one cost per token, else the latter
+    tokens = a[:, 1] + a[:, 2]
+    two = np.linalg.lstsq(np.stack([a[:, 0], tokens], axis=1), y, rcond=None)[0]
+    if not (two < 0).any():
+        return float(two[0]), float(two[1]), float(two[1])
+    per = float(y.sum() / max(tokens.sum(), 1e-9))
+    return 0.0, per, per
 
 
 def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float) -> Calibration:
@@ -183,20 +204,34 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
     budget = 0
     steps: list[tuple[int, int, float]] = []  # (prompt tokens, other tokens, seconds) of each step
     stats = engine.stats
+    computed0 = stats.computed_prompt_tokens
+    lengths = {f"calibrate-{i}": len(ids) for i, (ids, _) in enumerate(prompts)}
+    done: set[str] = set()  # the rows whose prompts were computed
     while engine.has_unfinished() and time.monotonic() - start < seconds:
         batched, prompt, t0 = stats.batched_tokens, stats.computed_prompt_tokens, time.perf_counter()
         for out in engine.step():
             rows += 1
+            done.add(out.request_id)
             tokens += len(out.token_ids)
             budget += limits[out.request_id]
         p = stats.computed_prompt_tokens - prompt
         steps.append((p, stats.batched_tokens - batched - p, time.perf_counter() - t0))
     elapsed = time.monotonic() - start
+    computed = stats.computed_prompt_tokens - computed0
+    partial = {}  # cut short in its prompt: the prompt tokens it reached (computed or from the cache)
+    for req in engine.scheduler.running:
+        if req.group_id in lengths and req.score is None and req.num_output_tokens == 0:
+            partial[req.group_id] = min(req.num_computed_tokens, req.num_prompt_tokens)
     for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
         tokens += len(state.output_ids)
         rows += len(state.output_ids) / max(1, state.params.max_new_tokens)
+        if state.output_ids:  # its prompt is done
+            done.add(state.request_id)
         budget += len(state.output_ids)  # it has not stopped yet: it says nothing of stopping early
         engine.abort(state.request_id)
+    reached = sum(lengths.get(rid, 0) for rid in done) + sum(
+        n for rid, n in partial.items() if rid not in done
+    )
     alpha, beta_prompt, beta_out = _fit(steps[1:] or steps)
     return Calibration(
         settings,
@@ -209,6 +244,7 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
         beta_out,
         cfg.max_num_seqs,
         cfg.max_num_batched_tokens,
+        computed / reached if reached else 1.0,
     )
 
 
@@ -227,10 +263,10 @@ def estimate(
     prep: Prepared,
     max_rows: int = 10_000,
     calibration_rows: int = 64,
-    seconds: float = 60.0,
+    seconds: float = 20.0,
 ) -> Estimate:
     """Look at the job's first ``max_rows`` rows, calibrate on ``calibration_rows`` of them; ``seconds``: the
-    calibrations' budget (60% for today's settings, the rest for the table)."""
+    calibration's budget (a warm-up pass, then the timed one; each may end a step after its share)."""
     spec = prep.spec
     engine = load_engine(spec)
     tokenizer = engine.tokenizer
@@ -276,34 +312,25 @@ def estimate(
     bar.close()
     if total is None and sampled < max_rows:
         total = sampled  # the whole stream was read
-    main = _warm_then_time(engine, prompts, 0.1 * seconds, 0.4 * seconds)
-    per = 0.1 * seconds
-    alternatives = []
+    main = _warm_then_time(engine, prompts, 0.15 * seconds, 0.65 * seconds)  # and a step over each, at most
     cfg = engine.config
-    model, tok = engine.model, engine.tokenizer
-    from batchjob.engine import Engine
-
-    for name, change in (
-        (f"--max-num-seqs {max(1, cfg.max_num_seqs // 2)}", {"max_num_seqs": max(1, cfg.max_num_seqs // 2)}),
-        (f"--max-num-seqs {cfg.max_num_seqs * 2}", {"max_num_seqs": cfg.max_num_seqs * 2}),
-        (
-            f"--max-num-batched-tokens {max(16, cfg.max_num_batched_tokens // 2)}",
-            {"max_num_batched_tokens": max(16, cfg.max_num_batched_tokens // 2)},
-        ),
-        (
-            f"--max-num-batched-tokens {cfg.max_num_batched_tokens * 2}",
-            {"max_num_batched_tokens": cfg.max_num_batched_tokens * 2},
-        ),
-    ):
-        if not prompts:
-            break
-        try:
-            other = Engine(model, tok, dataclasses.replace(cfg, **change), model_id=engine.model_id)
-        except Exception as e:  # a setting this machine can't hold (the KV pool, say)
-            alternatives.append((f"{name} (not possible: {str(e)[:40]})", Calibration(name, 0, 1.0, 0, 0)))
-            continue
-        alternatives.append((name, _warm_then_time(other, prompts, 0.025 * seconds, per)))
-        del other
+    alternatives = []
+    if prompts:
+        for name, seqs, budget in (
+            (f"--max-num-seqs {max(1, cfg.max_num_seqs // 2)}", max(1, cfg.max_num_seqs // 2), None),
+            (f"--max-num-seqs {cfg.max_num_seqs * 2}", cfg.max_num_seqs * 2, None),
+            (
+                f"--max-num-batched-tokens {max(16, cfg.max_num_batched_tokens // 2)}",
+                None,
+                max(16, cfg.max_num_batched_tokens // 2),
+            ),
+            (
+                f"--max-num-batched-tokens {cfg.max_num_batched_tokens * 2}",
+                None,
+                cfg.max_num_batched_tokens * 2,
+            ),
+        ):
+            alternatives.append((name, main.with_settings(name, seqs, budget)))
     return Estimate(
         sampled,
         total,
