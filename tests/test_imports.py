@@ -11,7 +11,7 @@ import pytest
 
 from batchjob.job import make_spec, run_job
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.process]  # each test starts a fresh interpreter
 
 HEAVY = ("torch", "transformers", "tokenizers")
 
