@@ -220,7 +220,7 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
     computed = stats.computed_prompt_tokens - computed0
     partial = {}  # cut short in its prompt: the prompt tokens it reached (computed or from the cache)
     for req in engine.scheduler.running:
-        if req.group_id in lengths and req.score is None and req.num_output_tokens == 0:
+        if req.group_id in lengths and req.owner is None and req.num_output_tokens == 0:
             partial[req.group_id] = min(req.num_computed_tokens, req.num_prompt_tokens)
     for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
         tokens += len(state.output_ids)
