@@ -14,6 +14,7 @@ local cache, a model's own code, or modules kept in float32.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -100,55 +101,56 @@ def load_shard(
     if any(_matches(plan, p) != "replicated_with_grad_allreduce" for p in experts):
         return None, "its plan splits fused experts"
     aliases = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if name not in params]
+    # Non-persistent buffers are computed by _init_weights, which must not touch weights: buffer-only modules.
+    owners = {name.rpartition(".")[0] for name, _ in model.named_buffers() if name not in persistent}
+    for path in sorted(owners):
+        if any(True for _ in model.get_submodule(path).parameters(recurse=False)):
+            return None, f"module {path} computes buffers beside its weights"
     shard_model(model, rank, n, all_reduce)  # on meta: shapes, in/out features and hooks, no data
 
-    opened: dict[Path, Any] = {}
-    try:
+    with ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(str(file), "pt")) for file in set(files.values())}
+        index = {}
+        for key, (dim, _) in shares.items():  # every share's shape checked before anything is read
+            shape = list(opened[files[key]].get_slice(key).get_shape())
+            index[key] = [slice(None)] * len(shape)
+            full = tuple(shape)
+            if dim is not None:
+                start, end = bounds(shape[dim], rank, n)
+                index[key][dim], shape[dim] = slice(start, end), end - start
+            want = tuple(model.get_parameter(key).shape)
+            if tuple(shape) != want:
+                return None, f"checkpoint tensor {key!r} of shape {full} does not split into {want}"
         for key, (dim, zero) in shares.items():
-            module_path, _, name = key.rpartition(".")
-            module = model.get_submodule(module_path)
-            target = getattr(module, name)
-            if zero and rank:
-                value = torch.zeros(target.shape, dtype=dtype, device=device)  # not read: rank 0 adds it
+            if zero and rank:  # not read: rank 0's copy is added once, by the sum
+                value = torch.zeros(model.get_parameter(key).shape, dtype=dtype, device=device)
             else:
-                f = opened.get(files[key]) or opened.setdefault(files[key], safe_open(str(files[key]), "pt"))
-                part = f.get_slice(key)
-                index = [slice(None)] * len(part.get_shape())
-                if dim is not None:
-                    index[dim] = slice(*bounds(part.get_shape()[dim], rank, n))
-                value = part[tuple(index)]
+                value = opened[files[key]].get_slice(key)[tuple(index[key])]
                 value = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
-            if value.shape != target.shape:
-                return None, f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, not the model's"
-            module._parameters[name] = torch.nn.Parameter(value, requires_grad=dim is None and not zero)
+            _put(model, key, torch.nn.Parameter(value, requires_grad=dim is None and not zero))
         for key in persistent:
-            module_path, _, name = key.rpartition(".")
-            module = model.get_submodule(module_path)
-            f = opened.get(files[key]) or opened.setdefault(files[key], safe_open(str(files[key]), "pt"))
-            value = f.get_tensor(key).to(device)
-            module._buffers[name] = value.to(dtype) if value.is_floating_point() else value
-    finally:
-        for f in opened.values():
-            f.__exit__(None, None, None)
+            value = opened[files[key]].get_tensor(key).to(device)
+            _put(model, key, value.to(dtype) if value.is_floating_point() else value)
     for name, first in aliases:  # tied weights: the same tensor again, as from_pretrained ties them
-        for key, p in params.items():
-            if p is first:
-                module_path, _, leaf = name.rpartition(".")
-                model.get_submodule(module_path)._parameters[leaf] = model.get_parameter(key)
-    owners = []
+        _put(model, name, model.get_parameter(next(key for key, p in params.items() if p is first)))
     for name, buffer in list(model.named_buffers()):
         if buffer.is_meta:
-            module_path, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_path)
-            module._buffers[leaf] = torch.empty_like(buffer, device=device)
-            owners.append(module)
-    for module in owners:  # no parameters of its own are re-initialised: a buffer-only module (rotary)
-        if any(True for _ in module.parameters(recurse=False)):
-            return None, f"module {type(module).__name__} has buffers computed beside its weights"
-        model._init_weights(module)
+            _put(model, name, torch.empty_like(buffer, device=device))
+    for path in owners:
+        model._init_weights(model.get_submodule(path))  # rotary inv_freq, as from_pretrained computes it
     _generation_config(model, folder)
     model.eval()
     return model, None
+
+
+def _put(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set parameter or buffer ``name`` (a dotted path) of ``model`` to ``value``, keeping its kind."""
+    path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(path)
+    if leaf in module._parameters:
+        module._parameters[leaf] = value
+    else:
+        module._buffers[leaf] = value
 
 
 def _generation_config(model: torch.nn.Module, folder: Path) -> None:
