@@ -2,21 +2,27 @@
 
 ``Engine.from_pretrained(..., tensor_parallel_size=N)`` (``--tensor-parallel-size N``) goes through
 :func:`load_engine`: the family's plan is checked from its config first (shard.py refuses what it cannot
-split, by name), then rank 0 starts the other ranks (group.py), every rank loads the model and keeps its
-shard, and rank 0's engine is returned. Everything above the forward (scheduler, KV block allocation,
+split, by name), then rank 0 starts the other ranks (group.py), every rank loads its shard, and rank 0's
+engine is returned. Everything above the forward (scheduler, KV block allocation,
 sampling, checkpoints) runs on rank 0 only; the other ranks replay its steps (follower.py).
 
-Limitation: each rank reads the whole checkpoint before keeping its shard, so loading needs one model's
-memory per rank for a moment (the sharded weights and the KV pool are what stays).
+A rank reads only its share of each weight where the safetensors keys are the model's parameters one to one
+(load.py: dense Llama, Qwen2, Qwen3, Mistral...). Elsewhere (fused MoE experts, .bin, GGUF, a model's own
+code) it reads the whole checkpoint and keeps its shard, so loading needs one model's memory per rank for a
+moment; one log line says which and why.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from batchjob.engine.parallel.group import Group
+from batchjob.engine.parallel.load import load_shard
 from batchjob.engine.parallel.shard import check_shardable, plan_of, shard_model
-from batchjob.models import load_config, load_model_and_tokenizer
+from batchjob.models import load_config, load_model_and_tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["check_shardable", "load_engine", "plan_of"]
 
@@ -32,7 +38,17 @@ def _plain(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_model(model: str | None, config, trust_remote_code: bool, group) -> tuple[Any, Any, str]:
-    """Load the model on this rank's device and keep this rank's shard."""
+    """This rank's shard of the model on its device: read by slice where the checkpoint allows (load.py),
+    else the whole model loaded and sliced (one log line says why)."""
+    model_config, resolved = load_config(model, trust_remote_code)
+    tokenizer = load_tokenizer(model, trust_remote_code)
+    hf_model, why = load_shard(
+        resolved, model_config, config, group.rank, group.size, group.device, group.all_reduce
+    )
+    if hf_model is not None:
+        return hf_model, tokenizer, resolved
+    if group.rank == 0:
+        log.info("tensor parallelism: every rank loads all of %s and keeps its shard: %s", resolved, why)
     hf_model, tokenizer, resolved = load_model_and_tokenizer(
         model, config.dtype, group.device, trust_remote_code=trust_remote_code, task=config.task
     )

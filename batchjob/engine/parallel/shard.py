@@ -87,8 +87,27 @@ def _matches(plan: dict[str, str], path: str) -> str | None:
     return plan.get(generic)
 
 
+def bounds(size: int, rank: int, n: int) -> tuple[int, int]:
+    """The [start, end) of ``rank``'s share of ``size`` items over ``n`` ranks (``torch.chunk``'s split)."""
+    step = -(-size // n)
+    start = min(size, rank * step)
+    return start, min(size, start + step)
+
+
+def linear_rule(kind: str, name: str) -> tuple[int | None, bool]:
+    """How a ``kind`` linear's tensor ``name`` (weight or bias) is shared: (the dim split over the ranks, or
+    None when every rank keeps it whole; whether ranks other than 0 hold zeros instead). The one place both
+    :func:`shard_model` and the shard-only loader (load.py) take it from."""
+    if kind == "colwise":
+        return 0, False
+    if kind == "rowwise":
+        return (1, False) if name == "weight" else (None, True)  # the bias is added once, by rank 0's sum
+    raise ConfigError(f"tensor-parallel plan: {kind} on a linear is not implemented")
+
+
 def _piece(t: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
-    return t.chunk(n, dim=dim)[rank].contiguous()
+    start, end = bounds(t.shape[dim], rank, n)
+    return t.narrow(dim, start, end - start).contiguous()
 
 
 def shard_model(model: torch.nn.Module, rank: int, n: int, all_reduce: AllReduce) -> int:
@@ -109,19 +128,22 @@ def shard_model(model: torch.nn.Module, rank: int, n: int, all_reduce: AllReduce
             if kind is None or kind == "replicated_with_grad_allreduce":
                 continue
             if isinstance(module, torch.nn.Linear):
+                if kind not in ("colwise", "rowwise"):
+                    raise ConfigError(f"tensor-parallel plan: {kind} on linear {path} is not implemented")
+                for name in ("weight", "bias"):
+                    param = getattr(module, name)
+                    dim, zero = linear_rule(kind, name)
+                    if param is None:
+                        continue
+                    if dim is not None:
+                        setattr(module, name, torch.nn.Parameter(_piece(param, dim, rank, n), False))
+                    elif zero and rank:
+                        param.zero_()
                 if kind == "colwise":
-                    module.weight = torch.nn.Parameter(_piece(module.weight, 0, rank, n), False)
-                    if module.bias is not None:
-                        module.bias = torch.nn.Parameter(_piece(module.bias, 0, rank, n), False)
                     module.out_features //= n
-                elif kind == "rowwise":
-                    module.weight = torch.nn.Parameter(_piece(module.weight, 1, rank, n), False)
-                    if module.bias is not None and rank:
-                        module.bias.zero_()
+                else:
                     module.in_features //= n
                     module.register_forward_hook(reduce_output)
-                else:
-                    raise ConfigError(f"tensor-parallel plan: {kind} on linear {path} is not implemented")
                 count += 1
             elif kind == "moe_tp_experts":
                 _shard_experts(module, path, plan, rank, n)
