@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors import safe_open
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 from batchjob.engine.parallel.shard import _matches, bounds, linear_rule, plan_of, shard_model
 
@@ -27,8 +29,6 @@ SPLIT_KINDS = ("colwise", "rowwise")
 
 
 def _auto_class(task: str) -> Any:
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
     return {"embed": AutoModel, "classify": AutoModelForSequenceClassification}.get(
         task, AutoModelForCausalLM
     )
@@ -40,8 +40,6 @@ def checkpoint_files(resolved: str) -> tuple[Path, dict[str, Path], str | None]:
     folder = Path(resolved)
     if not folder.is_dir():
         try:
-            from huggingface_hub import snapshot_download
-
             folder = Path(
                 snapshot_download(resolved, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
             )
@@ -157,6 +155,4 @@ def _generation_config(model: torch.nn.Module, folder: Path) -> None:
     """The folder's generation_config.json, as from_pretrained reads it (its eos ids are where generate stops)."""
     if getattr(model, "generation_config", None) is None or not (folder / "generation_config.json").is_file():
         return
-    from transformers import GenerationConfig
-
     model.generation_config = GenerationConfig.from_pretrained(str(folder))
