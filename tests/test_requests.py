@@ -572,7 +572,7 @@ def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_pa
     from batchjob.job.estimate import estimate
     from batchjob.job.prepare import prepare
 
-    def seconds(n: int, max_tokens: int) -> tuple[float, list[str]]:
+    def seconds(n: int, max_tokens: int):
         path = tmp_path / f"n{n}-{max_tokens}.jsonl"
         with open(path, "w") as f:
             for i in range(8):
@@ -583,11 +583,13 @@ def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_pa
             input=[str(path)], output=str(tmp_path / f"out-{n}"), model=str(tiny_model_dir), format="openai"
         )
         est = estimate(prepare(spec), seconds=3.0)
-        return est.seconds(est.calibration), est.lines()
+        return est.seconds(est.calibration), est.lines(), est
 
-    one, _ = seconds(1, 4)
-    many, lines = seconds(10_000, 4)
-    longer, _ = seconds(10_000, 8)
+    one, _, _ = seconds(1, 4)
+    many, lines, est_many = seconds(10_000, 4)
+    _, _, est_longer = seconds(10_000, 8)
+    # at the same step costs (two calibrations differ by the machine's noise): only the tokens counted differ
+    longer = est_longer.seconds(est_many.calibration)
     # 10,000 answers a request, not one (each costs less than a lone answer: a row's samples decode together)
     assert one > 0 and many > 100 * one, (one, many)
     assert longer > 1.5 * many  # twice the tokens each

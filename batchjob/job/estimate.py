@@ -316,7 +316,7 @@ def estimate(
     cfg = engine.config
     alternatives = []
     if prompts:
-        for name, seqs, budget in (
+        for name, seqs, tokens in (  # not `budget`: that is the sampled rows' output budget
             (f"--max-num-seqs {max(1, cfg.max_num_seqs // 2)}", max(1, cfg.max_num_seqs // 2), None),
             (f"--max-num-seqs {cfg.max_num_seqs * 2}", cfg.max_num_seqs * 2, None),
             (
@@ -330,7 +330,7 @@ def estimate(
                 cfg.max_num_batched_tokens * 2,
             ),
         ):
-            alternatives.append((name, main.with_settings(name, seqs, budget)))
+            alternatives.append((name, main.with_settings(name, seqs, tokens)))
     return Estimate(
         sampled,
         total,
