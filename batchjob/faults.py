@@ -38,14 +38,18 @@ KILL_ENV = "BATCHJOB_FAULT_KILL"
 EIO_ENV = "BATCHJOB_FAULT_EIO"
 
 _writes: dict[str, int] = {}
+_paused: set[str] = set()  # the points this process has paused at: each pauses once
 
 
 def point(name: str) -> None:
-    """If ``BATCHJOB_FAULT_PAUSE`` names this point, announce it and wait for SIGTERM/SIGINT."""
+    """If ``BATCHJOB_FAULT_PAUSE`` names this point, announce it and wait for SIGTERM/SIGINT: the first time the
+    process reaches it only. (A test sends one signal; the stop it causes may pass the point again, e.g. the
+    last checkpoint's commit, and must not wait there for a second.)"""
     if name not in os.environ.get(PAUSE_ENV, "").split(","):
         return
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or name in _paused:
         return
+    _paused.add(name)
     signals = (signal.SIGTERM, signal.SIGINT)
     previous = {s: signal.getsignal(s) for s in signals}
     got: list[int] = []
