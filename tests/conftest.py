@@ -32,8 +32,8 @@ def _guarded(item):
     return TierGuard(item.nodeid, tier) if tier in ("unit", "engine") else None
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
+def _under_guard(item):
+    """A hook wrapper's body: the phase (yielded to) runs under the test's tier guard."""
     guard = _guarded(item)
     if guard is None:
         return (yield)
@@ -41,17 +41,16 @@ def pytest_runtest_setup(item):
         result = yield
     _fail_on(guard)
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _under_guard(item))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    guard = _guarded(item)
-    if guard is None:
-        return (yield)
-    with guard:
-        result = yield
-    _fail_on(guard)
-    return result
+    return (yield from _under_guard(item))
 
 
 def _fail_on(guard):

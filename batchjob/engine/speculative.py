@@ -141,9 +141,11 @@ class Drafter:
         self.cost = StepCost(PRIOR_STEP_ROWS.get(device, PRIOR_STEP_ROWS["cpu"]))
         self.kept = KeptRate(ENGINE_DECAY)  # every request's drafts: a new request's prior
 
-    @staticmethod
-    def rows(plan: SchedulerOutput) -> tuple[int, int]:
-        """A plan's prompt rows and sampled rows (decodes and drafts), before its counters advance."""
+    def rows(self, plan: SchedulerOutput) -> tuple[int, int]:
+        """A plan's prompt rows and sampled rows (decodes and drafts), before its counters advance (nothing
+        to count, and no step to fit, when drafting is off)."""
+        if self.max_drafts <= 0:
+            return 0, 0
         sampled = 0
         for req, n in zip(plan.requests, plan.num_tokens, strict=True):
             if n == 1 + req.num_draft_tokens and req.num_computed_tokens + n == req.num_tokens:
@@ -151,7 +153,8 @@ class Drafter:
         return plan.total_tokens - sampled, sampled
 
     def observe(self, prompt_rows: int, sampled_rows: int, seconds: float) -> None:
-        self.cost.observe(prompt_rows, sampled_rows, seconds)
+        if self.max_drafts > 0:
+            self.cost.observe(prompt_rows, sampled_rows, seconds)
 
     def record(self, req: Request, proposed: int, kept: int) -> None:
         self.kept.add(proposed, kept)
