@@ -79,6 +79,15 @@ def decisive_model_dir(tmp_path_factory):
     return make_decisive_model(tmp_path_factory.mktemp("decisive") / "llama", "llama")
 
 
+@pytest.fixture
+def drafts_pay(monkeypatch):
+    """Every proposed draft pays: for the tests that must see drafts verified. Whether a draft pays is
+    decided by the steps' measured times, so on a loaded machine a test could otherwise see none."""
+    from batchjob.engine.speculative import StepCost
+
+    monkeypatch.setattr(StepCost, "threshold", lambda self, outputs, prompt_rows, sampled_rows: 0.0)
+
+
 @engine_fixture(params=["kernel", "reference"])
 def decode_path(request, monkeypatch):
     """Run a test with CPU decode attention by the compiled kernel, then by the torch reference."""

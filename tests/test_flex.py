@@ -315,7 +315,9 @@ def mistral_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_flex_engine_equals_hf_generate(tiny_model_dirs, mistral_dir, family, cuda_graphs, force_flex):
+def test_flex_engine_equals_hf_generate(
+    tiny_model_dirs, mistral_dir, family, cuda_graphs, force_flex, drafts_pay
+):
     """float64 (the dense path; the same metadata, mask and score code as the kernel), with chunked prefill,
     a pool small enough to preempt, decode steps eager or through the graph buckets' padded buffers."""
     folder = mistral_dir if family == "mistral" else tiny_model_dirs[family]

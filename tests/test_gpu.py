@@ -68,7 +68,7 @@ def test_flash_attention_matches_the_reference(tiny_model_dir):
     assert agree >= 2, (a, b)  # bf16 rounding may flip a token of a random model, not most of them
 
 
-def test_cuda_graphs_replay_decode_steps_exactly(tiny_model_dir):
+def test_cuda_graphs_replay_decode_steps_exactly(tiny_model_dir, drafts_pay):
     """Decode steps replayed from captured graphs (drafting rows included) give HF generate's tokens."""
     engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cuda", block_size=16)
     graphs = engine.runner.graphs

@@ -65,7 +65,7 @@ def test_padding_rows_write_only_the_scratch_block():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_graph_buckets_equal_hf_generate(tiny_model_dirs, family, decode_path):
+def test_graph_buckets_equal_hf_generate(tiny_model_dirs, family, decode_path, drafts_pay):
     folder = tiny_model_dirs[family]
     engine = Engine.from_pretrained(
         str(folder), dtype="float64", device="cpu", block_size=4, cuda_graphs=True

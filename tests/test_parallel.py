@@ -53,7 +53,7 @@ def _greedy(engine: Engine) -> list[list[int]]:
 
 @pytest.mark.process  # starts its rank processes
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family):
+def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family, drafts_pay):
     from transformers import AutoModelForCausalLM
 
     tp = Engine.from_pretrained(str(tp_dirs[family]), tensor_parallel_size=2, **OPTIONS)

@@ -187,7 +187,7 @@ def _run(folder, k: int, params, **kw) -> tuple[list[list[int]], Engine]:
     return [o.token_ids for o in outs], engine
 
 
-def test_greedy_with_drafts_equals_hf_generate(tiny_model_dir, decode_path):
+def test_greedy_with_drafts_equals_hf_generate(tiny_model_dir, decode_path, drafts_pay):
     params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
     got, engine = _run(tiny_model_dir, 4, params, block_size=4)
     assert engine.stats.draft_tokens > 0 and engine.stats.accepted_draft_tokens > 0
@@ -206,7 +206,7 @@ def test_greedy_with_drafts_equals_hf_generate(tiny_model_dir, decode_path):
     ],
     ids=["seeded", "eos", "short"],
 )
-def test_drafts_change_no_token(decisive_model_dir, params):
+def test_drafts_change_no_token(decisive_model_dir, params, drafts_pay):
     # The sharpened head: sampled at temperature 0.3, its text repeats enough for drafts to be proposed and
     # taken (the ordinary model's near-uniform picks rarely repeat an n-gram).
     want, _ = _run(decisive_model_dir, 0, params)
@@ -216,7 +216,7 @@ def test_drafts_change_no_token(decisive_model_dir, params):
         assert engine.stats.draft_tokens > 0
 
 
-def test_drafts_under_preemption_and_a_small_budget(tiny_model_dir):
+def test_drafts_under_preemption_and_a_small_budget(tiny_model_dir, drafts_pay):
     params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
     want, _ = _run(tiny_model_dir, 0, params)
     got, engine = _run(tiny_model_dir, 4, params, block_size=4, num_blocks=24, max_num_batched_tokens=6)
@@ -224,7 +224,7 @@ def test_drafts_under_preemption_and_a_small_budget(tiny_model_dir):
     assert engine.stats.draft_tokens > 0
 
 
-def test_constrained_rows_beside_drafting_rows(tiny_model_dir):
+def test_constrained_rows_beside_drafting_rows(tiny_model_dir, drafts_pay):
     """Grammar masks belong to their own rows when other rows of the batch verify drafts (answers long
     enough that the constrained rows are still running when the free ones start drafting)."""
     regex = r"[a-z]{20,25}"
