@@ -176,3 +176,48 @@ def test_larger_output_budgets_are_admitted_first_and_preempted_requests_before_
     sched.running.remove(short)
     sched._preempt(short)
     assert sched._next_waiting() is short  # it had its turn already: back first, before a longer one
+
+
+def _task_req(rid: str, tokens: list[int], compute_from: int) -> Request:
+    from batchjob.engine.task_state import TaskState
+
+    req = Request(rid, tokens, len(tokens), SamplingParams(max_new_tokens=1), 0.0)
+    req.task = TaskState("score", compute_from=compute_from)
+    return req
+
+
+def test_a_chunk_grid_fixes_where_chunks_start_whatever_shares_the_step():
+    """A task's rows (``chunk_grid``): the reusable part and the rest are each cut in whole grid chunks,
+    a chunk that does not fit waits, and the cache gives the reusable part whole or nothing, so a row
+    computes the same chunks alone, beside others, or after a restart."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=4, chunk_grid=8)
+    # a: 21 tokens, its result from position 13 on: cut 12 (3 blocks), chunks [0, 8) [8, 12) [12, 20) [20, 21)
+    a, b = _task_req("a", list(range(21)), 13), _task_req("b", list(range(100, 105)), 0)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()  # a's first chunk (8); b whole (5) would need 13: b waits
+    assert [r.request_id for r in plan.requests] == ["a"] and plan.num_tokens == [8]
+    _run(plan, bm)
+    plan = sched.schedule()  # up to a's cut (4), then b (5)
+    assert [r.request_id for r in plan.requests] == ["a", "b"] and plan.num_tokens == [4, 5]
+    _run(plan, bm)
+    plan = sched.schedule()  # a chunk of 8 from the cut; b is done (a real engine finishes it)
+    assert plan.num_tokens[0] == 8
+    _run(plan, bm)
+    plan = sched.schedule()
+    assert plan.num_tokens[0] == 1
+    _run(plan, bm)
+    # a's three reusable blocks are cached with cut 12. A row with the same 12 first tokens and the same
+    # cut takes them; one whose cut is 16 (it would compute [0, 8) [8, 16)) takes none, and neither does
+    # one whose cut is 8 (two of the blocks, but a's first chunk ended at 8 and its second at 12: the
+    # values of [4, 8) match, the decision is per part, whole or nothing).
+    same = _task_req("same", list(range(12)) + [7, 7, 7], 13)
+    assert bm.reusable(same) == 12 and bm.match_prefix(same, whole=True) == 12
+    longer = _task_req("longer", list(range(16)) + [7], 16)
+    assert bm.match_prefix(longer, whole=True) == 0 and longer.block_ids == []
+    assert bm.match_prefix(longer) == 16  # without ``whole``: every matching block (a computed [12, 16) too)
+    shorter = _task_req("shorter", list(range(10)), 9)
+    assert bm.match_prefix(shorter, whole=True) == 0
+    for r in (same, longer, shorter):
+        bm.free(r)

@@ -346,14 +346,49 @@ def test_modernbert_is_refused_by_name():
             support.check_supported(config, model)
 
 
-def test_embeddings_and_classifier_scores_never_reuse_a_cached_prefix(embedders, classifiers):
-    """Their floats are the output: a prefix taken from the cache after a restart (computed in another
-    chunking) could change their last bits, so a resumed job would not write what an uninterrupted one did.
-    A decoder embedder and a decoder reward model sharing a long prefix: computed in full every time."""
-    prefix = "Classify the sentiment of the review as positive, negative or neutral. The review: "
-    texts = [prefix + "great", prefix + "terrible", prefix + "fine"]
-    for folder, task in ((embedders["qwen3"], "embed"), (classifiers["qwen2"], "classify")):
-        eng = Engine.from_pretrained(str(folder), task=task, device="cpu", dtype="float64", block_size=4)
-        assert not eng.block_manager.enable_prefix_caching
-        getattr(eng, task)(texts)
-        assert eng.stats.cached_prompt_tokens == 0
+def _task_values(out) -> tuple:
+    """A task output's values as (dtype, bytes) pairs: equal only when bit for bit equal."""
+    return tuple(
+        None if v is None else (np.asarray(v).dtype.str, np.asarray(v).tobytes())
+        for v in (out.embedding, out.logits, out.score, out.logprob, out.token_logprobs, out.error)
+    )
+
+
+@pytest.mark.parametrize("task", ["score", "embed", "classify"])
+def test_task_floats_never_depend_on_what_shares_the_step_or_the_cache(
+    causal_lm, embedders, classifiers, task
+):
+    """float32, bit for bit: every row alone in a fresh engine, and all together in one engine whose small
+    budget packs them beside each other in chunks and whose prefix cache serves the shared prompts (and the
+    repeated texts), write the same floats. This is what lets a resumed task job write what an
+    uninterrupted one did (the grid of chunks in scheduler.py; the engine's chunks were cut where the
+    step's budget ran out before, and one-token rows went a separate way: up to 19 of 80 rows then
+    differed in their last bits)."""
+    folder = {"score": causal_lm, "embed": embedders["qwen3"], "classify": classifiers["qwen2"]}[task]
+    prompt = "Classify the sentiment of the review as positive, negative or neutral. The review: "
+    texts = [prompt + "great", TEXTS[3], prompt + "great", TEXTS[0], TEXTS[3], prompt + "terrible, it broke"]
+    conts = [" positive", " negative", " neutral", " positive and more", " ok", " negative"]
+
+    def run(indices, **kw):
+        kw = {"block_size": 4, "max_num_batched_tokens": 13, **kw}
+        eng = Engine.from_pretrained(str(folder), task=task, device="cpu", dtype="float32", **kw)
+        if task == "score":
+            outs = eng.score([prompt] * len(indices), [conts[i] for i in indices], token_logprobs=True)
+        else:
+            outs = getattr(eng, task)([texts[i] for i in indices])
+        return [_task_values(o) for o in outs], eng
+
+    together, eng = run(range(6), max_num_seqs=3)
+    assert eng.stats.cached_prompt_tokens > 0, "the shared prompts were meant to come from the cache"
+    for i in range(6):
+        assert run([i])[0] == [together[i]], f"row {i} differs alone"
+    assert run(range(6), max_num_seqs=3, enable_prefix_caching=False)[0] == together
+    # And right: each row in one chunk, alone, agrees to float32 rounding. (A row whose chunk ended one
+    # token before its end once took prompt-lookup drafts as if it were decoding, and its embedding came
+    # from the wrong position.)
+    whole = run(range(6), max_num_batched_tokens=512, max_num_seqs=1)[0]
+    for got, want in zip(together, whole, strict=True):
+        for g, w in zip(got, want, strict=True):
+            if g is not None:
+                g, w = (np.frombuffer(v[1], dtype=v[0]) for v in (g, w))
+                assert np.allclose(g, w, rtol=1e-4, atol=1e-5), np.abs(g - w).max()

@@ -9,6 +9,10 @@ up to its end (so equal digests mean equal prefixes), with its own tokens kept t
 request whose prompt starts with the same tokens takes those blocks (the ref count goes up) instead of
 computing them. A released block keeps its contents and stays findable until it is reused: the free list is
 least-recently-released first, so the blocks of a popular prefix survive longest.
+
+A block also keeps the ``cut`` of the request that computed it (:meth:`BlockManager.reusable`): a request
+that takes only whole reusable parts (``match_prefix(req, whole=True)``, a prefill-only task's rows)
+takes blocks computed by a request with its own cut, whose chunks (scheduler.py's grid) were its own.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # prefix digest -> block holding it
-        self._block_key: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
+        # per block: (digest, its tokens, the cut of the request that computed it) while findable
+        self._block_key: list[tuple[bytes, tuple[int, ...], int] | None] = [None] * num_blocks
         # Digests of full prompt blocks that running requests are computing right now: a request that
         # needs one of them waits for it rather than computing the same prefix a second time.
         self._in_flight: dict[bytes, Request] = {}
@@ -102,22 +107,35 @@ class BlockManager:
             digests.append(block_digest(digests[-1] if digests else b"", toks[i * bs : (i + 1) * bs]))
         return digests[:num_full]
 
-    def match_prefix(self, req: Request) -> int:
-        """Take the cached blocks that hold a prefix of ``req`` (a new request, no blocks yet).
+    def reusable(self, req: Request) -> int:
+        """The tokens of ``req`` that cached blocks could hold, its ``cut``: full blocks, leaving at least
+        its last token to compute (so it still gets that token's logits), and for a prefill-only request
+        (tasks.py) every position from its ``compute_from`` on (the rows its result is made of)."""
+        last = req.num_tokens - 1 if req.task is None else min(req.num_tokens - 1, req.task.compute_from)
+        return last // self.block_size * self.block_size
 
-        Returns the number of tokens they hold. At least one token is left to compute, so the request
-        still gets the logits of its last token; a prefill-only request (tasks.py) also computes every
-        position from its ``compute_from`` on (the rows its result is made of).
-        """
+    def match_prefix(self, req: Request, whole: bool = False) -> int:
+        """Take the cached blocks that hold a prefix of ``req`` (a new request, no blocks yet), up to its
+        :meth:`reusable` part; with ``whole``, that part whole, computed by requests of the same cut, or
+        nothing. Returns the number of tokens they hold."""
         assert not req.block_ids
         if not self.enable_prefix_caching:
             return 0
-        bs = self.block_size
-        last = req.num_tokens - 1 if req.task is None else min(req.num_tokens - 1, req.task.compute_from)
-        for i, digest in enumerate(self._digests(req, last // bs)):
+        bs, cut = self.block_size, self.reusable(req)
+        found = []
+        for i, digest in enumerate(self._digests(req, cut // bs)):
             block = self._cached.get(digest)
-            if block is None or self._block_key[block][1] != tuple(req.token_ids[i * bs : (i + 1) * bs]):
+            key = None if block is None else self._block_key[block]
+            if (
+                key is None
+                or key[1] != tuple(req.token_ids[i * bs : (i + 1) * bs])
+                or (whole and key[2] != cut)
+            ):
                 break
+            found.append(block)
+        if whole and len(found) * bs < cut:
+            return 0
+        for block in found:
             if self.ref_counts[block] == 0:
                 del self._free[block]
             self.ref_counts[block] += 1
@@ -154,11 +172,12 @@ class BlockManager:
         if num_full <= req.num_registered_blocks:
             return
         digests = self._digests(req, num_full)
+        cut = self.reusable(req)
         for i in range(req.num_registered_blocks, num_full):
             block = req.block_ids[i]
             if self._block_key[block] is None and digests[i] not in self._cached:
                 self._cached[digests[i]] = block
-                self._block_key[block] = (digests[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
+                self._block_key[block] = (digests[i], tuple(req.token_ids[i * bs : (i + 1) * bs]), cut)
             if self._in_flight.get(digests[i]) is req:
                 del self._in_flight[digests[i]]
         req.num_registered_blocks = num_full

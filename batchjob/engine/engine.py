@@ -49,6 +49,7 @@ from batchjob.engine.request import Request, RequestState, RequestStatus, reques
 from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.support import attention_features, check_supported
+from batchjob.engine.task_state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.models import load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
@@ -139,11 +140,9 @@ class Engine:
             num_blocks = tensor_parallel.agree_min(num_blocks)
         if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
             config.check_kv_fits(num_blocks, longest)
-        # An encoder's keys depend on the whole row: nothing of it can be reused by another. Embeddings and
-        # classifier scores are floats written as they are: a prefix taken from the cache after a restart
-        # (computed in another chunking) could change their last bits, so only generation (tokens) and
-        # score (whose shared prompts are its point, with that limit stated) reuse prefixes.
-        caching = config.enable_prefix_caching and not encoder and config.task in ("generate", "score")
+        # An encoder's keys depend on the whole row: nothing of it can be reused by another. A causal task's
+        # rows reuse whole chunks of the grid below (score: rows sharing a prompt compute it once).
+        caching = config.enable_prefix_caching and not encoder
         self.block_manager = BlockManager(num_blocks, config.block_size, caching)
         # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
         self.platform = cpu.platform(config.device, spin_guard=True)
@@ -169,6 +168,7 @@ class Engine:
             attention_backend=config.attention_backend,
             platform=self.platform,
             tensor_parallel=tensor_parallel,
+            decode_rows=self.tasks is None,
         )
         budget = config.max_num_batched_tokens
         self.scheduler = Scheduler(
@@ -177,6 +177,9 @@ class Engine:
             config.max_num_seqs,
             static=config.static_batching,
             split_prompts=not encoder,
+            # A task's causal rows: chunks on a fixed grid, prefixes reused only in whole chunks, so the
+            # floats it writes are the same whatever shared its steps, and after a restart.
+            chunk_grid=min(TASK_CHUNK, budget) if self.tasks is not None and not encoder else None,
         )
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         assert config.num_speculative_tokens is not None

@@ -82,8 +82,12 @@ class ModelRunner:
         attention_backend: str | None = None,
         platform: cpu.Platform | None = None,
         tensor_parallel=None,
+        decode_rows: bool = True,
     ) -> None:
         self.model = model
+        # False (a prefill-only task's engine): one-token rows go the way of prompt chunks, so a row's values
+        # never depend on which rows share its step (see AttentionBackend.decode_rows).
+        self.decode_rows = decode_rows
         # Under tensor parallelism (engine/parallel/): this rank's group; rank 0 sends it each step's layout.
         self.tensor_parallel = tensor_parallel
         self.kv_caches = kv_caches
@@ -129,6 +133,7 @@ class ModelRunner:
             )
         backend = backend_class(name)(self.kv_caches, self.block_size, self.device, heads, self._max_rows)
         backend.causal = self.causal
+        backend.decode_rows = self.decode_rows
         return backend
 
     def _layout(self, plan: SchedulerOutput) -> StepLayout:

@@ -11,6 +11,13 @@ next few waiting requests, the one with the largest ``max_new_tokens``, ties in 
 budgets differ, the long ones start decoding early and the run does not end with one long request
 decoding alone in many small steps (with equal budgets, as in a job, this is first come, first served).
 
+A chunk grid (``chunk_grid``, a prefill-only task's causal rows) makes a row's chunks a function of its
+tokens alone: the part the prefix cache could hold (``BlockManager.reusable``, its ``cut``) and the rest
+are each cut in chunks of ``grid`` tokens from their start, and a chunk is computed whole in one step or
+waits for a step with the budget for it. A row takes its reusable part from the cache only whole, computed
+by rows of the same cut (so in the same chunks). The floats a task writes then never depend on which rows
+shared its steps, or on whether a restart found a prefix cached.
+
 When a running request needs a block and none is free, the most recently admitted running request is
 preempted: its blocks are freed, its counter reset, and it goes back to the front of the queue to recompute
 later. A step that preempted admits nothing new, so the pool does not thrash. Pure Python: the output is a
@@ -52,10 +59,13 @@ class Scheduler:
         max_num_seqs: int,
         static: bool = False,
         split_prompts: bool = True,
+        chunk_grid: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         # False for an encoder (rows attended both ways): a prompt runs whole in one step or waits.
         self.split_prompts = split_prompts
+        self.chunk_grid = chunk_grid  # at most the token budget (or no chunk would ever fit)
+        assert chunk_grid is None or 0 < chunk_grid <= max_num_batched_tokens
         # Static batching, the baseline that continuous batching replaces: once a batch has filled (or the
         # queue ran dry, or blocks ran out), nothing is admitted until every request of it has finished.
         self.static = static
@@ -92,6 +102,20 @@ class Scheduler:
                 best = req
         return best
 
+    def _chunk(self, req: Request, computed: int, budget: int) -> int:
+        """The tokens ``req`` computes next within ``budget``: 0 when its next chunk must be whole and
+        does not fit."""
+        left = req.num_tokens - computed
+        if not self.split_prompts:
+            return left if left <= budget else 0
+        if self.chunk_grid is not None:
+            cut = self.block_manager.reusable(req)
+            start = 0 if computed < cut else cut
+            end = min(start + ((computed - start) // self.chunk_grid + 1) * self.chunk_grid, req.num_tokens)
+            whole = (min(end, cut) if computed < cut else end) - computed
+            return whole if whole <= budget else 0
+        return min(left, budget)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -100,8 +124,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            assert req.num_tokens > req.num_computed_tokens, (
+                f"running request {req.request_id} has nothing to compute"
+            )
+            n = self._chunk(req, req.num_computed_tokens, budget)
+            if n == 0:  # its next chunk waits for a step with room for it whole
+                i += 1
+                continue
             while not bm.allocate(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -123,13 +152,13 @@ class Scheduler:
                 req = self._next_waiting()
                 if req is None:
                     break
-                cached = bm.match_prefix(req)
+                cached = bm.match_prefix(req, whole=self.chunk_grid is not None)
                 req.num_computed_tokens = cached
-                n = min(req.num_tokens - cached, budget)
-                if not self.split_prompts and n < req.num_tokens - cached:
+                n = self._chunk(req, cached, budget)
+                if n == 0:
                     bm.free(req)
                     req.num_computed_tokens = 0
-                    break  # whole in the next step
+                    break  # its first chunk whole, in the next step
                 if not bm.allocate(req, cached + n):
                     bm.free(req)
                     req.num_computed_tokens = 0

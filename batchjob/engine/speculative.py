@@ -104,9 +104,11 @@ def _solve(s: list[list[float]], b: list[float], idx: list[int]) -> tuple[float,
 
 def can_draft(req: Request) -> bool:
     """Decoding, and nothing that needs the model's distribution token by token (constraints, log-probs
-    and their replayed tokens, helper requests such as choices' scoring requests)."""
+    and their replayed tokens, helper requests such as choices' scoring requests). A prefill-only task's
+    row never decodes, even when one token of it is left to compute."""
     return (
         req.num_computed_tokens == req.num_tokens - 1
+        and req.task is None
         and req.constraint is None
         and req.logprobs is None
         and req.owner is None

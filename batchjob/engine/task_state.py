@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     import torch
 
 
+# A prefill-only task's causal rows compute in chunks of this many tokens (fewer when the step budget is
+# smaller; scheduler.py's chunk grid): a long document costs a few chunks, and where a chunk starts never
+# depends on the batch.
+TASK_CHUNK = 512
+
+
 @dataclass
 class TaskState:
     """A prefill-only request's state (``Request.task``)."""

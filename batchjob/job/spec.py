@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.engine.options import Option, job_options
+from batchjob.engine.task_state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
@@ -420,6 +421,11 @@ class JobSpec:
             out |= {"score_column": self.score_column, "token_logprobs": self.logprobs is not None}
         if self.max_model_len is not None:  # it cuts (with --truncate) or fails long texts
             out["max_model_len"] = self.max_model_len
+        # Where a row's chunks start (the engine's chunk grid): resuming with other chunks could change the
+        # last bits of the floats written. Named only when not the defaults', so a job keeps its identity.
+        chunk = min(TASK_CHUNK, self.max_num_batched_tokens or TASK_CHUNK)
+        if chunk != TASK_CHUNK or self.block_size is not None:
+            out["chunks"] = {"tokens": chunk, "block_size": self.block_size}
         return out
 
     def sampling_fingerprint(self) -> dict[str, Any]:

@@ -128,7 +128,7 @@ class TorchReference(AttentionBackend):
 
     def single_rows(self, lay: StepLayout) -> np.ndarray:
         """[R] bool: the requests whose rows go through :meth:`pack_decodes` (here: one-token requests)."""
-        return lay.n == 1
+        return (lay.n == 1) & self.decode_rows
 
     def pack_decodes(self, lay: StepLayout, pk: Packer, single: np.ndarray) -> list[tuple]:
         """Decode groups of the ``single`` requests: (rows, block table, context lengths) handles each."""

@@ -33,7 +33,7 @@ class CpuKernel(TorchReference):
         return None
 
     def single_rows(self, lay: StepLayout) -> np.ndarray:
-        return (lay.n == 1) | (lay.drafts > 0)
+        return ((lay.n == 1) | (lay.drafts > 0)) & self.decode_rows
 
     def pack_decodes(self, lay: StepLayout, pk: Packer, single: np.ndarray) -> list[tuple]:
         idx = np.flatnonzero(single)
