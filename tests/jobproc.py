@@ -48,3 +48,18 @@ def sigterm_after_steps(n: int):
         yield
     finally:
         Engine.step = step
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's thread count set to ``n`` inside: a reference run in this process for workers started with
+    ``OMP_NUM_THREADS=n`` (a float sum may be split otherwise over another number of threads, so the
+    last bits of a task's values can differ between thread counts, as they can between machines)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

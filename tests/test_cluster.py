@@ -27,7 +27,7 @@ import pytest
 
 from batchjob.job import make_spec, run_job
 from tests.faultproc import wait_for_points
-from tests.jobproc import read_results
+from tests.jobproc import read_results, torch_threads
 
 pytestmark = [pytest.mark.cluster, pytest.mark.process, pytest.mark.timeout(600)]
 
@@ -92,7 +92,8 @@ def job_file(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("job")
     with open(folder / "reviews.jsonl", "w") as f:
         for i in range(N_ROWS):
-            f.write(json.dumps({"rid": f"r{i:04d}", "review": f"item {i} was {'good' if i % 3 else 'bad'}"}))
+            word = "good" if i % 3 else "bad"
+            f.write(json.dumps({"rid": f"r{i:04d}", "review": f"item {i} was {word}", "label": f" {word}"}))
             f.write("\n")
         f.write("{torn json\n")
     path = folder / "job.toml"
@@ -109,6 +110,37 @@ def job_file(tmp_path_factory, tiny_model_dir):
         "checkpoint-interval = 0.2\n"
     )
     return path
+
+
+@pytest.fixture(scope="module")
+def score_job_file(job_file, tiny_model_dir):
+    """The same rows as a ``score`` task: each label's log-likelihood after its review, in chunks of at
+    most 8 tokens (so rows take several steps, beside others), the prefix cache on."""
+    path = job_file.parent / "score.toml"
+    path.write_text(
+        'input = "reviews.jsonl"\n'
+        f"model = {json.dumps(str(tiny_model_dir))}\n"
+        'template = "Review: {review}\\nSentiment:"\n'
+        'id-column = "rid"\n'
+        'task = "score"\n'
+        'score-column = "label"\n'
+        'device = "cpu"\n'
+        "max-num-seqs = 8\n"
+        "max-num-batched-tokens = 8\n"
+        "checkpoint-interval = 0.2\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def score_expected(score_job_file, tmp_path_factory):
+    """The score job run here in one go, all rows at once, on one thread as the tasks (``slurm_env``)."""
+    out = tmp_path_factory.mktemp("score_ref") / "out"
+    with torch_threads(1):
+        assert run_job(make_spec(score_job_file, output=str(out), max_num_seqs=64)).status == "complete"
+    rows = read_results(out)
+    assert len(rows) == N_ROWS + 1 and all(isinstance(r["logprob"], float) for r in rows if not r["error"])
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -218,10 +250,11 @@ def test_array_script_through_time_limits_and_requeues(job_file, expected, tmp_p
     print(f"array job {job_id}: 2 tasks, {restarts} requeues, done in {took:.0f} s")
 
 
-def test_srun_tasks_stopped_by_scancel_then_rerun(job_file, expected, tmp_path):
-    """Two ``srun`` tasks of one job (shards by SLURM_PROCID/SLURM_NTASKS), each waiting after its first
-    part, get SIGTERM from ``scancel --signal=TERM``, save their state and exit 75; the same command again
-    finishes the job."""
+def test_srun_tasks_stopped_by_scancel_then_rerun(score_job_file, score_expected, tmp_path):
+    """Two ``srun`` tasks of one ``score`` job (shards by SLURM_PROCID/SLURM_NTASKS), each waiting after
+    its first part, get SIGTERM from ``scancel --signal=TERM``, save their state and exit 75; the same
+    command again finishes the job, bit for bit as a run in one go (the array test runs generation)."""
+    job_file, expected = score_job_file, score_expected
     out = tmp_path / "out"
     name = f"batchjob-test-{uuid.uuid4().hex[:8]}"
     srun = ["srun", f"--job-name={name}", "-n", "2", "-c", "1", "--mem=1G", "--time=5", "-l"]

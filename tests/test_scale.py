@@ -16,6 +16,7 @@ from batchjob.cli import main
 from batchjob.job import make_spec, run_job
 from tests.faultproc import wait_for_points
 from tests.jobproc import read_results as results
+from tests.jobproc import torch_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,18 +163,35 @@ def test_devices_starts_one_worker_per_device(launch, reviews, tiny_model_dir, t
     assert code == 2 and "'tpu' is not a device" in text
 
 
+def embed_args(reviews, out, model):
+    """The rows as an ``embed`` task (mean pooling) in chunks of 8 tokens, two rows at a time."""
+    args = ["--input", reviews, "--output", out, "--model", model, "--template", "Review: {review}"]
+    args += ["--id-column", "rid", "--task", "embed", "--pooling", "mean", "--max-num-batched-tokens", "8"]
+    return [str(a) for a in [*args, "--max-num-seqs", "2", "--checkpoint-interval", "0.1"]]
+
+
 @pytest.mark.ray
-def test_ray_tasks_on_a_local_instance_resume_and_status(launch, reviews, tiny_model_dir, tmp_path, expected):
+@pytest.mark.parametrize("task", ["generate", "embed"])
+def test_ray_tasks_on_a_local_instance_resume_and_status(
+    launch, reviews, tiny_model_dir, tmp_path, expected, task
+):
     pytest.importorskip("ray")
     out = tmp_path / "out"
+    args = job_args if task == "generate" else embed_args
+    if task == "embed":  # the reference: in one go, in this process, on one thread as the workers
+        with torch_threads(1):
+            code, text = invoke("run", *embed_args(reviews, tmp_path / "ref", tiny_model_dir))
+        assert code == 0, text
+        expected = results(tmp_path / "ref")
+        assert len(expected[0]["embedding"]) == 64
     # a first run that stops after one worker: --num-shards 3 on a 2-CPU local instance, the rest resumes
-    proc = launch(["--ray", "--num-shards", "3", *job_args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
+    proc = launch(["--ray", "--num-shards", "3", *args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
     text = finish([proc])[0]
     assert "3 workers as Ray tasks" in text and "shard 2 of 3: complete" in text
     assert results(out) == expected
     code, text = invoke("status", out)
     assert code == 0 and "complete (3 of 3 workers complete)" in text
     # run again without --num-shards: the saved split is kept, and every shard says it is done
-    proc = launch(["--ray", *job_args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
+    proc = launch(["--ray", *args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
     text = finish([proc])[0]
     assert "3 workers as Ray tasks" in text and text.count("already complete") == 3
