@@ -1,6 +1,6 @@
 """Tiny random models for the prefill-only tasks (embed, classify), saved the normal way: encoders (BERT,
 XLM-RoBERTa) and a decoder embedder (Qwen3), each with its sentence-transformers files written by
-sentence-transformers itself; sequence classifiers (BERT, XLM-RoBERTa, Qwen2). No downloads: the tokenizer
+sentence-transformers itself; sequence classifiers (BERT, XLM-RoBERTa, Qwen2); ModernBERT for both; an EmbeddingGemma-shaped Gemma-3. No downloads: the tokenizer
 is :func:`tests.tiny_models.make_tokenizer`'s, without a chat template (sentence-transformers 6 would
 otherwise format each text as a chat message)."""
 
@@ -45,6 +45,29 @@ def _config(family: str, tok, **extra):
         return Qwen3Config(num_key_value_heads=2, head_dim=16, max_position_embeddings=512, **common)
     if family == "qwen2":
         return Qwen2Config(num_key_value_heads=2, max_position_embeddings=512, **common)
+    if family == "modernbert":  # layers 0 and 3 global, 1 and 2 local: keys within 4 positions either way
+        from transformers import ModernBertConfig
+
+        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        ids |= dict(cls_token_id=tok.bos_token_id, sep_token_id=tok.eos_token_id)  # (its own default ids)
+        common["num_hidden_layers"] = 4
+        return ModernBertConfig(
+            max_position_embeddings=512, global_attn_every_n_layers=3, local_attention=8, **ids, **common
+        )
+    if family == "gemma3":  # EmbeddingGemma's shape: windowed layers attend both ways, one global layer
+        from transformers import Gemma3TextConfig
+
+        common["num_hidden_layers"] = 4
+        layers = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        return Gemma3TextConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            use_bidirectional_attention=True,
+            sliding_window=4,
+            layer_types=layers,
+            **common,
+        )
     raise ValueError(family)
 
 
@@ -71,8 +94,9 @@ def make_embedder(folder: Path, family: str, pooling: str, normalize: bool = Tru
     return folder
 
 
-def make_classifier(folder: Path, family: str, num_labels: int, seed: int = 0) -> Path:
-    """A sequence-classification model folder with ``num_labels`` outputs (labels named ``L0``, ...)."""
+def make_classifier(folder: Path, family: str, num_labels: int, seed: int = 0, **config) -> Path:
+    """A sequence-classification model folder with ``num_labels`` outputs (labels named ``L0``, ...);
+    ``config``: more of the family's config (ModernBERT's ``classifier_pooling``)."""
     from transformers import AutoModelForSequenceClassification
 
     folder = Path(folder)
@@ -80,7 +104,12 @@ def make_classifier(folder: Path, family: str, num_labels: int, seed: int = 0) -
     tok = _tokenizer(folder)
     labels = {i: f"L{i}" for i in range(num_labels)}
     cfg = _config(
-        family, tok, num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()}
+        family,
+        tok,
+        num_labels=num_labels,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+        **config,
     )
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(cfg)

@@ -247,7 +247,15 @@ def test_what_backends_declare():
         both_ways = name in ("torch", "cpu_kernel", "flex")
         assert cls.bidirectional == both_ways and ("bidirectional" in cls.features()) == both_ways
         assert cls.default_block_size % cls.page_multiple == 0
-    assert supported_features() == {"sliding_window", "softcap", "sinks", "bidirectional"}
+    assert supported_features() == {
+        "sliding_window",
+        "softcap",
+        "sinks",
+        "bidirectional",
+        "bidirectional_window",
+    }
+    # a window both ways (ModernBERT): the torch reference and its CPU-kernel subclass only
+    assert {n for n, c in REGISTRY.items() if "bidirectional_window" in c.computes} == {"torch", "cpu_kernel"}
     assert REGISTRY["flex"].applies() >= {"softcap", "sinks", "alibi"}
     for name in ("flash_attn", "varlen"):
         cls = REGISTRY[name]

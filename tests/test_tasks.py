@@ -29,8 +29,15 @@ TEXTS = [
 TOL = {"float64": 1e-12, "float32": 1e-5}
 
 # (family, sentence-transformers pooling): an encoder with mean and one with CLS pooling (XLM-RoBERTa's
-# positions start after its padding index), and a causal decoder embedder with last-token pooling.
-EMBEDDERS = [("bert", "mean"), ("xlm-roberta", "cls"), ("qwen3", "lasttoken")]
+# positions start after its padding index), ModernBERT and a bidirectional Gemma-3 (global and windowed
+# layers, both ways), and a causal decoder embedder with last-token pooling.
+EMBEDDERS = [
+    ("bert", "mean"),
+    ("xlm-roberta", "cls"),
+    ("modernbert", "mean"),
+    ("gemma3", "mean"),  # EmbeddingGemma: a decoder made an encoder, its windows both ways too
+    ("qwen3", "lasttoken"),
+]
 
 
 @engine_fixture(scope="module")
@@ -46,6 +53,8 @@ def classifiers(tmp_path_factory):
         "bert": make_classifier(root / "bert", "bert", 3),
         "xlm-roberta": make_classifier(root / "xlmr", "xlm-roberta", 3),
         "qwen2": make_classifier(root / "qwen2", "qwen2", 1),  # a reward model: one output
+        "modernbert": make_classifier(root / "modernbert", "modernbert", 3),  # its head at the first token
+        "modernbert-mean": make_classifier(root / "mb-mean", "modernbert", 2, classifier_pooling="mean"),
     }
 
 
@@ -154,7 +163,7 @@ def _st_encode_one(folder, text):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "qwen2"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "qwen2", "modernbert", "modernbert-mean"])
 def test_classify_equals_hf_forward(classifiers, family, dtype):
     from transformers import AutoModelForSequenceClassification
 
@@ -325,25 +334,14 @@ def test_bench_task(embedders, classifiers, causal_lm, task, tmp_path):
         assert "ours vs sentence-transformers encode:" in result.output
 
 
-@pytest.mark.engine
-def test_modernbert_is_refused_by_name():
-    """ModernBERT attends within a window both ways in its local layers, which no backend computes."""
-    from transformers import AutoModel, ModernBertConfig
-
-    from batchjob.engine import support
-
-    ids = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1)
-    config = ModernBertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        **ids,
-    )
-    for model in (None, AutoModel.from_config(config)):
-        with pytest.raises(ConfigError, match="model family 'modernbert' uses windowed attention both ways"):
-            support.check_supported(config, model)
+def test_modernbert_windows_both_ways_only_on_backends_that_compute_them(embedders):
+    """ModernBERT's local layers attend within a window on both sides: the default (cpu) and torch backends
+    compute it (the tests above); flex does not, and is refused by name rather than run without it."""
+    folder = str(embedders["modernbert"])
+    eng = Engine.from_pretrained(folder, task="embed", device="cpu", dtype="float64")
+    assert eng.runner.attention.name == "cpu_kernel" and "bidirectional_window" in eng.runner.features
+    with pytest.raises(ConfigError, match="bidirectional_window"):
+        Engine.from_pretrained(folder, task="embed", device="cpu", dtype="float64", attention_backend="flex")
 
 
 def _task_values(out) -> tuple:

@@ -158,7 +158,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "bidirectional_window",
         "uses windowed attention both ways",
-        "which no attention backend of batchjob applies (their windows look back only)",
+        "which only the torch and cpu attention backends compute (for embed and classify)",
         _bidirectional_window,
     ),
     Feature(

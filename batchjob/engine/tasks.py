@@ -148,13 +148,19 @@ def position_offset(config) -> int:
 
 
 def _classifier(model, encoder: bool):
-    """(pooled position "cls" | "last", head: hidden rows [R, H] -> logits [R, L]) of a
+    """(pooled position "cls" | "last" | "mean", head: pooled rows [R, H] -> logits [R, L]) of a
     sequence-classification model, as its own forward applies it."""
     name = type(model).__name__
     score = getattr(model, "score", None)
     head = getattr(model, "classifier", None)
     if not encoder and isinstance(score, torch.nn.Linear):
         return "last", score
+    if encoder and isinstance(head, torch.nn.Linear) and model.config.model_type == "modernbert":
+        # ModernBERT: classifier(head(pooled)), pooled the first token's state or the mean of all tokens'
+        # (its config's classifier_pooling); the mean is divided out when the request finishes
+        pooling = getattr(model.config, "classifier_pooling", "cls")
+        if pooling in ("cls", "mean"):
+            return pooling, lambda h: head(model.head(h))
     if encoder and head is not None:
         pooler = getattr(model.base_model, "pooler", None)
         if isinstance(head, torch.nn.Linear) and pooler is not None:  # BERT: classifier(pooler(h[:, 0]))
@@ -163,7 +169,7 @@ def _classifier(model, encoder: bool):
             return "cls", lambda h: head(h[:, None, :])
     raise ConfigError(
         f"{name}'s classification head is not one batchjob applies (a decoder's `score` linear at the last "
-        "token, an encoder's `classifier` at the first); use a BERT, RoBERTa or decoder classifier"
+        "token, an encoder's `classifier` at the first); use a BERT, RoBERTa, ModernBERT or decoder classifier"
     )
 
 
@@ -308,6 +314,8 @@ class TaskRunner:
                 vec = F.normalize(vec, p=2, dim=0)
             st.result = {"embedding": _array(vec)}
             return
+        if self.position == "mean":  # classify: the head takes the mean of the row's states
+            vec = self.head((vec / req.num_tokens)[None, :])[0]
         logits = _array(vec)
         if logits.shape[0] == 1:
             st.result = {"logits": logits, "score": float(logits[0])}

@@ -3,8 +3,8 @@
 Single-token rows go in batched SDPA calls over their requests' keys, gathered a whole block at a time and
 padded to the longest request of a length group; prompt chunks (and draft verification) by one SDPA call
 each over their gathered keys, with a bottom-right causal mask. It computes windows, and with ``causal``
-off (an encoder) attends within each row both ways: a row is then a whole request, one SDPA call without a
-mask.
+off (an encoder) attends within each row both ways: a row is then a whole request, one SDPA call, without a
+mask or with a window both ways (ModernBERT's local layers: keys closer than the window on either side).
 """
 
 from __future__ import annotations
@@ -30,21 +30,26 @@ class PrefillChunk:
     causal: bool = True  # False: the whole row attends both ways (blocks is then None)
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
+    def mask(self, window: int | None, device: torch.device | None = None) -> torch.Tensor | None:
         """[q_len, ctx_len] bool, bottom-right causal; None means plain causal (no cached keys), or with
-        ``causal`` off no mask at all."""
+        ``causal`` off and no window no mask at all. A window of ``w`` keeps the keys less than ``w``
+        positions before the query (itself included), and with ``causal`` off also after it."""
         if not self.causal:
-            assert window is None and self.blocks is None, "a bidirectional row is whole and unwindowed"
-            return None
-        if window is None and self.q_len == self.ctx_len:
+            assert self.blocks is None, "a bidirectional row is whole, computed in one step"
+            if window is None:
+                return None
+        elif window is None and self.q_len == self.ctx_len:
             return None
         if window not in self._masks:
-            device = self.blocks.device if self.blocks is not None else None
+            device = self.blocks.device if self.blocks is not None else device
             qpos = torch.arange(self.ctx_len - self.q_len, self.ctx_len, device=device)[:, None]
             kpos = torch.arange(self.ctx_len, device=device)[None, :]
-            mask = kpos <= qpos
-            if window is not None:
-                mask &= kpos > qpos - window
+            if self.causal:
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= kpos > qpos - window
+            else:  # a window both ways
+                mask = (kpos - qpos).abs() < window
             self._masks[window] = mask
         return self._masks[window]
 
@@ -122,6 +127,7 @@ def sdpa(q, k, v, mask, scale, is_causal=False):
 class TorchReference(AttentionBackend):
     name = "torch"
     option = "torch"
+    computes = frozenset({"sliding_window", "bidirectional_window"})
     bidirectional = True
 
     # -- metadata ----------------------------------------------------------------------------------------
@@ -209,7 +215,7 @@ class TorchReference(AttentionBackend):
                 kp = k_cache.index_select(0, chunk.blocks).view(-1, num_kv_heads, head_dim)[: chunk.ctx_len]
                 vp = v_cache.index_select(0, chunk.blocks).view(-1, num_kv_heads, head_dim)[: chunk.ctx_len]
                 kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            mask = chunk.mask(window)
+            mask = chunk.mask(window, q.device)
             op = sdpa(qp, kp, vp, mask, scale, is_causal=chunk.causal and mask is None and chunk.q_len > 1)
             out[s:e] = op[0].transpose(0, 1)
         return out
