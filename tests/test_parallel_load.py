@@ -163,3 +163,18 @@ def test_checkpoints_that_need_conversion_fall_back_with_the_reason(dirs, tmp_pa
     assert model is None and "not safetensors" in why
     model, _, _ = load_model(str(bin_dir), CONFIG, False, _group(0))
     assert model.model.layers[0].self_attn.q_proj.out_features == model.config.hidden_size // N
+
+
+def test_validate_sizes_each_ranks_kv_pool_for_its_share_of_the_heads(dirs):
+    """A rank caches 1/N of the KV heads, so the same memory holds N times the tokens: what the engine
+    allocates is what ``validate`` says (it said the one-process figure)."""
+    from batchjob.job.runner import check_engine
+    from batchjob.job.spec import make_spec
+
+    def line(tp: int) -> str:
+        spec = make_spec(model=str(dirs["qwen2"]), device="cpu", kv_memory_gb=0.002, tensor_parallel_size=tp)
+        return check_engine(spec)
+
+    one, two = line(1), line(2)
+    blocks = [int(text.split("KV pool ")[1].split(" blocks")[0]) for text in (one, two)]
+    assert blocks[1] == 2 * blocks[0] and "on each of 2 ranks" in two and "ranks" not in one, (one, two)

@@ -7,6 +7,7 @@ loop (``loop.py``) under the job's own signal handling; checkpoints and parts ar
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -50,16 +51,21 @@ def check_engine(spec: JobSpec) -> str:
     check_shardable(model_config, config.tensor_parallel_size)
     device = config.device
     max_len = config.resolve_max_model_len(model_config)
-    blocks = config.planned_num_blocks(KVShape.from_config(model_config), max_len)
+    shape = KVShape.from_config(model_config)
+    tp = config.tensor_parallel_size
+    if tp > 1:  # each rank caches its own share of the KV heads, as the engine does
+        shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // tp)
+    blocks = config.planned_num_blocks(shape, max_len)
     if blocks is None:
         return (
             f"context {max_len} tokens; the KV pool is sized at load by profiling {device} memory, and "
             "checked then to hold one request of that context"
         )
     config.check_kv_fits(blocks, max_len)
+    per_rank = f" on each of {tp} ranks" if tp > 1 else ""
     return (
         f"context {max_len} tokens; KV pool {blocks} blocks x {config.block_size} tokens = "
-        f"{blocks * config.block_size} tokens (sized by {config.kv_pool_source})"
+        f"{blocks * config.block_size} tokens{per_rank} (sized by {config.kv_pool_source})"
     )
 
 
