@@ -1,8 +1,8 @@
-"""What the chunk grid of task rows costs: the same texts embedded by two engines of one process, one with
-the grid (scheduler.py: a causal row's chunks depend on the row alone) and one with it switched off (chunks
-cut where the step's budget runs out), alternating, fastest of ``--rounds``.
+"""What the chunk grid of task rows costs: the same texts run by engines of one process that differ only in
+their chunk grid (scheduler.py: a causal row's chunks depend on the row alone; ``none``: chunks cut where
+the step's budget runs out, as before the grid), alternating, fastest of ``--rounds``.
 
-    python examples/task_grid_ab.py MODEL_DIR --texts 48 --max-tokens 512
+    python examples/task_grid_ab.py MODEL_DIR --task score --grids 512,128,none --min-tokens 300 --max-tokens 1500
 """
 
 from __future__ import annotations
@@ -19,29 +19,34 @@ from batchjob.engine.engine import Engine
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--texts", type=int, default=48)
+    ap.add_argument("--task", choices=["embed", "score"], default="embed")
+    ap.add_argument("--grids", default="128,none", help="chunk grids in tokens, or none")
+    ap.add_argument("--texts", type=int, default=24)
+    ap.add_argument("--min-tokens", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(2)
     engines = {}
-    for name in ("grid", "no grid"):
-        engine = Engine.from_pretrained(args.model, task="embed", device="cpu", dtype="float32")
-        if name == "no grid":
-            engine.scheduler.chunk_grid = None
-        engines[name] = engine
-    texts = docstring_texts(engines["grid"].tokenizer, args.texts, 20, args.max_tokens, 0)
+    for grid in args.grids.split(","):
+        engine = Engine.from_pretrained(args.model, task=args.task, device="cpu", dtype="float32")
+        engine.scheduler.chunk_grid = None if grid == "none" else int(grid)
+        engines[grid] = engine
+    first = next(iter(engines.values()))
+    texts = docstring_texts(first.tokenizer, args.texts, args.min_tokens, args.max_tokens, 0)
     for engine in engines.values():
-        engine.embed(texts[:4])  # warm-up
+        getattr(engine, args.task)(texts[:2])  # warm-up
     best = dict.fromkeys(engines, float("inf"))
+    steps = {}
     for _ in range(args.rounds):
-        for name, engine in engines.items():
+        for grid, engine in engines.items():
+            before = engine.stats.steps
             start = time.perf_counter()
-            engine.embed(texts)
-            best[name] = min(best[name], time.perf_counter() - start)
-    for name, seconds in best.items():
-        print(f"{name}: {seconds:.2f} s")
-    print(f"grid / no grid: {best['grid'] / best['no grid']:.3f}")
+            getattr(engine, args.task)(texts)
+            best[grid] = min(best[grid], time.perf_counter() - start)
+            steps[grid] = engine.stats.steps - before
+    for grid, seconds in best.items():
+        print(f"grid {grid}: {seconds:.2f} s, {steps[grid]} steps")
 
 
 if __name__ == "__main__":

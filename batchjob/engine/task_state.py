@@ -13,9 +13,11 @@ if TYPE_CHECKING:
 
 
 # A prefill-only task's causal rows compute in chunks of this many tokens (fewer when the step budget is
-# smaller; scheduler.py's chunk grid): a long document costs a few chunks, and where a chunk starts never
-# depends on the batch.
-TASK_CHUNK = 512
+# smaller; scheduler.py's chunk grid): where a chunk starts never depends on the batch. A chunk is taken
+# whole or waits, so a step fills to within a chunk of its budget: at the CPU's budget of 512, chunks of 512
+# left steps of long documents half full (1.6x slower scoring 300-1,500-token texts), chunks of 128 matched
+# the unchunked engine (BENCHMARKS.md).
+TASK_CHUNK = 128
 
 
 @dataclass
