@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -99,7 +100,7 @@ def assert_same_rows(out, ref):
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_a_damaged_part_is_reported_then_redone(reviews, tiny_model_dir, tmp_path, reference, damage):
     out = tmp_path / "out"
-    run(reviews, out, tiny_model_dir)
+    shutil.copytree(reference, out)  # a complete run of the job: the reference's folder, copied
     records = parts(out)
     assert len(records) >= 3 and all(r.size and r.result_rows for r in records)
     victim = records[len(records) // 2]
@@ -128,9 +129,9 @@ def test_a_damaged_part_is_reported_then_redone(reviews, tiny_model_dir, tmp_pat
     assert "already complete" in run(reviews, out, tiny_model_dir)
 
 
-def test_new_parts_never_reuse_a_live_name(reviews, tiny_model_dir, tmp_path):
+def test_new_parts_never_reuse_a_live_name(reviews, tiny_model_dir, tmp_path, reference):
     out = tmp_path / "out"
-    run(reviews, out, tiny_model_dir)
+    shutil.copytree(reference, out)  # a complete run of the job: the reference's folder, copied
     records = parts(out)
     (out / records[0].name).unlink()  # the first part: the highest number stays listed
     run(reviews, out, tiny_model_dir)
