@@ -29,6 +29,18 @@ def launch(args, **env) -> subprocess.Popen:
     )
 
 
+def run_here(args) -> tuple[int, str]:
+    """``batchjob run ARGS`` in this process (click's ``CliRunner``): its exit code and output, stderr included.
+    For the runs whose point is what is on disk (a reference, a rerun that resumes), not the process: it costs
+    no interpreter start-up, which is most of a small job's time."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    result = CliRunner().invoke(main, ["run", *map(str, args)], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
 @contextmanager
 def sigterm_after_steps(n: int):
     """Within the block, this process gets SIGTERM at the engine's n-th step (an in-process job then

@@ -5,13 +5,17 @@ reported with advice that keeps the finished parts."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from batchjob.errors import StateError
 from batchjob.io.atomic import read_json, write_json
 from tests.faultproc import job_args, reference, write_reviews
+from tests.jobproc import launch as start_process
 from tests.jobproc import read_results as results
+from tests.jobproc import run_here
+from tests.tiers import process_fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,6 +28,24 @@ def reviews(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(reviews, tiny_model_dir, tmp_path_factory):
     return reference(reviews, tiny_model_dir, tmp_path_factory.mktemp("ref") / "out")
+
+
+def args(reviews, out, model):
+    return job_args(reviews, out, model, "--checkpoint-interval", "0.001")
+
+
+@process_fixture(scope="module")
+def interrupted(reviews, tiny_model_dir, tmp_path_factory):
+    """The output folder of an interrupted job: parts committed, requests in flight (stopped by a full disk at
+    its third part). Run once; each damage is done to a copy of it."""
+    out = tmp_path_factory.mktemp("interrupted") / "out"
+    first = start_process(args(reviews, out, tiny_model_dir), BATCHJOB_FAULT_ENOSPC="part:3")
+    text = first.communicate(timeout=240)[0]
+    first.stdout.close()
+    assert first.returncode == 1, text
+    requests = read_json(out / "_batchjob" / "inflight.json")["requests"]
+    assert requests and any(r["output_ids"] for r in requests)  # mid-generation: something to lose
+    return out
 
 
 def torn(path):
@@ -42,23 +64,16 @@ def malformed(path):  # a sound file whose body is not a checkpoint
 
 @pytest.mark.parametrize("damage", [torn, altered, malformed])
 def test_a_damaged_checkpoint_is_set_aside_and_the_job_ends_exact(
-    launch, reviews, tiny_model_dir, tmp_path, expected, damage
+    interrupted, reviews, tiny_model_dir, tmp_path, expected, damage
 ):
     out = tmp_path / "out"
-    args = job_args(reviews, out, tiny_model_dir, "--checkpoint-interval", "0.001")
-    # an interrupted job: parts committed, requests in flight (stopped by a full disk at its third part)
-    first = launch(args, BATCHJOB_FAULT_ENOSPC="part:3")
-    text = first.communicate(timeout=240)[0]
-    assert first.returncode == 1, text
+    shutil.copytree(interrupted, out)
     checkpoint = out / "_batchjob" / "inflight.json"
-    requests = read_json(checkpoint)["requests"]
-    assert requests and any(r["output_ids"] for r in requests)  # mid-generation: something to lose
     damage(checkpoint)
     damaged = checkpoint.read_bytes()
 
-    proc = launch(args)
-    text = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, text
+    code, text = run_here(args(reviews, out, tiny_model_dir))  # the resume: what is on disk is the point
+    assert code == 0, text
     assert f"batchjob: warning: checkpoint {checkpoint} " in text
     assert "start again from their prompts" in text and "delete" not in text
     assert results(out) == expected  # every row exactly once, the same text

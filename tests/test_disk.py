@@ -14,6 +14,7 @@ import pytest
 from batchjob.io.atomic import DiskFullError, disk_full_message, is_disk_full, write_bytes
 from tests.faultproc import job_args, reference, temp_files, write_reviews
 from tests.jobproc import read_results as results
+from tests.jobproc import run_here
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,7 +81,7 @@ def test_disk_full_exits_1_naming_the_file_and_the_rerun_is_exact(
     if fault.startswith("part"):
         assert sorted(p.name for p in out.glob("*.parquet")) == ["part-000000.parquet", "part-000001.parquet"]
 
-    code, text = run(args)
+    code, text = run_here(args)  # the same command (in this process: what it finds on disk is the point)
     assert code == 0, text
     assert results(out) == expected  # every row exactly once, the same text
 
@@ -120,7 +121,7 @@ def test_a_really_full_disk(run, reviews, tiny_model_dir, small_tmpfs, expected)
     assert temp_files(out) == []
 
     filler.unlink()  # space freed: the same command finishes the job
-    code, text = run(args)
+    code, text = run_here(args)  # the same command (in this process: what it finds on disk is the point)
     assert code == 0, text
     assert results(out) == expected
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +20,7 @@ from batchjob.job.manifest import _digest as manifest_digest
 from batchjob.job.state import JobInfo, StateDir
 from batchjob.job.verify import check_parts, repair_outputs
 from tests.jobproc import read_results as results
+from tests.tiers import engine_fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,6 +41,14 @@ def reviews(tmp_path_factory):
             k = 40 if i % 7 == 3 else rng.randint(2, 6)
             f.write(json.dumps({"rid": f"r{i:02d}", "review": " ".join(rng.choices(words, k=k))}) + "\n")
     return path
+
+
+@engine_fixture(scope="module")
+def reference(reviews, tiny_model_dir, tmp_path_factory):
+    """An uninterrupted greedy run of the job (the output folder), shared by the tests that compare with it."""
+    ref = tmp_path_factory.mktemp("ref") / "out"
+    run(reviews, ref, tiny_model_dir)
+    return ref
 
 
 def args(reviews, out, model, *extra):
@@ -88,10 +98,9 @@ def assert_same_rows(out, ref):
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_a_damaged_part_is_reported_then_redone(reviews, tiny_model_dir, tmp_path, damage):
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    run(reviews, ref, tiny_model_dir)
-    run(reviews, out, tiny_model_dir)
+def test_a_damaged_part_is_reported_then_redone(reviews, tiny_model_dir, tmp_path, reference, damage):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)  # a complete run of the job: the reference's folder, copied
     records = parts(out)
     assert len(records) >= 3 and all(r.size and r.result_rows for r in records)
     victim = records[len(records) // 2]
@@ -114,15 +123,15 @@ def test_a_damaged_part_is_reported_then_redone(reviews, tiny_model_dir, tmp_pat
     assert f"{reason}: its {victim.rows} rows will be redone" in text
     assert "already complete" not in text and f"this run: {victim.rows} rows" in text
     assert victim.name not in {r.name for r in parts(out)} and not path.exists()  # its number not reused
-    assert_same_rows(out, ref)
+    assert_same_rows(out, reference)
     code, text = invoke("status", out)
     assert code == 0 and f"{out}: complete" in text and "missing or damaged" not in text
     assert "already complete" in run(reviews, out, tiny_model_dir)
 
 
-def test_new_parts_never_reuse_a_live_name(reviews, tiny_model_dir, tmp_path):
+def test_new_parts_never_reuse_a_live_name(reviews, tiny_model_dir, tmp_path, reference):
     out = tmp_path / "out"
-    run(reviews, out, tiny_model_dir)
+    shutil.copytree(reference, out)  # a complete run of the job: the reference's folder, copied
     records = parts(out)
     (out / records[0].name).unlink()  # the first part: the highest number stays listed
     run(reviews, out, tiny_model_dir)
@@ -133,9 +142,13 @@ def test_new_parts_never_reuse_a_live_name(reviews, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("sampling", [[], SAMPLED], ids=["greedy", "n2-sampled"])
-def test_retry_errors_redoes_rows_that_failed(reviews, tiny_model_dir, tmp_path, sampling, monkeypatch):
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    run(reviews, ref, tiny_model_dir, *sampling)
+def test_retry_errors_redoes_rows_that_failed(
+    reviews, tiny_model_dir, tmp_path, reference, sampling, monkeypatch
+):
+    ref, out = reference, tmp_path / "out"
+    if sampling:
+        ref = tmp_path / "ref"
+        run(reviews, ref, tiny_model_dir, *sampling)
     monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
     # One part at the end (no checkpoint in between, however slow the machine): it holds the error row and
     # good rows, so --retry-errors must rewrite a part, not only drop one.
@@ -164,13 +177,13 @@ def test_retry_errors_redoes_rows_that_failed(reviews, tiny_model_dir, tmp_path,
 
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
 def test_a_crash_in_the_middle_of_a_rewrite_loses_and_doubles_nothing(
-    launch, reviews, tiny_model_dir, tmp_path, point
+    launch, reviews, tiny_model_dir, tmp_path, reference, point, monkeypatch
 ):
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    run(reviews, ref, tiny_model_dir)
-    proc = launch([str(a) for a in args(reviews, out, tiny_model_dir)], **FLAKY_READ)
-    text = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0 and "1 errors" in text, text
+    ref, out = reference, tmp_path / "out"
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
+    text = run(reviews, out, tiny_model_dir)  # in this process: only the killed run needs one of its own
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    assert "1 errors" in text, text
     before = {r.name for r in parts(out)}
     proc = launch(
         [str(a) for a in args(reviews, out, tiny_model_dir, "--retry-errors")], BATCHJOB_FAULT_KILL=point

@@ -10,12 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from click.testing import CliRunner
 
 from batchjob.cli import main
 from tests.faultproc import alive, job_args, wait_for_points, wait_gone, write_reviews
 from tests.jobproc import launch as launch_run
-from tests.jobproc import read_results
+from tests.jobproc import read_results, run_here
+from tests.tiers import engine_fixture
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]  # real jobs with their rank processes
 
@@ -35,18 +37,26 @@ def reviews(tmp_path_factory):
     return write_reviews(tmp_path_factory.mktemp("data") / "reviews.jsonl", N_ROWS)
 
 
-@pytest.fixture(scope="module")
+@engine_fixture(scope="module")
 def expected(reviews, tiny_model_dir, tmp_path_factory):
-    """A TP 1 run of the job, as a process."""
+    """A TP 1 run of the job, in this process (a reference: no process start-up to pay for)."""
     out = tmp_path_factory.mktemp("ref") / "out"
-    proc = launch(tp_args(reviews, out, tiny_model_dir))
-    text = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, text
+    code, text = run_here(tp_args(reviews, out, tiny_model_dir))
+    assert code == 0, text
     return read_results(out)
 
 
+def rerun(args, monkeypatch):
+    """The same command again, its rank 0 (or launcher) in this process: what the stopped job left on disk is
+    the point. Its other ranks and workers are processes, one thread each as ``launch``'s."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code, text = run_here(args)
+    assert not dist.is_initialized()  # the job's process group is gone with it
+    return code, text
+
+
 def test_a_killed_rank_stops_the_job_naming_it_and_the_rerun_is_exact(
-    reviews, tiny_model_dir, tmp_path, expected
+    reviews, tiny_model_dir, tmp_path, expected, monkeypatch
 ):
     out = tmp_path / "out"
     args = tp_args(reviews, out, tiny_model_dir, "--tensor-parallel-size", "2")
@@ -62,14 +72,13 @@ def test_a_killed_rank_stops_the_job_naming_it_and_the_rerun_is_exact(
     done = read_results(out) if any(out.glob("*.parquet")) else []
     assert 0 < len(done) < len(expected), "the rank was meant to die mid-job, after some rows were written"
 
-    proc = launch(args)
-    text = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, text
+    code, text = rerun(args, monkeypatch)
+    assert code == 0, text
     assert read_results(out) == expected  # TP 2 (resumed) writes what TP 1 wrote
 
 
 def test_sigterm_saves_the_state_stops_every_rank_and_resumes_exactly(
-    reviews, tiny_model_dir, tmp_path, expected
+    reviews, tiny_model_dir, tmp_path, expected, monkeypatch
 ):
     out = tmp_path / "out"
     args = tp_args(reviews, out, tiny_model_dir, "--tensor-parallel-size", "2")
@@ -84,21 +93,20 @@ def test_sigterm_saves_the_state_stops_every_rank_and_resumes_exactly(
     assert wait_gone(children, 10) == [], "rank 1 outlived its job"
     assert not any(alive(c) for c in children)
 
-    proc = launch(args)
-    text = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, text
+    code, text = rerun(args, monkeypatch)
+    assert code == 0, text
     assert read_results(out) == expected
 
 
-def test_devices_times_tensor_parallel_size(reviews, tiny_model_dir, tmp_path, expected):
+def test_devices_times_tensor_parallel_size(reviews, tiny_model_dir, tmp_path, expected, monkeypatch):
     """Four CPU devices, two ranks each: two workers, each one shard of the job."""
     out = tmp_path / "out"
     args = tp_args(
         reviews, out, tiny_model_dir, "--tensor-parallel-size", "2", "--devices", "cpu,cpu,cpu,cpu"
     )
-    proc = launch(args)
-    text = proc.communicate(timeout=400)[0]
-    assert proc.returncode == 0, text
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code, text = run_here(args)  # the launcher in this process; its two workers and their ranks processes
+    assert code == 0, text
     assert text.count("worker shard") == 2 or text.count(": exit 0") == 2, text
     assert read_results(out) == expected
 

@@ -151,10 +151,13 @@ def test_slurm_array_with_a_killed_and_restarted_worker(launch, reviews, tiny_mo
     assert code == 0 and "complete (3 of 3 workers complete)" in text
 
 
-def test_devices_starts_one_worker_per_device(launch, reviews, tiny_model_dir, tmp_path, expected):
+@pytest.mark.process  # its launcher runs here, its workers are processes
+def test_devices_starts_one_worker_per_device(reviews, tiny_model_dir, tmp_path, expected, monkeypatch):
     out = tmp_path / "out"
-    proc = launch(["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)])
-    text = finish([proc])[0]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as ``launch``'s: the workers inherit it
+    # the launcher in this process (one interpreter start fewer), its two workers processes
+    code, text = invoke("run", "--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir))
+    assert code == 0, text
     assert "worker shard 0 of 2 on cpu: exit 0" in text and "worker shard 1 of 2 on cpu: exit 0" in text
     assert results(out) == expected
     code, text = invoke("status", out)

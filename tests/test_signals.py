@@ -14,7 +14,7 @@ import pytest
 from batchjob import signals
 from batchjob.job import loop
 from tests.faultproc import job_args, reference, temp_files, wait_for_points, wait_gone, write_reviews
-from tests.jobproc import launch
+from tests.jobproc import launch, run_here
 from tests.jobproc import read_results as results
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]  # every test starts processes
@@ -88,13 +88,14 @@ def test_a_signal_during_start_up_exits_75_and_the_rerun_completes(
     if out.exists():  # at most the state folder: no part, no temporary file
         assert temp_files(out) == [] and not list(out.glob("*.parquet"))
 
-    proc = launch(args)
-    text = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, text
+    code, text = run_here(args)  # the rerun, in this process: what the stopped process left is the point
+    assert code == 0, text
     assert results(out) == expected  # every row exactly once, the same text
 
 
-def test_sigkill_to_the_launcher_takes_its_workers_with_it(reviews, tiny_model_dir, tmp_path, expected):
+def test_sigkill_to_the_launcher_takes_its_workers_with_it(
+    reviews, tiny_model_dir, tmp_path, expected, monkeypatch
+):
     out = tmp_path / "out"
     args = ["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)]
     # both workers stop once their job loop runs (the launcher never gets there)
@@ -112,14 +113,15 @@ def test_sigkill_to_the_launcher_takes_its_workers_with_it(reviews, tiny_model_d
     for shard in ("shard-00000-of-00002", "shard-00001-of-00002"):
         assert (out / "_batchjob" / shard / "inflight.json").exists()  # each saved its requests
 
-    proc = launch(args, OMP_NUM_THREADS="1")
-    text = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, text
+    # the rerun: its launcher in this process (what the stopped one left is the point), its workers processes
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code, text = run_here(args)
+    assert code == 0, text
     assert results(out) == expected
 
 
 def test_a_signal_to_the_launcher_before_its_workers_run_exits_75(
-    reviews, tiny_model_dir, tmp_path, expected
+    reviews, tiny_model_dir, tmp_path, expected, monkeypatch
 ):
     out = tmp_path / "out"
     args = ["--devices", "cpu,cpu", *job_args(reviews, out, tiny_model_dir)]
@@ -140,9 +142,10 @@ def test_a_signal_to_the_launcher_before_its_workers_run_exits_75(
     assert "worker shard 1 of 2 on cpu: not started (interrupted)" in text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
 
-    proc = launch(args, OMP_NUM_THREADS="1")
-    text = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, text
+    # the rerun: its launcher in this process (what the stopped one left is the point), its workers processes
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code, text = run_here(args)
+    assert code == 0, text
     assert results(out) == expected
 
 
@@ -184,7 +187,6 @@ def test_any_number_of_signals_once_the_state_is_saved_exit_75(reviews, tiny_mod
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     assert (out / "_batchjob" / "inflight.json").exists()
 
-    proc = launch(job_args(reviews, out, tiny_model_dir))
-    text = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, text
+    code, text = run_here(job_args(reviews, out, tiny_model_dir))  # the rerun, in this process
+    assert code == 0, text
     assert results(out) == expected
