@@ -12,6 +12,7 @@ step's requests (1-64) or a prompt chunk (128-512). Fastest of ``--repeats`` cal
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -22,6 +23,10 @@ SHAPES = {  # hidden, intermediate, q heads * head dim, kv heads * head dim
     "qwen2.5-0.5b": (896, 4864, 896, 128),
     "qwen2.5-1.5b": (1536, 8960, 1536, 256),
 }
+
+
+def _int8_forward(x: torch.Tensor, w8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x.bfloat16(), w8, scales).float()
 
 
 def fastest(fn, repeats: int) -> float:
@@ -55,12 +60,11 @@ def main() -> None:
     print(f"{args.shape}: one layer's linears, {args.threads} threads, fastest of {args.repeats}")
     print("rows | float32 packed ms | int8 weights ms | float32 / int8")
     for m in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(m, lin.in_features) for lin, _, _ in layer]
-        f32 = sum(fastest(lambda: _packed_forward(lin, x), args.repeats) for (lin, _, _), x in zip(layer, xs))
-        i8 = sum(
-            fastest(lambda: torch._weight_int8pack_mm(x.bfloat16(), w8, s).float(), args.repeats)
-            for (_, w8, s), x in zip(layer, xs)
-        )
+        f32 = i8 = 0.0
+        for lin, w8, s in layer:
+            x = torch.randn(m, lin.in_features)
+            f32 += fastest(functools.partial(_packed_forward, lin, x), args.repeats)
+            i8 += fastest(functools.partial(_int8_forward, x, w8, s), args.repeats)
         print(f"{m} | {f32 * 1e3:.2f} | {i8 * 1e3:.2f} | {f32 / i8:.2f}x", flush=True)
 
 
