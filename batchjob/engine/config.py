@@ -7,6 +7,7 @@ the full context fits), so ``batchjob validate`` can check a pool from the model
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,10 @@ class KVShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.num_hidden_layers, kv_heads, head_dim)
+
+    def per_rank(self, ranks: int) -> KVShape:
+        """What one of ``ranks`` tensor-parallel ranks caches: its share of the KV heads."""
+        return dataclasses.replace(self, num_kv_heads=self.num_kv_heads // ranks)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()

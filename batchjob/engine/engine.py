@@ -26,7 +26,6 @@ blocks, the model and the device, and nothing about rows or jobs.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
 import time
@@ -133,7 +132,7 @@ class Engine:
 
         shape = KVShape.from_config(model.config)
         if tensor_parallel is not None:  # each rank caches its own KV heads
-            shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // tensor_parallel.size)
+            shape = shape.per_rank(tensor_parallel.size)
         longest = self.prefill_limit if self.tasks is not None else self.max_model_len  # one request's tokens
         num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
         if tensor_parallel is not None:  # the same pool on every rank: the smallest any of them holds

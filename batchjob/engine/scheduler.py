@@ -108,11 +108,10 @@ class Scheduler:
         left = req.num_tokens - computed
         if not self.split_prompts:
             return left if left <= budget else 0
-        if self.chunk_grid is not None:
+        if self.chunk_grid is not None:  # the grid from the start of the part it is in, to that part's end
             cut = self.block_manager.reusable(req)
-            start = 0 if computed < cut else cut
-            end = min(start + ((computed - start) // self.chunk_grid + 1) * self.chunk_grid, req.num_tokens)
-            whole = (min(end, cut) if computed < cut else end) - computed
+            start, end = (0, cut) if computed < cut else (cut, req.num_tokens)
+            whole = min(start + ((computed - start) // self.chunk_grid + 1) * self.chunk_grid, end) - computed
             return whole if whole <= budget else 0
         return min(left, budget)
 

@@ -7,7 +7,6 @@ loop (``loop.py``) under the job's own signal handling; checkpoints and parts ar
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
@@ -51,11 +50,8 @@ def check_engine(spec: JobSpec) -> str:
     check_shardable(model_config, config.tensor_parallel_size)
     device = config.device
     max_len = config.resolve_max_model_len(model_config)
-    shape = KVShape.from_config(model_config)
-    tp = config.tensor_parallel_size
-    if tp > 1:  # each rank caches its own share of the KV heads, as the engine does
-        shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // tp)
-    blocks = config.planned_num_blocks(shape, max_len)
+    tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
+    blocks = config.planned_num_blocks(KVShape.from_config(model_config).per_rank(tp), max_len)
     if blocks is None:
         return (
             f"context {max_len} tokens; the KV pool is sized at load by profiling {device} memory, and "
