@@ -259,6 +259,11 @@ def _configs():
         "mpt": (tf.MptConfig(), {"own_attention", "alibi"}),
         # EmbeddingGemma: a window both ways, which the torch and cpu backends compute (test_tasks.py)
         "bidirectional gemma3": (tf.Gemma3TextConfig(use_bidirectional_attention=True), set()),
+        # a window both ways in a family whose bounds are not checked: refused, not guessed
+        "bidirectional windowed qwen2": (
+            tf.Qwen2Config(use_bidirectional_attention=True, use_sliding_window=True, sliding_window=128),
+            {"unchecked_window"},
+        ),
         "llama4 chunked attention": (tf.Llama4TextConfig(), {"layer_types"}),
     }
 

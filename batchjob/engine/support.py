@@ -126,6 +126,19 @@ def _bidirectional_window(config, model) -> str | None:
     return None
 
 
+# Families whose window both ways is checked to be what our backends compute, ``|q - k| < w`` for the window
+# ``w`` each layer passes (ModernBERT passes its half window + 1 with an inclusive mask, Gemma-3 its window
+# with an exclusive one: the same keys). Another family's bounds may differ by one: refused until checked.
+_WINDOW_BOTH_WAYS_CHECKED = {"modernbert", "gemma3_text", "gemma3"}
+
+
+def _unchecked_window(config, model) -> str | None:
+    detail = _bidirectional_window(config, model)
+    if detail is None or config.model_type in _WINDOW_BOTH_WAYS_CHECKED:
+        return None
+    return f"{detail}, in a family whose window bounds batchjob has not checked against its own mask"
+
+
 _KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -160,6 +173,12 @@ FEATURES: tuple[Feature, ...] = (
         "uses windowed attention both ways",
         "which only the torch and cpu attention backends compute (for embed and classify)",
         _bidirectional_window,
+    ),
+    Feature(
+        "unchecked_window",
+        "uses windowed attention both ways",
+        "whose bounds batchjob has checked only for ModernBERT and Gemma-3 (it would risk an off-by-one window)",
+        _unchecked_window,
     ),
     Feature(
         "layer_types",
