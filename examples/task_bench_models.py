@@ -4,14 +4,17 @@
   positions; sentence-transformers mean pooling and Normalize);
 - ``qwen3-embedding-shape/``: Qwen3-Embedding-0.6B's (Qwen3, 28 layers, 1024 wide, 16 query and 8 KV heads
   of 128, 3072 intermediate, tied embeddings; last-token pooling and Normalize);
-- ``minilm-classifier/``: the MiniLM shape with a 2-label sequence-classification head (``--task classify``).
+- ``minilm-classifier/``: the MiniLM shape with a 2-label sequence-classification head (``--task classify``);
+- ``modernbert-shape/``: gte-modernbert-base's (ModernBERT, 22 layers, 768 wide, 12 heads, 1152
+  intermediate, every third layer global, the others a 128-token window both ways; mean pooling).
 
 Random weights: the speed of a forward does not depend on them. No downloads: every model takes the
 tokenizer of batchjob's embedded default model (SmolLM2's byte-level BPE, 49,152 tokens; the vocabulary
 is widened to fit it), without its chat template (sentence-transformers 6 would format texts as chat
 messages). Run:
 
-    python examples/task_bench_models.py /tmp/task-models
+    python examples/task_bench_models.py /tmp/task-models            # all four
+    python examples/task_bench_models.py /tmp/task-models modernbert-shape   # only the ones named
     batchjob bench --task embed --model /tmp/task-models/minilm-shape --num-requests 256
 """
 
@@ -56,8 +59,11 @@ def save_embedder(folder: Path, config, pooling: str) -> None:
     print(f"wrote {folder}")
 
 
-def main(out: Path) -> None:
-    from transformers import AutoModelForSequenceClassification, BertConfig, Qwen3Config
+def main(out: Path, only: list[str]) -> None:
+    from transformers import AutoModelForSequenceClassification, BertConfig, ModernBertConfig, Qwen3Config
+
+    def wanted(name: str) -> bool:
+        return not only or name in only
 
     vocab = len(tokenizer())
     minilm = dict(
@@ -69,7 +75,26 @@ def main(out: Path) -> None:
         max_position_embeddings=512,
         pad_token_id=tokenizer().pad_token_id,
     )
-    save_embedder(out / "minilm-shape", BertConfig(**minilm), "mean")
+    if wanted("minilm-shape"):
+        save_embedder(out / "minilm-shape", BertConfig(**minilm), "mean")
+    if wanted("modernbert-shape"):
+        tok = tokenizer()
+        modernbert = ModernBertConfig(
+            vocab_size=vocab,
+            hidden_size=768,
+            num_hidden_layers=22,
+            num_attention_heads=12,
+            intermediate_size=1152,
+            global_attn_every_n_layers=3,
+            local_attention=128,
+            max_position_embeddings=8192,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            cls_token_id=tok.bos_token_id,
+            sep_token_id=tok.eos_token_id,
+        )
+        save_embedder(out / "modernbert-shape", modernbert, "mean")
     qwen3 = Qwen3Config(
         vocab_size=vocab,
         hidden_size=1024,
@@ -83,7 +108,10 @@ def main(out: Path) -> None:
         tie_word_embeddings=True,
         pad_token_id=tokenizer().pad_token_id,
     )
-    save_embedder(out / "qwen3-embedding-shape", qwen3, "lasttoken")
+    if wanted("qwen3-embedding-shape"):
+        save_embedder(out / "qwen3-embedding-shape", qwen3, "lasttoken")
+    if not wanted("minilm-classifier"):
+        return
     folder = out / "minilm-classifier"
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(BertConfig(num_labels=2, **minilm)).save_pretrained(
@@ -96,4 +124,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "task-models"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "task-models"), sys.argv[2:])
