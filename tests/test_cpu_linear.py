@@ -31,6 +31,36 @@ def test_packed_linear_equals_plain(bias, rows):
     torch.testing.assert_close(model(x[:, ::2]), want[:, ::2], atol=1e-5, rtol=1e-5)  # strided input
 
 
+@needs_onednn
+def test_packed_layers_hold_their_weights_once():
+    """A packed layer's own weight is dropped (the packed copy serves its forward); a weight two modules share
+    (an output head tied to the embedding) is kept, and so is the first parameter (the model's device)."""
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(50, 32)
+    head = torch.nn.Linear(32, 50, bias=False)
+    head.weight = embed.weight  # tied, as a language model's output head
+    own = torch.nn.Linear(32, 32)
+    model = torch.nn.ModuleDict({"embed": embed, "own": own, "head": head})
+    x = torch.randn(3, 32)
+    want_own, want_head = own(x), head(x)
+    assert cpu_linear.prepack_linears(model) == 2
+    assert own.weight.is_meta and own.weight.shape == (32, 32)
+    assert not head.weight.is_meta and head.weight is embed.weight
+    torch.testing.assert_close(own(x), want_own, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head(x), want_head, atol=1e-5, rtol=1e-5)
+    for compute in (
+        lambda: torch.nn.functional.linear(x, own.weight),
+        lambda: x @ own.weight,
+        own.weight.sum,
+    ):
+        with pytest.raises(RuntimeError, match="packed for oneDNN"):  # never a stale or empty copy
+            compute()
+    assert own.weight.dtype == torch.float32 and own.weight.is_floating_point()  # what transformers reads
+    first = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    assert cpu_linear.prepack_linears(first) == 2
+    assert not first[0].weight.is_meta and first[1].weight.is_meta
+
+
 def test_only_float32_on_cpu(monkeypatch):
     assert not cpu_linear.available(torch.float64, torch.device("cpu"))
     assert not cpu_linear.available(torch.float32, torch.device("meta"))
@@ -44,6 +74,10 @@ def test_engine_packs_float32_and_gives_the_same_tokens(tiny_model_dir, monkeypa
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     packed = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
     assert packed.runner.packed_linears > 0
+    dropped = [
+        m for m in packed.runner.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.is_meta
+    ]
+    assert dropped  # held once: the generation below runs on the packed copies alone
     monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
     plain = Engine.from_pretrained(str(tiny_model_dir), dtype="float32", device="cpu")
     assert plain.runner.packed_linears == 0
