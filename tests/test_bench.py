@@ -181,6 +181,14 @@ def test_bench_against_llama_cpp_on_the_default_model(tmp_path):
     # Greedy, float32 both, EOS ignored: most requests agree token for token (llama.cpp's ignore_eos also
     # bans EOS, ours lets it be picked and goes on, so a request whose argmax is EOS parts there).
     assert body["agreement"]["llama.cpp"]["total"] == 4
+    # Memory: llama.cpp's own peak RSS (its process, reaped by us) holds at least its F32 weights (~540 MB);
+    # its KV cache is its context of f32 K and V; ours reports its pool.
+    per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32
+    for r in (by["server"], by["batched-bench"]):
+        assert r["extra"]["peak_rss_mib"] > 500, r["extra"]
+        assert r["extra"]["kv_mib"] == round(4 * 256 * per_token / 2**20, 1)  # 4 slots of 256 tokens
+    assert 2000 < by["ours"]["extra"]["kv_mib"] <= 2048  # the CPU default, --kv-memory-gb 2
+    assert "memory: " in result.output
 
 
 def test_agreement_is_counted_against_a_baseline_setting_that_gave_tokens_back():

@@ -173,6 +173,10 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     return summary
 
 
+def _mib(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.0f} MiB"
+
+
 def format_report(
     work: Workload, results: list[Result], summary: dict[str, Any], header: str, notes: Sequence[str] = ()
 ) -> str:
@@ -215,6 +219,13 @@ def format_report(
                 else ""
             )
         )
+    memory = [
+        f"{r.label}: {_mib(r.extra.get('peak_rss_mib'))} peak RSS, KV cache {_mib(r.extra.get('kv_mib'))}"
+        for r in results
+        if not r.error and ("kv_mib" in r.extra or "peak_rss_mib" in r.extra)
+    ]
+    if memory:
+        lines.append("memory: " + "; ".join(memory))
     for name, agree in summary["agreement"].items():
         lines.append(
             f"agreement: ours == {name} greedy tokens on {agree['equal']}/{agree['total']} requests "
@@ -237,15 +248,19 @@ def _llama_cpp_runs(
     dtype = str(engine.dtype).removeprefix("torch.")
     gguf = llama_cpp.convert(Path(engine.model_id), dtype, bins, progress)
     slots = min(engine.config.max_num_seqs, len(work.prompts))  # as many at once as ours may run
+    kv = engine.kv_token_bytes  # llama.cpp's cache is of the same type as ours (-ctk/-ctv at --dtype)
     runs: list[tuple[str, Callable[[], Result]]] = [
         (
             f"llama.cpp server slots={slots}",
-            lambda: llama_cpp.run_server(bins, gguf, work, dtype, threads, slots),
+            lambda: llama_cpp.run_server(bins, gguf, work, dtype, threads, slots, kv),
         )
     ]
     if llama_cpp.equal_shape(work) is not None:
         runs.append(
-            ("llama.cpp batched-bench", lambda: llama_cpp.run_batched_bench(bins, gguf, work, dtype, threads))
+            (
+                "llama.cpp batched-bench",
+                lambda: llama_cpp.run_batched_bench(bins, gguf, work, dtype, threads, kv),
+            )
         )
     return runs
 

@@ -106,26 +106,72 @@ def _ctx_for(slots: int, longest: int) -> int:
     return slots * (-(-longest // 256) * 256)  # every slot room for the longest request, in 256-token steps
 
 
-def run_batched_bench(bins: Path, gguf: Path, work: Workload, dtype: str, threads: int) -> Result:
+def _reap(proc: subprocess.Popen, kill_after: float | None = None) -> float | None:
+    """Wait for ``proc`` (killing it after ``kill_after`` seconds) and return its peak resident memory in MiB,
+    which only the reaping wait reports (Linux and macOS; elsewhere None, as when it was reaped already)."""
+    if proc.returncode is not None:
+        return None
+    if not hasattr(os, "wait4"):
+        try:
+            proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+    deadline = None if kill_after is None else time.monotonic() + kill_after
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if deadline is None else os.WNOHANG)
+        if pid == proc.pid:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            proc.kill()
+            deadline = None
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB elsewhere
+
+
+def _memory(peak_rss_mib: float | None, ctx: int, kv_token_bytes: int | None) -> dict[str, Any]:
+    """The memory figures of a run: llama.cpp's own peak RSS, and its KV cache (``ctx`` tokens of
+    ``kv_token_bytes``: every layer's K and V at the cache type)."""
+    out: dict[str, Any] = {"peak_rss_mib": round(peak_rss_mib, 1) if peak_rss_mib else None}
+    out["kv_mib"] = round(ctx * kv_token_bytes / 2**20, 1) if kv_token_bytes else None
+    return out
+
+
+def run_batched_bench(
+    bins: Path, gguf: Path, work: Workload, dtype: str, threads: int, kv_token_bytes: int | None = None
+) -> Result:
+    """``kv_token_bytes``: the KV cache's bytes per token at ``dtype`` (for the memory figures)."""
     shape = equal_shape(work)
     assert shape is not None, "llama-batched-bench runs equal-length requests only"
     plen, olen = shape
     n = len(work.prompts)
     kv = gguf_type(dtype)
+    ctx = _ctx_for(n, plen + olen)
     cmd = [
         str(bins / "llama-batched-bench"),
-        *("-m", str(gguf), "-c", str(_ctx_for(n, plen + olen)), "-b", "2048", "-ub", "512"),
+        *("-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512"),
         *("-npp", str(plen), "-ntg", str(olen), "-npl", str(n), "-t", str(threads), "-tb", str(threads)),
         *("-ctk", kv, "-ctv", kv, "--output-format", "jsonl"),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        peak = _reap(proc)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     settings = {"program": "batched-bench", "kv": kv}
-    if done.returncode != 0 or not rows:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+    if proc.returncode != 0 or not rows:
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
         return Result("llama.cpp", settings, 0.0, work.prompt_tokens, work.output_tokens, [], error=tail)
     row = rows[-1]
-    extra = {"prompt_seconds": row["t_pp"], "decode_seconds": row["t_tg"]}
+    extra = {
+        "prompt_seconds": row["t_pp"],
+        "decode_seconds": row["t_tg"],
+        **_memory(peak, ctx, kv_token_bytes),
+    }
     return Result("llama.cpp", settings, float(row["t"]), work.prompt_tokens, work.output_tokens, [], extra)
 
 
@@ -141,16 +187,26 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def run_server(bins: Path, gguf: Path, work: Workload, dtype: str, threads: int, slots: int) -> Result:
-    """The workload through ``llama-server`` on loopback: every request submitted at once, timed to the last."""
+def run_server(
+    bins: Path,
+    gguf: Path,
+    work: Workload,
+    dtype: str,
+    threads: int,
+    slots: int,
+    kv_token_bytes: int | None = None,
+) -> Result:
+    """The workload through ``llama-server`` on loopback: every request submitted at once, timed to the last.
+    ``kv_token_bytes``: the KV cache's bytes per token at ``dtype`` (for the memory figures)."""
     kv = gguf_type(dtype)
     slots = max(1, min(slots, len(work.prompts)))
     longest = max(len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True))
     port = _free_port()
+    ctx = _ctx_for(slots, longest)
     cmd = [
         str(bins / "llama-server"),
         *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-kvu"),
-        *("-c", str(_ctx_for(slots, longest)), "-b", "2048", "-ub", "512"),
+        *("-c", str(ctx), "-b", "2048", "-ub", "512"),
         *("-t", str(threads), "-tb", str(threads), "-ctk", kv, "-ctv", kv, "--no-webui", "--no-cache-prompt"),
     ]
     settings = {"program": "server", "slots": slots, "kv": kv}
@@ -197,9 +253,6 @@ def run_server(bins: Path, gguf: Path, work: Workload, dtype: str, threads: int,
                 wall = time.perf_counter() - start
         finally:
             proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    return Result("llama.cpp", settings, wall, work.prompt_tokens, work.output_tokens, outputs)
+            peak = _reap(proc, kill_after=30)
+    extra = _memory(peak, ctx, kv_token_bytes)
+    return Result("llama.cpp", settings, wall, work.prompt_tokens, work.output_tokens, outputs, extra)
