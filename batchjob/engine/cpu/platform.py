@@ -89,11 +89,14 @@ class CpuPlatform(Platform):
             self.spin_guard = guard if guard.enabled else None
 
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
-        """Pack the model's float32 linear weights for oneDNN (not under torch.compile: inductor lowers the
-        packed call only for weights it froze itself)."""
+        """Pack the model's float32 linear weights for oneDNN, and fuse its gated MLPs' activation and product
+        into their GEMMs (not under torch.compile: inductor lowers the packed call only for weights it froze
+        itself)."""
         if compiled or not linear.available(dtype, self.device):
             return 0
-        return linear.prepack_linears(model)
+        packed = linear.prepack_linears(model)
+        linear.fuse_gated_mlps(model)
+        return packed
 
     def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
         """One zeroed pool on huge pages, every layer's K and V a view of it."""
