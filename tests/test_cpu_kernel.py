@@ -117,35 +117,23 @@ def test_bf16_kernel_rounds_to_nearest_even_and_keeps_nan_inf():
     torch.testing.assert_close(got[0, 0], v_cache[0, 0, 0], equal_nan=True, atol=0, rtol=0)
 
 
-@needs_kernel
-def test_engine_in_bf16_decodes_with_the_kernel_and_differs_from_the_reference_only_at_near_ties(
-    decisive_model_dir, capsys
-):
-    """The engine in bf16 chooses the kernel; its greedy tokens against the torch reference's (same bf16
-    weights and cache): the two round attention differently (float inside the kernel, bf16 SDPA outside), so
-    a pick can flip where two logits are within bf16 rounding of each other. Each sequence agrees up to its
-    first difference, that difference falls on a near-tie of the float32 model's logits (top two within two
-    bf16 steps of the top logit) with the kernel's pick one of the two, and the agreement rate is printed."""
+def bf16_prompts(vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 80, (24,), generator=gen)
+    return [torch.randint(3, vocab_size - 8, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def assert_bf16_differs_only_at_near_ties(folder, prompts, got, want, what: str, capsys) -> None:
+    """Two bf16 runs of one model that round differently can pick differently where two logits are within
+    bf16 rounding of each other. Each sequence agrees up to its first difference, that difference falls on a
+    near-tie of the float32 model's logits (top two within two bf16 steps of the top logit) with both picks
+    the two, most tokens agree, and the agreement rate is printed."""
     from transformers import AutoModelForCausalLM
 
-    from batchjob import Engine, SamplingParams
-
-    options = dict(dtype="bfloat16", device="cpu", num_blocks=128)
-    kern = Engine.from_pretrained(str(decisive_model_dir), **options)
-    assert kern.runner.attention.name == "cpu_kernel"  # auto: the kernel takes bf16
-    ref = Engine.from_pretrained(str(decisive_model_dir), attention_backend="torch", **options)
-    gen = torch.Generator().manual_seed(0)
-    vocab = kern.vocab_size - 8
-    prompts = [
-        torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(3, 80, (24,))
-    ]
-    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-    got = [o.token_ids for o in kern.generate(prompts, params)]
-    want = [o.token_ids for o in ref.generate(prompts, params)]
-    hf = AutoModelForCausalLM.from_pretrained(str(decisive_model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     same = total = diverged = 0
     for prompt, out, expected in zip(prompts, got, want, strict=True):
-        assert len(out) == len(expected) == 32
+        assert len(out) == len(expected) > 0
         total += len(expected)
         first = next((i for i, (a, b) in enumerate(zip(out, expected, strict=True)) if a != b), None)
         same += len(expected) if first is None else first
@@ -160,10 +148,32 @@ def test_engine_in_bf16_decodes_with_the_kernel_and_differs_from_the_reference_o
         assert {out[first], expected[first]} <= set(top2.indices.tolist()), (prompt, first, top2)
     with capsys.disabled():
         print(
-            f"\nbf16 engine, decode kernel vs torch reference: {same}/{total} tokens agree before any first "
-            f"difference; {diverged}/{len(prompts)} sequences differ, each from a near-tie"
+            f"\nbf16 engine, {what}: {same}/{total} tokens agree before any first difference; "
+            f"{diverged}/{len(prompts)} sequences differ, each from a near-tie"
         )
-    assert same >= 0.75 * total
+    assert same >= 0.6 * total  # measured here: 624/768 kernel vs reference (a gross error agrees on few)
+
+
+@needs_kernel
+def test_engine_in_bf16_decodes_with_the_kernel_and_differs_from_the_reference_only_at_near_ties(
+    decisive_model_dir, capsys
+):
+    """The engine in bf16 chooses the kernel; its greedy tokens against the torch reference's (same bf16
+    weights and cache), which rounds attention differently (float inside the kernel, bf16 SDPA outside)."""
+    from batchjob import Engine, SamplingParams
+
+    options = dict(dtype="bfloat16", device="cpu", num_blocks=128)
+    kern = Engine.from_pretrained(str(decisive_model_dir), **options)
+    assert kern.runner.attention.name == "cpu_kernel"  # auto: the kernel takes bf16
+    ref = Engine.from_pretrained(str(decisive_model_dir), attention_backend="torch", **options)
+    prompts = bf16_prompts(kern.vocab_size)
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in kern.generate(prompts, params)]
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    assert all(len(t) == 32 for t in got + want)
+    assert_bf16_differs_only_at_near_ties(
+        decisive_model_dir, prompts, got, want, "kernel vs reference", capsys
+    )
 
 
 @pytest.mark.engine  # runs the C++ compiler

@@ -7,9 +7,10 @@ made decode steps of ~44 requests about 12% faster than MKL; the blocked layout 
 64 down to 4 rows), large prefill steps the same (BENCHMARKS.md).
 
 Only the layers' ``forward`` changes: the modules, their ``weight`` parameters and the model's code stay as
-they are (the packed copy is extra memory, the size of the linear weights). float32 only: oneDNN has no
-float64 path, and the exactness tests run in float64 through the plain layers. ``BATCHJOB_CPU_PREPACK=0``
-turns it off.
+they are (the packed copy is extra memory, the size of the linear weights). float32 everywhere, bfloat16
+where the CPU has native bf16 (:func:`~.bf16.native_bf16`: AVX512-BF16 or AMX; the same two oneDNN ops, as
+torch's inductor packs bf16 linears on the CPU); not float64: oneDNN has no float64 path, and the exactness
+tests run in float64 through the plain layers. ``BATCHJOB_CPU_PREPACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ import types
 import torch
 
 from batchjob import env
+from batchjob.engine.cpu.bf16 import native_bf16
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are packed on this CPU: float32, and bf16 where the CPU has native bf16."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     if not env.flag(DISABLE_ENV):  # on unless turned off
         return False
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and packs(dtype) and torch.backends.mkldnn.is_available()
 
 
 PACK_ROWS_HINT = 64  # rows per call oneDNN lays the weight out for (a decode step's size; any size works)
@@ -48,11 +55,11 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def prepack_linears(model: torch.nn.Module) -> int:
-    """Give every float32 ``nn.Linear`` of the model a packed weight and the forward that uses it.
-    Returns how many layers were packed (0 where oneDNN refuses the weight)."""
+    """Give every float32 ``nn.Linear`` of the model (and bf16 one, on a CPU with native bf16) a packed weight
+    and the forward that uses it. Returns how many layers were packed (0 where oneDNN refuses the weight)."""
     count = 0
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or module.weight.dtype != torch.float32:
+        if type(module) is not torch.nn.Linear or not packs(module.weight.dtype):
             continue
         if hasattr(module, "_batchjob_packed"):
             count += 1
