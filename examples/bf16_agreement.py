@@ -5,11 +5,12 @@ decode kernel's time in each.
 
 ``text``: the embedded default model (SmolLM2-135M-Instruct) in float32 and in bf16 on the first ``--rows``
 rows of ``examples/bench_text.jsonl`` through its chat template, greedy, up to 128 tokens, stopping at EOS:
-per row the tokens before the first difference (a row is identical when both outputs are), their median and
-minimum, and each dtype's wall time and generated tokens/s (same process, one after the other).
+per row the tokens before the first difference (a row is identical when both outputs are), how many rows
+are identical, the median and minimum over all rows and over the rows that differ, and each dtype's wall time and generated tokens/s (same process, one after the other).
 ``labels``: the quick start job (``jobs/quickstart.toml``, labels under ``choices``) run as a user runs it,
 ``batchjob run jobs/quickstart.toml --dtype D --output TMP``, once per dtype: the label agreement rate, and
-each run's time. ``kernel``: the C++ decode kernel (``batchjob/engine/cpu/csrc/paged_decode.cpp``) at a
+each run's time, and how many labels each dtype gets equal to ``examples/reviews.jsonl``'s own ``label``
+column. ``kernel``: the C++ decode kernel (``batchjob/engine/cpu/csrc/paged_decode.cpp``) at a
 decode step's shape, 32 requests x 512 keys, 9 query / 3 KV heads of 64 (SmolLM2-135M), block 16, scattered
 blocks: median milliseconds per call in float32 and in bf16.
 """
@@ -17,6 +18,7 @@ blocks: median milliseconds per call in float32 and in bf16.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -49,16 +51,21 @@ def _generate(dtype: str, rows: int) -> tuple[list[list[int]], float, int]:
 def text_agreement(rows: int) -> None:
     runs = {dtype: _generate(dtype, rows) for dtype in ("float32", "bfloat16")}
     f32, bf16 = runs["float32"][0], runs["bfloat16"][0]
-    before = []
+    before, differ = [], []  # per row: tokens before the first difference (a whole identical row: its length)
     for a, b in zip(f32, bf16, strict=True):
         first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         before.append(first)
-    identical = sum(a == b for a, b in zip(f32, bf16, strict=True))
+        if a != b:
+            differ.append(first)
+    identical = len(f32) - len(differ)
     print(f"text: {rows} rows of examples/bench_text.jsonl, chat template, greedy, up to 128 tokens")
-    print(f"  tokens before the first difference, per row: {before}")
+    print("  tokens before the first difference, per row (* identical): ", end="")
+    print(", ".join(f"{n}{'*' if a == b else ''}" for n, a, b in zip(before, f32, bf16, strict=True)))
     print(
-        f"  median {statistics.median(before)}, min {min(before)}; identical rows {identical}/{rows}; "
-        f"float32 rows' lengths: median {statistics.median(map(len, f32))}"
+        f"  identical rows {identical}/{rows}; over all rows (an identical row counts its length) median "
+        f"{statistics.median(before)}, min {min(before)}; over the {len(differ)} rows that differ median "
+        f"{statistics.median(differ) if differ else '-'}, min {min(differ, default='-')}; float32 rows' "
+        f"lengths: median {statistics.median(map(len, f32))}"
     )
     for dtype, (_, wall, gen) in runs.items():
         print(f"  {dtype}: {wall:.1f} s, {gen} tokens, {gen / wall:.1f} generated tok/s")
@@ -81,7 +88,15 @@ def label_agreement() -> None:
     assert f32.keys() == bf16.keys()
     same = sum(f32[k] == bf16[k] for k in f32)
     differ = sorted((k, f32[k], bf16[k]) for k in f32 if f32[k] != bf16[k])
+    truth = {}
+    with open(HERE / "examples" / "reviews.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            truth[row["review_id"]] = row["label"]
     print(f"labels: jobs/quickstart.toml, {same}/{len(f32)} labels agree ({same / len(f32):.1%})")
+    for dtype, got in labels.items():
+        right = sum(got[k] == truth.get(k) for k in got)
+        print(f"  {dtype}: {right}/{len(got)} equal to the reviews' own label column")
     print(f"  differing (id, float32, bf16): {differ}")
     print("  " + ", ".join(f"{d}: batchjob run {w:.1f} s" for d, w in walls.items()))
 
