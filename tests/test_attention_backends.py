@@ -165,7 +165,8 @@ def _rendered(monkeypatch, name: str) -> None:
 
 
 def _configs():
-    """(backend, device, dtype, block size, rendered) for each run: float64 where a backend takes it."""
+    """(backend, device, dtype, block size, rendered) for each run: float64 where a backend takes it, and the
+    CPU kernel in bf16 too."""
     out = []
     for name, cls in REGISTRY.items():
         for dev in ("cpu", "cuda"):
@@ -182,6 +183,8 @@ def _configs():
                 out.append(
                     pytest.param(name, dev, torch.bfloat16, bs, False, marks=marks, id=f"{name}-cuda-bf16")
                 )
+            if dev == "cpu" and name == "cpu_kernel":  # its own bf16 code (float inside), not torch's
+                out.append(pytest.param(name, dev, torch.bfloat16, 4, False, id=f"{name}-cpu-bf16"))
     return out
 
 

@@ -213,3 +213,31 @@ def test_status_of_a_running_job_says_so_with_its_rows_in_flight(launch, tiny_mo
     assert (
         code == 0 and f"{out}: incomplete\n" in text and "running now" not in text and "in flight" not in text
     )
+
+
+@pytest.mark.timeout(300)
+def test_run_in_bf16_says_its_cost_and_resume_refuses_a_changed_dtype(launch, data, tiny_model_dir, tmp_path):
+    """`batchjob run --dtype bfloat16` in a real process: on a CPU without native bf16 its output carries the
+    engine's one warning line (slower than float32); the job records its dtype, and a rerun with another
+    dtype is refused before work, naming the change."""
+    import torch
+
+    from batchjob.engine.cpu import bf16
+
+    out = tmp_path / "out"
+    args = [
+        "--input", data, "--output", out, "--model", tiny_model_dir, "--template", "{review}",
+        "--max-new-tokens", "3", "--device", "cpu",
+    ]  # fmt: skip
+    proc = launch([str(a) for a in [*args, "--dtype", "bfloat16"]])
+    output = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, output
+    slow = bf16.slow_bf16(torch.device("cpu"), torch.bfloat16)
+    if slow is None:  # a CPU with native bf16: nothing to say
+        assert "no native bf16" not in output
+    else:
+        assert output.count(slow) == 1, output
+    code, text = invoke("run", *args, "--dtype", "float32")
+    assert code == 2 and "model.dtype: was 'bfloat16', now 'float32'" in text, text
+    code, text = invoke("run", *args, "--dtype", "bfloat16")
+    assert code == 0 and "already complete" in text, text

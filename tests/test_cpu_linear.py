@@ -1,4 +1,5 @@
-"""Linear layers with oneDNN-packed weights: same results as the plain layers, float32 only."""
+"""Linear layers with oneDNN-packed weights: same results as the plain layers; float32, and bf16 where the CPU
+has native bf16 (AVX512-BF16 or AMX), with the one warning line where it has not."""
 
 from __future__ import annotations
 
@@ -6,10 +7,16 @@ import pytest
 import torch
 
 from batchjob import Engine, SamplingParams
+from batchjob.engine.cpu import bf16 as cpu_bf16
 from batchjob.engine.cpu import linear as cpu_linear
+from tests.test_cpu_kernel import assert_bf16_differs_only_at_near_ties, bf16_prompts
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+needs_native_bf16 = pytest.mark.skipif(
+    not cpu_bf16.native_bf16(),
+    reason="this CPU has no native bf16 (AVX512-BF16 or AMX): oneDNN packs no bf16 weights here",
 )
 
 
@@ -103,8 +110,10 @@ def test_gated_mlps_fused_only_where_they_compute_the_same():
         torch.testing.assert_close(m(x), want[name], atol=1e-5, rtol=1e-5)
 
 
-def test_only_float32_on_cpu(monkeypatch):
+def test_float32_and_native_bf16_on_cpu_only(monkeypatch):
     assert not cpu_linear.available(torch.float64, torch.device("cpu"))
+    assert not cpu_linear.available(torch.float16, torch.device("cpu"))
+    assert cpu_linear.available(torch.bfloat16, torch.device("cpu")) == cpu_bf16.native_bf16()
     assert not cpu_linear.available(torch.float32, torch.device("meta"))
     monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
     assert not cpu_linear.available(torch.float32, torch.device("cpu"))
@@ -127,3 +136,78 @@ def test_engine_packs_float32_and_gives_the_same_tokens(tiny_model_dir, monkeypa
     assert [o.token_ids for o in packed.generate(prompts, params)] == want
     f64 = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu")
     assert f64.runner.packed_linears == 0
+
+
+def test_bf16_weights_packed_exactly_where_the_cpu_has_native_bf16():
+    """Here or there: a bf16 layer is packed only with native bf16, and runs (plain) without it."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 160).to(torch.bfloat16)
+    x = torch.randn(1, 7, 96, dtype=torch.bfloat16)
+    want = layer(x)
+    model = torch.nn.Sequential(layer)
+    assert cpu_linear.prepack_linears(model) == int(cpu_bf16.native_bf16())
+    got = model(x)
+    assert got.dtype == torch.bfloat16
+    if not cpu_bf16.native_bf16():
+        assert "forward" not in vars(layer) and torch.equal(got, want)  # the plain layer, untouched
+
+
+def test_slow_bf16_is_said_only_for_bf16_on_a_cpu_without_it():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    line = cpu_bf16.slow_bf16(cpu, torch.bfloat16)
+    if cpu_bf16.native_bf16():
+        assert line is None
+    else:
+        assert "AVX512-BF16 or AMX" in line and "slower" in line and "\n" not in line
+    assert cpu_bf16.slow_bf16(cpu, torch.float32) is None and cpu_bf16.slow_bf16(cuda, torch.bfloat16) is None
+
+
+@needs_onednn
+@needs_native_bf16
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_bf16_linear_equals_plain_up_to_bf16_rounding(rows):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(256, 160).to(torch.bfloat16)
+    x = torch.randn(1, rows, 256, dtype=torch.bfloat16)
+    plain = layer(x)
+    exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    model = torch.nn.Sequential(layer)
+    assert cpu_linear.prepack_linears(model) == 1
+    with torch.no_grad():
+        layer.weight.zero_()  # the forward now reads the packed copy, not the parameter
+    got = model(x)
+    assert got.dtype == torch.bfloat16
+    # Each is the float product rounded to bf16 (once, or twice with the bias): within 2^-7 of it.
+    for out in (got, plain):
+        torch.testing.assert_close(out.float(), exact, rtol=2**-7, atol=1e-3)
+
+
+@needs_onednn
+def test_engine_in_bf16_packs_where_native_and_agrees_with_plain_layers(
+    decisive_model_dir, monkeypatch, caplog, capsys
+):
+    """The engine in bf16: linears packed with native bf16 (tokens as the plain layers' but for near-ties),
+    else not packed, the same tokens, and one warning line saying bf16 is slower here."""
+    caplog.set_level("WARNING", logger=cpu_bf16.__name__)
+    options = dict(dtype="bfloat16", device="cpu", num_blocks=128)
+    packed = Engine.from_pretrained(str(decisive_model_dir), **options)
+    native = cpu_bf16.native_bf16()
+    assert (packed.runner.packed_linears > 0) == native
+    warned = [r.getMessage() for r in caplog.records if r.name == cpu_bf16.__name__]
+    assert warned == ([] if native else [cpu_bf16.slow_bf16(torch.device("cpu"), torch.bfloat16)])
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    plain = Engine.from_pretrained(str(decisive_model_dir), **options)
+    assert plain.runner.packed_linears == 0
+    prompts = bf16_prompts(packed.vocab_size)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in packed.generate(prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    if native:
+        assert_bf16_differs_only_at_near_ties(
+            decisive_model_dir, prompts, got, want, "packed vs plain", capsys
+        )
+    else:
+        assert got == want and all(len(t) == 24 for t in got)
+    caplog.clear()
+    Engine.from_pretrained(str(decisive_model_dir), dtype="float32", device="cpu", num_blocks=128)
+    assert not [r for r in caplog.records if r.name == cpu_bf16.__name__]

@@ -468,7 +468,9 @@ def bench(
                         lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size, cb_blocks),
                     )
                 )
-        notes: list[str] = []
+        from batchjob.engine.cpu.bf16 import slow_bf16
+
+        notes = [line for line in [slow_bf16(engine.device, engine.dtype)] if line is not None]  # bf16 slower
         if "llama.cpp" in baselines:
             runs += _llama_cpp_runs(engine, work, used_threads, notes, progress)
         tries: list[list[Result]] = [[] for _ in runs]

@@ -5,8 +5,10 @@
 - :mod:`~batchjob.engine.cpu.attention`: the ``cpu_kernel`` attention backend (chosen with the others in
   :mod:`batchjob.engine.attention.registry`), over the decode kernel of :mod:`~batchjob.engine.cpu.kernel`
   (compiled on first use from ``csrc/paged_decode.cpp``; ``BATCHJOB_CPU_KERNEL=0`` turns it off).
-- :mod:`~batchjob.engine.cpu.linear`: float32 linear layers with weights packed once for oneDNN, at load
-  (``BATCHJOB_CPU_PREPACK=0`` turns it off).
+- :mod:`~batchjob.engine.cpu.linear`: linear layers with weights packed once for oneDNN, at load: float32,
+  and bf16 where the CPU has native bf16 (``BATCHJOB_CPU_PREPACK=0`` turns it off).
+- :mod:`~batchjob.engine.cpu.bf16`: whether this CPU has native bf16 (:func:`~.bf16.native_bf16`), and the
+  one warning line when a model runs in bf16 without it (slower than float32).
 - :mod:`~batchjob.engine.cpu.spin`: short OpenMP spins while other programs share our CPUs
   (``BATCHJOB_CPU_SPIN_GUARD=0`` turns it off). It stays on by default: on a shared machine, ``batchjob
   bench`` ran 4.5x slower without it (BENCHMARKS.md); on a quiet one it never comes on.

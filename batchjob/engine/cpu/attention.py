@@ -22,7 +22,7 @@ class CpuKernel(TorchReference):
     name = "cpu_kernel"
     option = "cpu"
     devices = ("cpu",)
-    dtypes = (torch.float32, torch.float64)
+    dtypes = kernel.DTYPES  # float32, float64, bfloat16 (computed in float)
 
     @classmethod
     def missing(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -38,7 +38,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
-_SYMBOLS = {torch.float32: "batchjob_paged_decode_f32", torch.float64: "batchjob_paged_decode_f64"}
+# bfloat16 goes to the kernel as its 16 bits (pointers only): widened to float on load, scores, softmax and
+# sums in float, the output rounded to the nearest even bfloat16.
+_SYMBOLS = {
+    torch.float32: "batchjob_paged_decode_f32",
+    torch.float64: "batchjob_paged_decode_f64",
+    torch.bfloat16: "batchjob_paged_decode_bf16",
+}
+DTYPES = tuple(_SYMBOLS)
 
 
 def _compiler() -> str | None:

@@ -10,9 +10,10 @@ Only the layers' ``forward`` changes: the modules and the model's code stay as t
 own ``weight`` is then dropped for a :class:`DroppedWeight` of the same shape and dtype (no memory), so the
 weights are held once, not twice (0.5B float32: 6.4 -> 5.2 GB peak RSS at load); code that computes with
 such a weight fails with a message instead of reading a stale or empty copy. A weight another module shares
-(an output head tied to the input embedding) is kept. float32 only: oneDNN has no
-float64 path, and the exactness tests run in float64 through the plain layers. ``BATCHJOB_CPU_PREPACK=0``
-turns it off.
+(an output head tied to the input embedding) is kept. float32 everywhere, bfloat16 where the CPU has native
+bf16 (:func:`~.bf16.native_bf16`: AVX512-BF16 or AMX; the same two oneDNN ops, as torch's inductor packs bf16
+linears on the CPU); not float64: oneDNN has no float64 path, and the exactness tests run in float64 through
+the plain layers. ``BATCHJOB_CPU_PREPACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ import types
 import torch
 
 from batchjob import env
+from batchjob.engine.cpu.bf16 import native_bf16
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are packed on this CPU: float32, and bf16 where the CPU has native bf16."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     if not env.flag(DISABLE_ENV):  # on unless turned off
         return False
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and packs(dtype) and torch.backends.mkldnn.is_available()
 
 
 class DroppedWeight(torch.Tensor):
@@ -76,8 +83,8 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def prepack_linears(model: torch.nn.Module) -> int:
-    """Give every float32 ``nn.Linear`` of the model a packed weight and the forward that uses it.
-    Returns how many layers were packed (0 where oneDNN refuses the weight)."""
+    """Give every float32 ``nn.Linear`` of the model (and bf16 one, on a CPU with native bf16) a packed weight
+    and the forward that uses it. Returns how many layers were packed (0 where oneDNN refuses the weight)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -86,7 +93,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
         uses[id(first)] = 0  # transformers takes the model's device from its first parameter: never meta
     count = 0
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or module.weight.dtype != torch.float32:
+        if type(module) is not torch.nn.Linear or not packs(module.weight.dtype):
             continue
         if hasattr(module, "_batchjob_packed"):
             count += 1
@@ -120,7 +127,7 @@ def _fused_gated_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def fuse_gated_mlps(model: torch.nn.Module) -> int:
-    """Give every gated MLP whose projections are packed (``gate_proj``, ``up_proj``, ``down_proj``) the fused
+    """Give every float32 gated MLP whose projections are packed (``gate_proj``, ``up_proj``, ``down_proj``) the fused
     forward above, with the activation of :data:`_ACTIVATIONS` that computes what the module's own forward
     does: each candidate is checked at load on a random input against that forward, and a module computing
     anything else (another activation, another order) keeps its own. Returns how many were fused."""
@@ -129,6 +136,8 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
     for module in model.modules():
         parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(hasattr(p, "_batchjob_packed") for p in parts) or "forward" in vars(module):
+            continue
+        if parts[0].weight.dtype != torch.float32:  # in bf16 the check below could not tell gelu's two forms
             continue
         x = torch.randn(1, 5, parts[0].in_features, generator=gen, dtype=torch.float32)
         want = module(x)

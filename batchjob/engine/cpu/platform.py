@@ -1,9 +1,9 @@
 """The device's hooks into the engine: the few places where a device needs more than torch does everywhere.
 
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
-it packs float32 linear weights for oneDNN at load (:mod:`.linear`), allocates the KV pool on huge pages,
-and checks between steps whether other programs share our cores (:mod:`.spin`). The engine and the model
-runner call the hooks and never ask which device they run on.
+it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
+:mod:`.bf16`), allocates the KV pool on huge pages, and checks between steps whether other programs share our
+cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import torch
 
 from batchjob import env
-from batchjob.engine.cpu import linear
+from batchjob.engine.cpu import bf16, linear
 from batchjob.engine.cpu.spin import SpinGuard
 
 SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
@@ -89,9 +89,11 @@ class CpuPlatform(Platform):
             self.spin_guard = guard if guard.enabled else None
 
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
-        """Pack the model's float32 linear weights for oneDNN, and fuse its gated MLPs' activation and product
-        into their GEMMs (not under torch.compile: inductor lowers the packed call only for weights it froze
-        itself)."""
+        """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16, and
+        fuse float32 gated MLPs' activation and product into their GEMMs (not under torch.compile: inductor
+        lowers the packed call only for weights it froze itself). bf16 on a CPU without native bf16 is slower
+        than float32: one warning line says so."""
+        bf16.warn_if_slow(self.device, dtype)
         if compiled or not linear.available(dtype, self.device):
             return 0
         packed = linear.prepack_linears(model)

@@ -5,16 +5,54 @@
 // q and out [G, heads, D]; block_table [G, table_stride] int64; ctx_lens [G] int64 (keys of each request,
 // its new token included). A request's query heads h attend to kv head h / (heads / kv_heads), keys
 // [max(0, len - window), len) when window > 0. Two passes over the keys: scores (kept per token, all
-// heads side by side), then the softmax-weighted sum of values. Accumulation is in T (float or double),
-// as torch's CPU attention accumulates float inputs in float.
+// heads side by side), then the softmax-weighted sum of values. Each storage type S has a compute type T:
+// float and double compute in themselves (as torch's CPU attention accumulates float inputs in float);
+// bfloat16 (its 16 bits stored as uint16_t) is widened to float on load, a bit shift, and rounded to the
+// nearest even bfloat16 on store, so scores, softmax and accumulation are in float.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+template <typename S>
+struct Compute {
+  using type = S;
+};
+template <>
+struct Compute<bf16> {
+  using type = float;
+};
+
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename S>
+inline S narrow(typename Compute<S>::type x) {
+  return x;
+}
+template <>
+inline bf16 narrow<bf16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};  // stays a (quiet) NaN
+  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest, ties to even
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
 
 template <typename T>
 inline void prefetch(const T* p, int64_t n) {
@@ -41,25 +79,27 @@ inline void for_each_key(const T* cache, const int64_t* blocks, int64_t start, i
   }
 }
 
-template <typename T, int DC>
-void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __restrict v_cache,
+template <typename S, int DC, typename T = typename Compute<S>::type>
+void attend_one(const S* __restrict q_in, const S* __restrict k_cache, const S* __restrict v_cache,
                 const int64_t* __restrict blocks, int64_t start, int64_t len, int64_t heads,
-                int64_t kv_heads, int64_t dim_rt, int64_t block_size, T scale, T* __restrict out,
-                T* __restrict scores, T* __restrict acc, T* __restrict row_max, T* __restrict row_sum) {
+                int64_t kv_heads, int64_t dim_rt, int64_t block_size, T scale, S* __restrict out,
+                T* __restrict q, T* __restrict scores, T* __restrict acc, T* __restrict row_max,
+                T* __restrict row_sum) {
   const int64_t D = DC > 0 ? DC : dim_rt;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * D;
   const int64_t n = len - start;
 
+  for (int64_t x = 0; x < heads * D; ++x) q[x] = widen(q_in[x]);
   for (int64_t h = 0; h < heads; ++h) row_max[h] = -INFINITY;
-  for_each_key(k_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const T* kt) {
+  for_each_key(k_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const S* kt) {
     T* st = scores + i * heads;
     for (int64_t h = 0; h < heads; ++h) {
       const T* qh = q + h * D;
-      const T* kh = kt + (h / group) * D;
+      const S* kh = kt + (h / group) * D;
       T dot = 0;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * widen(kh[d]);
       dot *= scale;
       st[h] = dot;
       row_max[h] = std::max(row_max[h], dot);
@@ -76,31 +116,33 @@ void attend_one(const T* __restrict q, const T* __restrict k_cache, const T* __r
   }
 
   for (int64_t x = 0; x < heads * D; ++x) acc[x] = 0;
-  for_each_key(v_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const T* vt) {
+  for_each_key(v_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const S* vt) {
     const T* st = scores + i * heads;
     for (int64_t h = 0; h < heads; ++h) {
       const T p = st[h];
-      const T* vh = vt + (h / group) * D;
+      const S* vh = vt + (h / group) * D;
       T* ah = acc + h * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+      for (int64_t d = 0; d < D; ++d) ah[d] += p * widen(vh[d]);
     }
   });
 
   for (int64_t h = 0; h < heads; ++h) {
     const T inv = T(1) / row_sum[h];
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv;
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = narrow<S>(acc[h * D + d] * inv);
   }
 }
 
-template <typename T, int DC>
-void attend_all(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
+template <typename S, int DC>
+void attend_all(const S* q, const S* k_cache, const S* v_cache, const int64_t* block_table,
                 int64_t table_stride, const int64_t* ctx_lens, int64_t num_seqs, int64_t heads,
-                int64_t kv_heads, int64_t dim, int64_t block_size, double scale, int64_t window, T* out) {
+                int64_t kv_heads, int64_t dim, int64_t block_size, double scale, int64_t window, S* out) {
+  using T = typename Compute<S>::type;
   int64_t max_len = 1;
   for (int64_t g = 0; g < num_seqs; ++g) max_len = std::max(max_len, ctx_lens[g]);
 #pragma omp parallel
   {
+    std::vector<T> qf(static_cast<size_t>(heads * dim));
     std::vector<T> scores(static_cast<size_t>(heads * max_len));
     std::vector<T> acc(static_cast<size_t>(heads * dim));
     std::vector<T> row_max(static_cast<size_t>(heads)), row_sum(static_cast<size_t>(heads));
@@ -108,26 +150,26 @@ void attend_all(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
     for (int64_t g = 0; g < num_seqs; ++g) {
       const int64_t len = ctx_lens[g];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      attend_one<T, DC>(q + g * heads * dim, k_cache, v_cache, block_table + g * table_stride, start, len,
+      attend_one<S, DC>(q + g * heads * dim, k_cache, v_cache, block_table + g * table_stride, start, len,
                         heads, kv_heads, dim, block_size, static_cast<T>(scale), out + g * heads * dim,
-                        scores.data(), acc.data(), row_max.data(), row_sum.data());
+                        qf.data(), scores.data(), acc.data(), row_max.data(), row_sum.data());
     }
   }
 }
 
-template <typename T>
-void dispatch(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t table_stride,
+template <typename S>
+void dispatch(const S* q, const S* k_cache, const S* v_cache, const int64_t* block_table, int64_t table_stride,
               const int64_t* ctx_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-              int64_t block_size, double scale, int64_t window, T* out) {
+              int64_t block_size, double scale, int64_t window, S* out) {
   // A compile-time head size lets the compiler unroll the inner loops for the common sizes.
   if (dim == 64)
-    attend_all<T, 64>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
+    attend_all<S, 64>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
                       block_size, scale, window, out);
   else if (dim == 128)
-    attend_all<T, 128>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
+    attend_all<S, 128>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
                        block_size, scale, window, out);
   else
-    attend_all<T, 0>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
+    attend_all<S, 0>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
                      block_size, scale, window, out);
 }
 
@@ -149,6 +191,17 @@ void batchjob_paged_decode_f64(const double* q, const double* k_cache, const dou
                                int64_t block_size, double scale, int64_t window, double* out) {
   dispatch<double>(q, k_cache, v_cache, block_table, table_stride, ctx_lens, num_seqs, heads, kv_heads, dim,
                    block_size, scale, window, out);
+}
+
+// bfloat16 as its 16 bits (torch.bfloat16 tensors viewed as uint16).
+void batchjob_paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                const int64_t* block_table, int64_t table_stride, const int64_t* ctx_lens,
+                                int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t block_size, double scale, int64_t window, uint16_t* out) {
+  static_assert(sizeof(bf16) == sizeof(uint16_t), "bf16 is its 16 bits");
+  dispatch<bf16>(reinterpret_cast<const bf16*>(q), reinterpret_cast<const bf16*>(k_cache),
+                 reinterpret_cast<const bf16*>(v_cache), block_table, table_stride, ctx_lens, num_seqs, heads,
+                 kv_heads, dim, block_size, scale, window, reinterpret_cast<bf16*>(out));
 }
 
 }  // extern "C"
