@@ -51,9 +51,23 @@ def _greedy(engine: Engine) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(PROMPTS, params)]
 
 
+CHOICES = SamplingParams(choices=["good", "bad", "neutral"], temperature=0)
+TEXTS = ["Review: it was great\nSentiment:", "Review: broke after a day\nSentiment:"]
+
+
+def _same_choices(got, want) -> None:
+    assert [o.text for o in got] == [o.text for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.choice_logprobs.keys() == w.choice_logprobs.keys()
+        np.testing.assert_allclose(
+            list(g.choice_logprobs.values()), list(w.choice_logprobs.values()), rtol=1e-9
+        )
+
+
 @pytest.mark.process  # starts its rank processes
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family, drafts_pay):
+    """Greedy generation under TP 2; on llama, choice scoring requests too (the same ranks: one start)."""
     from transformers import AutoModelForCausalLM
 
     tp = Engine.from_pretrained(str(tp_dirs[family]), tensor_parallel_size=2, **OPTIONS)
@@ -68,10 +82,14 @@ def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family, drafts_pay
         assert tp.stats.cached_prompt_tokens > 0, "the shared prefix was meant to come from the cache"
         if family == "llama":  # (whether a model's answers repeat their context depends on its weights)
             assert tp.stats.draft_tokens > 0, "the repeating prompt was meant to draft"
+            choices = tp.generate(TEXTS, CHOICES)
     finally:
         tp.close()
     assert not dist.is_initialized()
-    single = _greedy(Engine.from_pretrained(str(tp_dirs[family]), **OPTIONS))
+    one = Engine.from_pretrained(str(tp_dirs[family]), **OPTIONS)
+    single = _greedy(one)
+    if family == "llama":
+        _same_choices(choices, one.generate(TEXTS, CHOICES))
     hf = AutoModelForCausalLM.from_pretrained(str(tp_dirs[family]), dtype=torch.float64)
     if getattr(hf.config, "_experts_implementation", None) == "grouped_mm":  # no float64 kernel
         hf.set_experts_implementation("eager")
@@ -80,24 +98,10 @@ def test_two_ranks_equal_one_process_and_hf_generate(tp_dirs, family, drafts_pay
 
 
 @pytest.mark.process  # starts its rank processes
-def test_choices_and_embed_go_through_every_rank(tp_dirs):
-    """Choice scoring requests and a prefill-only task (hidden states, not logits) under TP 2."""
+def test_embed_goes_through_every_rank(tp_dirs):
+    """A prefill-only task (hidden states, not logits) under TP 2 (choice scoring: the llama case above)."""
     d = str(tp_dirs["llama"])
-    params = SamplingParams(choices=["good", "bad", "neutral"], temperature=0)
-    texts = ["Review: it was great\nSentiment:", "Review: broke after a day\nSentiment:"]
-    tp = Engine.from_pretrained(d, tensor_parallel_size=2, **OPTIONS)
-    try:
-        got = tp.generate(texts, params)
-    finally:
-        tp.close()
-    want = Engine.from_pretrained(d, **OPTIONS).generate(texts, params)
-    assert [o.text for o in got] == [o.text for o in want]
-    for g, w in zip(got, want, strict=True):
-        assert g.choice_logprobs.keys() == w.choice_logprobs.keys()
-        np.testing.assert_allclose(
-            list(g.choice_logprobs.values()), list(w.choice_logprobs.values()), rtol=1e-9
-        )
-
+    texts = TEXTS
     tp = Engine.from_pretrained(d, tensor_parallel_size=2, task="embed", **OPTIONS)
     try:
         got = tp.embed(texts)
