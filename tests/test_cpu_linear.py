@@ -68,48 +68,6 @@ def test_packed_layers_hold_their_weights_once():
     assert not first[0].weight.is_meta and first[1].weight.is_meta
 
 
-class _Gated(torch.nn.Module):
-    """A gated MLP as transformers writes them, with the activation and the order to test."""
-
-    def __init__(self, act=torch.nn.functional.silu, swapped=False):
-        super().__init__()
-        self.gate_proj, self.up_proj = (
-            torch.nn.Linear(24, 40, bias=False),
-            torch.nn.Linear(24, 40, bias=False),
-        )
-        self.down_proj = torch.nn.Linear(40, 24, bias=False)
-        self.act, self.swapped = act, swapped
-
-    def forward(self, x):
-        gate, up = (self.up_proj, self.gate_proj) if self.swapped else (self.gate_proj, self.up_proj)
-        return self.down_proj(self.act(gate(x)) * up(x))
-
-
-@needs_onednn
-def test_gated_mlps_fused_only_where_they_compute_the_same():
-    """act(gate) * up is fused into the GEMMs for silu and both gelus; an MLP with an activation oneDNN
-    doesn't apply, or the projections swapped, is left as it is (the load-time check against the module's
-    own forward)."""
-    torch.manual_seed(1)
-    cases = {
-        "silu": _Gated(),
-        "gelu": _Gated(act=torch.nn.functional.gelu),
-        "gelu_tanh": _Gated(act=lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
-        "relu2": _Gated(act=lambda t: torch.relu(t) ** 2),
-        "swapped": _Gated(swapped=True),
-    }
-    x = torch.randn(2, 9, 24)
-    want = {name: m(x) for name, m in cases.items()}
-    model = torch.nn.ModuleDict(cases)
-    cpu_linear.prepack_linears(model)
-    assert cpu_linear.fuse_gated_mlps(model) == 3
-    assert {n for n, m in cases.items() if "forward" in vars(m)} == {"silu", "gelu", "gelu_tanh"}
-    assert cases["gelu_tanh"]._batchjob_activation == ("gelu", "tanh")
-    assert cases["gelu"]._batchjob_activation == ("gelu", "none")  # tanh's form is 2e-4 off: not taken
-    for name, m in cases.items():
-        torch.testing.assert_close(m(x), want[name], atol=1e-5, rtol=1e-5)
-
-
 def test_float32_and_native_bf16_on_cpu_only(monkeypatch):
     assert not cpu_linear.available(torch.float64, torch.device("cpu"))
     assert not cpu_linear.available(torch.float16, torch.device("cpu"))

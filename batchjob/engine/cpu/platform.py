@@ -89,16 +89,13 @@ class CpuPlatform(Platform):
             self.spin_guard = guard if guard.enabled else None
 
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
-        """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16, and
-        fuse float32 gated MLPs' activation and product into their GEMMs (not under torch.compile: inductor
-        lowers the packed call only for weights it froze itself). bf16 on a CPU without native bf16 is slower
-        than float32: one warning line says so."""
+        """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16
+        (not under torch.compile: inductor lowers the packed call only for weights it froze itself). bf16 on
+        a CPU without it is slower than float32: one warning line says so."""
         bf16.warn_if_slow(self.device, dtype)
         if compiled or not linear.available(dtype, self.device):
             return 0
-        packed = linear.prepack_linears(model)
-        linear.fuse_gated_mlps(model)
-        return packed
+        return linear.prepack_linears(model)
 
     def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
         """One zeroed pool on huge pages, every layer's K and V a view of it."""
