@@ -30,10 +30,7 @@ def _reference(q, k_cache, v_cache, table, lens, scale, window):
     return out
 
 
-@pytest.mark.engine  # the decode kernel over many shapes against SDPA: seconds, not the unit tier's inner loop
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
+SHAPES = (
     ("heads", "kv_heads", "dim", "block_size", "window"),
     [
         (9, 3, 64, 16, 0),
@@ -44,27 +41,13 @@ def _reference(q, k_cache, v_cache, table, lens, scale, window):
         (9, 3, 64, 16, 37),
     ],
 )
-def test_kernel_equals_sdpa(dtype, heads, kv_heads, dim, block_size, window):
-    gen = torch.Generator().manual_seed(heads * 100 + dim + window)
-    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 300, 5, 129], dtype=torch.int64)
-    max_blocks = int(-(-lens.max() // block_size))
-    num_blocks = len(lens) * max_blocks + 3
-    # Scattered blocks, as the block manager hands them out after some churn.
-    table = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
-    q = torch.randn(len(lens), heads, dim, generator=gen, dtype=dtype) * 3
-    scale = dim**-0.5
-    got = cpu_kernel.paged_decode(q, k_cache, v_cache, table, lens, scale, window or None)
-    want = _reference(q, k_cache, v_cache, table, lens, scale, window)
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def _scattered_case(heads, kv_heads, dim, block_size, lens, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     max_blocks = int(-(-lens.max() // block_size))
     num_blocks = len(lens) * max_blocks + 3
+    # Scattered blocks, as the block manager hands them out after some churn.
     table = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
@@ -72,19 +55,24 @@ def _scattered_case(heads, kv_heads, dim, block_size, lens, dtype, seed):
     return q, k_cache, v_cache, table
 
 
+@pytest.mark.engine  # the decode kernel over many shapes against SDPA: seconds, not the unit tier's inner loop
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(*SHAPES)
+def test_kernel_equals_sdpa(dtype, heads, kv_heads, dim, block_size, window):
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 300, 5, 129], dtype=torch.int64)
+    seed = heads * 100 + dim + window
+    q, k_cache, v_cache, table = _scattered_case(heads, kv_heads, dim, block_size, lens, dtype, seed)
+    scale = dim**-0.5
+    got = cpu_kernel.paged_decode(q, k_cache, v_cache, table, lens, scale, window or None)
+    want = _reference(q, k_cache, v_cache, table, lens, scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 @pytest.mark.engine  # the decode kernel over many shapes: seconds, not the unit tier's inner loop
 @needs_kernel
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "block_size", "window"),
-    [
-        (9, 3, 64, 16, 0),
-        (4, 2, 16, 4, 0),
-        (8, 8, 128, 16, 0),
-        (6, 1, 80, 8, 0),
-        (4, 2, 16, 4, 6),
-        (9, 3, 64, 16, 37),
-    ],
-)
+@pytest.mark.parametrize(*SHAPES)
 def test_bf16_kernel_equals_float32_reference_up_to_output_rounding(heads, kv_heads, dim, block_size, window):
     """bf16 in, bf16 out, float inside: the kernel's output is the float32 reference over the same bf16
     inputs, rounded once to bf16. Every element is within half a bf16 step of the reference (plus float
