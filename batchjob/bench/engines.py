@@ -83,7 +83,8 @@ def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
     diff["preemptions"] = after["preemptions"] - before["preemptions"]
     diff["overhead_seconds"] = wall - diff["forward_seconds"]
     diff["overhead_fraction"] = diff["overhead_seconds"] / wall if wall > 0 else 0.0
-    diff["kv_mib"] = round(engine.kv_pool_bytes / 2**20, 1)  # allocated at load, whatever the run uses
+    pool = engine.block_manager.num_blocks * engine.config.block_size * engine.kv_token_bytes
+    diff["kv_mib"] = round(pool / 2**20, 1)  # allocated at load, whatever the run uses
     settings = {
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,

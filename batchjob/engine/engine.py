@@ -143,10 +143,9 @@ class Engine:
         # rows reuse whole chunks of the grid below (score: rows sharing a prompt compute it once).
         caching = config.enable_prefix_caching and not encoder
         self.block_manager = BlockManager(num_blocks, config.block_size, caching)
-        self.kv_token_bytes = shape.bytes_per_block(
-            1, config.dtype
-        )  # a token's K and V, every layer (a rank's)
-        self.kv_pool_bytes = num_blocks * shape.bytes_per_block(config.block_size, config.dtype)
+        # A token's K and V in every layer (a rank's share under tensor parallelism): the pool holds
+        # num_blocks * block_size of them.
+        self.kv_token_bytes = shape.bytes_per_block(1, config.dtype)
         # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
         self.platform = cpu.platform(config.device, spin_guard=True)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
