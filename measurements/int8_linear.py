@@ -1,4 +1,4 @@
-"""Does int8 weight-only quantization pay on this CPU? (issue 25, item 4)
+"""Does int8 weight-only quantization pay on this CPU?
 
 One transformer layer's linear weights at a model shape (q/k/v, o, gate, up, down), multiplied by M rows
 of activations: our float32 path (oneDNN with the weight prepacked, ``engine/cpu/linear.py``) against

@@ -1,5 +1,5 @@
 """Ours, llama.cpp and transformers' continuous batching on one workload, each in its own process, with the
-memory each one holds: one row of BENCHMARKS.md's table of sizes (issue 25, item 3).
+memory each one holds: one row of BENCHMARKS.md's table of sizes.
 
     python measurements/sizes_table.py [--model DIR] [--dtype float32] [--num-requests 16] [--prompt-len 128]
                                    [--output-len 32] [--engines ours,llama.cpp,hf-cb] [--threads 2]

@@ -1,5 +1,5 @@
 """Peak host memory (RSS) of one tensor-parallel rank while it loads its shard, by slice (today) or by full
-load + slice (before issue 26 item 3), each in a fresh process. On the CPU, one rank at a time: the group is a
+load + slice (before shard loading), each in a fresh process. On the CPU, one rank at a time: the group is a
 stand-in for the rank's number and device (loading does no collective).
 
     python measurements/gpu/random_model.py /tmp/qwen2.5-0.5b qwen2.5-0.5b
