@@ -291,7 +291,7 @@ def validate(
     spec = _spec(ctx, job_file, options)
     shard = detect_shard(os.environ, num_shards, shard_index)
     prep = prepare(spec, shard=shard)
-    for skipped in prep.skipped:  # the one discovery rule (README: Running jobs), made visible
+    for skipped in prep.skipped:  # the one discovery rule (docs/inputs.md), made visible
         click.echo(f"skipped {skipped}")
     engine = check_engine(spec)
     _check_tokenizer(prep)

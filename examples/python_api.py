@@ -29,7 +29,7 @@ def main() -> None:
     ):
         print(f"{out.finish_reason:>6} | {out.text!r}")
 
-    # 2. A job: stream a JSONL file through the same engine into Parquet parts (resumable, see the README).
+    # 2. A job: stream a JSONL file through the same engine into Parquet parts (resumable: docs/jobs.md).
     with tempfile.TemporaryDirectory() as tmp:
         spec = make_spec(
             input=[str(HERE / "reviews.jsonl")],

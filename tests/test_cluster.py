@@ -3,7 +3,7 @@ time-limit signals and requeues, and ``srun`` tasks stopped by ``scancel``. Each
 once and the text of an uninterrupted local run.
 
 Needs a Slurm that this user can submit to, with an idle node of at least two CPUs: ``.ci/slurm-up`` starts
-one on this machine (root, Debian's slurm-wlm and munge; README, "Development"), and ``.ci/run`` does so.
+one on this machine (root, Debian's slurm-wlm and munge; docs/development.md), and ``.ci/run`` does so.
 Without one the tests are skipped, saying why. A task is stopped where the test needs it by a fault point
 (``BATCHJOB_FAULT_PAUSE=part_committed``: it waits there for a signal), never after a sleep. With that
 Slurm's short requeue delay (``AuthInfo=cred_expire=5``) the array test takes about a minute; on a cluster
@@ -48,7 +48,7 @@ PAUSE = "BATCHJOB_FAULT_PAUSE=part_committed"
 
 def _slurm_missing() -> str | None:
     """Why the tests can't run here, or None."""
-    hint = "start one on this machine with `sudo .ci/slurm-up` (README: Development)"
+    hint = "start one on this machine with `sudo .ci/slurm-up` (docs/development.md)"
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return f"no Slurm: sinfo/sbatch not on PATH; {hint}"
     try:

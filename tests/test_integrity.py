@@ -394,7 +394,7 @@ def test_reader_reports_ids_of_rows_it_passes_over(tmp_path):
 def test_a_growing_log_caught_mid_line_is_finished_with_append(tmp_path, tiny_model_dir):
     """A JSONL log read while its last line was half-written: that row is an error row; once the line is
     finished and more rows appended, --append takes in the new rows and redoes that one from its whole line
-    (README: a scheduled job over a growing log)."""
+    (docs/jobs.md: a scheduled job over a growing log)."""
     data = tmp_path / "log.jsonl"
     whole = "".join(json.dumps(r) + "\n" for r in rows(7))
     lines = whole.splitlines(keepends=True)

@@ -123,7 +123,7 @@ class ModelRunner:
 
     def new_backend(self, name: str) -> AttentionBackend:
         """A backend over this runner's cache, unchecked: :func:`choose_attention` has checked the one the
-        runner starts with (tests and ``examples/attention_ab.py`` swap ``self.attention`` for another)."""
+        runner starts with (tests and ``measurements/attention_ab.py`` swap ``self.attention`` for another)."""
         heads = self.model.config.get_text_config().num_attention_heads
         if (
             self.kv_caches

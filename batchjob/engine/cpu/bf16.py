@@ -15,10 +15,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Measured with examples/bf16_agreement.py on a 2-core AMD EPYC with AVX2 and FMA, no AVX-512 (the default
+# Measured with measurements/bf16_agreement.py on a 2-core AMD EPYC with AVX2 and FMA, no AVX-512 (the default
 # model, a busy machine): 48 chat rows 6.0 vs 25.0 and 8.5 vs 21.3 generated tok/s in two runs, the quick
 # start job 309 vs 80 s and 501 vs 128 s; on a quiet machine, 40 x 160 + 40 tokens of the bench 125.4 vs 27.8 s
-# (examples/sizes_table.py, BENCHMARKS.md); per linear layer of
+# (measurements/sizes_table.py, BENCHMARKS.md); per linear layer of
 # Qwen2.5-0.5B's MLP shape 2.7x (16 rows) to 7.8x (512 rows) slower than float32's packed one.
 SLOW_BF16 = (
     "dtype bfloat16: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 matmuls run on torch's generic "

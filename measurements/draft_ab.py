@@ -1,7 +1,7 @@
 """Prompt-lookup drafting on, auto and off, side by side in one run, on the embedded model (CPU).
 
     git archive BASE --prefix=before/ | tar -x -C /tmp      # a checkout whose drafting is always on
-    python examples/draft_ab.py --before /tmp/before [--rounds 2] [--workloads text,bench]
+    python measurements/draft_ab.py --before /tmp/before [--rounds 2] [--workloads text,bench]
 
 Configurations, in rounds (on, auto, off, on, ...), each run in a fresh process with one warm-up:
 ``on``: the ``--before`` checkout with 4 drafts (drafting whenever the context matched, slow start);

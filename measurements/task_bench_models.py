@@ -13,14 +13,14 @@ tokenizer of batchjob's embedded default model (SmolLM2's byte-level BPE, 49,152
 is widened to fit it), without its chat template (sentence-transformers 6 would format texts as chat
 messages). Run:
 
-    python examples/task_bench_models.py /tmp/task-models            # all four
-    python examples/task_bench_models.py /tmp/task-models modernbert-shape   # only the ones named
+    python measurements/task_bench_models.py /tmp/task-models            # all four
+    python measurements/task_bench_models.py /tmp/task-models modernbert-shape   # only the ones named
     batchjob bench --task embed --model /tmp/task-models/minilm-shape --num-requests 256
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import torch
@@ -124,4 +124,8 @@ def main(out: Path, only: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "task-models"), sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", default="task-models", help="the folder to write into (task-models)")
+    ap.add_argument("only", nargs="*", help="the models to write (default: all four)")
+    args = ap.parse_args()
+    main(Path(args.out), args.only)

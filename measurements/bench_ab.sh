@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # `batchjob bench --baselines ours` on two (or more) checkouts of this repository, in alternating rounds, so
 # each sees the same machine load; prints each run's total tokens/s. Compare the ratios, not the figures.
-#   bash examples/bench_ab.sh /tmp/before /path/to/after      (ROUNDS=3 by default; extra bench flags: BENCH_ARGS)
+#   bash measurements/bench_ab.sh /tmp/before /path/to/after      (ROUNDS=3 by default; extra bench flags: BENCH_ARGS)
 set -u
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  echo "usage: bash measurements/bench_ab.sh CHECKOUT [CHECKOUT ...]   (env: ROUNDS, BENCH_ARGS)"
+  exit 0
+fi
 rounds=${ROUNDS:-3}
 for r in $(seq "$rounds"); do
   for code in "$@"; do

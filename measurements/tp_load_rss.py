@@ -1,9 +1,9 @@
 """Peak host memory (RSS) of one tensor-parallel rank while it loads its shard, by slice (today) or by full
-load + slice (before issue 26 item 3), each in a fresh process. On the CPU, one rank at a time: the group is a
+load + slice (before shard loading), each in a fresh process. On the CPU, one rank at a time: the group is a
 stand-in for the rank's number and device (loading does no collective).
 
-    python examples/gpu/random_model.py /tmp/qwen2.5-0.5b qwen2.5-0.5b
-    python examples/tp_load_rss.py /tmp/qwen2.5-0.5b 2 [DTYPE]      # DTYPE: the engine's (default bfloat16)
+    python measurements/gpu/random_model.py /tmp/qwen2.5-0.5b qwen2.5-0.5b
+    python measurements/tp_load_rss.py /tmp/qwen2.5-0.5b 2 [DTYPE]      # DTYPE: the engine's (default bfloat16)
 
 Weights kept in the checkpoint's dtype on the CPU stay views of the memory-mapped file (``from_pretrained``'s
 and ``safe_open``'s alike): those pages show as mapped-file RSS, shared page cache rather than the process's own.
@@ -11,6 +11,7 @@ and ``safe_open``'s alike): those pages show as mapped-file RSS, shared page cac
 
 from __future__ import annotations
 
+import argparse
 import resource
 import subprocess
 import sys
@@ -59,7 +60,12 @@ def main(folder: str, n: str = "2", dtype: str = "bfloat16") -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--one":
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":  # a child process: one rank's load
         one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
     else:
-        main(*sys.argv[1:4])
+        ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        ap.add_argument("folder", help="a model folder (measurements/gpu/random_model.py writes one)")
+        ap.add_argument("n", nargs="?", default="2", help="the number of ranks (2)")
+        ap.add_argument("dtype", nargs="?", default="bfloat16", help="the engine's dtype (bfloat16)")
+        args = ap.parse_args()
+        main(args.folder, args.n, args.dtype)

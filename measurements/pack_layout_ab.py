@@ -1,11 +1,12 @@
 """A/B in one process: step times of the default model (CPU, float32) with its linear weights in oneDNN's
 blocked layout (what the engine uses) against a plain oneDNN copy, the two swapped step by step.
 
-    python examples/pack_layout_ab.py
+    python measurements/pack_layout_ab.py
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -69,4 +70,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
     main()

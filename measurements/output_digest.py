@@ -1,18 +1,22 @@
 """One mixed workload (free, stop strings, choices, logprobs, n samples, JSON schema, seeded sampling) on the
 embedded model, a digest of every output field printed per output: run it under two checkouts and diff.
 
-    python examples/output_digest.py > after.txt
-    python examples/output_digest.py /tmp/before > before.txt      (another checkout of this repository)
+    python measurements/output_digest.py > after.txt
+    python measurements/output_digest.py /tmp/before > before.txt      (another checkout of this repository)
     diff before.txt after.txt
 """
 
+import argparse
 import hashlib
 import json
 import sys
 
-if len(sys.argv) > 1:  # the batchjob of that checkout, not the installed one
+ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ap.add_argument("checkout", nargs="?", help="another checkout of this repository to run (default: the installed one)")
+args = ap.parse_args()
+if args.checkout:  # the batchjob of that checkout, not the installed one
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
-    sys.path.insert(0, sys.argv[1])
+    sys.path.insert(0, args.checkout)
 import batchjob  # noqa: E402
 from batchjob import Engine, SamplingParams  # noqa: E402
 

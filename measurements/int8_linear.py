@@ -1,4 +1,4 @@
-"""Does int8 weight-only quantization pay on this CPU? (issue 25, item 4)
+"""Does int8 weight-only quantization pay on this CPU?
 
 One transformer layer's linear weights at a model shape (q/k/v, o, gate, up, down), multiplied by M rows
 of activations: our float32 path (oneDNN with the weight prepacked, ``engine/cpu/linear.py``) against
@@ -6,7 +6,7 @@ torch's own int8 weight-only kernel (``torch._weight_int8pack_mm``: per-channel 
 bfloat16 activations; what torchao's int8 weight-only layout calls on a CPU). Rows per call are a decode
 step's requests (1-64) or a prompt chunk (128-512). Fastest of ``--repeats`` calls each, both in one process.
 
-    python examples/int8_linear.py --shape qwen2.5-1.5b
+    python measurements/int8_linear.py --shape qwen2.5-1.5b
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where our engine's time goes, step by step, on the bench's synthetic workload (our engine only).
 
-    python examples/profile_steps.py [--seed 0] [--num-speculative-tokens 4] [--max-num-batched-tokens 512]
+    python measurements/profile_steps.py [--seed 0] [--num-speculative-tokens 4] [--max-num-batched-tokens 512]
                                      [--dataset FILE --num-requests N]
 
 Prints the wall time, the number of forwards, the time inside the attention hook, and per kind of step

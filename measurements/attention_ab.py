@@ -3,7 +3,7 @@ prompt chunk) against the FlexAttention backend (compiled by inductor's CPU temp
 in float32. One engine; the two backends are swapped step by step, so both see the same batches and the
 same machine load.
 
-    python examples/attention_ab.py            (about three minutes; the first flex step compiles)
+    python measurements/attention_ab.py            (about three minutes; the first flex step compiles)
 
 Prints decode-step times at several batch sizes, prompt-chunk step times, and a whole mixed workload
 (the bench's synthetic one) run to completion by each backend in alternate rounds; ratios are flex / default
@@ -12,6 +12,7 @@ Prints decode-step times at several batch sizes, prompt-chunk step times, and a 
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -100,4 +101,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
     main()

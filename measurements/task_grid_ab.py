@@ -2,7 +2,7 @@
 their chunk grid (scheduler.py: a causal row's chunks depend on the row alone; ``none``: chunks cut where
 the step's budget runs out, as before the grid), alternating, fastest of ``--rounds``.
 
-    python examples/task_grid_ab.py MODEL_DIR --task score --grids 512,128,none --min-tokens 300 --max-tokens 1500
+    python measurements/task_grid_ab.py MODEL_DIR --task score --grids 512,128,none --min-tokens 300 --max-tokens 1500
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ For benchmarks where nothing can be downloaded: the shapes of a 0.5B or 1.5B mod
 meaning. The tokenizer is SmolLM2's (49,152 tokens); the embedding keeps the real model's vocabulary size.
 The Qwen2.5 shapes are written as Llama models (see ``config_for``).
 
-    python examples/gpu/random_model.py /tmp/random-0.5b                     # Llama-shaped, ~0.5B
-    python examples/gpu/random_model.py /tmp/qwen2.5-1.5b qwen2.5-1.5b       # Qwen2.5-1.5B's config
+    python measurements/gpu/random_model.py /tmp/random-0.5b                     # Llama-shaped, ~0.5B
+    python measurements/gpu/random_model.py /tmp/qwen2.5-1.5b qwen2.5-1.5b       # Qwen2.5-1.5B's config
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -66,4 +67,8 @@ def main(out: str, shape: str = "llama-0.5b") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="the folder to write the model into")
+    ap.add_argument("shape", nargs="?", default="llama-0.5b", help="llama-0.5b (default), qwen2.5-0.5b or qwen2.5-1.5b")
+    args = ap.parse_args()
+    main(args.out, args.shape)

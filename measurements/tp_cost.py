@@ -1,12 +1,12 @@
 """What tensor parallelism costs: memory per rank for a 70B-shape model, computed from its plan, and the
 all-reduce traffic and time per layer per step, measured on this machine's CPU with gloo (2 ranks).
 
-    python examples/tp_cost.py            (about two minutes on 2 cores; BENCHMARKS.md has the numbers)
+    python measurements/tp_cost.py            (about two minutes on 2 cores; BENCHMARKS.md has the numbers)
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 
@@ -99,6 +99,9 @@ def comm_cost(folder: str) -> None:
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", nargs="?", help="where to write the small model it times (default: a temporary folder)")
+    args = ap.parse_args()
     memory_table()
     with tempfile.TemporaryDirectory() as d:
-        comm_cost(sys.argv[1] if len(sys.argv) > 1 else d)
+        comm_cost(args.folder or d)

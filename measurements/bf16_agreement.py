@@ -1,7 +1,7 @@
 """bf16 against float32 on the CPU: how far greedy text agrees, how often quick-start labels agree, and the
 decode kernel's time in each.
 
-    python examples/bf16_agreement.py [--parts text,labels,kernel] [--rows 48] [--threads N]
+    python measurements/bf16_agreement.py [--parts text,labels,kernel] [--rows 48] [--threads N]
 
 ``text``: the embedded default model (SmolLM2-135M-Instruct) in float32 and in bf16 on the first ``--rows``
 rows of ``examples/bench_text.jsonl`` through its chat template, greedy, up to 128 tokens, stopping at EOS:

@@ -1,7 +1,7 @@
 """Ours, llama.cpp and transformers' continuous batching on one workload, each in its own process, with the
-memory each one holds: one row of BENCHMARKS.md's table of sizes (issue 25, item 3).
+memory each one holds: one row of BENCHMARKS.md's table of sizes.
 
-    python examples/sizes_table.py [--model DIR] [--dtype float32] [--num-requests 16] [--prompt-len 128]
+    python measurements/sizes_table.py [--model DIR] [--dtype float32] [--num-requests 16] [--prompt-len 128]
                                    [--output-len 32] [--engines ours,llama.cpp,hf-cb] [--threads 2]
 
 Each engine loads only its own model in a fresh process, so its peak RSS (the kernel's high-water mark of

@@ -6,7 +6,7 @@ figure is mostly reading, prompt building, bookkeeping and writing. Each configu
 older commit) side by side, in alternating rounds, so the two are compared on the same busy machine:
 
     git worktree add /tmp/base <commit>
-    python examples/rows_per_second.py --rows 200000 --code . --code /tmp/base --rounds 2
+    python measurements/rows_per_second.py --rows 200000 --code . --code /tmp/base --rounds 2
 
 ``--task embed|classify|score`` runs that task instead of generation (``--pooling mean`` for embed); each
 line also gives the process's peak resident memory, so runs of 100,000 and 1,000,000 rows show whether

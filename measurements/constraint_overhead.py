@@ -2,13 +2,13 @@
 tokens per row, constrained vs unconstrained (``ignore_eos``, ``max_new_tokens`` = the constrained row's
 length), back to back, twice, each run with a cold prefix cache.
 
-Usage: python examples/constraint_overhead.py examples/reviews.jsonl SCHEMA.json [ROWS]
+Usage: python measurements/constraint_overhead.py examples/reviews.jsonl SCHEMA.json [ROWS]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 from batchjob import Engine, SamplingParams
@@ -60,4 +60,9 @@ def main(reviews: str, schema_file: str, num_rows: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 40)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("reviews", help="a JSONL file of reviews (examples/reviews.jsonl)")
+    ap.add_argument("schema", help="the JSON schema file of the extraction rows")
+    ap.add_argument("rows", nargs="?", type=int, default=40, help="how many rows (40)")
+    args = ap.parse_args()
+    main(args.reviews, args.schema, args.rows)
