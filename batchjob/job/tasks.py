@@ -19,12 +19,12 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
     from batchjob.io.writers import task_fields
 
     width, num_labels = None, 1
-    if spec.task == "embed":
+    if spec.engine.task == "embed":
         pooling = getattr(engine.tasks, "pooling", None)
         width = (pooling and pooling.dimensions) or engine.model.config.get_text_config().hidden_size
-    elif spec.task == "classify":
+    elif spec.engine.task == "classify":
         num_labels = int(engine.model.config.num_labels)
-    return task_fields(spec.task, width, num_labels, token_logprobs=spec.logprobs is not None)
+    return task_fields(spec.engine.task, width, num_labels, token_logprobs=spec.logprobs is not None)
 
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:
