@@ -203,28 +203,9 @@ class JobSpec:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.input, str):
-            self.input = [self.input]
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.input = [str(p) for p in self.input]
-        self.stop = list(self.stop or [])
-        if isinstance(self.choices, str):
-            self.choices = [c.strip() for c in self.choices.split(",")]
-        values = self.values()
-        for name, f, opt in declared():
-            check_type(name, values[name], _annotation(f, opt))
-        # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
-        if not isinstance(self.checkpoint_interval, float) or not math.isfinite(self.checkpoint_interval):
-            self.checkpoint_interval = finite_float("checkpoint_interval", self.checkpoint_interval)
-        modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
-        if len(modes) > 1:
-            raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
-        values = self.values()  # checkpoint_interval as a float now
-        for name, _, opt in declared():  # each option's own check, the engine's (engine/options.py) included
-            wrong = opt.complaint(name, values[name])
-            if wrong is not None:
-                raise ConfigError(wrong)
+        values = checked(self.values())  # the same checks, in the same order, as make_spec's
+        self.input, self.stop, self.choices = values["input"], values["stop"], values["choices"]
+        self.checkpoint_interval = values["checkpoint_interval"]
         # A job always wants a pool that fits one request of the full context, however it was sized: a
         # smaller one would turn rows into errors for a reason that is about the setup, not the row.
         self.engine = dataclasses.replace(
@@ -412,27 +393,49 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     return read_job_file(path, FIELD_NAMES)
 
 
-def engine_options(given: dict[str, Any], base: EngineOptions | None = None) -> EngineOptions:
-    """The engine's options from ``given`` (by their job names, as job files and flags name them) over
-    ``base``, each checked with the job's messages (its type, then its declared check)."""
-    for name, f, opt in job_options():
-        if name in given:
-            check_type(name, given[name], _annotation(f, opt))
-            wrong = opt.complaint(name, given[name])
-            if wrong is not None:
-                raise ConfigError(wrong)
-    return dataclasses.replace(base or EngineOptions(), **by_engine_name(given))
+def checked(values: dict[str, Any]) -> dict[str, Any]:
+    """A job's options (``values``: each by its job name, as ``JobSpec.values()`` gives them) normalized
+    (``input`` and ``stop`` lists, ``choices`` split at commas, ``checkpoint_interval`` a float) and checked,
+    each against its type and then its declaration's check, in ``declared()`` order; raises ``ConfigError``
+    for the first that is wrong. ``make_spec`` runs it on the flat values before it builds the engine's
+    object, and ``JobSpec`` again on its own, so a job reports the same first error however it is made."""
+    values = dict(values)
+    if isinstance(values["input"], str):
+        values["input"] = [values["input"]]
+    if isinstance(values["stop"], str):
+        values["stop"] = [values["stop"]]
+    values["input"] = [str(p) for p in values["input"]]
+    values["stop"] = list(values["stop"] or [])
+    if isinstance(values["choices"], str):
+        values["choices"] = [c.strip() for c in values["choices"].split(",")]
+    for name, f, opt in declared():
+        check_type(name, values[name], _annotation(f, opt))
+    # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
+    interval = values["checkpoint_interval"]
+    if not isinstance(interval, float) or not math.isfinite(interval):
+        values["checkpoint_interval"] = finite_float("checkpoint_interval", interval)
+    modes = [n for n in ("prompt_column", "messages_column", "template") if values[n] is not None]
+    if len(modes) > 1:
+        raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
+    for name, _, opt in declared():  # each option's own check, the engine's (engine/options.py) included
+        wrong = opt.complaint(name, values[name])
+        if wrong is not None:
+            raise ConfigError(wrong)
+    return values
 
 
 def make_spec(job_file: str | Path | None = None, **overrides: Any) -> JobSpec:
-    """A spec from a job file (optional) with ``overrides`` (the command line's given options, by their
-    flat job names; or ``engine``, an ``EngineOptions`` they go on top of) on top."""
+    """A spec from a job file (optional) with ``overrides`` (the command line's given options) on top; both
+    name the engine's options flat, by their job names (``max_num_seqs``, ``prefix_caching``), which go
+    into ``JobSpec.engine`` (over ``engine``, an ``EngineOptions``, when given)."""
     fields = load_job_file(job_file) if job_file is not None else {}
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    engine = engine_options(
-        {k: fields.pop(k) for k in list(fields) if k in ENGINE_NAMES}, fields.pop("engine", None)
-    )
+    base = fields.pop("engine", None) or EngineOptions()
     try:
-        return JobSpec(engine=engine, **fields)
-    except TypeError as e:  # pragma: no cover - unknown keys are caught above
+        if any(k not in FIELD_NAMES for k in fields):  # Python's own words for the unknown keyword
+            JobSpec(**{k: v for k, v in fields.items() if k not in FIELD_NAMES})
+        values = checked(_DEFAULTS | {name: getattr(base, f.name) for name, f, _ in job_options()} | fields)
+        engine = dataclasses.replace(base, **by_engine_name({k: values[k] for k in ENGINE_NAMES}))
+        return JobSpec(engine=engine, **{k: v for k, v in fields.items() if k not in ENGINE_NAMES})
+    except TypeError as e:  # a caller's unknown keyword (a job file's are caught in load_job_file)
         raise ConfigError(str(e)) from e
