@@ -56,7 +56,9 @@ def _job_flag(f: Field[Any], opt: JobOption) -> Callable[[Callable[..., Any]], C
 def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The job file argument and a flag per option of a job, in ``JobSpec``'s order (``job/spec.py`` declares
     the job's own, ``engine/options.py`` the engine's)."""
-    options = [click.argument("job_file", required=False, type=click.Path(dir_okay=False))]
+    options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+        click.argument("job_file", required=False, type=click.Path(dir_okay=False))
+    ]
     for name, f, opt in declared():
         if isinstance(opt, JobOption):
             options.append(_job_flag(f, opt))
