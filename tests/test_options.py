@@ -57,6 +57,25 @@ def test_from_pretrained_takes_every_option_by_name():
         Engine.from_pretrained(no_such_option=1)
 
 
+def test_from_pretrained_takes_the_options_as_one_object_a_keyword_winning(tiny_model_dir, monkeypatch):
+    from batchjob import Engine
+    from batchjob.job import runner
+
+    options = EngineOptions(device="cpu", dtype="float64", max_num_seqs=3, num_blocks=32)
+    with pytest.raises(ConfigError, match="max_num_seqs must be an integer >= 1, got 0"):
+        Engine.from_pretrained(str(tiny_model_dir), options=options, max_num_seqs=0)  # checked before loading
+    assert Engine.from_pretrained(str(tiny_model_dir), options=options).config.max_num_seqs == 3
+    engine = Engine.from_pretrained(str(tiny_model_dir), options=options, max_num_seqs=5)
+    assert (engine.config.max_num_seqs, engine.config.num_blocks, engine.config.dtype) == (5, 32, torch.float64)
+    # A job's engine is built from its spec's object (the job sets static batching and the pool check).
+    seen = {}
+    monkeypatch.setattr(Engine, "from_pretrained", lambda model, **kw: seen.update(kw, model=model))
+    spec = make_spec(model="m", device="cpu", admission="static")
+    runner.load_engine(spec)
+    assert seen == {"model": "m", "trust_remote_code": False, "options": spec.engine}
+    assert spec.engine.static_batching and spec.engine.check_kv_pool and spec.engine.device == "cpu"
+
+
 @pytest.mark.parametrize(
     "name, value, message",
     [
@@ -153,6 +172,14 @@ def test_job_files_keep_their_names(tmp_path):
     }
     with pytest.raises(ConfigError, match="max_num_seqs must be an int, got 2.5"):
         make_spec(max_num_seqs=2.5)
+    # Two wrong values: the first in the order of the flags is reported, the job's own or the engine's.
+    with pytest.raises(ConfigError, match="^n must be an int, got '2'$"):
+        make_spec(n="2", max_num_seqs=0)
+    with pytest.raises(ConfigError, match="^max_num_seqs must be an integer >= 1, got 0$"):
+        make_spec(lookahead=0, max_num_seqs=0)  # the engine's options come before --lookahead
+    with pytest.raises(ConfigError, match="job file .*: unknown field 'engine'"):
+        (tmp_path / "e.toml").write_text("engine = 1\n")
+        make_spec(tmp_path / "e.toml")  # the engine's options are flat in a job file
 
 
 @pytest.mark.process  # a fresh interpreter
