@@ -212,13 +212,13 @@ class Engine:
         """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
         ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
-        head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s
+        head, ``"generate"`` and ``"score"`` the causal LM. Keywords: any of ``EngineConfig``'s
         (``engine/options.py`` declares each with its default and check; None: the engine decides), e.g.
         ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap the context below the model's own,
         ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of that context.
         ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
-        ``options``: the same as one ``EngineOptions`` (a job's), under the keywords (a keyword wins).
+        ``options``: the same settings as one ``EngineOptions`` (a job's); a keyword given too wins.
         """
         given = (options.as_keywords() if options is not None else {}) | keywords
         config = EngineConfig(**given)
