@@ -36,8 +36,9 @@ class JobTasks(Protocol):
 
 
 class JobEngine(Protocol):
-    """The engine as a job sees it: requests in, finished outputs out, one step at a time. Attributes are
-    read-only properties here: a job reads them and sets none."""
+    """The engine as a job sees it: requests in, finished outputs out, one step at a time. ``tokenizer``,
+    ``model`` and ``tasks`` are read-only properties here (a job only reads them), so an engine's own, more
+    specific types fit them."""
 
     config: EngineConfig  # the resolved options (the loop reads max_num_seqs)
     stats: EngineStats  # counters over the engine's life (the run's statistics are differences of them)
