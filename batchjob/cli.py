@@ -56,12 +56,14 @@ def _job_flag(f: Field[Any], opt: JobOption) -> Callable[[Callable[..., Any]], C
 def _job_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The job file argument and a flag per option of a job, in ``JobSpec``'s order (``job/spec.py`` declares
     the job's own, ``engine/options.py`` the engine's)."""
-    options = [click.argument("job_file", required=False, type=click.Path(dir_okay=False))]
-    for f, opt in declared():
+    options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+        click.argument("job_file", required=False, type=click.Path(dir_okay=False))
+    ]
+    for name, f, opt in declared():
         if isinstance(opt, JobOption):
             options.append(_job_flag(f, opt))
         else:
-            options += engine_flags([f.name])
+            options += engine_flags([name])
     return apply(options)(fn)
 
 
@@ -195,7 +197,7 @@ def run(
     rows = s.get("rows", 0)
     samples = s.get("samples", rows)
     outputs = f" ({samples} samples)" if samples != rows else ""  # --n: input rows, and their outputs
-    if spec.task == "generate":
+    if spec.engine.task == "generate":
         tokens = f"{s.get('generated_tokens', 0)} tokens in {s.get('elapsed_s', 0):.1f} s "
         tokens += f"({s.get('generated_tokens_per_s', 0):.1f} tok/s)"
     else:  # prefill-only: the tokens read are the work
@@ -245,7 +247,7 @@ def _launch(
     else:
         device_list = parse_devices(devices or "")
         outer = detect_shard(os.environ, num_shards, shard_index)
-        ranks = spec.tensor_parallel_size or 1  # each worker takes that many devices
+        ranks = spec.engine.tensor_parallel_size or 1  # each worker takes that many devices
         n = len(worker_devices(device_list, ranks))
         prepare(spec, shard=detect_shard({}, outer.count * n, outer.index * n))  # fail early, once
         codes = run_devices(device_list, outer, _worker_args(ctx), ranks)

@@ -23,7 +23,7 @@ from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.support import attention_features
 from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import make_spec
 from tests.test_graphs import _flash_varlen_in_torch
 from tests.tiers import engine_fixture
 from tests.tiny_models import hf_greedy, make_model, make_tokenizer
@@ -548,12 +548,12 @@ def test_job_path_on_cuda_chooses_what_the_engine_chooses(tiny_model_dir, monkey
     monkeypatch.setattr(flash_backend, "installed", lambda: flash_installed)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    spec = JobSpec(device="cuda", kv_memory_gb=1.0)
-    assert spec.block_size is None
+    spec = make_spec(device="cuda", kv_memory_gb=1.0)
+    assert spec.engine.block_size is None
     expected = 256 if flash_installed else 16
     line = job_runner.check_engine(spec)  # what `batchjob validate` reports, from the model's config
     assert f"blocks x {expected} tokens" in line
-    options = spec.engine_options()
+    options = spec.engine.as_keywords()
     device = torch.device(options.pop("device"))
     job = EngineConfig(device=device, dtype=resolve_dtype(options.pop("dtype"), device), **options)
     engine = EngineConfig(device=CUDA, dtype=resolve_dtype("auto", CUDA))  # Engine.from_pretrained's defaults

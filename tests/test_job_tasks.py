@@ -110,8 +110,9 @@ def test_job_file_takes_task_keys(tmp_path):
         'input = "in.jsonl"\noutput = "out"\ntask = "embed"\npooling = "cls"\nnormalize = true\ndimensions = 16\n'
     )
     spec = make_spec(tmp_path / "job.toml")
-    assert (spec.task, spec.pooling, spec.normalize, spec.dimensions) == ("embed", "cls", True, 16)
-    options = spec.engine_options()
+    engine = spec.engine
+    assert (engine.task, engine.pooling, engine.normalize, engine.dimensions) == ("embed", "cls", True, 16)
+    options = engine.as_keywords()
     assert options["task"] == "embed" and options["pooling"] == "cls" and options["dimensions"] == 16
 
 

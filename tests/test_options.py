@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import subprocess
 import sys
@@ -16,18 +15,19 @@ from batchjob.engine.config import EngineConfig
 from batchjob.engine.options import EngineOptions, by_engine_name, declared, job_options
 from batchjob.errors import ConfigError
 from batchjob.job.spec import JobSpec, make_spec
+from batchjob.job.spec import declared as spec_declared
 
 
 def test_every_job_option_is_a_spec_field_with_the_declared_default():
-    spec_fields = {f.name: f for f in dataclasses.fields(JobSpec)}
+    spec_options = {name: (f, opt) for name, f, opt in spec_declared()}
     for name, f, opt in job_options():
-        assert name in spec_fields, name
-        assert spec_fields[name].default == f.default, name
-        assert spec_fields[name].metadata["option"] is opt
+        assert name in spec_options, name
+        assert spec_options[name] == (f, opt), name  # the engine's own declaration, by its job name
+    assert JobSpec().engine.as_keywords() == EngineOptions(check_kv_pool=True).as_keywords()
     names = {name for name, _, _ in job_options()}
     assert "prefix_caching" in names and "enable_prefix_caching" not in names
     assert not {"static_batching", "check_kv_pool"} & names  # the job layer sets these itself
-    options = JobSpec(admission="static", prefix_caching=False).engine_options()
+    options = make_spec(admission="static", prefix_caching=False).engine.as_keywords()
     assert options["static_batching"] and not options["enable_prefix_caching"] and options["check_kv_pool"]
     assert set(options) == {f.name for f, _ in declared()}  # the task options too (--task, --pooling, ...)
 
@@ -57,6 +57,25 @@ def test_from_pretrained_takes_every_option_by_name():
         Engine.from_pretrained(no_such_option=1)
 
 
+def test_from_pretrained_takes_the_options_as_one_object_a_keyword_winning(tiny_model_dir, monkeypatch):
+    from batchjob import Engine
+    from batchjob.job import runner
+
+    options = EngineOptions(device="cpu", dtype="float64", max_num_seqs=3, num_blocks=32)
+    with pytest.raises(ConfigError, match="max_num_seqs must be an integer >= 1, got 0"):
+        Engine.from_pretrained(str(tiny_model_dir), options=options, max_num_seqs=0)  # checked before loading
+    assert Engine.from_pretrained(str(tiny_model_dir), options=options).config.max_num_seqs == 3
+    engine = Engine.from_pretrained(str(tiny_model_dir), options=options, max_num_seqs=5)
+    assert (engine.config.max_num_seqs, engine.config.num_blocks, engine.config.dtype) == (5, 32, torch.float64)
+    # A job's engine is built from its spec's object (the job sets static batching and the pool check).
+    seen = {}
+    monkeypatch.setattr(Engine, "from_pretrained", lambda model, **kw: seen.update(kw, model=model))
+    spec = make_spec(model="m", device="cpu", admission="static")
+    runner.load_engine(spec)
+    assert seen == {"model": "m", "trust_remote_code": False, "options": spec.engine}
+    assert spec.engine.static_batching and spec.engine.check_kv_pool and spec.engine.device == "cpu"
+
+
 @pytest.mark.parametrize(
     "name, value, message",
     [
@@ -82,7 +101,7 @@ def test_one_check_for_the_library_and_the_job(name, value, message):
     with pytest.raises(ConfigError) as engine_error:
         EngineConfig(**{name: value})
     with pytest.raises(ConfigError) as job_error:
-        JobSpec(**{name: value})
+        make_spec(**{name: value})
     assert message in str(engine_error.value)
     assert str(job_error.value) == str(engine_error.value)
 
@@ -102,7 +121,7 @@ def test_none_means_the_engine_decides():
     assert config.device == torch.device("cpu") and config.dtype == torch.float32
     assert (config.max_num_seqs, config.block_size, config.cuda_graphs) == (64, 16, False)
     # a job's options left out are the engine's defaults too
-    assert EngineConfig(**JobSpec(device="cpu").engine_options()).max_num_seqs == 64
+    assert EngineConfig(**make_spec(device="cpu").engine.as_keywords()).max_num_seqs == 64
 
 
 def test_per_device_defaults_are_declared_once(monkeypatch):
@@ -145,13 +164,22 @@ def test_a_backend_that_cannot_run_is_refused_before_work(tmp_path, tiny_model_d
 def test_job_files_keep_their_names(tmp_path):
     (tmp_path / "j.toml").write_text("prefix-caching = false\nmax_num_seqs = 3\ndtype = 'float64'\n")
     spec = make_spec(tmp_path / "j.toml", max_num_seqs=5)
-    assert spec.prefix_caching is False and spec.max_num_seqs == 5 and spec.dtype == "float64"
+    engine = spec.engine
+    assert engine.enable_prefix_caching is False and engine.max_num_seqs == 5 and engine.dtype == "float64"
     assert by_engine_name({"prefix_caching": False, "max_num_seqs": 5}) == {
         "enable_prefix_caching": False,
         "max_num_seqs": 5,
     }
     with pytest.raises(ConfigError, match="max_num_seqs must be an int, got 2.5"):
-        JobSpec(max_num_seqs=2.5)
+        make_spec(max_num_seqs=2.5)
+    # Two wrong values: the first in the order of the flags is reported, the job's own or the engine's.
+    with pytest.raises(ConfigError, match="^n must be an int, got '2'$"):
+        make_spec(n="2", max_num_seqs=0)
+    with pytest.raises(ConfigError, match="^max_num_seqs must be an integer >= 1, got 0$"):
+        make_spec(lookahead=0, max_num_seqs=0)  # the engine's options come before --lookahead
+    with pytest.raises(ConfigError, match="job file .*: unknown field 'engine'"):
+        (tmp_path / "e.toml").write_text("engine = 1\n")
+        make_spec(tmp_path / "e.toml")  # the engine's options are flat in a job file
 
 
 @pytest.mark.process  # a fresh interpreter

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class KVShape:
     head_dim: int
 
     @classmethod
-    def from_config(cls, config) -> KVShape:
+    def from_config(cls, config: Any) -> KVShape:  # a transformers PretrainedConfig
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -107,7 +108,7 @@ class EngineConfig(EngineOptions):
         if self.tensor_parallel_size > 1:
             self.cuda_graphs = False  # decode graphs would have to capture the ranks' collectives
 
-    def resolve_max_model_len(self, model_config) -> int:
+    def resolve_max_model_len(self, model_config: Any) -> int:
         """The context the engine accepts: ``max_model_len``, which may only shorten the model's own."""
         own = model_context_len(model_config)
         if self.max_model_len is None:
@@ -156,7 +157,8 @@ class EngineConfig(EngineOptions):
     @property
     def default_kv_memory_gb(self) -> float:
         """The KV budget the engine decides on this device when none is given (the option's declaration)."""
-        return device_default("kv_memory_gb", self.device.type)
+        budget: float = device_default("kv_memory_gb", self.device.type)
+        return budget
 
     def check_kv_fits(self, num_blocks: int, max_model_len: int) -> None:
         """Raise ``ConfigError`` unless ``num_blocks`` hold one request of ``max_model_len`` tokens."""
@@ -174,7 +176,7 @@ class EngineConfig(EngineOptions):
         )
 
 
-def model_context_len(model_config) -> int:
+def model_context_len(model_config: Any) -> int:
     """The model's own context length, from its (text) config; 2048 when it names none."""
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):

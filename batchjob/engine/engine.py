@@ -43,6 +43,7 @@ from batchjob.engine.feature import RequestFeature
 from batchjob.engine.kv_cache import KVShape, allocate_kv_cache, size_kv_pool
 from batchjob.engine.masks import Constraints
 from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.options import EngineOptions
 from batchjob.engine.output import OutputProcessor, RequestOutput
 from batchjob.engine.request import Request, RequestState, RequestStatus, request_key
 from batchjob.engine.sampler import sample
@@ -201,21 +202,28 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str | None = None, *, trust_remote_code: bool = False, **options: Any
+        cls,
+        model: str | None = None,
+        *,
+        trust_remote_code: bool = False,
+        options: EngineOptions | None = None,
+        **keywords: Any,
     ) -> Engine:
         """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine.
 
         ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
-        head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s
+        head, ``"generate"`` and ``"score"`` the causal LM. Keywords: any of ``EngineConfig``'s
         (``engine/options.py`` declares each with its default and check; None: the engine decides), e.g.
         ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap the context below the model's own,
         ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of that context.
         ``trust_remote_code``: run Python code shipped in the model's folder;
         without it such a model is refused (transformers is never left to ask on stdin).
+        ``options``: the same settings as one ``EngineOptions`` (a job's); a keyword given too wins.
         """
-        config = EngineConfig(**options)
+        given = (options.as_keywords() if options is not None else {}) | keywords
+        config = EngineConfig(**given)
         if config.tensor_parallel_size > 1:
-            return parallel.load_engine(cls, model, config, options, trust_remote_code)
+            return parallel.load_engine(cls, model, config, given, trust_remote_code)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )

@@ -2,9 +2,9 @@
 
 ``EngineOptions`` holds them as given (``None``: the engine decides, per device, per attention backend,
 from the model); ``EngineConfig`` (``config.py``) is the same fields resolved for a device.
-``Engine.from_pretrained`` takes them as keywords; the job layer (``JobSpec``, job files) and the command
-line (``run``, ``validate``, ``bench``) build their fields and flags from these declarations
-(``job_options``), so an option, its default and its check exist in one place.
+``Engine.from_pretrained`` takes them as one object or as keywords; the job layer (``JobSpec.engine``, job
+files) and the command line (``run``, ``validate``, ``bench``) build their fields and flags from these
+declarations (``job_options``), so an option, its default and its check exist in one place.
 
 This module imports nothing heavy (no torch): the command line reads it before it knows it needs a model.
 """
@@ -303,6 +303,10 @@ class EngineOptions:
             wrong = opt.complaint(f.name, value)
             if wrong is not None:
                 raise ConfigError(wrong)
+
+    def as_keywords(self) -> dict[str, Any]:
+        """Every option by its engine name: the keywords of ``EngineConfig`` and ``Engine.from_pretrained``."""
+        return {f.name: getattr(self, f.name) for f in fields(EngineOptions)}
 
 
 def declared() -> list[tuple[Field[Any], Option]]:

@@ -272,7 +272,7 @@ def estimate(
     tokenizer = engine.tokenizer
     plan = prep.plan.for_tokenizer(spec, bool(getattr(tokenizer, "chat_template", None)))
     builder = prompt_builder(spec, plan, engine)
-    prefill = spec.task != "generate"  # a prefill-only task: no output; longer than the engine's limit fails
+    prefill = spec.engine.task != "generate"  # a prefill-only task: no output; longer than the engine's limit fails
     context = engine.prefill_limit if prefill else engine.max_model_len
     base = spec.sampling_params(prep.info.job_seed)
     skip, covered = prep.shard.filters(_nothing())

@@ -185,12 +185,13 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
     ray.init(address=address or None, log_to_driver=True)
     try:
         resources = ray.cluster_resources()
-        gpus = int(resources.get("GPU", 0)) if spec.device != "cpu" else 0
+        gpus = int(resources.get("GPU", 0)) if spec.engine.device != "cpu" else 0
         count = (
             num_shards or saved_num_shards(Path(spec.output or "")) or gpus or int(resources.get("CPU", 1))
         )
         if gpus:
-            spec = dataclasses.replace(spec, device="cuda")  # Ray sets CUDA_VISIBLE_DEVICES per task
+            cuda = dataclasses.replace(spec.engine, device="cuda")  # Ray sets CUDA_VISIBLE_DEVICES per task
+            spec = dataclasses.replace(spec, engine=cuda)
             task = ray.remote(num_gpus=1, max_retries=3)(_ray_worker)
         else:
             task = ray.remote(num_cpus=1, max_retries=3)(_ray_worker)

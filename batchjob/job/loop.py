@@ -123,7 +123,7 @@ class JobLoop:
         )  # what rows leave out, with per-row params
         self.tags = tags
         self.answer_of: dict[str, tuple[str, int]] = {}  # an answer request -> (its row's id, sample index)
-        self.task = self.spec.task
+        self.task = self.spec.engine.task
         # --task embed: body.dimensions' only value
         self.width = writer.result[0].type.list_size if self.task == "embed" else 0
         self.input_of: dict[str, tuple[str, int]] = {}  # an embeddings request's input -> (row id, index)
@@ -650,7 +650,7 @@ def part_writer(prep: Prepared, engine: JobEngine, tags: ReasoningTags | None) -
     """The run's one part writer: the input's columns, the task's result columns, then the feature columns
     the job's options (and with ``tags``, the model's thinking) call for."""
     spec = prep.spec
-    if spec.task == "generate":
+    if spec.engine.task == "generate":
         params = spec.sampling_params(prep.info.job_seed)
         extra = extra_fields(params, every=spec.per_row_params, reasoning=tags is not None)
     else:

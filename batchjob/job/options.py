@@ -2,8 +2,9 @@
 default, its check and how it looks on the command line, so the field, the TOML key and the flag of
 ``batchjob run`` come from one declaration (``spec.py`` holds the table; ``cli.py`` builds the flags).
 
-The engine's options are declared the same way in ``engine/options.py``; ``JobSpec`` takes a field for each.
-This module imports nothing heavy: the command line reads it to build its flags.
+The engine's options are declared the same way in ``engine/options.py``; ``JobSpec`` holds them as one
+``EngineOptions`` (``JobSpec.engine``), under their flat job names in job files and flags. This module imports
+nothing heavy: the command line reads it to build its flags.
 """
 
 from __future__ import annotations

@@ -109,12 +109,12 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         plan = plan_prompts(spec, schema.names, has_chat_template)
         check_column_types(spec, plan, schema)
         fingerprint = {
-            "model": {"identity": model_fingerprint(spec.model), "dtype": spec.dtype},
+            "model": {"identity": model_fingerprint(spec.model), "dtype": spec.engine.dtype},
             "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},
             "sampling": spec.sampling_fingerprint(),
             "sharding": {"num_shards": shard.count},
         }
-        if spec.task != "generate":  # a generation job keeps the identity it had before tasks
+        if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
             fingerprint["task"] = spec.task_fingerprint()
         return plan, fingerprint
 

@@ -163,7 +163,7 @@ def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
     if spec.chat and not has_chat_template:
         raise ConfigError("--chat asked for, but the model's tokenizer has no chat template; use --no-chat")
     if spec.chat is None:
-        return has_chat_template and spec.task == "generate"
+        return has_chat_template and spec.engine.task == "generate"
     return spec.chat
 
 

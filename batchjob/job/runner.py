@@ -28,9 +28,7 @@ from batchjob.job.verify import check_schema, needs_repair, repair_outputs, rest
 def load_engine(spec: JobSpec) -> JobEngine:
     from batchjob.engine import Engine
 
-    return Engine.from_pretrained(
-        spec.model, trust_remote_code=spec.trust_remote_code, **spec.engine_options()
-    )
+    return Engine.from_pretrained(spec.model, trust_remote_code=spec.trust_remote_code, options=spec.engine)
 
 
 def check_engine(spec: JobSpec) -> str:
@@ -46,7 +44,7 @@ def check_engine(spec: JobSpec) -> str:
 
     model_config, _ = load_config(spec.model, spec.trust_remote_code)
     check_supported(model_config)
-    config = EngineConfig(**spec.engine_options())
+    config = EngineConfig(**spec.engine.as_keywords())
     check_shardable(model_config, config.tensor_parallel_size)
     device = config.device
     max_len = config.resolve_max_model_len(model_config)
@@ -127,9 +125,9 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:
     """The prompt builder for the job's task: generation checks a prompt against the context; a prefill-only
     task leaves the length to the engine (an error, or cut with --truncate as ``Engine.tokenize`` cuts)."""
-    if spec.task == "generate":
+    if spec.engine.task == "generate":
         return PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
-    cut = engine.prefill_limit if spec.truncate else None
+    cut = engine.prefill_limit if spec.engine.truncate else None
     return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut)
 
 

@@ -1,32 +1,59 @@
 """What the job layer uses of an engine, named: ``JobEngine``. ``batchjob.engine.Engine`` is one; the job
 loop, the runner and the result columns know an engine only through these methods and attributes.
 
-The engine's types are imported for type checkers only: this module, like the command line, imports no torch.
+The engine's and transformers' types are imported for type checkers only: this module, like the command line,
+imports no torch. Of a prefill-only engine's task runner the job reads one thing, an embedding's width
+(``TaskRunner.pooling.dimensions``): ``JobTasks`` and ``JobPooling`` name exactly that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from batchjob.engine.config import EngineConfig
-    from batchjob.engine.engine import EngineStats, RequestState
+    from batchjob.engine.engine import EngineStats
     from batchjob.engine.output import RequestOutput
+    from batchjob.engine.request import RequestState
     from batchjob.sampling import SamplingParams
 
 
-class JobEngine(Protocol):
-    """The engine as a job sees it: requests in, finished outputs out, one step at a time."""
+class JobPooling(Protocol):
+    """How an embed engine pools (``engine/tasks.py``'s ``Pooling``), as far as the job reads it."""
 
-    tokenizer: Any  # a Hugging Face tokenizer: prompts are built and token texts decoded with it
+    @property
+    def dimensions(self) -> int | None: ...  # the first N dimensions kept (Matryoshka); None: all
+
+
+class JobTasks(Protocol):
+    """A prefill-only engine's task runner (``engine/tasks.py``'s ``TaskRunner``), as far as the job reads it."""
+
+    @property
+    def pooling(self) -> JobPooling | None: ...  # embed: how it pools; None for the other tasks
+
+
+class JobEngine(Protocol):
+    """The engine as a job sees it: requests in, finished outputs out, one step at a time. ``tokenizer``,
+    ``model`` and ``tasks`` are read-only properties here (a job only reads them), so an engine's own, more
+    specific types fit them."""
+
     config: EngineConfig  # the resolved options (the loop reads max_num_seqs)
     stats: EngineStats  # counters over the engine's life (the run's statistics are differences of them)
     max_model_len: int  # the longest context a generation request may have, in tokens
     prefill_limit: int  # the longest prefill-only request (embed, classify, score), in tokens
     model_id: str  # the folder the weights were loaded from ("" when not known)
-    model: Any  # the Hugging Face model (its config: the embedding width)
-    tasks: Any  # the prefill-only task's runner (embed: its pooling), None for generation
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...  # prompts are built and token texts decoded with it
+
+    @property
+    def model(self) -> PreTrainedModel: ...  # the Hugging Face model (its config: the embedding width)
+
+    @property
+    def tasks(self) -> JobTasks | None: ...  # the prefill-only task's runner, None for generation
 
     @property
     def num_unfinished(self) -> int: ...
@@ -50,3 +77,5 @@ class JobEngine(Protocol):
     def snapshot(self) -> list[RequestState]: ...
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]: ...
+
+    def close(self) -> None: ...  # stops its other tensor-parallel ranks (the runner closes what it loaded)

@@ -1,16 +1,15 @@
-"""A job's specification: every option of ``batchjob run`` in one validated dataclass, and TOML job files.
+"""A job's specification: every option of ``batchjob run`` in one validated dataclass, ``JobSpec``.
 
 Each job option is declared once, as a field of ``JobSpec`` made by ``job_option()`` (``options.py``): its
 name is the TOML key (``max_new_tokens`` or ``max-new-tokens``) and the flag (``--max-new-tokens``), with its
-default, help and check. The engine's options are declared in ``engine/options.py``, and ``JobSpec`` gets a
-field for each (same name, default and check; ``None``: the engine decides). The fields' order is the order
-of ``batchjob run --help``.
+default, help and check. The engine's options are declared in ``engine/options.py`` and held as one typed
+object, ``JobSpec.engine`` (an ``EngineOptions``, which the engine is built from); job files and flags keep
+their flat job names (``max_num_seqs``, ``prefix_caching`` for ``enable_prefix_caching``), which
+``make_spec`` maps into that object. ``declared()`` lists every option by its job name, in the order of
+``batchjob run --help``: the job's own, with the engine's between ``n`` and ``admission``.
 
-A job file holds the same fields as the command line (``max_new_tokens`` or ``max-new-tokens``, not both);
-options given on the command line override it. Relative ``input`` and ``output`` paths in a job file are
-relative to the job file's folder, so a job file works from any working directory. A relative ``model`` is
-a folder next to the job file when one exists there (or it starts with ``./`` or ``../``), else a folder in
-the working directory when one exists there, else a hub id.
+Job files are read by ``jobfile.py``; the checks that need no spec (types, the task's options) are
+``checks.py``'s.
 """
 
 from __future__ import annotations
@@ -18,54 +17,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
-from dataclasses import Field, dataclass
+from dataclasses import Field, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchjob.engine.options import Option, job_options
+from batchjob.engine.options import EngineOptions, Option, by_engine_name, job_options
 from batchjob.engine.task_state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
+from batchjob.job.checks import check_task, check_type, finite_float
+from batchjob.job.jobfile import read_job_file
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
 from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 FORMAT_CHOICES = ("rows", "openai")
-ENGINE_OPTIONS_BEFORE = "admission"  # the engine's options come just before this job option
-
-
-def _with_engine_options(cls: type) -> type:
-    """Give the (not yet dataclass) ``cls`` a field per engine option jobs have, as ``engine/options.py``
-    declares it: its job name (``prefix_caching`` for ``enable_prefix_caching``), type, default and
-    declaration; placed before the field ``ENGINE_OPTIONS_BEFORE``, as the command line lists them."""
-    own = list(cls.__annotations__.items())
-    at = next(i for i, (name, _) in enumerate(own) if name == ENGINE_OPTIONS_BEFORE)
-    engine = []
-    for name, f, opt in job_options():
-        engine.append((name, opt.kind.__name__ + (" | None" if f.default is None else "")))
-        setattr(cls, name, dataclasses.field(default=f.default, metadata={"option": opt}))
-    cls.__annotations__.clear()
-    cls.__annotations__.update(own[:at] + engine + own[at:])
-    return cls
 
 
 @dataclass
-@_with_engine_options
 class JobSpec:
     """What to run: each field is a job option, declared once (``job_option``: default, help, check), and is
     the same-named key of job files and flag of ``batchjob run``. Temperature defaults to 0: greedy,
     reproducible.
 
-    Besides the fields below, one per engine option (``engine/options.py``, by their job names), between
-    ``n`` and ``admission``: ``device``, ``dtype``, ``attention_backend``, ``max_num_batched_tokens``,
-    ``max_num_seqs``, ``block_size``, ``kv_memory_gb``, ``num_blocks``, ``max_model_len``,
-    ``gpu_memory_utilization``, ``prefix_caching``, ``num_speculative_tokens``, ``cuda_graphs``, ``compile``,
-    and the task's: ``task``, ``pooling``, ``normalize``, ``dimensions``, ``truncate``.
+    ``engine`` holds the engine's options (``engine/options.py``; by their job names in job files and on the
+    command line: ``device``, ``dtype``, ``max_num_seqs``, ``prefix_caching``, ``task``, ``pooling``, ...),
+    checked like the job's own; the job sets its ``static_batching`` (``--admission static``) and
+    ``check_kv_pool`` itself.
     """
 
     # inputs and outputs
@@ -185,7 +163,8 @@ class JobSpec:
         "Samples per row: N result rows with a sample_index column; the prompt is computed once",
         metavar="N",
     )
-    # (the engine's options come here)
+    # the engine's options: the flags and job file keys between --n and --admission (``declared()``)
+    engine: EngineOptions = field(default_factory=EngineOptions)
     # admission (with --admission static, the engine's static_batching)
     admission: str = job_option(
         "fcfs",
@@ -224,107 +203,47 @@ class JobSpec:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.input, str):
-            self.input = [self.input]
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.input = [str(p) for p in self.input]
-        self.stop = list(self.stop or [])
-        if isinstance(self.choices, str):
-            self.choices = [c.strip() for c in self.choices.split(",")]
-        for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
-        # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
-        if not isinstance(self.checkpoint_interval, float) or not math.isfinite(self.checkpoint_interval):
-            self.checkpoint_interval = _finite_float("checkpoint_interval", self.checkpoint_interval)
-        modes = [n for n in ("prompt_column", "messages_column", "template") if getattr(self, n) is not None]
-        if len(modes) > 1:
-            raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
-        for f, opt in declared():  # each option's own check, the engine's (engine/options.py) included
-            wrong = opt.complaint(f.name, getattr(self, f.name))
-            if wrong is not None:
-                raise ConfigError(wrong)
+        values = checked(self.values())  # the same checks, in the same order, as make_spec's
+        self.input, self.stop, self.choices = values["input"], values["stop"], values["choices"]
+        self.checkpoint_interval = values["checkpoint_interval"]
+        # A job always wants a pool that fits one request of the full context, however it was sized: a
+        # smaller one would turn rows into errors for a reason that is about the setup, not the row.
+        self.engine = dataclasses.replace(
+            self.engine, static_batching=self.admission == "static", check_kv_pool=True
+        )
         self.template_kwargs = self._template_kwargs()
         if self.reasoning_tags is not None:
             from batchjob.job.reasoning import parse_tags
 
             parse_tags(self.reasoning_tags)
         if self.format == "openai":
-            given = [
-                n
-                for n in ("prompt_column", "messages_column", "template", "params_column")
-                if getattr(self, n) is not None
-            ]
-            if given:
-                raise ConfigError(
-                    f"--format openai takes the prompt and parameters from each request's body; leave out "
-                    f"{', '.join('--' + g.replace('_', '-') for g in given)}"
-                )
-            if self.id_column not in (None, "custom_id"):
-                raise ConfigError(
-                    "--format openai: the row id is each request's custom_id; leave out --id-column"
-                )
-            self.id_column = "custom_id"
-        self._check_task()
+            self._check_openai()
+        check_task(self.values(), _DEFAULTS)
         self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
 
-    def _check_task(self) -> None:
-        """Refuse, before any work, the options that mean nothing for the job's task, naming them."""
-        task = self.task
-        if task == "generate":
-            owners = {
-                "pooling": "embed",
-                "normalize": "embed",
-                "dimensions": "embed",
-                "score_column": "score",
-            }
-            wrong = [n for n in owners if getattr(self, n) is not None] + (
-                ["truncate"] if self.truncate else []
-            )
-            if wrong:
-                name = wrong[0]
-                owner = owners.get(name, "embed, classify or score")
-                raise ConfigError(
-                    f"{_flags([name])} is an option of --task {owner}; this job generates text (--task "
-                    f"generate): give --task {owner.split(',')[0]}, or leave {_flags([name])} out"
-                )
-            return
-        defaults = {
-            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            for f in dataclasses.fields(self)
-        }
-        given = [n for n in GENERATION_ONLY if getattr(self, n) != defaults[n]]
-        if task != "score" and self.logprobs is not None:
-            given.append("logprobs")
-        if task != "embed":
-            given += [n for n in ("pooling", "normalize", "dimensions") if getattr(self, n) is not None]
-        if task != "score" and self.score_column is not None:
-            given.append("score_column")
+    def _check_openai(self) -> None:
+        """``--format openai``: the prompt, parameters and id come from each request."""
+        given = [
+            n
+            for n in ("prompt_column", "messages_column", "template", "params_column")
+            if getattr(self, n) is not None
+        ]
         if given:
             raise ConfigError(
-                f"{_flags(given)} {'has' if len(given) == 1 else 'have'} no meaning for --task {task} "
-                f"(it computes {TASK_RESULTS[task]} in one forward, without generating); leave "
-                f"{'it' if len(given) == 1 else 'them'} out"
+                f"--format openai takes the prompt and parameters from each request's body; leave out "
+                f"{', '.join('--' + g.replace('_', '-') for g in given)}"
             )
-        if self.format != "rows" and task != "embed":
+        if self.id_column not in (None, "custom_id"):
             raise ConfigError(
-                f"--format {self.format} is for --task generate (chat and completions requests) and embed "
-                f"(/v1/embeddings requests); --task {task} reads rows"
+                "--format openai: the row id is each request's custom_id; leave out --id-column"
             )
-        if self.logprobs is not None and self.logprobs != 0:
-            raise ConfigError(
-                f"--task score: --logprobs takes no K (got {self.logprobs}); it adds the token_logprobs "
-                "column, one log-probability per scored token"
-            )
-        if self.score_column is not None and self.score_column in (
-            self.prompt_column,
-            self.messages_column,
-        ):
-            raise ConfigError(
-                f"--score-column {self.score_column!r} is also the prompt's column; the scored text comes "
-                "after the prompt, from a column of its own"
-            )
+        self.id_column = "custom_id"
+
+    def values(self) -> dict[str, Any]:
+        """Every option of the job by its job name (the engine's from ``engine``), in ``declared()`` order."""
+        engine = {name: getattr(self.engine, f.name) for name, f, _ in job_options()}
+        return {name: engine[name] if name in engine else getattr(self, name) for name, _, _ in declared()}
 
     def _load_schema(self) -> str | None:
         if self.json_schema is None:
@@ -382,15 +301,6 @@ class JobSpec:
             n=self.n,
         )
 
-    def engine_options(self) -> dict[str, Any]:
-        """The job's engine settings as ``EngineConfig`` (and ``Engine.from_pretrained``) name them."""
-        options = {f.name: getattr(self, name) for name, f, _ in job_options()}
-        options["static_batching"] = self.admission == "static"
-        # A job always wants a pool that fits one request of the full context, however it was sized: a
-        # smaller one would turn rows into errors for a reason that is about the setup, not the row.
-        options["check_kv_pool"] = True
-        return options
-
     def require_io(self) -> None:
         if not self.input:
             raise ConfigError("no input: give --input PATH (or input = ... in the job file)")
@@ -412,24 +322,28 @@ class JobSpec:
 
     def task_fingerprint(self) -> dict[str, Any]:
         """The task and its options (empty for generation, so a generation job keeps its identity)."""
-        if self.task == "generate":
+        if self.engine.task == "generate":
             return {}
-        out: dict[str, Any] = {"task": self.task, "truncate": self.truncate}
-        if self.task == "embed":
-            out |= {"pooling": self.pooling, "normalize": self.normalize, "dimensions": self.dimensions}
-        if self.task == "score":
+        out: dict[str, Any] = {"task": self.engine.task, "truncate": self.engine.truncate}
+        if self.engine.task == "embed":
+            out |= {
+                "pooling": self.engine.pooling,
+                "normalize": self.engine.normalize,
+                "dimensions": self.engine.dimensions,
+            }
+        if self.engine.task == "score":
             out |= {"score_column": self.score_column, "token_logprobs": self.logprobs is not None}
-        if self.max_model_len is not None:  # it cuts (with --truncate) or fails long texts
-            out["max_model_len"] = self.max_model_len
+        if self.engine.max_model_len is not None:  # it cuts (with --truncate) or fails long texts
+            out["max_model_len"] = self.engine.max_model_len
         # Where a row's chunks start (the engine's chunk grid): resuming with other chunks could change the
         # last bits of the floats written. Named only when not the defaults', so a job keeps its identity.
-        chunk = min(TASK_CHUNK, self.max_num_batched_tokens or TASK_CHUNK)
-        if chunk != TASK_CHUNK or self.block_size is not None:
-            out["chunks"] = {"tokens": chunk, "block_size": self.block_size}
+        chunk = min(TASK_CHUNK, self.engine.max_num_batched_tokens or TASK_CHUNK)
+        if chunk != TASK_CHUNK or self.engine.block_size is not None:
+            out["chunks"] = {"tokens": chunk, "block_size": self.engine.block_size}
         return out
 
     def sampling_fingerprint(self) -> dict[str, Any]:
-        if self.task != "generate":
+        if self.engine.task != "generate":
             return {}  # nothing is sampled: the task's identity is task_fingerprint()
         keys = ("max_new_tokens", "top_p", "top_k", "min_p", "seed", "stop")
         out = {k: getattr(self, k) for k in keys} | {"temperature": self.effective_temperature}
@@ -438,142 +352,90 @@ class JobSpec:
         for k in ("choices", "json_schema", "regex", "logprobs", "n"):
             if k in extra:
                 out[k] = extra[k]  # the schema's content, not its path
-        if self.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")
-            out["max_model_len"] = self.max_model_len
+        if self.engine.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")
+            out["max_model_len"] = self.engine.max_model_len
         if self.max_reasoning_tokens is not None:
             out["max_reasoning_tokens"] = self.max_reasoning_tokens
         return out
 
 
-# What each task computes, in words (messages).
-TASK_RESULTS = {
-    "embed": "an embedding",
-    "classify": "a classifier head's scores",
-    "score": "the text's log-likelihood",
-}
-# Options that only generation has: refused (when given) with the other tasks.
-GENERATION_ONLY = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "choices",
-    "json_schema",
-    "regex",
-    "n",
-    "max_reasoning_tokens",
-    "reasoning_tags",
-    "params_column",
-    "num_speculative_tokens",
-)
+def _annotation(f: Field[Any], opt: JobOption | Option) -> Any:
+    """The type a job takes for the option declared by field ``f``: its own field's, or for an engine
+    option its job type (``int | None`` where None is the default: the engine decides)."""
+    if isinstance(opt, JobOption):
+        return f.type
+    return opt.kind.__name__ + (" | None" if f.default is None else "")
 
 
-def _flags(names: list[str]) -> str:
-    return ", ".join("--" + n.replace("_", "-") for n in names)
+def declared() -> list[tuple[str, Field[Any], JobOption | Option]]:
+    """Every option of a job, in order, as ``(job name, field, declaration)``: ``JobSpec``'s own fields
+    (``JobOption``), with the engine's (``EngineOptions``' fields, ``Option``) in place of ``engine``."""
+    out: list[tuple[str, Field[Any], JobOption | Option]] = []
+    for f in dataclasses.fields(JobSpec):
+        if f.name == "engine":
+            out += job_options()
+        else:
+            out.append((f.name, f, f.metadata["job_option"]))
+    return out
 
 
-def _finite_float(name: str, value: Any) -> float:
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    return number
+def _default(f: Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,),
-    "float": (int, float),
-    "str": (str,),
-    "bool": (bool,),
-}
-
-
-def _check_type(name: str, value: Any, annotation: Any) -> None:
-    text = str(annotation)
-    if value is None:
-        if "None" in text:
-            return
-        raise ConfigError(f"{name} must be given, got nothing")
-    if text.startswith("list"):
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
-        return
-    base = text.split(" | ")[0]
-    ok = _TYPES.get(base, (object,))
-    if isinstance(value, bool) and base != "bool" or not isinstance(value, ok):
-        raise ConfigError(f"{name} must be {'a' if base != 'int' else 'an'} {base}, got {value!r}")
-
-
-FIELD_NAMES = {f.name for f in dataclasses.fields(JobSpec)}  # a job file's keys (or with - for _)
-
-
-def declared() -> list[tuple[Field[Any], JobOption | Option]]:
-    """Every option of a job, in order: ``JobSpec``'s fields with their declarations (``JobOption`` for the
-    job's own, ``Option`` for the engine's)."""
-    return [(f, f.metadata.get("job_option") or f.metadata["option"]) for f in dataclasses.fields(JobSpec)]
+_DEFAULTS = {name: _default(f) for name, f, _ in declared()}  # each option's default, by its job name
+FIELD_NAMES = set(_DEFAULTS)  # a job file's keys (or with - for _)
+ENGINE_NAMES = {name for name, _, _ in job_options()}  # the engine's options, by their job names
 
 
 def load_job_file(path: str | Path) -> dict[str, Any]:
     """The fields of a TOML job file, keys normalized to underscores, paths made relative to its folder."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"job file {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"job file {path} is not valid TOML: {e}") from e
-    out: dict[str, Any] = {}
-    keys: dict[str, str] = {}  # field name -> the key that gave it
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name not in FIELD_NAMES:
-            raise ConfigError(
-                f"job file {path}: unknown field {key!r} (known: {', '.join(sorted(FIELD_NAMES))})"
-            )
-        if name in keys:
-            raise ConfigError(
-                f"job file {path}: {keys[name]!r} and {key!r} are the same field; keep only one of them"
-            )
-        keys[name] = key
-        out[name] = value
-    base = path.parent
-
-    def rel(p: Any) -> Any:
-        if isinstance(p, str) and "://" not in p and not Path(p).expanduser().is_absolute():
-            return str(base / p)
-        return p
-
-    if "input" in out:
-        out["input"] = [rel(p) for p in out["input"]] if isinstance(out["input"], list) else rel(out["input"])
-    if "output" in out:
-        out["output"] = rel(out["output"])
-    if "json_schema" in out:
-        out["json_schema"] = rel(out["json_schema"])
-    model = out.get("model")
-    if isinstance(model, str) and (model.startswith(("./", "../")) or _is_folder(rel(model))):
-        out["model"] = rel(
-            model
-        )  # a folder next to the job file (else: the working directory's, or a hub id)
-    return out
+    return read_job_file(path, FIELD_NAMES)
 
 
-def _is_folder(path: Any) -> bool:
-    try:
-        return isinstance(path, str) and "://" not in path and Path(path).expanduser().is_dir()
-    except OSError:  # a name too long for a path, say: not a folder
-        return False
+def checked(values: dict[str, Any]) -> dict[str, Any]:
+    """A job's options (``values``: each by its job name, as ``JobSpec.values()`` gives them) normalized
+    (``input`` and ``stop`` lists, ``choices`` split at commas, ``checkpoint_interval`` a float) and checked,
+    each against its type and then its declaration's check, in ``declared()`` order; raises ``ConfigError``
+    for the first that is wrong. ``make_spec`` runs it on the flat values before it builds the engine's
+    object, and ``JobSpec`` again on its own, so a job reports the same first error however it is made."""
+    values = dict(values)
+    if isinstance(values["input"], str):
+        values["input"] = [values["input"]]
+    if isinstance(values["stop"], str):
+        values["stop"] = [values["stop"]]
+    values["input"] = [str(p) for p in values["input"]]
+    values["stop"] = list(values["stop"] or [])
+    if isinstance(values["choices"], str):
+        values["choices"] = [c.strip() for c in values["choices"].split(",")]
+    for name, f, opt in declared():
+        check_type(name, values[name], _annotation(f, opt))
+    # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
+    interval = values["checkpoint_interval"]
+    if not isinstance(interval, float) or not math.isfinite(interval):
+        values["checkpoint_interval"] = finite_float("checkpoint_interval", interval)
+    modes = [n for n in ("prompt_column", "messages_column", "template") if values[n] is not None]
+    if len(modes) > 1:
+        raise ConfigError(f"give only one of --prompt-column, --messages-column, --template; got {modes}")
+    for name, _, opt in declared():  # each option's own check, the engine's (engine/options.py) included
+        wrong = opt.complaint(name, values[name])
+        if wrong is not None:
+            raise ConfigError(wrong)
+    return values
 
 
 def make_spec(job_file: str | Path | None = None, **overrides: Any) -> JobSpec:
-    """A spec from a job file (optional) with ``overrides`` (the command line's given options) on top."""
+    """A spec from a job file (optional) with ``overrides`` (the command line's given options) on top; both
+    name the engine's options flat, by their job names (``max_num_seqs``, ``prefix_caching``), which go
+    into ``JobSpec.engine`` (over ``engine``, an ``EngineOptions``, when given)."""
     fields = load_job_file(job_file) if job_file is not None else {}
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    base = fields.pop("engine", None) or EngineOptions()
     try:
-        return JobSpec(**fields)
-    except TypeError as e:  # pragma: no cover - unknown keys are caught above
+        if any(k not in FIELD_NAMES for k in fields):  # Python's own words for the unknown keyword
+            JobSpec(**{k: v for k, v in fields.items() if k not in FIELD_NAMES})
+        values = checked(_DEFAULTS | {name: getattr(base, f.name) for name, f, _ in job_options()} | fields)
+        engine = dataclasses.replace(base, **by_engine_name({k: values[k] for k in ENGINE_NAMES}))
+        return JobSpec(engine=engine, **{k: v for k, v in fields.items() if k not in ENGINE_NAMES})
+    except TypeError as e:  # a caller's unknown keyword (a job file's are caught in load_job_file)
         raise ConfigError(str(e)) from e

@@ -19,12 +19,14 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
     from batchjob.io.writers import task_fields
 
     width, num_labels = None, 1
-    if spec.task == "embed":
-        pooling = getattr(engine.tasks, "pooling", None)
+    if spec.engine.task == "embed":
+        pooling = engine.tasks.pooling if engine.tasks is not None else None
         width = (pooling and pooling.dimensions) or engine.model.config.get_text_config().hidden_size
-    elif spec.task == "classify":
-        num_labels = int(engine.model.config.num_labels)
-    return task_fields(spec.task, width, num_labels, token_logprobs=spec.logprobs is not None)
+    elif spec.engine.task == "classify":
+        labels = engine.model.config.num_labels
+        assert labels is not None  # a sequence-classification head has its labels
+        num_labels = int(labels)
+    return task_fields(spec.engine.task, width, num_labels, token_logprobs=spec.logprobs is not None)
 
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:

@@ -1,0 +1,130 @@
+"""Checks of a job's option values that need no ``JobSpec``: a value's type against its annotation, a finite
+float, and which options mean something for which task.
+
+They take the options as a mapping from each option's job name to its value (``JobSpec.values()``), so this
+module imports nothing of the spec; the messages name options as the command line does (``--max-num-seqs``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+# What each task computes, in words (messages).
+TASK_RESULTS = {
+    "embed": "an embedding",
+    "classify": "a classifier head's scores",
+    "score": "the text's log-likelihood",
+}
+# Options that only generation has: refused (when given) with the other tasks.
+GENERATION_ONLY = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "choices",
+    "json_schema",
+    "regex",
+    "n",
+    "max_reasoning_tokens",
+    "reasoning_tags",
+    "params_column",
+    "num_speculative_tokens",
+)
+EMBED_ONLY = ("pooling", "normalize", "dimensions")
+
+
+def flags(names: list[str]) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
+def finite_float(name: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+
+def check_type(name: str, value: Any, annotation: Any) -> None:
+    """Refuse ``value`` unless it has the type the annotation (its text: ``int | None``) names."""
+    text = str(annotation)
+    if value is None:
+        if "None" in text:
+            return
+        raise ConfigError(f"{name} must be given, got nothing")
+    if text.startswith("list"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
+        return
+    base = text.split(" | ")[0]
+    ok = _TYPES.get(base, (object,))
+    if isinstance(value, bool) and base != "bool" or not isinstance(value, ok):
+        raise ConfigError(f"{name} must be {'a' if base != 'int' else 'an'} {base}, got {value!r}")
+
+
+def check_task(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Refuse, before any work, the options that mean nothing for the job's task, naming them. ``values``
+    and ``defaults``: every option of the job by its job name."""
+    task = values["task"]
+    if task == "generate":
+        _check_generation(values)
+        return
+    given = [n for n in GENERATION_ONLY if values[n] != defaults[n]]
+    if task != "score" and values["logprobs"] is not None:
+        given.append("logprobs")
+    if task != "embed":
+        given += [n for n in EMBED_ONLY if values[n] is not None]
+    if task != "score" and values["score_column"] is not None:
+        given.append("score_column")
+    if given:
+        raise ConfigError(
+            f"{flags(given)} {'has' if len(given) == 1 else 'have'} no meaning for --task {task} "
+            f"(it computes {TASK_RESULTS[task]} in one forward, without generating); leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
+    if values["format"] != "rows" and task != "embed":
+        raise ConfigError(
+            f"--format {values['format']} is for --task generate (chat and completions requests) and embed "
+            f"(/v1/embeddings requests); --task {task} reads rows"
+        )
+    if values["logprobs"] is not None and values["logprobs"] != 0:
+        raise ConfigError(
+            f"--task score: --logprobs takes no K (got {values['logprobs']}); it adds the token_logprobs "
+            "column, one log-probability per scored token"
+        )
+    score_column = values["score_column"]
+    if score_column is not None and score_column in (values["prompt_column"], values["messages_column"]):
+        raise ConfigError(
+            f"--score-column {score_column!r} is also the prompt's column; the scored text comes "
+            "after the prompt, from a column of its own"
+        )
+
+
+def _check_generation(values: Mapping[str, Any]) -> None:
+    """A generation job: refuse the other tasks' options."""
+    owners = {"pooling": "embed", "normalize": "embed", "dimensions": "embed", "score_column": "score"}
+    wrong = [n for n in owners if values[n] is not None] + (["truncate"] if values["truncate"] else [])
+    if wrong:
+        name = wrong[0]
+        owner = owners.get(name, "embed, classify or score")
+        raise ConfigError(
+            f"{flags([name])} is an option of --task {owner}; this job generates text (--task "
+            f"generate): give --task {owner.split(',')[0]}, or leave {flags([name])} out"
+        )

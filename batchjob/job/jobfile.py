@@ -1,0 +1,75 @@
+"""TOML job files: read one, normalize its keys and resolve its paths against its folder.
+
+This module knows a job file's keys only as the set of names the caller passes (``spec.py`` passes every
+option of a job), so it imports nothing of the spec. Relative ``input``, ``output`` and ``json_schema`` paths
+are relative to the job file's folder, so a job file works from any working directory. A relative ``model``
+is a folder next to the job file when one exists there (or it starts with ``./`` or ``../``), else a folder
+in the working directory when one exists there, else a hub id.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def read_job_file(path: str | Path, known: Collection[str]) -> dict[str, Any]:
+    """The fields of the TOML job file at ``path``, keys normalized to underscores (each one of ``known``),
+    paths made relative to its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"job file {path} is not valid TOML: {e}") from e
+    out: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # field name -> the key that gave it
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"job file {path}: unknown field {key!r} (known: {', '.join(sorted(known))})")
+        if name in keys:
+            raise ConfigError(
+                f"job file {path}: {keys[name]!r} and {key!r} are the same field; keep only one of them"
+            )
+        keys[name] = key
+        out[name] = value
+    return _resolve_paths(out, path.parent)
+
+
+def _resolve_paths(out: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``out`` with its relative paths made relative to ``base``, the job file's folder."""
+
+    def rel(p: Any) -> Any:
+        if isinstance(p, str) and "://" not in p and not Path(p).expanduser().is_absolute():
+            return str(base / p)
+        return p
+
+    if "input" in out:
+        out["input"] = [rel(p) for p in out["input"]] if isinstance(out["input"], list) else rel(out["input"])
+    if "output" in out:
+        out["output"] = rel(out["output"])
+    if "json_schema" in out:
+        out["json_schema"] = rel(out["json_schema"])
+    model = out.get("model")
+    # a folder next to the job file (else: the working directory's, or a hub id)
+    if isinstance(model, str) and (model.startswith(("./", "../")) or _is_folder(rel(model))):
+        out["model"] = rel(model)
+    return out
+
+
+def _is_folder(path: Any) -> bool:
+    try:
+        return isinstance(path, str) and "://" not in path and Path(path).expanduser().is_dir()
+    except OSError:  # a name too long for a path, say: not a folder
+        return False
