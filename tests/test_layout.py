@@ -143,7 +143,6 @@ FUNCTIONS_ALLOWED = {
     "bench/llama_cpp.py:run_server": 69,
     "bench/scheduling.py:bench_scheduling": 71,
     "bench/tasks.py:run_task_bench": 68,
-    "cli.py:status": 94,
     "engine/parallel/load.py:load_shard": 70,
     "job/estimate.py:estimate": 84,
     "job/inputs.py:_check_one": 76,
