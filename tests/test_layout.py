@@ -144,7 +144,6 @@ FUNCTIONS_ALLOWED = {
     "bench/scheduling.py:bench_scheduling": 71,
     "bench/tasks.py:run_task_bench": 68,
     "engine/parallel/load.py:load_shard": 70,
-    "job/prompts.py:check_column_types": 73,
     "job/report.py:_job_figures": 70,
     "job/report.py:build": 61,
     "job/requests.py:parse_request": 67,
