@@ -141,7 +141,6 @@ FUNCTIONS_ALLOWED = {
     "job/loop.py:JobLoop._admit": 69,
     # being cut on this branch
     "bench/llama_cpp.py:run_server": 69,
-    "bench/scheduling.py:bench_scheduling": 71,
     "bench/tasks.py:run_task_bench": 68,
     "engine/parallel/load.py:load_shard": 70,
     "job/report.py:_job_figures": 70,
