@@ -143,8 +143,6 @@ FUNCTIONS_ALLOWED = {
     "bench/llama_cpp.py:run_server": 69,
     "bench/tasks.py:run_task_bench": 68,
     "engine/parallel/load.py:load_shard": 70,
-    "job/report.py:_job_figures": 70,
-    "job/report.py:build": 61,
     "job/requests.py:parse_request": 67,
     "job/verify.py:repair_outputs": 63,
 }
