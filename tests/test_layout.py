@@ -142,7 +142,6 @@ FUNCTIONS_ALLOWED = {
     # being cut on this branch
     "bench/llama_cpp.py:run_server": 69,
     "bench/tasks.py:run_task_bench": 68,
-    "engine/parallel/load.py:load_shard": 70,
     "job/requests.py:parse_request": 67,
     "job/verify.py:repair_outputs": 63,
 }
