@@ -139,8 +139,6 @@ FUNCTIONS_ALLOWED = {
     "engine/engine.py:Engine.__init__": 100,
     "engine/scheduler.py:Scheduler.schedule": 64,
     "job/loop.py:JobLoop._admit": 69,
-    # being cut on this branch
-    "job/verify.py:repair_outputs": 63,
 }
 MODULES_ALLOWED = {
     # being cut on other branches
@@ -207,3 +205,9 @@ def test_functions_and_modules_within_budget():
     problems = over_budget(functions, FUNCTIONS_ALLOWED, MAX_FUNCTION_LINES)
     problems += over_budget(modules, MODULES_ALLOWED, MAX_MODULE_LINES)
     assert not problems, "size budget (tests/test_layout.py):\n" + "\n".join(problems)
+
+
+def test_function_allow_list_is_short():
+    """At most 3 functions may stay over the limit. (No module may: MODULES_ALLOWED holds only what other
+    branches are cutting, and empties when they merge.)"""
+    assert len(FUNCTIONS_ALLOWED) <= MAX_FUNCTIONS_ALLOWED, sorted(FUNCTIONS_ALLOWED)
