@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from batchjob.engine.parallel.shard import _matches, bounds, linear_rule, plan_of, shard_model
 
@@ -120,7 +126,7 @@ def load_shard(
     return model, None
 
 
-def _unsupported_plan(model: torch.nn.Module, plan: dict[str, str], owners: set[str]) -> str | None:
+def _unsupported_plan(model: PreTrainedModel, plan: dict[str, str], owners: set[str]) -> str | None:
     """Why the model can't be loaded by slice under ``plan`` (fused experts split, a module computing buffers
     beside its weights), or None."""
     experts = [
