@@ -1,4 +1,5 @@
-"""The ``batchjob bench`` command: options, the order of the runs, and the report (text and JSON)."""
+"""The ``batchjob bench`` command: the order of the runs, and the report (text and JSON); its options are
+in ``options.py``."""
 
 from __future__ import annotations
 
