@@ -1,4 +1,5 @@
-"""The ``batchjob bench`` command: options, the order of the runs, and the report (text and JSON)."""
+"""The ``batchjob bench`` command: the order of the runs, and the report (text and JSON); its options are
+in ``options.py``."""
 
 from __future__ import annotations
 
@@ -13,77 +14,13 @@ from typing import Any
 import click
 
 from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static, workload_num_blocks
+from batchjob.bench.options import BASELINES, BENCH_FLAGS, BenchOptions
 from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
 from batchjob.engine.options import by_engine_name, job_options
 from batchjob.errors import ConfigError
 from batchjob.program import apply, engine_flags, errors, main
 
-BASELINES = ("ours", "hf-cb", "static", "llama.cpp")
-DEFAULT_BASELINES = ("ours", "hf-cb", "static")  # llama.cpp is built separately (examples/peers/)
-
-
-# -- options ---------------------------------------------------------------------------------------------
-
-
-class LengthRange(click.ParamType):
-    """``MIN,MAX`` (or ``N`` for a fixed length), integers with 1 <= MIN <= MAX."""
-
-    name = "MIN,MAX"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[int, int]:
-        if isinstance(value, tuple):
-            return value
-        parts = str(value).split(",")
-        try:
-            nums = [int(p) for p in parts]
-        except ValueError:
-            self.fail(f"expected MIN,MAX integers, got {value!r}", param, ctx)
-        if len(nums) == 1:
-            nums = nums * 2
-        if len(nums) != 2 or not 1 <= nums[0] <= nums[1]:
-            self.fail(f"expected MIN,MAX with 1 <= MIN <= MAX, got {value!r}", param, ctx)
-        return nums[0], nums[1]
-
-
-class TokenBudgets(click.ParamType):
-    """A comma list of token budgets for transformers' continuous batching; ``auto`` is its own default."""
-
-    name = "N[,N...]"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> list[int | None]:
-        if isinstance(value, list):
-            return value
-        out: list[int | None] = []
-        for part in str(value).split(","):
-            part = part.strip()
-            if part == "auto":
-                out.append(None)
-                continue
-            try:
-                n = int(part)
-            except ValueError:
-                self.fail(f"expected integers or 'auto', got {part!r}", param, ctx)
-            if n < 1:
-                self.fail(f"token budgets must be >= 1, got {n}", param, ctx)
-            out.append(n)
-        return list(dict.fromkeys(out))
-
-
-class Baselines(click.ParamType):
-    name = "LIST"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
-        if isinstance(value, list):
-            return value
-        names = [p.strip() for p in str(value).split(",") if p.strip()]
-        bad = [n for n in names if n not in BASELINES]
-        if bad or not names:
-            self.fail(f"choose from {','.join(BASELINES)}; got {value!r}", param, ctx)
-        return [n for n in BASELINES if n in names]
+# -- running ---------------------------------------------------------------------------------------------
 
 
 def _inference(fn: Callable[[], Result]) -> Result:
@@ -126,24 +63,6 @@ def _load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
         return None
-
-
-def _num_blocks(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
-    if value in ("workload", "auto"):
-        return None if value == "auto" else value
-    try:
-        n = int(value)
-    except ValueError:
-        raise click.BadParameter(f"expected 'workload', 'auto' or an integer, got {value!r}") from None
-    if n < 1:
-        raise click.BadParameter(f"must be >= 1, got {n}")
-    return n
-
-
-def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise click.BadParameter(f"must be >= 1, got {value}")
-    return value
 
 
 # -- the report ------------------------------------------------------------------------------------------
@@ -269,216 +188,63 @@ def _llama_cpp_runs(
 
 
 @main.command("bench")
-@click.option("--model", default=None, help="Local model folder or hub id (default: embedded SmolLM2-135M).")
-@click.option("--num-requests", type=int, default=64, show_default=True, callback=_positive)
-@click.option(
-    "--prompt-len",
-    type=LengthRange(),
-    default="24,600",
-    show_default=True,
-    help="Synthetic prompt lengths in tokens, log-uniform (mostly short).",
-)
-@click.option(
-    "--output-len",
-    type=LengthRange(),
-    default="8,100",
-    show_default=True,
-    help="Tokens to generate, uniform.",
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
-@click.option(
-    "--dataset",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="JSONL or Parquet file with a 'prompt' or 'text' column: its first --num-requests rows are the prompts.",
-)
-@click.option(
-    "--static-batch-size",
-    type=int,
-    default=8,
-    show_default=True,
-    callback=_positive,
-    help="Batch size of static generate.",
-)
-@click.option(
-    "--hf-cb-max-batch-tokens",
-    type=TokenBudgets(),
-    default="256",
-    show_default=True,
-    help="Token budget(s) for transformers' continuous batching, e.g. 128,256,512 or auto; the best is compared.",
-)
-@click.option(
-    "--hf-cb-num-blocks",
-    default="workload",
-    show_default=True,
-    callback=_num_blocks,
-    help="Cache blocks (256 tokens each) for transformers' continuous batching: 'workload' (room for every "
-    "request at once), 'auto' (its own sizing: most of free memory) or a number.",
-)
-@click.option(
-    "--baselines",
-    type=Baselines(),
-    default=",".join(DEFAULT_BASELINES),
-    show_default=True,
-    help="Which engines to run, of " + ",".join(BASELINES) + ". llama.cpp (its llama-server on the workload, "
-    "and llama-batched-bench too when every request has the same lengths) needs `bash "
-    "examples/peers/llama_cpp.sh` once; it runs the model converted to GGUF at --dtype, KV cache the same.",
-)
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
-)
-@click.option(
-    "--threads",
-    type=int,
-    callback=_positive,
-    help="torch intra-op threads for every engine (default: torch's).",
-)
-@click.option(
-    "--repeat",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Run every engine this many times, in rounds (ours, static, hf-cb, ours, ...); each engine's "
-    "figure is its fastest run, since a busy machine only ever adds time. Every run's wall time is reported.",
-)
-@click.option(
-    "--worker-thread/--main-thread",
-    default=False,
-    show_default=True,
-    help="Run ours and static generate in a worker thread, as transformers CB runs its loop (on a busy "
-    "machine the main thread can be several times slower).",
-)
-@click.option(
-    "--task",
-    type=click.Choice(["generate", "embed", "classify", "score"]),
-    default="generate",
-    show_default=True,
-    help="embed, classify, score: ours against sentence-transformers encode and HF forward in padded batches, "
-    "on docstrings of installed packages (bench/tasks.py); --num-requests texts.",
-)
-@click.option(
-    "--text-tokens", type=LengthRange(), default="20,512", show_default=True, help="--task: text lengths."
-)
-@click.option(
-    "--st-batch-sizes",
-    type=TokenBudgets(),
-    default="16,32,64,128",
-    show_default=True,
-    help="--task embed: sentence-transformers batch sizes tried (32, its default, always).",
-)
-@click.option(
-    "--hf-batch-size", type=int, default=32, show_default=True, help="--task: HF forward batch size."
-)
+@apply(BENCH_FLAGS)
 # our engine's options, as `batchjob run` has them (engine/options.py); --task is the bench's own, above
 @apply(engine_flags([name for name, _, _ in job_options() if name != "task"]))
 @errors
-def bench(
-    model: str | None,
-    num_requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    seed: int,
-    dataset: Path | None,
-    static_batch_size: int,
-    hf_cb_max_batch_tokens: list[int | None],
-    hf_cb_num_blocks: int | str | None,
-    baselines: list[str],
-    json_path: Path | None,
-    threads: int | None,
-    repeat: int,
-    worker_thread: bool,
-    task: str,
-    text_tokens: tuple[int, int],
-    st_batch_sizes: list[int | None],
-    hf_batch_size: int,
-    **engine_options: Any,
-) -> None:
+def bench(**params: Any) -> None:
     """Benchmark our engine against transformers' continuous batching and static generate, in one process.
 
     Every engine runs the same token-id prompts with the same per-request output lengths (greedy, EOS
     ignored), after a short warm-up. Prints output and total tokens/s, ratios ours/theirs, where our time
     goes, and how many greedy outputs agree token for token.
     """
-    if task != "generate":  # the prefill-only tasks have their own runs and report
+    opts = BenchOptions.from_params(params)
+    if opts.task != "generate":  # the prefill-only tasks have their own runs and report
         from batchjob.bench.tasks import task_bench
 
-        sizes = [b for b in st_batch_sizes if b is not None]
-        options = by_engine_name(engine_options)
+        sizes = [b for b in opts.st_batch_sizes if b is not None]
         task_bench(
-            task, model, num_requests, seed, text_tokens, sizes, hf_batch_size, threads, json_path, options
+            opts.task,
+            opts.model,
+            opts.num_requests,
+            opts.seed,
+            opts.text_tokens,
+            sizes,
+            opts.hf_batch_size,
+            opts.threads,
+            opts.json_path,
+            by_engine_name(opts.engine_options),
         )
         return
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from batchjob import Engine
     from batchjob.job.owned import check_target
 
-    if json_path is not None:
-        check_target(json_path, "--json")  # before any work: never over a job's files
+    if opts.json_path is not None:
+        check_target(opts.json_path, "--json")  # before any work: never over a job's files
+    _bench_generate(opts)
 
-    def progress(msg: str) -> None:
-        click.echo(msg, err=True)
+
+def _progress(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _bench_generate(opts: BenchOptions) -> None:
+    """Load, run every engine in rounds, report; torch's threads and transformers' logging left as found."""
+    import torch
+    import transformers
 
     default_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     used_threads = torch.get_num_threads()
     load_before = _load_average()
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        progress("loading our engine ...")
-        engine = Engine.from_pretrained(model, **by_engine_name(engine_options))
-        vocab_size = int(engine.vocab_size)
-        longest = engine.max_model_len
-        if dataset is not None:
-            work = dataset_workload(
-                dataset, engine.tokenizer, num_requests, output_len, seed, longest - output_len[1]
-            )
-        else:
-            if prompt_len[1] + output_len[1] > longest:
-                raise ConfigError(
-                    f"--prompt-len max {prompt_len[1]} + --output-len max {output_len[1]} exceeds the model's "
-                    f"context of {longest} tokens"
-                )
-            work = synthetic_workload(vocab_size, num_requests, prompt_len, output_len, seed)
-
-        runs: list[tuple[str, Callable[[], Result]]] = []
-        if "ours" in baselines:
-            runs.append(("ours", lambda: run_ours(engine, work, vocab_size)))
-        hf_model = None
-        if "static" in baselines or "hf-cb" in baselines:
-            # A separate, unmodified copy: the engine's model has our paged attention plugged in.
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                engine.model_id, dtype=engine.dtype, trust_remote_code=False
-            )
-            hf_model.to(engine.device).eval()
-        pad_id = engine.tokenizer.pad_token_id
-        pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
-        if "static" in baselines:
-            runs.append(("static", lambda: run_static(hf_model, work, static_batch_size, pad_id, vocab_size)))
-        if "hf-cb" in baselines:  # last: it switches the model's attention implementation while it runs
-            cb_blocks = workload_num_blocks(work) if hf_cb_num_blocks == "workload" else hf_cb_num_blocks
-            assert cb_blocks is None or isinstance(cb_blocks, int)
-            for budget in hf_cb_max_batch_tokens:
-                runs.append(
-                    (
-                        f"hf-cb max_batch_tokens={budget or 'auto'}",
-                        lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size, cb_blocks),
-                    )
-                )
-        from batchjob.engine.cpu.bf16 import slow_bf16
-
-        notes = [line for line in [slow_bf16(engine.device, engine.dtype)] if line is not None]  # bf16 slower
-        if "llama.cpp" in baselines:
-            runs += _llama_cpp_runs(engine, work, used_threads, notes, progress)
-        tries: list[list[Result]] = [[] for _ in runs]
-        for round_ in range(repeat):
-            for (label, fn), done in zip(runs, tries, strict=True):
-                progress(f"running {label}{f' (run {round_ + 1} of {repeat})' if repeat > 1 else ''} ...")
-                done.append(_in_worker_thread(fn) if worker_thread else _inference(fn))
-        results = [_fastest(done) for done in tries]
+        engine, work = _load(opts)
+        notes: list[str] = []
+        runs = _runs(opts, engine, work, used_threads, notes)
+        results = _run_rounds(runs, opts.repeat, opts.worker_thread)
     finally:
         transformers.logging.set_verbosity(verbosity)
         torch.set_num_threads(default_threads)  # a process-wide setting: leave it as found (tests share it)
@@ -490,27 +256,123 @@ def bench(
         f"load average {load_before} before, {_load_average()} after (a busy machine makes timings noisy)"
     )
     click.echo(format_report(work, results, summary, header, notes))
-    if json_path is not None:
-        body = {
-            "options": {
-                k: (str(v) if isinstance(v, Path) else v)
-                for k, v in click.get_current_context().params.items()
-            },
-            "versions": {
-                "batchjob": importlib.metadata.version("batchjob"),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            "model": engine.model_id,
-            "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "torch_threads": used_threads,
-            "worker_thread": worker_thread,
-            "load_average_before_after": [load_before, _load_average()],
-            "workload": work.describe() | {"seed": seed},
-            "results": [r.as_dict() for r in results],
-            **summary,
-        }
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-        click.echo(f"results written to {json_path}")
+    if opts.json_path is not None:
+        context = {"torch_threads": used_threads, "load_average_before_after": [load_before, _load_average()]}
+        _write_json(opts, opts.json_path, engine, work, results, summary, context)
+
+
+def _load(opts: BenchOptions) -> tuple[Any, Workload]:
+    """Our engine, and the workload every engine runs (from --dataset, or synthetic within its context)."""
+    from batchjob import Engine
+
+    _progress("loading our engine ...")
+    engine = Engine.from_pretrained(opts.model, **by_engine_name(opts.engine_options))
+    longest = engine.max_model_len
+    prompt_len, output_len = opts.prompt_len, opts.output_len
+    if opts.dataset is not None:
+        work = dataset_workload(
+            opts.dataset, engine.tokenizer, opts.num_requests, output_len, opts.seed, longest - output_len[1]
+        )
+    else:
+        if prompt_len[1] + output_len[1] > longest:
+            raise ConfigError(
+                f"--prompt-len max {prompt_len[1]} + --output-len max {output_len[1]} exceeds the model's "
+                f"context of {longest} tokens"
+            )
+        vocab_size = int(engine.vocab_size)
+        work = synthetic_workload(vocab_size, opts.num_requests, prompt_len, output_len, opts.seed)
+    return engine, work
+
+
+def _runs(
+    opts: BenchOptions, engine: Any, work: Workload, threads: int, notes: list[str]
+) -> list[tuple[str, Callable[[], Result]]]:
+    """Every run of one round, labelled, in order: ours, static, hf-cb (each token budget), llama.cpp; the
+    notes for the report are added to ``notes``."""
+    from transformers import AutoModelForCausalLM
+
+    vocab_size = int(engine.vocab_size)
+    baselines = opts.baselines
+    runs: list[tuple[str, Callable[[], Result]]] = []
+    if "ours" in baselines:
+        runs.append(("ours", lambda: run_ours(engine, work, vocab_size)))
+    hf_model = None
+    if "static" in baselines or "hf-cb" in baselines:
+        # A separate, unmodified copy: the engine's model has our paged attention plugged in.
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            engine.model_id, dtype=engine.dtype, trust_remote_code=False
+        )
+        hf_model.to(engine.device).eval()
+    pad_id = engine.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
+    if "static" in baselines:
+        batch = opts.static_batch_size
+        runs.append(("static", lambda: run_static(hf_model, work, batch, pad_id, vocab_size)))
+    if "hf-cb" in baselines:  # last: it switches the model's attention implementation while it runs
+        cb_blocks = opts.hf_cb_num_blocks
+        if cb_blocks == "workload":
+            cb_blocks = workload_num_blocks(work)
+        assert cb_blocks is None or isinstance(cb_blocks, int)
+        for budget in opts.hf_cb_max_batch_tokens:
+            runs.append(
+                (
+                    f"hf-cb max_batch_tokens={budget or 'auto'}",
+                    lambda b=budget: run_hf_cb(hf_model, work, b, vocab_size, cb_blocks),
+                )
+            )
+    from batchjob.engine.cpu.bf16 import slow_bf16
+
+    notes += [line for line in [slow_bf16(engine.device, engine.dtype)] if line is not None]  # bf16 slower
+    if "llama.cpp" in baselines:
+        runs += _llama_cpp_runs(engine, work, threads, notes, _progress)
+    return runs
+
+
+def _run_rounds(
+    runs: list[tuple[str, Callable[[], Result]]], repeat: int, worker_thread: bool
+) -> list[Result]:
+    """Every run ``repeat`` times, in rounds (a slow spell of the machine hits every engine alike); each
+    engine's figure is its fastest run."""
+    tries: list[list[Result]] = [[] for _ in runs]
+    for round_ in range(repeat):
+        for (label, fn), done in zip(runs, tries, strict=True):
+            _progress(f"running {label}{f' (run {round_ + 1} of {repeat})' if repeat > 1 else ''} ...")
+            done.append(_in_worker_thread(fn) if worker_thread else _inference(fn))
+    return [_fastest(done) for done in tries]
+
+
+def _write_json(
+    opts: BenchOptions,
+    path: Path,
+    engine: Any,
+    work: Workload,
+    results: list[Result],
+    summary: dict[str, Any],
+    context: dict[str, Any],
+) -> None:
+    """The report as JSON: the options as given, versions, the machine's state (``context``), every result."""
+    import torch
+    import transformers
+
+    body = {
+        "options": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in click.get_current_context().params.items()
+        },
+        "versions": {
+            "batchjob": importlib.metadata.version("batchjob"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "model": engine.model_id,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "torch_threads": context["torch_threads"],
+        "worker_thread": opts.worker_thread,
+        "load_average_before_after": context["load_average_before_after"],
+        "workload": work.describe() | {"seed": opts.seed},
+        "results": [r.as_dict() for r in results],
+        **summary,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+    click.echo(f"results written to {path}")

@@ -214,45 +214,63 @@ def run_server(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:  # the server answers /health with 503 while it loads the model
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = " | ".join(log.read().decode(errors="replace").strip().splitlines()[-3:])
-                    return Result(
-                        "llama.cpp", settings, 0.0, work.prompt_tokens, work.output_tokens, [], error=tail
-                    )
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise ConfigError("llama-server did not become ready within 300 s")
-                time.sleep(0.2)
-
-            def one(prompt: list[int], n: int) -> list[int]:
-                body = {
-                    "prompt": prompt,
-                    "n_predict": n,
-                    "temperature": 0.0,
-                    "top_k": 1,
-                    "ignore_eos": True,
-                    "cache_prompt": False,
-                    "return_tokens": True,
-                }
-                return list(_post(base + "/completion", body, timeout=3600)["tokens"])
-
-            warm = [list(range(1, 17)), list(range(2, 19))]
-            with ThreadPoolExecutor(len(warm)) as pool:
-                list(pool.map(one, warm, [4, 4]))
-            with ThreadPoolExecutor(min(64, len(work.prompts))) as pool:
-                start = time.perf_counter()
-                outputs = list(pool.map(one, work.prompts, work.max_new_tokens))
-                wall = time.perf_counter() - start
+            tail = _wait_ready(proc, base, log)
+            if tail is not None:
+                return Result(
+                    "llama.cpp", settings, 0.0, work.prompt_tokens, work.output_tokens, [], error=tail
+                )
+            outputs, wall = _timed_requests(base, work)
         finally:
             proc.terminate()
             peak = _reap(proc, kill_after=30)
     extra = _memory(peak, ctx, kv_token_bytes)
     return Result("llama.cpp", settings, wall, work.prompt_tokens, work.output_tokens, outputs, extra)
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, log: Any) -> str | None:
+    """Wait for the server at ``base`` to be ready (None), or the last lines of its ``log`` if it exited;
+    raises ConfigError after 300 s."""
+    deadline = time.monotonic() + 300
+    while True:  # the server answers /health with 503 while it loads the model
+        if proc.poll() is not None:
+            log.seek(0)
+            return " | ".join(log.read().decode(errors="replace").strip().splitlines()[-3:])
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise ConfigError("llama-server did not become ready within 300 s")
+        time.sleep(0.2)
+
+
+def _complete(base: str, prompt: list[int], n: int) -> list[int]:
+    """One request's ``n`` greedy tokens, EOS ignored, no prompt cache."""
+    body = {
+        "prompt": prompt,
+        "n_predict": n,
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+    return list(_post(base + "/completion", body, timeout=3600)["tokens"])
+
+
+def _timed_requests(base: str, work: Workload) -> tuple[list[list[int]], float]:
+    """A short warm-up, then every request of ``work`` at once: their tokens and the wall time to the last."""
+
+    def one(prompt: list[int], n: int) -> list[int]:
+        return _complete(base, prompt, n)
+
+    warm = [list(range(1, 17)), list(range(2, 19))]
+    with ThreadPoolExecutor(len(warm)) as pool:
+        list(pool.map(one, warm, [4, 4]))
+    with ThreadPoolExecutor(min(64, len(work.prompts))) as pool:
+        start = time.perf_counter()
+        outputs = list(pool.map(one, work.prompts, work.max_new_tokens))
+        wall = time.perf_counter() - start
+    return outputs, wall

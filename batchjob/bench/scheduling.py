@@ -17,6 +17,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,7 @@ def bench_scheduling(
     if json_path is not None:
         check_target(json_path, "--json")  # before any work: never over a job's files
 
-    rng = random.Random(seed)
-    results: dict[str, dict[str, Any]] = {}
+    rng = random.Random(seed)  # one stream, drawn in order: the shared-prefix workload, then the skewed one
 
     def engine(**kw: Any) -> Any:
         return Engine.from_pretrained(model, **by_engine_name(engine_options), **kw)
@@ -108,49 +108,66 @@ def bench_scheduling(
     first = engine()
     vocab = first.vocab_size
     del first
+    results = _shared_prefix(engine, rng, vocab, prefix_len, prefix_requests)
+    skewed = _skewed(engine, rng, vocab, skew_requests)
+    results.update(skewed)
+
+    base = results["shared-prefix caching=on"]["_tokens"]
+    same_prefix = base == results["shared-prefix caching=off"]["_tokens"]
+    skew = [r["_tokens"] for r in skewed.values()]
+    same_skew = all(t == skew[0] for t in skew)
+    click.echo("run | " + " | ".join(_COLUMNS))
+    for name, r in results.items():
+        click.echo(f"{name} | " + " | ".join(str(r[c]) for c in _COLUMNS))
+    click.echo(f"identical outputs: prefix caching on/off {same_prefix}; all admission policies {same_skew}")
+    if json_path is not None:
+        clean = {k: {c: v for c, v in r.items() if c != "_tokens"} for k, r in results.items()}
+        json_path.write_text(json.dumps({"results": clean, "identical": [same_prefix, same_skew]}, indent=2))
+
+
+_COLUMNS = [  # of the printed table
+    "wall_s",
+    "output_tok_s",
+    "total_tok_s",
+    "latency_median_s",
+    "latency_p99_s",
+    "ttft_median_s",
+    "computed_prompt_tokens",
+    "cached_prompt_tokens",
+    "steps",
+]
+
+
+def _shared_prefix(
+    engine: Callable[..., Any], rng: random.Random, vocab: int, prefix_len: int, requests: int
+) -> dict[str, dict[str, Any]]:
+    """One long instruction and a short suffix a request, 4 tokens out each: prefix caching on, then off."""
     instruction = [rng.randrange(100, vocab) for _ in range(prefix_len)]
     prompts = [
-        instruction + [rng.randrange(100, vocab) for _ in range(rng.randint(10, 40))]
-        for _ in range(prefix_requests)
+        instruction + [rng.randrange(100, vocab) for _ in range(rng.randint(10, 40))] for _ in range(requests)
     ]
-    outputs = [4] * prefix_requests
+    outputs = [4] * requests
+    results = {}
     for caching in (True, False):
         name = f"shared-prefix caching={'on' if caching else 'off'}"
         click.echo(f"running {name} ...", err=True)
         results[name] = _run(
             engine(enable_prefix_caching=caching), prompts, outputs, list(range(len(prompts)))
         )
+    return results
 
-    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 64))] for _ in range(skew_requests)]
-    outputs = [
-        rng.randint(150, 200) if rng.random() < 0.1 else rng.randint(4, 16) for _ in range(skew_requests)
-    ]
+
+def _skewed(
+    engine: Callable[..., Any], rng: random.Random, vocab: int, requests: int
+) -> dict[str, dict[str, Any]]:
+    """Short prompts, mostly short answers and a tenth long ones: each admission policy (and static)."""
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 64))] for _ in range(requests)]
+    outputs = [rng.randint(150, 200) if rng.random() < 0.1 else rng.randint(4, 16) for _ in range(requests)]
     size = [len(p) + o for p, o in zip(prompts, outputs, strict=True)]
     orders = {policy: admission.order(policy, size) for policy in admission.ADMISSION_CHOICES}
+    results = {}
     for policy, order in orders.items():
         name = f"skewed admission={policy}"
         click.echo(f"running {name} ...", err=True)
         results[name] = _run(engine(static_batching=policy == "static"), prompts, outputs, order)
-
-    base = results["shared-prefix caching=on"]["_tokens"]
-    same_prefix = base == results["shared-prefix caching=off"]["_tokens"]
-    skew = [results[f"skewed admission={p}"]["_tokens"] for p in orders]
-    same_skew = all(t == skew[0] for t in skew)
-    cols = [
-        "wall_s",
-        "output_tok_s",
-        "total_tok_s",
-        "latency_median_s",
-        "latency_p99_s",
-        "ttft_median_s",
-        "computed_prompt_tokens",
-        "cached_prompt_tokens",
-        "steps",
-    ]
-    click.echo("run | " + " | ".join(cols))
-    for name, r in results.items():
-        click.echo(f"{name} | " + " | ".join(str(r[c]) for c in cols))
-    click.echo(f"identical outputs: prefix caching on/off {same_prefix}; all admission policies {same_skew}")
-    if json_path is not None:
-        clean = {k: {c: v for c, v in r.items() if c != "_tokens"} for k, r in results.items()}
-        json_path.write_text(json.dumps({"results": clean, "identical": [same_prefix, same_skew]}, indent=2))
+    return results

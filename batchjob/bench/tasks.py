@@ -118,10 +118,6 @@ def run_task_bench(
     progress: Callable[[str], None],
 ) -> list[TaskResult]:
     """Time ours and the anchors of ``task`` on ``texts``; every baseline loads its own unmodified copy."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    tok = engine.tokenizer
-    limit = engine.prefill_limit
     ids = [engine.tokenize(t) for t in texts]
     tokens = sum(len(x) for x in ids)
     warm = texts[:4]
@@ -130,53 +126,72 @@ def run_task_bench(
     progress(f"running ours ({len(texts)} texts, {tokens} tokens) ...")
     run(warm)
     results.append(_timed("ours", lambda: run(ids), len(texts), tokens))
-    device, dtype = engine.device, engine.dtype
-
     if task == "embed":
-        from sentence_transformers import SentenceTransformer
+        return results + _embed_anchors(engine, texts, tokens, st_batch_sizes, hf_batch_size, progress)
+    return [*results, _hf_forward(task, engine, texts, tokens, hf_batch_size, progress)]
 
-        st = SentenceTransformer(engine.model_id, device=str(device))
-        st.to(dtype)
-        st.encode(warm)
-        for b in dict.fromkeys([32, *st_batch_sizes]):
-            progress(f"running sentence-transformers encode batch_size={b} ...")
-            results.append(
-                _timed(f"st-encode batch={b}", lambda b=b: st.encode(texts, batch_size=b), len(texts), tokens)
-            )
-        body = (
-            st[0].auto_model if hasattr(st[0], "auto_model") else AutoModel.from_pretrained(engine.model_id)
+
+def _embed_anchors(
+    engine,
+    texts: list[str],
+    tokens: int,
+    st_batch_sizes: list[int],
+    hf_batch_size: int,
+    progress: Callable[[str], None],
+) -> list[TaskResult]:
+    """sentence-transformers ``encode`` at batch 32 and at each of ``st_batch_sizes``, then HF ``forward`` of
+    its body in padded batches with our pooling."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    device, dtype = engine.device, engine.dtype
+    st = SentenceTransformer(engine.model_id, device=str(device))
+    st.to(dtype)
+    st.encode(texts[:4])
+    results = []
+    for b in dict.fromkeys([32, *st_batch_sizes]):
+        progress(f"running sentence-transformers encode batch_size={b} ...")
+        results.append(
+            _timed(f"st-encode batch={b}", lambda b=b: st.encode(texts, batch_size=b), len(texts), tokens)
         )
-        pooling = engine.tasks.pooling
+    body = st[0].auto_model if hasattr(st[0], "auto_model") else AutoModel.from_pretrained(engine.model_id)
+    pooling = engine.tasks.pooling
 
-        def hf_embed() -> None:
-            for enc in _padded_batches(tok, texts, hf_batch_size, limit, device):
-                h = body(**enc).last_hidden_state
-                mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
-                if pooling.mode == "mean":
-                    (h * mask).sum(1) / mask.sum(1)
-                elif pooling.mode == "cls":
-                    h[:, 0]
-                else:
-                    h[torch.arange(h.shape[0]), enc["attention_mask"].sum(1) - 1]
+    def hf_embed() -> None:
+        for enc in _padded_batches(engine.tokenizer, texts, hf_batch_size, engine.prefill_limit, device):
+            h = body(**enc).last_hidden_state
+            mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+            if pooling.mode == "mean":
+                (h * mask).sum(1) / mask.sum(1)
+            elif pooling.mode == "cls":
+                h[:, 0]
+            else:
+                h[torch.arange(h.shape[0]), enc["attention_mask"].sum(1) - 1]
 
-        progress(f"running HF forward, padded batches of {hf_batch_size} ...")
-        results.append(_timed(f"hf-forward batch={hf_batch_size}", hf_embed, len(texts), tokens))
-        del st
-        return results
+    progress(f"running HF forward, padded batches of {hf_batch_size} ...")
+    results.append(_timed(f"hf-forward batch={hf_batch_size}", hf_embed, len(texts), tokens))
+    return results  # and the sentence-transformers copy goes with this frame
 
+
+def _hf_forward(
+    task: str, engine, texts: list[str], tokens: int, hf_batch_size: int, progress: Callable[[str], None]
+) -> TaskResult:
+    """classify, score: HF ``forward`` of the model in padded, length-sorted batches (score: log-softmax)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    device = engine.device
     auto = AutoModelForSequenceClassification if task == "classify" else AutoModelForCausalLM
-    hf = auto.from_pretrained(engine.model_id, dtype=dtype).to(device).eval()
+    hf = auto.from_pretrained(engine.model_id, dtype=engine.dtype).to(device).eval()
 
     def hf_forward() -> None:
-        for enc in _padded_batches(tok, texts, hf_batch_size, limit, device):
+        for enc in _padded_batches(engine.tokenizer, texts, hf_batch_size, engine.prefill_limit, device):
             out = hf(**enc)
             if task == "score":
                 lp = torch.log_softmax(out.logits[:, :-1], dim=-1)
                 lp.gather(2, enc["input_ids"][:, 1:, None])
 
     progress(f"running HF forward, padded batches of {hf_batch_size} ...")
-    results.append(_timed(f"hf-forward batch={hf_batch_size}", hf_forward, len(texts), tokens))
-    return results
+    return _timed(f"hf-forward batch={hf_batch_size}", hf_forward, len(texts), tokens)
 
 
 def format_task_report(task: str, header: str, results: list[TaskResult]) -> str:

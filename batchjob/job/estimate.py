@@ -274,75 +274,102 @@ def estimate(
     builder = prompt_builder(spec, plan, engine)
     prefill = spec.engine.task != "generate"  # a prefill-only task: no output; longer than the engine's limit fails
     context = engine.prefill_limit if prefill else engine.max_model_len
-    base = spec.sampling_params(prep.info.job_seed)
-    skip, covered = prep.shard.filters(_nothing())
-    lengths: list[int] = []
-    too_long = no_prompt = sampled = samples = budget = 0
-    prompts: list[tuple[list[int], Any]] = []
-    total = prep.shard.share_of(prep.info.row_counts)
-    bar = tqdm(
-        total=min(max_rows, total) if total is not None else max_rows,
-        unit="row",
-        desc="prompts",
-        disable=None,
-    )
-    for row in iter_rows(prep.sources, skip=skip, covered=covered):
-        if sampled >= max_rows:
-            break
-        sampled += 1
-        bar.update(1)
-        if row.values is None:
-            no_prompt += 1
-            continue
-        params, ids, error = row_request(spec, builder, base, row)
-        if ids is None or params is None:
-            if error and "does not fit the context" in error:
-                too_long += 1
-            else:
-                no_prompt += 1
-            continue
-        if prefill and len(ids) > context:  # --truncate cut it already (prompt_builder)
-            too_long += 1
-            continue
-        lengths.append(len(ids))
-        samples += params.n
-        budget += 0 if prefill else params.n * params.max_new_tokens
-        if len(prompts) < calibration_rows:
-            prompts.append((ids, params))
-    bar.close()
-    if total is None and sampled < max_rows:
-        total = sampled  # the whole stream was read
-    main = _warm_then_time(engine, prompts, 0.15 * seconds, 0.65 * seconds)  # and a step over each, at most
-    cfg = engine.config
-    alternatives = []
-    if prompts:
-        for name, seqs, tokens in (  # not `budget`: that is the sampled rows' output budget
-            (f"--max-num-seqs {max(1, cfg.max_num_seqs // 2)}", max(1, cfg.max_num_seqs // 2), None),
-            (f"--max-num-seqs {cfg.max_num_seqs * 2}", cfg.max_num_seqs * 2, None),
-            (
-                f"--max-num-batched-tokens {max(16, cfg.max_num_batched_tokens // 2)}",
-                None,
-                max(16, cfg.max_num_batched_tokens // 2),
-            ),
-            (
-                f"--max-num-batched-tokens {cfg.max_num_batched_tokens * 2}",
-                None,
-                cfg.max_num_batched_tokens * 2,
-            ),
-        ):
-            alternatives.append((name, main.with_settings(name, seqs, tokens)))
+    seen = _Sample(prefill=prefill, context=context)
+    seen.read(prep, builder, max_rows, calibration_rows)
+    # each pass may end a step over its share, at most
+    main = _warm_then_time(engine, seen.prompts, 0.15 * seconds, 0.65 * seconds)
+    alternatives = _alternatives(main, engine.config) if seen.prompts else []
     return Estimate(
-        sampled,
-        total,
-        lengths,
-        too_long,
-        no_prompt,
+        seen.sampled,
+        seen.total,
+        seen.lengths,
+        seen.too_long,
+        seen.no_prompt,
         context,
-        samples,
-        budget,
+        seen.samples,
+        seen.budget,
         main,
         alternatives,
     )
+
+
+@dataclass
+class _Sample:
+    """The rows looked at, as they are read: what becomes of each, and the first prompts to calibrate on."""
+
+    prefill: bool  # a prefill-only task: no output; a prompt longer than ``context`` fails
+    context: int
+    sampled: int = 0
+    total: int | None = None
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    too_long: int = 0
+    no_prompt: int = 0
+    samples: int = 0
+    budget: int = 0
+    prompts: list[tuple[list[int], Any]] = dataclasses.field(default_factory=list)
+
+    def read(self, prep: Prepared, builder: Any, max_rows: int, calibration_rows: int) -> None:
+        """The first ``max_rows`` rows of this worker's share through the job's own prompt builder."""
+        spec = prep.spec
+        base = spec.sampling_params(prep.info.job_seed)
+        skip, covered = prep.shard.filters(_nothing())
+        self.total = total = prep.shard.share_of(prep.info.row_counts)
+        bar = tqdm(
+            total=min(max_rows, total) if total is not None else max_rows,
+            unit="row",
+            desc="prompts",
+            disable=None,
+        )
+        for row in iter_rows(prep.sources, skip=skip, covered=covered):
+            if self.sampled >= max_rows:
+                break
+            self.sampled += 1
+            bar.update(1)
+            if row.values is None:
+                self.no_prompt += 1
+                continue
+            params, ids, error = row_request(spec, builder, base, row)
+            self._count(params, ids, error, calibration_rows)
+        bar.close()
+        if total is None and self.sampled < max_rows:
+            self.total = self.sampled  # the whole stream was read
+
+    def _count(self, params: Any, ids: list[int] | None, error: str | None, calibration_rows: int) -> None:
+        if ids is None or params is None:
+            if error and "does not fit the context" in error:
+                self.too_long += 1
+            else:
+                self.no_prompt += 1
+            return
+        if self.prefill and len(ids) > self.context:  # --truncate cut it already (prompt_builder)
+            self.too_long += 1
+            return
+        self.lengths.append(len(ids))
+        self.samples += params.n
+        self.budget += 0 if self.prefill else params.n * params.max_new_tokens
+        if len(self.prompts) < calibration_rows:
+            self.prompts.append((ids, params))
+
+
+def _alternatives(main: Calibration, cfg: Any) -> list[tuple[str, Calibration]]:
+    """The settings that matter, halved and doubled, at ``main``'s cost per step."""
+    alternatives = []
+    for name, seqs, tokens in (  # not the rows' output budget: the engine's token budget per step
+        (f"--max-num-seqs {max(1, cfg.max_num_seqs // 2)}", max(1, cfg.max_num_seqs // 2), None),
+        (f"--max-num-seqs {cfg.max_num_seqs * 2}", cfg.max_num_seqs * 2, None),
+        (
+            f"--max-num-batched-tokens {max(16, cfg.max_num_batched_tokens // 2)}",
+            None,
+            max(16, cfg.max_num_batched_tokens // 2),
+        ),
+        (
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens * 2}",
+            None,
+            cfg.max_num_batched_tokens * 2,
+        ),
+    ):
+        alternatives.append((name, main.with_settings(name, seqs, tokens)))
+    return alternatives
 
 
 def _nothing() -> Any:

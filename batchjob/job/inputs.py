@@ -203,9 +203,11 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _check_one(
-    source: Source, saved: InputRecord, append: bool
-) -> tuple[InputRecord | None, str | None, bool, int | None]:
+# (record now, problem, grew, torn): what one file's check found (``_check_one``)
+_Check = tuple[InputRecord | None, str | None, bool, int | None]
+
+
+def _check_one(source: Source, saved: InputRecord, append: bool) -> _Check:
     """``(record now, problem, grew, torn)`` for one file that the job has a record of; ``torn``: the index
     of its last row when that row's line had no newline and has grown since (``--append`` redoes it)."""
     try:
@@ -216,69 +218,81 @@ def _check_one(
             return saved, None, False, None  # a record without inode and ctime (remote): size and time stamp
         now = _identify(source)
         if now.size == saved.size:
-            if now.digest != saved.digest:
-                return None, "changed (same size, different content)", False, None
-            if now.sampled and now.mtime_ns != saved.mtime_ns and saved.mtime_ns is not None:
-                stamp = f"{saved.mtime_ns // 10**9}.{saved.mtime_ns % 10**9:09d}"
-                return (
-                    None,
-                    f"modified (its time stamp changed); its size and sampled content are the same, but a file "
-                    f"over {_size(identity.FULL_BYTES)} is not read whole, so a change elsewhere can't be "
-                    f"ruled out. If it is unchanged (copied or touched), restore its time stamp: "
-                    f"touch -d @{stamp} {source.path}",
-                    False,
-                    None,
-                )
-            return (
-                replace(saved, mtime_ns=now.mtime_ns, ino=now.ino, ctime_ns=now.ctime_ns),
-                None,
-                False,
-                None,
-            )
+            return _same_size(source, saved, now)
         if now.size < saved.size:
             return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False, None
-        old = _identify(source, prefix=saved.size)
-        if old.digest != saved.digest:
-            return (
-                None,
-                f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)",
-                False,
-                None,
-            )
-        grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
-        if source.kind != "jsonl" or is_compressed(source):
-            what = (
-                "a Parquet file"
-                if source.kind == "parquet"
-                else "a compressed file"
-                if source.kind == "jsonl"
-                else "a saved dataset"
-            )
-            return None, f"{grown}, but {what} can't be appended to: add new rows as new files", False, None
-        torn = None if saved.ends_newline else _torn_row(source, saved.size)
-        if not append:
-            again = "" if torn is None else f" (and to redo row {torn}, whose line was not finished)"
-            return None, f"{grown}: run with --append to process the new rows{again}", True, None
-        ends = _ends_newline(source, now.size)
-        return (
-            replace(
-                saved,
-                size=now.size,
-                mtime_ns=now.mtime_ns,
-                digest=now.digest,
-                ends_newline=ends,
-                rows=None,
-                ino=now.ino,
-                ctime_ns=now.ctime_ns,
-            ),
-            None,
-            True,
-            torn,
-        )
+        return _grown(source, saved, now, append)
     except FileNotFoundError:
         return None, "removed", False, None
     except OSError as e:
         raise _unreadable(source, e) from e
+
+
+def _same_size(source: Source, saved: InputRecord, now: identity.FileIdentity) -> _Check:
+    """A file of its recorded size: unchanged (the record takes its new time stamps) unless its content, or
+    (a file too large to read whole) its time stamp, says otherwise."""
+    if now.digest != saved.digest:
+        return None, "changed (same size, different content)", False, None
+    if now.sampled and now.mtime_ns != saved.mtime_ns and saved.mtime_ns is not None:
+        stamp = f"{saved.mtime_ns // 10**9}.{saved.mtime_ns % 10**9:09d}"
+        return (
+            None,
+            f"modified (its time stamp changed); its size and sampled content are the same, but a file "
+            f"over {_size(identity.FULL_BYTES)} is not read whole, so a change elsewhere can't be "
+            f"ruled out. If it is unchanged (copied or touched), restore its time stamp: "
+            f"touch -d @{stamp} {source.path}",
+            False,
+            None,
+        )
+    return (
+        replace(saved, mtime_ns=now.mtime_ns, ino=now.ino, ctime_ns=now.ctime_ns),
+        None,
+        False,
+        None,
+    )
+
+
+def _grown(source: Source, saved: InputRecord, now: identity.FileIdentity, append: bool) -> _Check:
+    """A file larger than recorded: rows appended to a plain JSONL file (taken in with ``--append``), or a
+    change."""
+    old = _identify(source, prefix=saved.size)
+    if old.digest != saved.digest:
+        return (
+            None,
+            f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)",
+            False,
+            None,
+        )
+    grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
+    if source.kind != "jsonl" or is_compressed(source):
+        what = (
+            "a Parquet file"
+            if source.kind == "parquet"
+            else "a compressed file"
+            if source.kind == "jsonl"
+            else "a saved dataset"
+        )
+        return None, f"{grown}, but {what} can't be appended to: add new rows as new files", False, None
+    torn = None if saved.ends_newline else _torn_row(source, saved.size)
+    if not append:
+        again = "" if torn is None else f" (and to redo row {torn}, whose line was not finished)"
+        return None, f"{grown}: run with --append to process the new rows{again}", True, None
+    ends = _ends_newline(source, now.size)
+    return (
+        replace(
+            saved,
+            size=now.size,
+            mtime_ns=now.mtime_ns,
+            digest=now.digest,
+            ends_newline=ends,
+            rows=None,
+            ino=now.ino,
+            ctime_ns=now.ctime_ns,
+        ),
+        None,
+        True,
+        torn,
+    )
 
 
 def reconcile(

@@ -221,73 +221,96 @@ def check_column_types(spec: JobSpec, plan: PromptPlan, schema: Any) -> None:
     struct's fields, a prompt column that is not text, a params column that can't hold JSON objects (or a
     struct with a field that is no sampling parameter). A type that allows good rows (JSON text, a map, a
     JSONL column of mixed values) is left to the rows: one bad row stays that row's error."""
-    import pyarrow as pa
-
-    from batchjob.io.readers import is_text_only
-    from batchjob.job.requests import PARAM_NAMES
-
-    def text(t: Any) -> bool:
-        if pa.types.is_dictionary(t):
-            t = t.value_type
-        return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
-
-    def scalar(t: Any) -> bool:  # a number, a boolean, a date or time: a value of its own, no parts
-        if pa.types.is_dictionary(t):
-            t = t.value_type
-        kinds = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_decimal)
-        return any(check(t) for check in kinds) or pa.types.is_temporal(t)
-
     names = set(schema.names)
     for part in parse_template(plan.template) if plan.kind == "template" and plan.template else ():
         if not isinstance(part, TemplateField) or not part.path or part.column not in names:
             continue
-        field = schema.field(part.column)
-        t, where = field.type, part.column
-        for depth, key in enumerate(part.path):
-            if pa.types.is_struct(t):
-                keys = [t.field(i).name for i in range(t.num_fields)]
-                if key not in keys:
-                    raise ConfigError(
-                        f"--template field {part.text}: {where!r} is a struct with the fields "
-                        f"{', '.join(keys)}; no row has [{key}]"
-                    )
-                t = t.field(key).type
-            elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-                if not key.isdigit():
-                    raise ConfigError(
-                        f"--template field {part.text}: {where!r} is a list; index it with a number, not [{key}]"
-                    )
-                t = t.value_type
-            elif not (scalar(t) or (text(t) and (depth > 0 or is_text_only(field)))):
-                break  # what its rows hold is not known before them (a map, or JSON text of nested values)
-            else:
-                kind = "text" if text(t) else str(t)
-                raise ConfigError(
-                    f"--template field {part.text}: {where!r} is {kind} in the input, so no row has [{key}]; "
-                    f"index only struct, map or list columns (or use {{{part.column}}} as it is)"
-                )
-            where += f"[{key}]"
-    if plan.kind == "column" and plan.column in names:
-        t = schema.field(plan.column).type
-        if scalar(t) or pa.types.is_struct(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
-            raise ConfigError(
-                f"prompt column {plan.column!r} is {t} in the input, not text: choose a text column with "
-                "--prompt-column, or build the prompt with --template"
-            )
+        _check_template_field(part, schema.field(part.column))
+    if plan.kind == "column" and plan.column is not None and plan.column in names:
+        _check_prompt_column(plan.column, schema.field(plan.column).type)
     if spec.params_column is not None and spec.params_column in names:
-        t = schema.field(spec.params_column).type
+        _check_params_column(spec.params_column, schema.field(spec.params_column).type)
+
+
+def _is_text(t: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _is_scalar(t: Any) -> bool:
+    """A number, a boolean, a date or time: a value of its own, no parts."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    kinds = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_decimal)
+    return any(check(t) for check in kinds) or pa.types.is_temporal(t)
+
+
+def _check_template_field(part: TemplateField, field: Any) -> None:
+    """A template field's index path (``{col[key][0]}``) against its column's type (``field``, a
+    ``pyarrow.Field``), as deep as the type tells."""
+    import pyarrow as pa
+
+    from batchjob.io.readers import is_text_only
+
+    t, where = field.type, part.column
+    for depth, key in enumerate(part.path):
         if pa.types.is_struct(t):
-            unknown = [t.field(i).name for i in range(t.num_fields) if t.field(i).name not in PARAM_NAMES]
-            if unknown:
+            keys = [t.field(i).name for i in range(t.num_fields)]
+            if key not in keys:
                 raise ConfigError(
-                    f"--params-column {spec.params_column!r}: its struct has fields that are no sampling "
-                    f"parameter: {', '.join(unknown)} (known: {', '.join(sorted(PARAM_NAMES))})"
+                    f"--template field {part.text}: {where!r} is a struct with the fields "
+                    f"{', '.join(keys)}; no row has [{key}]"
                 )
-        elif scalar(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = t.field(key).type
+        elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            if not key.isdigit():
+                raise ConfigError(
+                    f"--template field {part.text}: {where!r} is a list; index it with a number, not [{key}]"
+                )
+            t = t.value_type
+        elif not (_is_scalar(t) or (_is_text(t) and (depth > 0 or is_text_only(field)))):
+            break  # what its rows hold is not known before them (a map, or JSON text of nested values)
+        else:
+            kind = "text" if _is_text(t) else str(t)
             raise ConfigError(
-                f"--params-column {spec.params_column!r} is {t} in the input: it must hold a JSON object of "
-                'sampling parameters per row, as text or a struct, e.g. {"temperature": 0.7}'
+                f"--template field {part.text}: {where!r} is {kind} in the input, so no row has [{key}]; "
+                f"index only struct, map or list columns (or use {{{part.column}}} as it is)"
             )
+        where += f"[{key}]"
+
+
+def _check_prompt_column(column: str, t: Any) -> None:
+    import pyarrow as pa
+
+    if _is_scalar(t) or pa.types.is_struct(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        raise ConfigError(
+            f"prompt column {column!r} is {t} in the input, not text: choose a text column with "
+            "--prompt-column, or build the prompt with --template"
+        )
+
+
+def _check_params_column(column: str, t: Any) -> None:
+    import pyarrow as pa
+
+    from batchjob.job.requests import PARAM_NAMES
+
+    if pa.types.is_struct(t):
+        unknown = [t.field(i).name for i in range(t.num_fields) if t.field(i).name not in PARAM_NAMES]
+        if unknown:
+            raise ConfigError(
+                f"--params-column {column!r}: its struct has fields that are no sampling "
+                f"parameter: {', '.join(unknown)} (known: {', '.join(sorted(PARAM_NAMES))})"
+            )
+    elif _is_scalar(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        raise ConfigError(
+            f"--params-column {column!r} is {t} in the input: it must hold a JSON object of "
+            'sampling parameters per row, as text or a struct, e.g. {"temperature": 0.7}'
+        )
 
 
 class PromptBuilder:

@@ -256,6 +256,13 @@ def _job_figures(st: JobStatus, outputs: Outputs, label: str) -> list[Figure]:
         if w.stats
     ]
     pre = f"{label}: " if label else ""
+    figs = _run_figures(runs, pre) + _histogram_figures([s for _, s in runs], pre)
+    figs += _output_figures(outputs, pre)
+    return [f for f in figs if f is not None]
+
+
+def _run_figures(runs: list[tuple[str, dict[str, Any]]], pre: str) -> list[Figure | None]:
+    """The runs' timelines (a curve per worker): occupancy, throughput, KV cache in use, preemptions."""
     figs: list[Figure | None] = []
     figs.append(
         _line_figure(
@@ -285,30 +292,39 @@ def _job_figures(st: JobStatus, outputs: Outputs, label: str) -> list[Figure]:
             [(n, *_series(s, "preemptions")) for n, s in runs],
         )
     )
-    stats = [s for _, s in runs]
-    figs.append(_histogram_figure("queue_wait", f"{pre}queue wait", _sum_histograms(stats, "queue_wait_s")))
-    figs.append(_histogram_figure("ttft", f"{pre}time to first token", _sum_histograms(stats, "ttft_s")))
-    figs.append(
+    return figs
+
+
+def _histogram_figures(stats: list[dict[str, Any]], pre: str) -> list[Figure | None]:
+    """The requests' times, over every worker: queue wait, time to first token, latency."""
+    return [
+        _histogram_figure("queue_wait", f"{pre}queue wait", _sum_histograms(stats, "queue_wait_s")),
+        _histogram_figure("ttft", f"{pre}time to first token", _sum_histograms(stats, "ttft_s")),
         _histogram_figure(
             "latency", f"{pre}latency (request added to finished)", _sum_histograms(stats, "latency_s")
-        )
-    )
+        ),
+    ]
+
+
+def _trimmed_lengths(counts: list[int]) -> tuple[list[str], list[int]]:
+    """A length histogram's labels and counts, from its first used bin to its last."""
     length_labels = [
         f"{_LENGTH_EDGES[i]}-{_LENGTH_EDGES[i + 1] - 1}" for i in range(len(_LENGTH_EDGES) - 2)
     ] + [f">= {_LENGTH_EDGES[-2]}"]
+    used = [i for i, c in enumerate(counts) if c]
+    if not used:
+        return [], []
+    return length_labels[used[0] : used[-1] + 1], counts[used[0] : used[-1] + 1]
 
-    def trimmed(counts: list[int]) -> tuple[list[str], list[int]]:
-        used = [i for i, c in enumerate(counts) if c]
-        if not used:
-            return [], []
-        return length_labels[used[0] : used[-1] + 1], counts[used[0] : used[-1] + 1]
 
-    figs.append(
-        _bar_figure("prompt_lengths", f"{pre}prompt lengths", *trimmed(outputs.prompt_lengths), "tokens")
-    )
-    figs.append(
-        _bar_figure("output_lengths", f"{pre}output lengths", *trimmed(outputs.output_lengths), "tokens")
-    )
+def _output_figures(outputs: Outputs, pre: str) -> list[Figure | None]:
+    """What the result rows hold: prompt and output lengths, finish reasons, labels (``choices``)."""
+    figs: list[Figure | None] = []
+    for key, what, counts in (
+        ("prompt_lengths", "prompt lengths", outputs.prompt_lengths),
+        ("output_lengths", "output lengths", outputs.output_lengths),
+    ):
+        figs.append(_bar_figure(key, f"{pre}{what}", *_trimmed_lengths(counts), "tokens"))
     reasons = outputs.finish_reasons.most_common()
     figs.append(
         _bar_figure(
@@ -318,7 +334,7 @@ def _job_figures(st: JobStatus, outputs: Outputs, label: str) -> list[Figure]:
     if outputs.labels:
         labels = outputs.labels.most_common(30)
         figs.append(_bar_figure("labels", f"{pre}labels", [k for k, _ in labels], [c for _, c in labels]))
-    return [f for f in figs if f is not None]
+    return figs
 
 
 # -- the page ---------------------------------------------------------------------------------------------
@@ -375,19 +391,7 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
     default = out_dirs[0] / STATE_DIR / "report.html"
     if to is not None:
         check_target(to, "--to", out_dirs, allowed=default)
-    jobs = []
-    for out_dir in out_dirs:
-        st = job_status(out_dir)
-        info = StateDir(out_dir).load_job()
-        choices = "choices" in (info.fingerprint.get("sampling") or {})
-        id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
-        damaged = {p.record.name for p in st.problems}
-        for p in st.problems:
-            print(f"batchjob: {out_dir}: missing or damaged, not drawn: {p}; {REDO}", file=sys.stderr)
-        for w in st.workers:
-            if w.stats_problem:
-                print(f"batchjob: {w.stats_problem}", file=sys.stderr)
-        jobs.append((out_dir, st, read_outputs(out_dir, choices, id_column, damaged)))
+    jobs = [_read_job(out_dir) for out_dir in out_dirs]
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>batchjob report</title><style>{_STYLE}</style></head><body>"
     ]
@@ -401,31 +405,52 @@ def build(out_dirs: list[Path], to: Path | None = None) -> Path:
             parts.append("</div>")
         parts.append("</div>")
     for out_dir, st, outputs in jobs:
-        parts.append(f"<h2>{html.escape(str(out_dir))}</h2>" + _summary(out_dir, st, outputs))
-        for w in st.workers:
-            if w.stats_problem:
-                parts.append(f"<p class='warn'>{html.escape(w.stats_problem)}</p>")
-        if st.problems:
-            missing = "".join(f"<li>{html.escape(str(p))}</li>" for p in st.problems)
-            parts.append(
-                f"<p class='warn'>Missing or damaged parts, not drawn ({html.escape(REDO)}):</p><ul>{missing}</ul>"
-            )
-        if not any(w.stats for w in st.workers):
-            parts.append("<p>No run statistics yet (stats.json is written at the first checkpoint).</p>")
-        parts += [_img(f) for f in job_figures(st, outputs)]
-        parts.append("<h3>Errors by kind</h3>" + _errors_table(outputs))
-        if len(st.workers) > 1:
-            parts.append(
-                "<h3>Workers</h3><table><tr><th>worker</th><th>state</th><th>rows</th><th>errors</th></tr>"
-            )
-            for w in st.workers:
-                share = w.rows_total if w.rows_total is not None else "?"
-                parts.append(
-                    f"<tr><td>{w.shard}</td><td>{w.state}</td><td>{w.rows_done} of {share}</td><td>{w.errors}</td></tr>"
-                )
-            parts.append("</table>")
+        parts += _job_section(out_dir, st, outputs)
     parts.append("</body></html>")
     target = to or default
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("".join(parts), encoding="utf-8")
     return target
+
+
+def _read_job(out_dir: Path) -> tuple[Path, JobStatus, Outputs]:
+    """A job's status and result rows (the parts it can vouch for), saying on stderr what is not drawn."""
+    st = job_status(out_dir)
+    info = StateDir(out_dir).load_job()
+    choices = "choices" in (info.fingerprint.get("sampling") or {})
+    id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
+    damaged = {p.record.name for p in st.problems}
+    for p in st.problems:
+        print(f"batchjob: {out_dir}: missing or damaged, not drawn: {p}; {REDO}", file=sys.stderr)
+    for w in st.workers:
+        if w.stats_problem:
+            print(f"batchjob: {w.stats_problem}", file=sys.stderr)
+    return out_dir, st, read_outputs(out_dir, choices, id_column, damaged)
+
+
+def _job_section(out_dir: Path, st: JobStatus, outputs: Outputs) -> list[str]:
+    """One job's part of the page: summary, warnings, figures, errors, and its workers when several."""
+    parts = [f"<h2>{html.escape(str(out_dir))}</h2>" + _summary(out_dir, st, outputs)]
+    for w in st.workers:
+        if w.stats_problem:
+            parts.append(f"<p class='warn'>{html.escape(w.stats_problem)}</p>")
+    if st.problems:
+        missing = "".join(f"<li>{html.escape(str(p))}</li>" for p in st.problems)
+        parts.append(
+            f"<p class='warn'>Missing or damaged parts, not drawn ({html.escape(REDO)}):</p><ul>{missing}</ul>"
+        )
+    if not any(w.stats for w in st.workers):
+        parts.append("<p>No run statistics yet (stats.json is written at the first checkpoint).</p>")
+    parts += [_img(f) for f in job_figures(st, outputs)]
+    parts.append("<h3>Errors by kind</h3>" + _errors_table(outputs))
+    if len(st.workers) > 1:
+        parts.append(
+            "<h3>Workers</h3><table><tr><th>worker</th><th>state</th><th>rows</th><th>errors</th></tr>"
+        )
+        for w in st.workers:
+            share = w.rows_total if w.rows_total is not None else "?"
+            parts.append(
+                f"<tr><td>{w.shard}</td><td>{w.state}</td><td>{w.rows_done} of {share}</td><td>{w.errors}</td></tr>"
+            )
+        parts.append("</table>")
+    return parts

@@ -202,40 +202,10 @@ def parse_request(
 
     ``model_names``: when given, a body whose ``model`` is none of them is an error (``--check-model-name``).
     """
-    other = [k for k, v in values.items() if k not in REQUEST_FIELDS and v is not None]
-    if other:
-        return (
-            None,
-            None,
-            (
-                f"unknown request field {other[0]!r} (an OpenAI Batch request line has only "
-                f"{', '.join(REQUEST_FIELDS)}; the parameters go in body)"
-            ),
-        )
-    if not isinstance(values.get("custom_id"), str) or not values["custom_id"]:
-        return None, None, f"custom_id must be a non-empty string, got {values.get('custom_id')!r}"
-    method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
-    if isinstance(body, str):  # a body column stored as JSON text
-        try:
-            body = json.loads(body)
-        except ValueError as e:
-            return None, None, f"body is not a JSON object ({e})"
-    if method != "POST":
-        return None, None, f"method {method!r} is not supported (POST)"
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        return None, None, f"url {url!r} is not supported ({CHAT_URL} or {COMPLETIONS_URL})"
-    if not isinstance(body, dict):
-        return None, None, "body must be a JSON object"
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        return None, None, f"body.model must be a string, got {model!r}"
-    if model_names is not None and model is not None and model not in model_names:
-        return (
-            None,
-            None,
-            f"body.model {body['model']!r} is not this job's model ({', '.join(sorted(model_names))})",
-        )
-    chat = url == CHAT_URL
+    body, error = _request_body(values, model_names)
+    if body is None:
+        return None, None, error
+    chat = values.get("url") == CHAT_URL
     given, error = _body_params(body, chat)
     if given is None:
         return None, None, error
@@ -243,25 +213,69 @@ def parse_request(
     if params is None:
         return None, None, error
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None, None, "body.messages must be a non-empty list"
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                return None, None, f"body.messages[{i}] must be an object with a role"
-            if m["role"] not in ROLES:
-                return None, None, f"body.messages[{i}].role {m['role']!r} is not a role ({', '.join(ROLES)})"
-            text, error = _message_text(m.get("content"), i)
-            if text is None:
-                return None, None, error
-            role = "system" if m["role"] == "developer" else m["role"]
-            out.append({"role": role, "content": text})
-        return {"messages": out}, params, None
+        messages, error = _chat_messages(body.get("messages"))
+        if messages is None:
+            return None, None, error
+        return {"messages": messages}, params, None
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         return None, None, "body.prompt must be a non-empty string (lists of prompts are not supported)"
     return {"prompt": prompt}, params, None
+
+
+def _request_body(
+    values: dict[str, Any], model_names: set[str] | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """A completions or chat request line's body, its envelope checked (fields, custom_id, method, url,
+    the body's model), or the error."""
+    other = [k for k, v in values.items() if k not in REQUEST_FIELDS and v is not None]
+    if other:
+        return (
+            None,
+            (
+                f"unknown request field {other[0]!r} (an OpenAI Batch request line has only "
+                f"{', '.join(REQUEST_FIELDS)}; the parameters go in body)"
+            ),
+        )
+    if not isinstance(values.get("custom_id"), str) or not values["custom_id"]:
+        return None, f"custom_id must be a non-empty string, got {values.get('custom_id')!r}"
+    method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
+    if isinstance(body, str):  # a body column stored as JSON text
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            return None, f"body is not a JSON object ({e})"
+    if method != "POST":
+        return None, f"method {method!r} is not supported (POST)"
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        return None, f"url {url!r} is not supported ({CHAT_URL} or {COMPLETIONS_URL})"
+    if not isinstance(body, dict):
+        return None, "body must be a JSON object"
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return None, f"body.model must be a string, got {model!r}"
+    if model_names is not None and model is not None and model not in model_names:
+        names = ", ".join(sorted(model_names))
+        return None, f"body.model {body['model']!r} is not this job's model ({names})"
+    return body, None
+
+
+def _chat_messages(messages: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """A chat body's ``messages`` as role and text (``developer`` is ``system``), or the error."""
+    if not isinstance(messages, list) or not messages:
+        return None, "body.messages must be a non-empty list"
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return None, f"body.messages[{i}] must be an object with a role"
+        if m["role"] not in ROLES:
+            return None, f"body.messages[{i}].role {m['role']!r} is not a role ({', '.join(ROLES)})"
+        text, error = _message_text(m.get("content"), i)
+        if text is None:
+            return None, error
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": text})
+    return out, None
 
 
 def parse_embeddings_request(

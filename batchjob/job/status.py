@@ -12,6 +12,7 @@ the job's records too, so a job whose inputs changed is never reported complete.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,109 @@ class JobStatus:
         """A throughput summed over the workers' last runs (over the running ones while any runs)."""
         running = [w for w in self.workers if w.state == "running"]
         return sum(float(w.stats.get(key, 0) or 0) for w in running or self.workers)
+
+    # -- the report `batchjob status` prints ---------------------------------------------------------------
+
+    def lines(self, shown_as: str) -> list[str]:
+        """The report, a line each: the state, what changed or is damaged, the counts, then the worker (one)
+        or the workers' totals and a line per worker. ``shown_as`` names the folder as the user typed it."""
+        lines = [self._state_line(shown_as), *self._trouble_lines()]
+        lines += self._count_lines()
+        if len(self.workers) == 1:
+            return lines + self._worker_lines(self.workers[0])
+        return lines + self._workers_lines()
+
+    def _state_line(self, shown_as: str) -> str:
+        finished = sum(w.state == "complete" for w in self.workers)
+        workers = f" ({finished} of {len(self.workers)} workers complete)" if len(self.workers) > 1 else ""
+        running = [w for w in self.workers if w.state == "running"]
+        state = "complete" if self.complete else "incomplete"
+        if running:  # a run is active: what is committed is not all it has done
+            who = [
+                f"pid {w.holder['pid']} on {w.holder.get('host', '?')}" for w in running if w.holder.get("pid")
+            ]
+            state += f", running now ({', '.join(who) or f'{len(running)} workers'})"
+        return f"{shown_as}: {state}{workers}"
+
+    def _trouble_lines(self) -> list[str]:
+        """Changed inputs, unreadable stats, and missing or damaged parts (whose rows are not done)."""
+        lines = []
+        if self.input_changes:
+            lines.append(
+                "inputs changed since the job ran (`batchjob run` refuses them, or --append takes in growth):"
+            )
+            lines += [f"  {line}" for line in self.input_changes]
+        lines += [f"stats: {w.stats_problem}" for w in self.workers if w.stats_problem]
+        lines += [f"missing or damaged: {p} ({p.record.rows} rows)" for p in self.problems]
+        if self.problems:
+            redo = self.total("rows_to_redo")
+            lines.append(
+                f"{redo} rows not done ({len(self.problems)} parts missing or damaged): "
+                "`batchjob run` with the same command redoes them"
+            )
+        return lines
+
+    def _count_lines(self) -> list[str]:
+        """Rows done (and in flight), samples, errors and tokens, over every worker."""
+        done, total = self.total("rows_done"), self.rows_total
+        pct = f" ({100 * done / total:.1f}%)" if total else ""
+        lines = [f"rows: {done} of {total if total is not None else 'unknown'} input rows{pct}"]
+        live = [w.live for w in self.workers if w.state == "running" and w.live]
+        if live:
+            age = max(0.0, time.time() - min(float(x.get("updated", 0)) for x in live))
+            finished = sum(int(x.get("finished_uncommitted", 0)) for x in live)
+            lines.append(
+                f"in flight: {finished} more rows finished, not yet committed; "
+                f"{sum(int(x.get('in_engine', 0)) for x in live)} being generated, "
+                f"{sum(int(x.get('read_ahead', 0)) for x in live)} read ahead (as of {age:.0f} s ago; the "
+                "rows above are committed)"
+            )
+        samples = self.total("samples")
+        if samples != done:  # --n: each input row has several result rows
+            lines.append(f"samples: {samples} result rows ({samples / max(done, 1):g} a row)")
+        lines.append(f"errors: {self.total('errors')} rows")
+        if self.task != "generate":  # prefill-only: tokens read, none generated
+            lines.append(f"tokens: {self.total('prompt_tokens')} read (--task {self.task})")
+        else:
+            lines.append(f"tokens: {self.total('prompt_tokens')} in, {self.total('generated_tokens')} out")
+        return lines
+
+    def _worker_lines(self, w: WorkerStatus) -> list[str]:
+        """A job of one worker: its last run's throughput, and where its parts and stats are."""
+        lines = []
+        if w.stats and self.task != "generate":
+            lines.append(
+                f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"{w.stats.get('rows_per_s', 0):.1f} rows/s, "
+                f"{w.stats.get('total_tokens_per_s', 0):.1f} tok/s read"
+            )
+        elif w.stats:
+            run_samples = w.stats.get("samples", w.stats.get("rows", 0))
+            extra = f" ({run_samples} samples)" if run_samples != w.stats.get("rows", 0) else ""
+            lines.append(
+                f"last run: {w.stats.get('rows', 0)} rows{extra} in {w.stats.get('elapsed_s', 0):.1f} s, "
+                f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
+                f"{w.stats.get('preemptions', 0)} preemptions"
+            )
+        return [*lines, f"parts: {w.parts}; stats: {w.stats_file}"]
+
+    def _workers_lines(self) -> list[str]:
+        """A job of several workers: the summed throughput, the parts, and a line per worker."""
+        runs = "current" if any(w.state == "running" for w in self.workers) else "last"
+        lines = [
+            f"throughput: {self.rate('generated_tokens_per_s'):.1f} generated tok/s, "
+            f"{self.rate('rows_per_s'):.2f} rows/s (workers' {runs} runs, summed)",
+            f"parts: {self.total('parts')}",
+        ]
+        for w in self.workers:
+            line = f"  {w.shard}: {w.state}"
+            if w.state != "not started":
+                share = w.rows_total if w.rows_total is not None else "unknown"
+                line += f", {w.rows_done} of {share} rows, {w.errors} errors"
+                if w.stats:
+                    line += f", {w.stats.get('generated_tokens_per_s', 0):.1f} tok/s"
+            lines.append(line)
+        return lines
 
 
 def read_stats(path: Path) -> tuple[dict[str, Any], str | None]:

@@ -243,6 +243,38 @@ def _without(
     return kept, new, len(bad)
 
 
+def _repair_part(
+    record: PartRecord,
+    writer: PartWriter,
+    names: set[str],
+    retry_errors: bool,
+    redo: set[int],
+    redo_reason: str,
+) -> tuple[str | None, int, PartRecord | None]:
+    """``(note, rows taken back, rewrite)`` for one intact part: no note when none of its rows is redone;
+    no rewrite when the whole part goes (unreadable, or every row taken back), else the record of its
+    rewrite without those rows, written now under a new name (added to ``names``)."""
+    redone = {o for o in redo if any(a <= o < b for a, b in record.ordinals)}
+    if not redone and not (retry_errors and record.errors):
+        return None, 0, None
+    result = _without(writer.out_dir, record, writer, retry_errors, redone)
+    if isinstance(result, str):
+        return f"{record.name} {result}: its {record.rows} rows will be redone", record.rows, None
+    table, new, taken = result
+    if taken == 0:
+        return None, 0, None  # counted as errors but none in the file: nothing to redo
+    if redone:
+        note = f"{record.name}: {taken} rows will be redone ({redo_reason})"
+    else:
+        note = f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone"
+    if new is None:
+        return note, taken, None
+    # written now (one part in memory at a time); until the manifest names it, it is an orphan
+    name = writer.write_table(writer.next_seq(names), table)
+    names.add(name)
+    return note, taken, replace(new, name=name, result_rows=table.num_rows, **writer.stamp(name))
+
+
 def repair_outputs(
     state: StateDir,
     info: JobInfo,
@@ -268,30 +300,15 @@ def repair_outputs(
     for record in manifest.parts:
         if record.name in dropped:
             continue
-        redone = {o for o in redo if any(a <= o < b for a, b in record.ordinals)}
-        if not redone and not (retry_errors and record.errors):
+        note, taken, rewrite = _repair_part(record, writer, names, retry_errors, redo, redo_reason)
+        if note is None:
             continue
-        result = _without(out_dir, record, writer, retry_errors, redone)
-        if isinstance(result, str):
-            dropped.add(record.name)
-            notes.append(f"{record.name} {result}: its {record.rows} rows will be redone")
-            count += record.rows
-            continue
-        table, new, taken = result
-        if taken == 0:
-            continue  # counted as errors but none in the file: nothing to redo
-        if redone:
-            notes.append(f"{record.name}: {taken} rows will be redone ({redo_reason})")
-        else:
-            notes.append(f"--retry-errors: {record.name} holds {taken} rows with errors; they will be redone")
+        notes.append(note)
         count += taken
-        if new is None:
+        if rewrite is None:
             dropped.add(record.name)
-            continue
-        # written now (one part in memory at a time); until the manifest names it, it is an orphan
-        name = writer.write_table(writer.next_seq(names), table)
-        names.add(name)
-        written[record.name] = replace(new, name=name, result_rows=table.num_rows, **writer.stamp(name))
+        else:
+            written[record.name] = rewrite
     if not dropped and not written:
         restamp(out_dir, manifest)
         return 0

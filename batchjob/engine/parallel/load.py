@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from batchjob.engine.parallel.shard import _matches, bounds, linear_rule, plan_of, shard_model
 
@@ -93,42 +99,21 @@ def load_shard(
         return None, f"its checkpoint keys are not the model's parameters (e.g. {(extra + missing)[0]!r})"
     plan = plan_of(config)
     shares = {key: _share(model, plan, key) for key in params}
-    experts = [
-        p for p, _ in model.base_model.named_modules() if _matches(plan, p) not in (None, *SPLIT_KINDS)
-    ]
-    if any(_matches(plan, p) != "replicated_with_grad_allreduce" for p in experts):
-        return None, "its plan splits fused experts"
     aliases = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if name not in params]
     # Non-persistent buffers are computed by _init_weights, which must not touch weights: buffer-only modules.
     owners = {name.rpartition(".")[0] for name, _ in model.named_buffers() if name not in persistent}
-    for path in sorted(owners):
-        if any(True for _ in model.get_submodule(path).parameters(recurse=False)):
-            return None, f"module {path} computes buffers beside its weights"
+    reason = _unsupported_plan(model, plan, owners)
+    if reason:
+        return None, reason
     shard_model(model, rank, n, all_reduce)  # on meta: shapes, in/out features and hooks, no data
 
     with ExitStack() as stack:
         opened = {file: stack.enter_context(safe_open(str(file), "pt")) for file in set(files.values())}
-        index = {}
-        for key, (dim, _) in shares.items():  # every share's shape checked before anything is read
-            shape = list(opened[files[key]].get_slice(key).get_shape())
-            index[key] = [slice(None)] * len(shape)
-            full = tuple(shape)
-            if dim is not None:
-                start, end = bounds(shape[dim], rank, n)
-                index[key][dim], shape[dim] = slice(start, end), end - start
-            want = tuple(model.get_parameter(key).shape)
-            if tuple(shape) != want:
-                return None, f"checkpoint tensor {key!r} of shape {full} does not split into {want}"
-        for key, (dim, zero) in shares.items():
-            if zero and rank:  # not read: rank 0's copy is added once, by the sum
-                value = torch.zeros(model.get_parameter(key).shape, dtype=dtype, device=device)
-            else:
-                value = opened[files[key]].get_slice(key)[tuple(index[key])]
-                value = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
-            _put(model, key, torch.nn.Parameter(value, requires_grad=dim is None and not zero))
-        for key in persistent:
-            value = opened[files[key]].get_tensor(key).to(device)
-            _put(model, key, value.to(dtype) if value.is_floating_point() else value)
+        reads = {key: opened[files[key]] for key in files}
+        index, reason = _slices(model, reads, shares, rank, n)
+        if reason:
+            return None, reason
+        _read(model, reads, shares, index, persistent, rank, device, dtype)
     for name, first in aliases:  # tied weights: the same tensor again, as from_pretrained ties them
         _put(model, name, model.get_parameter(next(key for key, p in params.items() if p is first)))
     for name, buffer in list(model.named_buffers()):
@@ -139,6 +124,66 @@ def load_shard(
     _generation_config(model, folder)
     model.eval()
     return model, None
+
+
+def _unsupported_plan(model: PreTrainedModel, plan: dict[str, str], owners: set[str]) -> str | None:
+    """Why the model can't be loaded by slice under ``plan`` (fused experts split, a module computing buffers
+    beside its weights), or None."""
+    experts = [
+        p for p, _ in model.base_model.named_modules() if _matches(plan, p) not in (None, *SPLIT_KINDS)
+    ]
+    if any(_matches(plan, p) != "replicated_with_grad_allreduce" for p in experts):
+        return "its plan splits fused experts"
+    for path in sorted(owners):
+        if any(True for _ in model.get_submodule(path).parameters(recurse=False)):
+            return f"module {path} computes buffers beside its weights"
+    return None
+
+
+def _slices(
+    model: torch.nn.Module,
+    reads: dict[str, Any],
+    shares: dict[str, tuple[int | None, bool]],
+    rank: int,
+    n: int,
+) -> tuple[dict[str, list[slice]], str | None]:
+    """The index of ``rank``'s share of each parameter in its checkpoint tensor (``reads``: the open file of
+    each key); every share's shape is checked against the sharded model before anything is read."""
+    index = {}
+    for key, (dim, _) in shares.items():
+        shape = list(reads[key].get_slice(key).get_shape())
+        index[key] = [slice(None)] * len(shape)
+        full = tuple(shape)
+        if dim is not None:
+            start, end = bounds(shape[dim], rank, n)
+            index[key][dim], shape[dim] = slice(start, end), end - start
+        want = tuple(model.get_parameter(key).shape)
+        if tuple(shape) != want:
+            return index, f"checkpoint tensor {key!r} of shape {full} does not split into {want}"
+    return index, None
+
+
+def _read(
+    model: torch.nn.Module,
+    reads: dict[str, Any],
+    shares: dict[str, tuple[int | None, bool]],
+    index: dict[str, list[slice]],
+    persistent: dict[str, Any],
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Every parameter's share and every persistent buffer, read onto ``device`` in ``dtype``."""
+    for key, (dim, zero) in shares.items():
+        if zero and rank:  # not read: rank 0's copy is added once, by the sum
+            value = torch.zeros(model.get_parameter(key).shape, dtype=dtype, device=device)
+        else:
+            value = reads[key].get_slice(key)[tuple(index[key])]
+            value = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+        _put(model, key, torch.nn.Parameter(value, requires_grad=dim is None and not zero))
+    for key in persistent:
+        value = reads[key].get_tensor(key).to(device)
+        _put(model, key, value.to(dtype) if value.is_floating_point() else value)
 
 
 def _put(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
