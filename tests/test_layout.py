@@ -142,9 +142,8 @@ FUNCTIONS_ALLOWED = {
 }
 MODULES_ALLOWED = {
     # being cut on other branches
-    "engine/engine.py": 707,
+    "engine/engine.py": 715,
     "job/loop.py": 749,
-    "job/spec.py": 579,
 }
 
 
