@@ -1,5 +1,7 @@
-"""The job loop: read rows, build their prompts, keep the engine fed in the order ``--admission`` asks
-for, turn finished requests into result rows, commit and checkpoint (``checkpoint.py``), stop cleanly.
+"""The job loop, as its steps: read rows, admit each as its row kind (``rows/``: what requests a row makes and
+what their outputs become), feed the engine in the order ``--admission`` asks for, step it and route each
+finished request back to its row, commit finished rows as parts and checkpoint the unfinished ones
+(``checkpoint.py``), stop cleanly.
 
 Rows are keyed two ways: the id (``--id-column``, else ``"<file>:<row>"``) that the engine and the seeded
 sampler see, and the ordinal (the row's position in the input stream) that says what is done. Whatever moment
@@ -133,7 +135,159 @@ class JobLoop:
             print("batchjob: second signal, still saving state...", file=sys.stderr)
         self.stop_signal = signum
 
-    # -- committing -----------------------------------------------------------------------------------
+    # -- the loop: read, admit, feed, step, commit, checkpoint -----------------------------------
+
+    def run(self) -> JobResult:
+        """Run to the end of this worker's rows, or until a signal or --max-errors stops it."""
+        try:
+            reader = self._reader()
+            inflight = self.state.load_inflight()  # the last checkpoint's unfinished rows, by ordinal
+            while True:
+                self._read(reader, inflight)
+                self._feed()
+                if self.engine.has_unfinished():
+                    self._step()
+                elif self.reader_done:
+                    break
+                if self.stop_signal is not None:
+                    self.checkpoint()
+                    return self._result("interrupted")
+                self._check_errors()
+                self._save_as_due()
+            self._complete()
+            return self._result("complete")
+        finally:
+            self._close()
+
+    # -- reading and admitting -------------------------------------------------------------------
+
+    def _reader(self) -> Iterator[Row]:
+        """This worker's rows not yet done, in input order (with --id-column, the rows it skips still
+        record their ids, so a duplicate is found whichever worker holds its first use)."""
+        skip, covered = self.prep.shard.filters(self.manifest.done)
+        on_skipped = None
+        if self.ids is not None:
+            ids = self.ids
+            seen_to = ids.seen_to
+
+            def on_skipped(ordinal: int, value: Any) -> None:  # rows of other workers, or done already
+                if ordinal >= seen_to and value is not None:
+                    ids.first(str(value), ordinal)
+                ids.seen(ordinal + 1)
+
+        return iter_rows(
+            self.prep.sources,
+            skip=skip,
+            covered=covered,
+            on_skipped=on_skipped,
+            id_column=self.spec.id_column,
+        )
+
+    def _read(self, reader: Iterator[Row], inflight: dict[int, InFlight]) -> None:
+        """Read rows and prepare them until the read-ahead is full or the input ends (then the row counts
+        are known: the progress gets its total)."""
+        while not self.reader_done and len(self.ready) < self._read_ahead():
+            try:
+                row = next(reader)
+            except StopIteration as stop:
+                self.reader_done = True
+                info = self.prep.info
+                info.set_counts(
+                    {s.base >> ORDINAL_BITS: n for s, n in zip(self.prep.sources, stop.value, strict=True)}
+                )
+                self.total_hint = self.prep.shard.share_of(info.row_counts)
+                self.stream_hint = info.total_rows
+                self.bar.set_total(self.total_hint)
+            else:
+                self._admit(row, inflight)
+                if self.ids is not None:
+                    self.ids.seen(row.ordinal + 1)
+
+    def _admit(self, row: Row, inflight: dict[int, InFlight]) -> None:
+        """Prepare a row as its kind (``rows/``), with the last checkpoint's work on it; else its error row."""
+        row_id, error = self._row_id(row)
+        work = None
+        if row_id is not None:
+            assert row_id not in self.pending, row_id
+            work, error = self.rows.make(row, row_id)
+        if work is None:
+            self._error_row(row, error)
+            return
+        work.restore(inflight.pop(row.ordinal, None))
+        self.ready.append(work)
+        self.pending[work.row_id] = work
+
+    def _row_id(self, row: Row) -> tuple[str | None, str | None]:
+        """A row's id, or why it has none: it is unreadable, its id is null, or an earlier row holds it."""
+        if row.error is not None or row.values is None:
+            return None, row.error or "unreadable row"
+        if self.spec.id_column is None:
+            return row.derived_id, None
+        value = row.values.get(self.spec.id_column)
+        if value is None:
+            return None, f"id column {self.spec.id_column!r} is null or missing"
+        row_id = str(value)
+        first = self.ids.first(row_id, row.ordinal) if self.ids is not None else None
+        if first is not None:
+            seq, index = split_ordinal(first)
+            where = f"{self.names.get(seq, f'file #{seq}')}:{index}"
+            return None, f"duplicate id {row_id!r}: first used by row {where}; ids must be unique"
+        return row_id, None
+
+    # -- feeding and stepping the engine ---------------------------------------------------------
+
+    def _read_ahead(self) -> int:
+        """How many prepared rows to hold: a lookahead window to sort, or just what the engine can take."""
+        if self.spec.admission in admission.SORTED:
+            return self.spec.lookahead
+        return max(0, self.window - self.engine.num_unfinished)
+
+    def _feed(self) -> None:
+        """Move prepared rows into the engine while it has room, in the order ``--admission`` asks for."""
+        while self.ready and self.engine.num_unfinished < self.window:
+            i = admission.next_index(self.spec.admission, [len(w.prompt_ids) for w in self.ready])
+            work = self.ready[i]
+            del self.ready[i]
+            self._ask(work, work.asks())
+
+    def _ask(self, work: RowWork, asks: list[Ask]) -> None:
+        """Give the engine a row's requests, each routed back to the row with its part."""
+        for a in asks:
+            self.routes[a.request_id] = (work, a.part)
+            work.request_ids.append(a.request_id)
+            self.engine.add_request(
+                a.request_id,
+                a.prompt_ids,
+                a.params,
+                a.output_ids,
+                sample_index=a.sample_index,
+                continuation_ids=a.continuation_ids,
+                token_logprobs=a.token_logprobs,
+            )
+
+    def _step(self) -> None:
+        """One engine step; its finished requests become result rows."""
+        for out in self.engine.step():
+            self._finished(out)
+        self.stats.step(self.engine.stats)
+        self.bar.step(self.stats.generated_tokens)
+
+    def _finished(self, out: RequestOutput) -> None:
+        """A request finished: its row asks for what follows it, or counts it, and once done is written."""
+        work, part = self.routes[out.request_id]
+        follow = work.finished(out, part)
+        if follow:  # a step of the row (a reasoning sample's thinking), not one of its results
+            self._ask(work, follow)
+            return
+        self.stats.request(out)
+        if not work.done:
+            return  # --n, several inputs: the row is written once all its requests are done
+        del self.pending[work.row_id]
+        for request_id in work.request_ids:
+            self.routes.pop(request_id, None)
+        self._finish_samples(work.row, work.num_prompt_tokens, work.results())
+
+    # -- committing and checkpointing ------------------------------------------------------------
 
     def _error_row(self, row: Row, error: str | None) -> None:
         """Buffer the one result row of a row that fails before any request (unreadable, no id, no prompt)."""
@@ -195,156 +349,6 @@ class JobLoop:
         }
         write_json(self.state.stats_file, body)
 
-    # -- feeding the engine ---------------------------------------------------------------------------
-
-    def _admit(self, row: Row, inflight: dict[int, InFlight]) -> None:
-        """Prepare a row as its kind (``rows/``), with the last checkpoint's work on it; else its error row."""
-        row_id, error = self._row_id(row)
-        work = None
-        if row_id is not None:
-            assert row_id not in self.pending, row_id
-            work, error = self.rows.make(row, row_id)
-        if work is None:
-            self._error_row(row, error)
-            return
-        work.restore(inflight.pop(row.ordinal, None))
-        self.ready.append(work)
-        self.pending[work.row_id] = work
-
-    def _row_id(self, row: Row) -> tuple[str | None, str | None]:
-        """A row's id, or why it has none: it is unreadable, its id is null, or an earlier row holds it."""
-        if row.error is not None or row.values is None:
-            return None, row.error or "unreadable row"
-        if self.spec.id_column is None:
-            return row.derived_id, None
-        value = row.values.get(self.spec.id_column)
-        if value is None:
-            return None, f"id column {self.spec.id_column!r} is null or missing"
-        row_id = str(value)
-        first = self.ids.first(row_id, row.ordinal) if self.ids is not None else None
-        if first is not None:
-            seq, index = split_ordinal(first)
-            where = f"{self.names.get(seq, f'file #{seq}')}:{index}"
-            return None, f"duplicate id {row_id!r}: first used by row {where}; ids must be unique"
-        return row_id, None
-
-    def _read_ahead(self) -> int:
-        """How many prepared rows to hold: a lookahead window to sort, or just what the engine can take."""
-        if self.spec.admission in admission.SORTED:
-            return self.spec.lookahead
-        return max(0, self.window - self.engine.num_unfinished)
-
-    def _feed(self) -> None:
-        """Move prepared rows into the engine while it has room, in the order ``--admission`` asks for."""
-        while self.ready and self.engine.num_unfinished < self.window:
-            i = admission.next_index(self.spec.admission, [len(w.prompt_ids) for w in self.ready])
-            work = self.ready[i]
-            del self.ready[i]
-            self._ask(work, work.asks())
-
-    def _ask(self, work: RowWork, asks: list[Ask]) -> None:
-        """Give the engine a row's requests, each routed back to the row with its part."""
-        for a in asks:
-            self.routes[a.request_id] = (work, a.part)
-            work.request_ids.append(a.request_id)
-            self.engine.add_request(
-                a.request_id,
-                a.prompt_ids,
-                a.params,
-                a.output_ids,
-                sample_index=a.sample_index,
-                continuation_ids=a.continuation_ids,
-                token_logprobs=a.token_logprobs,
-            )
-
-    def _finished(self, out: RequestOutput) -> None:
-        """A request finished: its row asks for what follows it, or counts it, and once done is written."""
-        work, part = self.routes[out.request_id]
-        follow = work.finished(out, part)
-        if follow:  # a step of the row (a reasoning sample's thinking), not one of its results
-            self._ask(work, follow)
-            return
-        self.stats.request(out)
-        if not work.done:
-            return  # --n, several inputs: the row is written once all its requests are done
-        del self.pending[work.row_id]
-        for request_id in work.request_ids:
-            self.routes.pop(request_id, None)
-        self._finish_samples(work.row, work.num_prompt_tokens, work.results())
-
-    # -- the loop -------------------------------------------------------------------------------------
-
-    def run(self) -> JobResult:
-        """Run to the end of this worker's rows, or until a signal or --max-errors stops it."""
-        try:
-            reader = self._reader()
-            inflight = self.state.load_inflight()  # the last checkpoint's unfinished rows, by ordinal
-            while True:
-                self._read(reader, inflight)
-                self._feed()
-                if self.engine.has_unfinished():
-                    self._step()
-                elif self.reader_done:
-                    break
-                if self.stop_signal is not None:
-                    self.checkpoint()
-                    return self._result("interrupted")
-                self._check_errors()
-                self._save_as_due()
-            self._complete()
-            return self._result("complete")
-        finally:
-            self._close()
-
-    def _reader(self) -> Iterator[Row]:
-        """This worker's rows not yet done, in input order (with --id-column, the rows it skips still
-        record their ids, so a duplicate is found whichever worker holds its first use)."""
-        skip, covered = self.prep.shard.filters(self.manifest.done)
-        on_skipped = None
-        if self.ids is not None:
-            ids = self.ids
-            seen_to = ids.seen_to
-
-            def on_skipped(ordinal: int, value: Any) -> None:  # rows of other workers, or done already
-                if ordinal >= seen_to and value is not None:
-                    ids.first(str(value), ordinal)
-                ids.seen(ordinal + 1)
-
-        return iter_rows(
-            self.prep.sources,
-            skip=skip,
-            covered=covered,
-            on_skipped=on_skipped,
-            id_column=self.spec.id_column,
-        )
-
-    def _read(self, reader: Iterator[Row], inflight: dict[int, InFlight]) -> None:
-        """Read rows and prepare them until the read-ahead is full or the input ends (then the row counts
-        are known: the progress gets its total)."""
-        while not self.reader_done and len(self.ready) < self._read_ahead():
-            try:
-                row = next(reader)
-            except StopIteration as stop:
-                self.reader_done = True
-                info = self.prep.info
-                info.set_counts(
-                    {s.base >> ORDINAL_BITS: n for s, n in zip(self.prep.sources, stop.value, strict=True)}
-                )
-                self.total_hint = self.prep.shard.share_of(info.row_counts)
-                self.stream_hint = info.total_rows
-                self.bar.set_total(self.total_hint)
-            else:
-                self._admit(row, inflight)
-                if self.ids is not None:
-                    self.ids.seen(row.ordinal + 1)
-
-    def _step(self) -> None:
-        """One engine step; its finished requests become result rows."""
-        for out in self.engine.step():
-            self._finished(out)
-        self.stats.step(self.engine.stats)
-        self.bar.step(self.stats.generated_tokens)
-
     def _check_errors(self) -> None:
         """--max-errors: stop, with the state saved, once that many rows have failed (this run and before)."""
         max_errors = self.spec.max_errors
@@ -366,6 +370,8 @@ class JobLoop:
         if time.monotonic() - self.last_checkpoint >= self.spec.checkpoint_interval:
             self.checkpoint()
             self.last_checkpoint = self.last_live = time.monotonic()
+
+    # -- ending ----------------------------------------------------------------------------------
 
     def _complete(self) -> None:
         """Every row is done: commit the last part, mark the job complete, drop the in-flight checkpoint."""

@@ -49,6 +49,7 @@ class RowMaker:
         self.params = params
         self.tags = tags
         self.width = width
+        self.task = spec.task  # generate, or a prefill-only task: which kinds the rows are
         self.model_names = model_names(spec.model)  # --format openai: what body.model may say
         self.models_seen: set[str] = set()
         self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
@@ -61,7 +62,7 @@ class RowMaker:
 
     def make(self, row: Row, row_id: str) -> Made:
         """The row (readable, with its id) as its kind, or the reason it is an error row."""
-        if self.spec.task != "generate":
+        if self.task != "generate":
             return self._task_row(row, row_id)
         params, ids, error = self._request(row)
         if ids is None or params is None:
@@ -122,7 +123,7 @@ class RowMaker:
             if continuation is None:
                 return None, error
             n_prompt += len(continuation)
-        task = self.spec.task
+        task = self.task
         if inputs is not None:
             return EmbeddingInputs(
                 row=row, row_id=row_id, prompt_ids=ids, num_prompt_tokens=n_prompt, task=task, inputs=inputs
