@@ -106,3 +106,20 @@ def test_an_embeddings_row_asks_a_request_per_input_and_names_the_failed_one():
     assert not row.done and row.in_flight([]) is None  # prefill-only: nothing saved, computed again
     row.finished(out([], "", rid=asks[0].request_id, reason="error", error="x"), 0)
     assert [r["error"] for r in row.results()] == ["body.input[0]: x", "body.input[1]: too long"]
+
+
+def test_a_restored_reasoning_row_saves_what_it_restored_until_it_is_re_added():
+    thinking = SamplingParams(max_new_tokens=3)
+    row = Reasoning(
+        row=ROW,
+        row_id="r7",
+        prompt_ids=[1, 2, 90],
+        num_prompt_tokens=2,
+        params=thinking,
+        answer_params=SamplingParams(choices=["yes", "no"]),
+        tags=TAGS,
+    )
+    saved = InFlight(7, "r7", [1, 2, 90], {0: [5, 6, 91]}, None, False, "reasoning", [0])
+    row.restore(saved)
+    assert row.asks() == [Ask("r7", [1, 2, 90], thinking, [5, 6, 91])]  # its whole thinking, ended at once
+    assert row.in_flight([]) == saved

@@ -70,6 +70,7 @@ class Reasoning(Samples):
     tags: ReasoningTags
     answer_params: SamplingParams
     thoughts: dict[int, RequestOutput] = field(default_factory=dict)  # each sample's finished thinking
+    restored_answering: list[int] = field(default_factory=list)  # the restored record's, until re-added
 
     def finished(self, out: RequestOutput, part: int | None) -> list[Ask]:
         """A thinking that ran asks for its answer; an answer (or a failed thinking) is the sample's result."""
@@ -100,11 +101,19 @@ class Reasoning(Samples):
                 reasoning, text = self.tags.split(text, self.inside)
         return self._columns(out, text, reasoning, n_gen, error, self.answer_params)
 
+    def restore(self, saved: InFlight | None) -> None:
+        super().restore(saved)
+        if saved is not None and self.saved:
+            self.restored_answering = list(saved.answering)
+
     def in_flight(self, states: list[tuple[int | None, RequestState]]) -> InFlight | None:
         """Each sample's thinking so far; a sample in its answer as its finished thinking (the answer is
         redone on resume)."""
-        if not states:
-            return super().in_flight(states)
+        if not states:  # not yet re-added: what it restored, as it was saved
+            record = super().in_flight(states)
+            if record is not None:
+                record.answering = list(self.restored_answering)
+            return record
         prompt: list[int] | None = None
         samples: dict[int, list[int]] = {}
         answering = []
