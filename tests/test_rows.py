@@ -3,6 +3,8 @@ turns into, and what a checkpoint saves of it and restores; no model, no engine.
 
 from __future__ import annotations
 
+import pytest
+
 from batchjob.engine.output import RequestOutput
 from batchjob.engine.request import RequestState
 from batchjob.io.readers import Row
@@ -13,6 +15,8 @@ from batchjob.job.rows.embeddings import EmbeddingInputs
 from batchjob.job.rows.generate import Samples
 from batchjob.job.rows.reasoning import Reasoning, answer_request_id
 from batchjob.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
 
 ROW = Row(ordinal=7, source="in.jsonl", index=7, values={"q": "?"}, line=8)
 TAGS = ReasoningTags("<think>", "</think>", (90,), (91,))
