@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.engine import Engine
+from batchjob.io.atomic import read_json, write_json
 from batchjob.sampling import SamplingParams
 from tests.jobproc import sigterm_after_steps
 from tests.tiers import engine_fixture
@@ -130,23 +131,47 @@ def test_thinking_turned_off_by_the_template_and_free_answers(data, thinker, tmp
         assert 1 <= r["num_generated_tokens"] <= 3 + 5
 
 
+# constrained answers after bounded, sampled thinking: the resume tests' job
+RESUMED = [
+    "--choices",
+    ",".join(LABELS),
+    "--max-reasoning-tokens",
+    "4",
+    "--temperature",
+    "0.8",
+    "--seed",
+    "2",
+]
+
+
 def test_reasoning_job_resumes_exactly(data, thinker, tmp_path, monkeypatch):
     want, out = tmp_path / "want", tmp_path / "out"
-    extra = [
-        "--choices",
-        ",".join(LABELS),
-        "--max-reasoning-tokens",
-        "4",
-        "--temperature",
-        "0.8",
-        "--seed",
-        "2",
-    ]
+    extra = RESUMED
     run(data, want, thinker, *extra)
     with sigterm_after_steps(6):
         run(data, out, thinker, *extra, "--checkpoint-interval", "0.001", code=75)
     saved = json.loads((out / "_batchjob" / "inflight.json").read_text())["body"]["requests"]
     assert any(len(r["output_ids"]) == 4 for r in saved)  # rows stopped in their answer: saved as thinking
+    assert all(r["kind"] == "reasoning" for r in saved)  # each record says what saved it
+    assert any(r.get("answering") == [0] for r in saved)  # and which samples were past their thinking
+    run(data, out, thinker, *extra)
+    assert rows(out) == rows(want)
+
+
+def test_reasoning_job_resumes_exactly_from_a_checkpoint_without_kinds(data, thinker, tmp_path):
+    """A checkpoint written before records named their row kind still loads: the row's prompt and
+    parameters decide, as they did, and the resumed job writes what an uninterrupted one does."""
+    want, out = tmp_path / "want", tmp_path / "out"
+    extra = RESUMED
+    run(data, want, thinker, *extra)
+    with sigterm_after_steps(6):
+        run(data, out, thinker, *extra, "--checkpoint-interval", "0.001", code=75)
+    path = out / "_batchjob" / "inflight.json"
+    body = read_json(path)
+    for r in body["requests"]:
+        del r["kind"]
+        r.pop("answering", None)
+    write_json(path, body)
     run(data, out, thinker, *extra)
     assert rows(out) == rows(want)
 

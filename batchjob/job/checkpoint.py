@@ -6,7 +6,11 @@ moment the process dies at, every row is either in a committed part, in the chec
 
 An unfinished row is one ``InFlight`` record, whatever it is: one request, ``--n`` samples (each with its own
 tokens), a reasoning row's thinking. In memory its tokens are always by sample index; on disk a one-sample
-row keeps the ``output_ids`` key it always had and a row of several samples ``samples``.
+row keeps the ``output_ids`` key it always had and a row of several samples ``samples``. A record says which
+row kind saved it (``kind``: ``rows/``) and, for a reasoning row, which samples had finished their thinking
+(``answering``: their thinking is saved, their answer is asked again). A record without ``kind`` (written
+before kinds were recorded) still loads: the row's prompt and parameters alone decide whether it is that
+row's work, as they always did.
 """
 
 from __future__ import annotations
@@ -31,17 +35,24 @@ class InFlight:
     samples: dict[int, list[int]] = field(default_factory=dict)  # generated ids by sample index
     params: dict[str, Any] | None = None  # the row's own sampling parameters (jobs with per-row parameters)
     several: bool = False  # the row has several samples (--n): saved as "samples", else as "output_ids"
+    kind: str | None = None  # the row kind that saved it ("generate", "reasoning"); None: not recorded
+    answering: list[int] = field(default_factory=list)  # reasoning: samples past their thinking
 
-    def matches(self, row_id: str, prompt_ids: list[int], params: dict[str, Any]) -> bool:
-        """Whether this record is the work of that request (the same id, prompt and parameters)."""
+    def matches(self, row_id: str, prompt_ids: list[int], params: dict[str, Any], kind: str) -> bool:
+        """Whether this record is the work of that request (the same id, kind, prompt and parameters)."""
         return (
             self.id == row_id
+            and self.kind in (None, kind)
             and self.prompt_ids == prompt_ids
             and (self.params is None or self.params == params)
         )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ordinal": self.ordinal, "id": self.id, "prompt_ids": self.prompt_ids}
+        if self.kind is not None:
+            out["kind"] = self.kind
+        if self.answering:
+            out["answering"] = self.answering
         if self.params is not None:
             out["params"] = self.params
         if self.several:
@@ -58,7 +69,17 @@ class InFlight:
             samples = {int(k): list(v) for k, v in d["samples"].items()}
         else:
             samples = {0: list(d["output_ids"])} if d.get("output_ids") else {}
-        return cls(int(d["ordinal"]), str(d["id"]), list(d["prompt_ids"]), samples, d.get("params"), several)
+        kind = d.get("kind")
+        return cls(
+            int(d["ordinal"]),
+            str(d["id"]),
+            list(d["prompt_ids"]),
+            samples,
+            d.get("params"),
+            several,
+            None if kind is None else str(kind),
+            [int(k) for k in d.get("answering", [])],
+        )
 
 
 class Parts:

@@ -10,6 +10,8 @@ open tag) until the close tag or N tokens, then the **answer** one, from the pro
 close tag (added when the thinking ran long), under the constraint and ``--max-new-tokens``. The answer request
 starts where the reasoning ended, so it reuses its KV through the prefix cache; both are seeded per row, so a
 resumed job writes what an uninterrupted one would. Otherwise a row is one request whose text is split.
+This module finds the tags and splits text; what a row of each sort asks the engine is ``rows/generate.py``'s
+and ``rows/reasoning.py``'s (which also holds ``think_tags``, a job's tags from its options).
 """
 
 from __future__ import annotations

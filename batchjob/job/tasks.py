@@ -1,7 +1,8 @@
 """The job layer's side of the prefill-only tasks (``--task embed|classify|score``, ``engine/tasks.py``):
 a task job's result columns for its model, and a finished request's values for them.
 
-The rest of a task job is every job's (``loop.py``): rows, ids, parts, checkpoints (a prefill-only request
+What a task row asks the engine is ``rows/task.py``'s (``rows/embeddings.py``: an OpenAI embeddings line's
+inputs); the rest of a task job is every job's (``loop.py``): ids, parts, checkpoints (a prefill-only request
 saves nothing in flight: a resume computes it again), shards, status, export.
 """
 

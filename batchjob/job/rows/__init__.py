@@ -1,0 +1,187 @@
+"""What a row becomes: each row of a job is built into its row kind, which says what requests it makes and
+what their outputs turn into (``base.py``). The kinds: ``generate.py`` (a prompt sampled ``--n`` times),
+``reasoning.py`` (its thinking and its answer as two requests a sample), ``task.py`` (one prefill-only
+request), ``embeddings.py`` (an OpenAI embeddings request line, a request per input).
+
+``RowMaker`` chooses and builds a row's kind from the job's options, or says why the row is an error row.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchjob.job.requests import parse_embeddings_request
+from batchjob.job.rows.base import RowWork
+from batchjob.job.rows.embeddings import EmbeddingInputs
+from batchjob.job.rows.generate import Samples
+from batchjob.job.rows.prompt import model_names, row_request
+from batchjob.job.rows.reasoning import Reasoning, thinking_params
+from batchjob.job.rows.task import TaskRow
+
+if TYPE_CHECKING:
+    from batchjob.io.readers import Row
+    from batchjob.job.prompts import PromptBuilder
+    from batchjob.job.reasoning import ReasoningTags
+    from batchjob.job.seam import JobEngine
+    from batchjob.job.spec import JobSpec
+    from batchjob.sampling import SamplingParams
+
+Made = tuple[RowWork | None, str | None]  # the row's kind, or None and the row's error
+
+
+class RowMaker:
+    """Builds each row of one job into its kind: the job's options, the engine's tokenizer, the model's
+    think tags; and what ``body.model`` the requests named (--format openai)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        engine: JobEngine,
+        builder: PromptBuilder,
+        params: SamplingParams,
+        tags: ReasoningTags | None,
+        width: int,
+    ) -> None:
+        """``params``: what rows leave out; ``width``: --task embed's only ``body.dimensions`` value."""
+        self.spec = spec
+        self.engine = engine
+        self.builder = builder
+        self.params = params
+        self.tags = tags
+        self.width = width
+        self.task = spec.engine.task  # generate, or a prefill-only task: which kinds the rows are
+        self.model_names = model_names(spec.model)  # --format openai: what body.model may say
+        self.models_seen: set[str] = set()
+        self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def make(self, row: Row, row_id: str) -> Made:
+        """The row (readable, with its id) as its kind, or the reason it is an error row."""
+        if self.task != "generate":
+            return self._task_row(row, row_id)
+        params, ids, error = self._request(row)
+        if ids is None or params is None:
+            return None, error
+        return self._generate_row(row, row_id, ids, params), None
+
+    def _generate_row(self, row: Row, row_id: str, ids: list[int], params: SamplingParams) -> Samples:
+        """A generate row; in two requests a sample when the model thinks before a constrained or bounded
+        answer, unless the chat template turned its thinking off."""
+        tags, inside, spec = self.tags, False, self.spec
+        if tags is not None:
+            inside = tags.inside(ids)
+            closed = not inside and tags.closed(ids)
+            if not closed and (params.constrained or spec.max_reasoning_tokens is not None):
+                return Reasoning(
+                    row=row,
+                    row_id=row_id,
+                    prompt_ids=ids if inside else ids + list(tags.open_ids),
+                    num_prompt_tokens=len(ids),
+                    params=thinking_params(tags, params, spec.max_reasoning_tokens),
+                    answer_params=params,
+                    tags=tags,
+                    inside=inside,
+                    token_text=self.token_text,
+                    every=spec.per_row_params,
+                )
+        return Samples(
+            row=row,
+            row_id=row_id,
+            prompt_ids=ids,
+            num_prompt_tokens=len(ids),
+            params=params,
+            tags=tags,
+            inside=inside,
+            token_text=self.token_text,
+            every=spec.per_row_params,
+        )
+
+    def _task_row(self, row: Row, row_id: str) -> Made:
+        """A prefill-only row: an OpenAI embeddings request line's inputs, or one request (--task score:
+        with the scored text)."""
+        inputs = None
+        params: SamplingParams | None
+        ids: list[int] | None
+        if self.spec.format == "openai":  # /v1/embeddings request lines
+            inputs, error = self._embedding_inputs(row)
+            if inputs is None:
+                return None, error
+            params, ids = self.params, inputs[0]
+        else:
+            params, ids, error = self._request(row)
+        if ids is None or params is None:
+            return None, error
+        n_prompt = len(ids) if inputs is None else sum(len(x) for x in inputs)
+        continuation = None
+        if self.spec.score_column is not None:
+            continuation, error = self._continuation(row)
+            if continuation is None:
+                return None, error
+            n_prompt += len(continuation)
+        task = self.task
+        if inputs is not None:
+            return EmbeddingInputs(
+                row=row, row_id=row_id, prompt_ids=ids, num_prompt_tokens=n_prompt, task=task, inputs=inputs
+            ), None
+        token_logprobs = self.spec.logprobs is not None
+        return TaskRow(
+            row=row,
+            row_id=row_id,
+            prompt_ids=ids,
+            num_prompt_tokens=n_prompt,
+            task=task,
+            continuation=continuation,
+            token_logprobs=token_logprobs,
+        ), None
+
+    def _request(self, row: Row) -> tuple[SamplingParams | None, list[int] | None, str | None]:
+        """A row's sampling parameters and prompt ids, or the reason it has none (naming line and field)."""
+        self._saw_model(row)
+        check = self.model_names if self.spec.check_model_name else None
+        return row_request(self.spec, self.builder, self.params, row, check)
+
+    def _saw_model(self, row: Row) -> None:
+        """--format openai: note the ``body.model`` a request names (the run says which it ignored)."""
+        if self.spec.format == "openai" and row.values is not None:
+            body = row.values.get("body")
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                self.models_seen.add(body["model"])
+
+    def _embedding_inputs(self, row: Row) -> tuple[list[list[int]] | None, str | None]:
+        """--task embed --format openai: the token ids of each of the request's inputs, or its error."""
+        assert row.values is not None
+        self._saw_model(row)
+        where = f"{row.source} line {row.line}: " if row.line is not None else ""
+        check = self.model_names if self.spec.check_model_name else None
+        texts, error = parse_embeddings_request(row.values, check, self.width)
+        if texts is None:
+            return None, where + str(error)
+        inputs = []
+        for k, text in enumerate(texts):
+            ids, error = self.builder.build_request({"prompt": text})
+            if ids is None:
+                return None, f"{where}body.input[{k}]: {error}"
+            inputs.append(ids)
+        return inputs, None
+
+    def _continuation(self, row: Row) -> tuple[list[int] | None, str | None]:
+        """--score-column: the scored text's token ids (as ``Engine.score`` tokenizes a continuation), or
+        why the row has none."""
+        assert row.values is not None
+        col = self.spec.score_column
+        assert col is not None
+        value = row.values.get(col)
+        where = f"{row.source} line {row.line}: " if row.line is not None else ""
+        if value is None:
+            return None, f"{where}score column {col!r} is null or missing"
+        if not isinstance(value, str):
+            return None, f"{where}score column {col!r} is not text (got {type(value).__name__})"
+        ids = self.engine.tokenize(value, special_tokens=False) if value else []
+        if not ids:
+            return None, f"{where}score column {col!r} is empty: there is nothing to score"
+        return list(ids), None

@@ -1,0 +1,131 @@
+"""The reasoning row: a generate row whose every sample runs as two requests, its thinking and then its
+answer (``job/reasoning.py`` says when: a constrained answer, or --max-reasoning-tokens).
+
+The thinking runs unconstrained from the prompt (with the open tag) until the close tag or its token bound;
+the answer from the prompt, the thinking and the close tag (added when the thinking ran long), under the row's
+own parameters. A checkpoint saves each sample's thinking (``answering`` names the samples whose thinking
+had finished): on resume every sample re-enters as its thinking with its saved tokens, so a finished one
+ends at once and its answer is asked again, seeded as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from batchjob.errors import ConfigError
+from batchjob.job.reasoning import find_tags, parse_tags
+from batchjob.job.rows.base import Ask, request_error
+from batchjob.job.rows.generate import Samples
+
+if TYPE_CHECKING:
+    from batchjob.engine.output import RequestOutput
+    from batchjob.engine.request import RequestState
+    from batchjob.job.checkpoint import InFlight
+    from batchjob.job.reasoning import ReasoningTags
+    from batchjob.job.spec import JobSpec
+    from batchjob.sampling import SamplingParams
+
+
+def think_tags(spec: JobSpec, tokenizer: Any) -> ReasoningTags | None:
+    """The model's think tags (``--reasoning-tags``, else found in its tokenizer), or None; refuses
+    --max-reasoning-tokens for a model without them."""
+    given = parse_tags(spec.reasoning_tags) if spec.reasoning_tags else None
+    tags = find_tags(tokenizer, given)
+    if tags is None and spec.max_reasoning_tokens is not None:
+        raise ConfigError(
+            "--max-reasoning-tokens needs the model's think tags, and its tokenizer names none: give them "
+            "with --reasoning-tags OPEN,CLOSE"
+        )
+    return tags
+
+
+def answer_request_id(row_id: str, k: int) -> str:
+    """The engine id of sample ``k``'s answer. It is also the answer's seeded-sampler key, so it stays what
+    every earlier release used: another one would sample other answers than a job resumed from them."""
+    return f"{row_id}\x1fanswer{k}"
+
+
+def thinking_params(tags: ReasoningTags, params: SamplingParams, max_tokens: int | None) -> SamplingParams:
+    """A row's thinking: unconstrained, until the close tag or ``max_tokens`` (--max-reasoning-tokens, else
+    --max-new-tokens) tokens; its answer gets the row's own parameters after it."""
+    one = len(tags.close_ids) == 1
+    return params.replace(
+        choices=None,
+        json_schema=None,
+        regex=None,
+        logprobs=None,
+        max_new_tokens=max_tokens or params.max_new_tokens,
+        stop=None if one else [tags.close],
+        stop_token_ids=list(tags.close_ids) if one else None,
+    )
+
+
+@dataclass(eq=False, kw_only=True)
+class Reasoning(Samples):
+    """A generate row in two requests a sample: ``params`` are its thinking's, ``answer_params`` its
+    answer's; ``prompt_ids`` is the thinking's prompt (the row's, with the open tag)."""
+
+    kind = "reasoning"
+    tags: ReasoningTags
+    answer_params: SamplingParams
+    thoughts: dict[int, RequestOutput] = field(default_factory=dict)  # each sample's finished thinking
+    restored_answering: list[int] = field(default_factory=list)  # the restored record's, until re-added
+
+    def finished(self, out: RequestOutput, part: int | None) -> list[Ask]:
+        """A thinking that ran asks for its answer; an answer (or a failed thinking) is the sample's result."""
+        if part is None and out.finish_reason != "error":
+            return [self._answer(out)]
+        return super().finished(out, part)
+
+    def _answer(self, thought: RequestOutput) -> Ask:
+        """Sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
+        k = thought.sample_index
+        self.thoughts[k] = thought
+        ids = self.prompt_ids + list(thought.token_ids)
+        close = list(self.tags.close_ids)
+        if ids[-len(close) :] != close:
+            ids += close
+        return Ask(answer_request_id(self.row_id, k), ids, self.answer_params.replace(n=1), part=k)
+
+    def result(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        """The answer's text, the thinking's as ``reasoning``, and both requests' tokens."""
+        error = request_error(out)
+        text, reasoning, n_gen = None if error else out.text, None, len(out.token_ids)
+        thought = self.thoughts.get(k)
+        if text is not None:
+            if thought is not None:
+                reasoning = self.tags.split(thought.text, inside=True)[0] or ""
+                n_gen += len(thought.token_ids)
+            else:
+                reasoning, text = self.tags.split(text, self.inside)
+        return self._columns(out, text, reasoning, n_gen, error, self.answer_params)
+
+    def restore(self, saved: InFlight | None) -> None:
+        super().restore(saved)
+        if saved is not None and self.saved:
+            self.restored_answering = list(saved.answering)
+
+    def in_flight(self, states: list[tuple[int | None, RequestState]]) -> InFlight | None:
+        """Each sample's thinking so far; a sample in its answer as its finished thinking (the answer is
+        redone on resume)."""
+        if not states:  # not yet re-added: what it restored, as it was saved
+            record = super().in_flight(states)
+            if record is not None:
+                record.answering = list(self.restored_answering)
+            return record
+        prompt: list[int] | None = None
+        samples: dict[int, list[int]] = {}
+        answering = []
+        for part, state in states:
+            if part is None:
+                k, ids, output = state.sample_index, state.prompt_ids, state.output_ids
+            else:
+                k, ids, output = part, self.prompt_ids, self.thoughts[part].token_ids
+                answering.append(k)
+            prompt = list(ids) if prompt is None else prompt
+            samples[k] = list(output)
+        assert prompt is not None
+        record = self._record(prompt, samples)
+        record.answering = sorted(answering)
+        return record
