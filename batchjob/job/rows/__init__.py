@@ -55,10 +55,11 @@ class RowMaker:
         self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
 
     def token_text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.engine.tokenizer.decode([token_id])
-        return text
+        if token_id not in self._texts:
+            decoded = self.engine.tokenizer.decode([token_id])
+            assert isinstance(decoded, str)  # one sequence in, one text out
+            self._texts[token_id] = decoded
+        return self._texts[token_id]
 
     def make(self, row: Row, row_id: str) -> Made:
         """The row (readable, with its id) as its kind, or the reason it is an error row."""
