@@ -118,10 +118,23 @@ def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
     return columns
 
 
+class RepeatedColumnError(InputError):
+    """An input file with two columns of one name: its rows can't be read as name -> value, so the job stops
+    before work (not an error row, as another unreadable file is)."""
+
+
 def _table_schema(source: Source) -> pa.Schema:
     if source.kind == "parquet":
-        return _parquet_file(source).schema_arrow
-    return load_hf(source)[0][1].features.arrow_schema
+        schema = _parquet_file(source).schema_arrow
+    else:
+        schema = load_hf(source)[0][1].features.arrow_schema
+    repeated = sorted({n for n in schema.names if schema.names.count(n) > 1})
+    if repeated:
+        raise RepeatedColumnError(
+            f"input {source.path} has more than one column named {', '.join(map(repr, repeated))}: a row "
+            "can't hold two values under one name. Rename them in the file, or leave the file out"
+        )
+    return schema
 
 
 def _read_failed(source: Source, e: Exception) -> InputError:
@@ -183,6 +196,8 @@ def input_schema(sources: list[Source]) -> pa.Schema:
                 named.append(
                     (source.path, pa.schema([_mark_text(f) for f in table], metadata=table.metadata))
                 )
+        except RepeatedColumnError:
+            raise
         except InputError as e:
             failed.append(e)
         except Exception as e:

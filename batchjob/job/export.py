@@ -21,7 +21,11 @@ from itertools import groupby
 from pathlib import Path
 from typing import IO, Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from batchjob.errors import InputError, StateError
+from batchjob.io.writers import input_column
 from batchjob.job.inputs import split_ordinal
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.owned import check_target
@@ -76,11 +80,23 @@ def iter_results(out_dir: Path) -> tuple[JobInfo, Iterator[Result]]:
     return info, merged
 
 
-def _id_of(result: Result, info: JobInfo, id_column: str | None) -> str:
-    if id_column is not None:
-        for name in (id_column, f"input_{id_column}"):
-            if result.row.get(name) is not None:
-                return str(result.row[name])
+def _id_name(out_dir: Path, info: JobInfo, id_column: str | None) -> str | None:
+    """The name the parts hold the ``--id-column`` under (an input column named like a result column is
+    renamed: ``writers.input_column``), read from the first committed part."""
+    if id_column is None:
+        return None
+    for manifest in _manifests(out_dir, info):
+        for record in manifest.parts:
+            try:
+                return input_column(pq.read_schema(out_dir / record.name), id_column)
+            except (OSError, pa.ArrowException) as e:
+                raise DamagedPartError(out_dir, record.name, f"cannot be read ({e})") from e
+    return id_column
+
+
+def _id_of(result: Result, info: JobInfo, id_name: str | None) -> str:
+    if id_name is not None and result.row.get(id_name) is not None:
+        return str(result.row[id_name])
     seq, index = split_ordinal(result.ordinal)
     names = {r.seq: r.name for r in info.inputs}
     return f"{names.get(seq, seq)}:{index}"
@@ -195,7 +211,7 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
     if fmt not in FORMATS:
         raise InputError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     info, results = iter_results(out_dir)
-    id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
+    id_column = _id_name(out_dir, info, (info.fingerprint.get("prompt") or {}).get("id_column"))
     written = 0
     if fmt == "jsonl":
         for r in results:

@@ -1,0 +1,102 @@
+"""The edges where a labeling tool could give a silent wrong answer (issue 31): input columns named like
+result columns, inputs that change under a running job, exports of every task, odd model configs, and the
+small messages around them. Each case either works exactly or refuses by name."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+from batchjob.errors import InputError
+from batchjob.io.readers import input_schema
+from batchjob.io.sources import discover
+from batchjob.io.writers import RENAMED_KEY, input_column, output_names, output_schema, task_fields
+from batchjob.job import make_spec, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- input columns named like result columns -------------------------------------------------------------
+
+
+def test_a_clashing_input_column_is_prefixed_until_its_name_is_free():
+    names = output_names(["error", "input_error", "input_input_error", "text", "generated_text"])
+    assert names == {
+        "error": "input_input_input_error",
+        "input_error": "input_error",
+        "input_input_error": "input_input_error",
+        "text": "text",
+        "generated_text": "input_generated_text",
+    }
+    schema = pa.schema([(n, pa.string()) for n in names])
+    out = output_schema(schema)
+    assert len(set(out.names)) == len(out.names)
+    assert json.loads(out.metadata[RENAMED_KEY]) == {
+        "input_input_input_error": "error",
+        "input_generated_text": "generated_text",
+    }
+    # read back by the record: the input's "error" is not the result's
+    assert input_column(out, "error") == "input_input_input_error"
+    assert input_column(out, "input_error") == "input_error"
+    assert input_column(out, "text") == "text"
+
+
+def test_the_naming_rule_keeps_unclashing_names_and_other_tasks_names():
+    plain = output_schema(pa.schema([("text", pa.string())]))
+    assert plain.names[0] == "text" and plain.metadata is None  # nothing renamed: nothing recorded
+    # "label" is a classify result, not generation's: kept, and recorded as kept, beside an "input_label"
+    both = output_schema(pa.schema([("label", pa.string()), ("input_label", pa.string())]))
+    assert both.names[:2] == ["label", "input_label"]
+    assert input_column(both, "label") == "label"
+    classify = output_schema(
+        pa.schema([("label", pa.string()), ("input_label", pa.string())]),
+        result=task_fields("classify", num_labels=3),
+    )
+    assert classify.names[:2] == ["input_input_label", "input_label"]
+    assert input_column(classify, "label") == "input_input_label"
+    # a part written before the record: the single prefix it had then
+    legacy = pa.schema([("input_error", pa.string()), ("error", pa.string())])
+    assert input_column(legacy, "error") == "input_error"
+
+
+def test_an_input_file_with_two_columns_of_one_name_is_refused_by_name(tmp_path):
+    path = tmp_path / "dup.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["x", "x"]), path)
+    pq.write_table(pa.table({"x": ["c"]}), tmp_path / "ok.parquet")
+    with pytest.raises(InputError, match=r"dup\.parquet has more than one column named 'x'"):
+        input_schema(discover([str(tmp_path)]))
+
+
+def _job(tmp_path, model, rows, **kw):
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    spec = make_spec(
+        input=[str(data)], output=str(out), model=str(model), max_new_tokens=2, chat=False, **kw
+    )
+    assert run_job(spec).status == "complete"
+    return out
+
+
+def test_input_error_columns_survive_the_parts_and_the_export(tiny_model_dir, tmp_path):
+    rows = [{"error": f"e{i}", "input_error": f"ie{i}", "text": f"row {i}"} for i in range(3)]
+    out = _job(tmp_path, tiny_model_dir, rows, template="{text} {error}", id_column="error")
+    table = ds.dataset(out, format="parquet").to_table()  # readable: no two fields of one name
+    assert table.column("input_input_error").to_pylist() == ["e0", "e1", "e2"]
+    assert table.column("input_error").to_pylist() == ["ie0", "ie1", "ie2"]
+    assert table.column("error").to_pylist() == [None, None, None]
+    result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
+    assert result.exit_code == 0, result.output
+    exported = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["input_input_error"] for r in exported] == ["e0", "e1", "e2"]
+    assert [r["input_error"] for r in exported] == ["ie0", "ie1", "ie2"]
+    result = CliRunner().invoke(main, ["export", str(out), "--format", "openai"])
+    assert result.exit_code == 0, result.output
+    # the --id-column "error" is the input's, not the result's (null) error
+    assert [json.loads(line)["custom_id"] for line in result.stdout.splitlines()] == ["e0", "e1", "e2"]
