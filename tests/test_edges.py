@@ -100,3 +100,58 @@ def test_input_error_columns_survive_the_parts_and_the_export(tiny_model_dir, tm
     assert result.exit_code == 0, result.output
     # the --id-column "error" is the input's, not the result's (null) error
     assert [json.loads(line)["custom_id"] for line in result.stdout.splitlines()] == ["e0", "e1", "e2"]
+
+
+# --- inputs that change under a running job ---------------------------------------------------------------
+
+
+def _lines(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"rid": f"r{i:04d}", "review": f"item {i} was {'good' if i % 3 else 'bad'}"}) + "\n")
+    return path
+
+
+def _run_args(data, out, model):
+    args = ["--input", data, "--output", out, "--model", model, "--template", "Review: {review}\nSentiment:"]
+    args += ["--id-column", "rid", "--max-new-tokens", "2", "--max-num-seqs", "2"]
+    return [str(a) for a in [*args, "--checkpoint-interval", "0.000001"]]  # a part each step
+
+
+def test_an_input_truncated_in_place_while_read_stops_the_job(launch, tiny_model_dir, tmp_path):
+    """logrotate's copytruncate: the file is cut to 0 bytes once the first part is committed, while the
+    reader is part-way through it. The job must not say complete over the rows it happened to see."""
+    data = _lines(tmp_path / "log.jsonl", 2000)
+    size = data.stat().st_size
+    out = tmp_path / "out"
+    proc = launch(
+        _run_args(data, out, tiny_model_dir), BATCHJOB_FAULT_TRUNCATE=f"part_committed:0:{data}"
+    )
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 2, output
+    assert f"input {data} shrank from {size} to 0 bytes" in output
+    assert "copytruncate" in output and "new --output" in output
+    assert "complete:" not in output and "Traceback" not in output
+    from batchjob.job.state import StateDir
+
+    assert not StateDir(out).load_job().complete
+
+
+def test_an_input_changed_after_it_was_read_stops_the_job_before_complete(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The reader was done with the file (4 rows, all read at once) when it was cut: the check before
+    "complete" finds it, by the job's records."""
+    from tests.jobproc import run_here
+
+    data = _lines(tmp_path / "small.jsonl", 4)
+    out = tmp_path / "out"
+    monkeypatch.setenv("BATCHJOB_FAULT_TRUNCATE", f"part_committed:10:{data}")
+    code, output = run_here(_run_args(data, out, tiny_model_dir))
+    assert code == 2, output
+    assert "the job stopped before saying complete" in output
+    assert f"{data}: changed (shrank from" in output
+    assert "complete:" not in output and "Traceback" not in output
+    monkeypatch.delenv("BATCHJOB_FAULT_TRUNCATE")
+    code, output = run_here(_run_args(data, out, tiny_model_dir))  # and a rerun refuses, by the same records
+    assert code == 2 and "changed since it started" in output, output

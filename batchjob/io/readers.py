@@ -20,6 +20,7 @@ import pyarrow as pa
 from batchjob import faults
 from batchjob.errors import InputError
 from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
+from batchjob.io.watch import check_unchanged, stamp
 
 _PARQUET_BATCH_ROWS = 1024
 _SCHEMA_SAMPLE_ROWS = 1000
@@ -390,9 +391,13 @@ def iter_rows(
     ``[a, b)`` are to be skipped, so a reader can pass over a whole batch without decoding it.
     ``on_skipped(ordinal, value)`` is called for every row left out, with its ``id_column`` value (so that
     ids can be checked job-wide without yielding every row).
+
+    A local file that changes while it is read (``batchjob.io.watch``) stops the reader at its end with an
+    InputChangedWhileReadError naming it.
     """
     counts = []
     for source in sources:
+        before = stamp(source)
         if source.kind == "jsonl":
             index = 0
             for i, (lineno, obj, error) in enumerate(_jsonl_rows(source)):
@@ -403,5 +408,6 @@ def iter_rows(
                 index = i + 1
         else:
             index = yield from _table_rows(source, skip, covered, on_skipped, id_column)
+        check_unchanged(source, before)
         counts.append(index)
     return counts

@@ -40,6 +40,7 @@ from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.stats import RunStats
 from batchjob.job.tasks import result_fields, task_columns, task_extra
+from batchjob.job.unchanged import check_inputs_unchanged
 from batchjob.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -599,6 +600,7 @@ class JobLoop:
 
     def _complete(self) -> None:
         """Every row is done: commit the last part, mark the job complete, drop the in-flight checkpoint."""
+        check_inputs_unchanged(self.prep)  # a job is complete only for the inputs it recorded
         self.commit()
         if self.ids is not None:
             self.ids.commit()
