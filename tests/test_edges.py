@@ -77,9 +77,9 @@ def _job(tmp_path, model, rows, **kw):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    spec = make_spec(
-        input=[str(data)], output=str(out), model=str(model), max_new_tokens=2, chat=False, **kw
-    )
+    if kw.get("task", "generate") == "generate":
+        kw.setdefault("max_new_tokens", 2)
+    spec = make_spec(input=[str(data)], output=str(out), model=str(model), chat=False, **kw)
     assert run_job(spec).status == "complete"
     return out
 
@@ -155,3 +155,48 @@ def test_an_input_changed_after_it_was_read_stops_the_job_before_complete(
     monkeypatch.delenv("BATCHJOB_FAULT_TRUNCATE")
     code, output = run_here(_run_args(data, out, tiny_model_dir))  # and a rerun refuses, by the same records
     assert code == 2 and "changed since it started" in output, output
+
+
+# --- export ------------------------------------------------------------------------------------------------
+
+
+def _export(out, *args):
+    result = CliRunner().invoke(main, ["export", str(out), *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_openai_export_of_a_score_job_is_refused_by_name_and_leaves_no_file(tiny_model_dir, tmp_path):
+    out = _job(tmp_path, tiny_model_dir, [{"text": "a b c d"}], template="{text}", task="score")
+    target = tmp_path / "lines.jsonl"
+    code, output = _export(out, "--format", "openai", "--to", target)
+    assert code == 2, output
+    assert "--format openai: a score job's results have no OpenAI Batch response" in output
+    assert "--format jsonl or csv" in output and "Traceback" not in output
+    assert list(tmp_path.glob("*lines.jsonl*")) == []  # neither the target nor its temporary file
+    code, output = _export(out, "--format", "jsonl", "--to", target)
+    assert code == 0 and target.exists(), output
+
+
+def test_export_to_a_missing_folder_names_the_path_given(tiny_model_dir, tmp_path):
+    out = _job(tmp_path, tiny_model_dir, [{"text": "a b"}], template="{text}")
+    for target in (tmp_path / "nowhere" / "x.jsonl", tmp_path / "gone" / "deeper" / "x.jsonl"):
+        code, output = _export(out, "--format", "jsonl", "--to", target)
+        assert code == 2, output
+        assert f"--to {target}: cannot write in {target.parent}" in output, output
+        assert ".tmp" not in output and "Traceback" not in output
+    (tmp_path / "a_file").write_text("")
+    target = tmp_path / "a_file" / "x.jsonl"
+    code, output = _export(out, "--format", "jsonl", "--to", target)
+    assert code == 2 and f"--to {target}: cannot write in {target.parent} (Not a directory)" in output, output
+
+
+def test_openai_export_a_row_too_long_for_the_model_is_a_bad_request(tiny_model_dir, tmp_path):
+    """Refused by the engine at admission (it has prompt tokens): still the request's fault, 400."""
+    rows = [{"text": "short"}, {"text": " ".join(["word"] * 200)}]
+    out = _job(tmp_path, tiny_model_dir, rows, template="{text}", task="embed", max_model_len=32)
+    code, output = _export(out, "--format", "openai")
+    assert code == 0, output
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert [line["response"]["status_code"] for line in lines] == [200, 400]
+    assert lines[1]["response"]["body"]["error"]["type"] == "invalid_request_error"
+    assert "longer than the model's limit" in lines[1]["error"]["message"]

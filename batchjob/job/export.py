@@ -34,6 +34,9 @@ from batchjob.job.state import JobInfo, StateDir
 from batchjob.job.verify import REDO, DamagedPartError, check_parts, read_batches
 
 FORMATS = ("jsonl", "csv", "openai")
+OPENAI_TASKS = ("generate", "embed")  # the tasks that have an OpenAI Batch response: completions, embeddings
+# the error job/loop.py writes for a request the engine failed to run without saying why
+ENGINE_FAILURE = "the engine could not run this request"
 _BATCH = 1024
 
 
@@ -122,8 +125,9 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         first = failed
     if first.get("error") is not None:
         # as OpenAI and vLLM write a failed request: its HTTP status and error body in ``response``; a
-        # request refused before it ran (no prompt tokens) is a bad request (400), else the server failed
-        status = 400 if not first.get("num_prompt_tokens") else 500
+        # request refused (a bad row, a prompt too long, refused by the engine at admission) is a bad request
+        # (400); only one the engine failed to run is the server's failure (500)
+        status = 500 if first["error"] == ENGINE_FAILURE else 400
         kind = "invalid_request_error" if status == 400 else "server_error"
         error = {"message": first["error"], "type": kind, "param": None, "code": "batchjob_error"}
         line["response"] = {"status_code": status, "request_id": digest, "body": {"error": error}}
@@ -211,6 +215,12 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
     if fmt not in FORMATS:
         raise InputError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     info, results = iter_results(out_dir)
+    task = str((info.fingerprint.get("task") or {}).get("task", "generate"))
+    if fmt == "openai" and task not in OPENAI_TASKS:
+        raise InputError(
+            f"--format openai: a {task} job's results have no OpenAI Batch response (OpenAI's have "
+            f"completions, chat and embeddings only); export {out_dir} with --format jsonl or csv"
+        )
     id_column = _id_name(out_dir, info, (info.fingerprint.get("prompt") or {}).get("id_column"))
     written = 0
     if fmt == "jsonl":
@@ -253,7 +263,18 @@ def export_to(out_dir: Path, fmt: str, to: str | None) -> tuple[int, str]:
     target = Path(to)
     check_target(target, "--to", [out_dir])
     tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        n = export(out_dir, fmt, f)
-    tmp.replace(target)
+    try:
+        f = open(tmp, "w", encoding="utf-8", newline="")  # noqa: SIM115 - closed below
+    except OSError as e:  # a missing or read-only folder: name the path given, not our temporary file
+        raise InputError(
+            f"--to {target}: cannot write in {target.parent} ({e.strerror or e}); give a file in an existing, "
+            "writable folder"
+        ) from e
+    try:
+        with f:
+            n = export(out_dir, fmt, f)
+        tmp.replace(target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left beside the target
+        raise
     return n, str(target)
