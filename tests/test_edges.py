@@ -200,3 +200,70 @@ def test_openai_export_a_row_too_long_for_the_model_is_a_bad_request(tiny_model_
     assert [line["response"]["status_code"] for line in lines] == [200, 400]
     assert lines[1]["response"]["body"]["error"]["type"] == "invalid_request_error"
     assert "longer than the model's limit" in lines[1]["error"]["message"]
+
+
+# --- models --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def load_reports():
+    """transformers' load reports (warnings of ``transformers.modeling_utils``) that reach its handlers."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "LOAD REPORT" in record.getMessage():
+                seen.append(record.getMessage())
+
+    logger, handler = logging.getLogger("transformers.modeling_utils"), Keep()
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
+def _copy(folder, to):
+    import shutil
+
+    shutil.copytree(folder, to)
+    return to
+
+
+def test_embed_on_a_causal_model_shows_no_load_report_unless_weights_are_missing(
+    tiny_model_dir, tmp_path, load_reports
+):
+    from safetensors.torch import load_file, save_file
+
+    from batchjob.models import load_model_and_tokenizer
+
+    load_model_and_tokenizer(str(tiny_model_dir), None, "cpu", task="embed")
+    assert load_reports == []  # the LM head left out: nothing is wrong
+    broken = _copy(tiny_model_dir, tmp_path / "broken")
+    weights = load_file(broken / "model.safetensors")
+    name = next(k for k in weights if k.endswith("norm.weight") and "layers" not in k)
+    del weights[name]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    load_model_and_tokenizer(str(broken), None, "cpu", task="embed")
+    assert len(load_reports) == 1 and "MISSING" in load_reports[0]  # a real problem is still shown
+
+
+@pytest.mark.engine
+def test_a_classifier_without_id2label_is_refused_naming_the_key(tmp_path, load_reports):
+    from batchjob.errors import ModelNotFoundError
+    from batchjob.models import load_model_and_tokenizer
+    from tests.task_models import make_classifier
+
+    folder = make_classifier(tmp_path / "clf", "bert", 3)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("id2label", "label2id"):
+        config.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model_and_tokenizer(str(folder), None, "cpu", task="classify")
+    assert str(e.value) == (
+        f"model folder {folder}: its classification head (classifier.weight) has 3 outputs, but its config.json "
+        "has no id2label, so transformers assumes 2 labels. Set id2label in config.json to the head's 3 labels, "
+        'in output order ({"0": "L0", "1": "L1", "2": "L2"}), and label2id to match'
+    )
+    assert load_reports == []
