@@ -73,6 +73,17 @@ def test_an_input_file_with_two_columns_of_one_name_is_refused_by_name(tmp_path)
         input_schema(discover([str(tmp_path)]))
 
 
+def test_a_jsonl_row_that_gives_a_key_twice_is_an_error_row_naming_key_file_and_line(tmp_path):
+    from batchjob.io.readers import iter_rows
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"a": 1, "b": 2}\n{"a": 1, "b": 2, "a": 3}\n{"a": {"x": 1, "x": 2}}\n')
+    rows = list(iter_rows(discover([str(data)])))
+    assert [r.values for r in rows] == [{"a": 1, "b": 2}, None, None]
+    assert rows[1].error == "rows.jsonl line 2: key 'a' appears more than once in an object (which value is meant?)"
+    assert rows[2].error.startswith("rows.jsonl line 3: key 'x' appears more than once")
+
+
 def _job(tmp_path, model, rows, **kw):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

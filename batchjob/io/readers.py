@@ -1,8 +1,8 @@
 """Streaming rows out of sources, one bounded batch at a time; the dataset is never held in memory.
 
 Every row gets an ``ordinal`` (its source's base plus its index: the same on every run) and a derived id
-``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, or a file that stops
-being readable part-way, becomes a ``Row`` with ``error`` set (naming the file and line): bad data never
+``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, an object that gives a
+key twice (JSON would keep the last value without a word), or a file that stops being readable part-way, becomes a ``Row`` with ``error`` set (naming the file and line): bad data never
 stops the stream.
 """
 
@@ -85,11 +85,37 @@ def _depth_over(value: Any, limit: int) -> bool:
     return True
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that gives one key twice: ``json`` would keep the last value without a word."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _RepeatedKey(f"key {key!r} appears more than once in an object (which value is meant?)")
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object)
+
+
+def _loads(text: str | bytes) -> Any:
+    """``json.loads`` (bytes decoded as it decodes them), refusing a key given twice in an object."""
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    return _DECODER.decode(text)
+
+
 def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """One JSONL line as an object, or why it is not a usable row: bad JSON, not an object, or nested deeper
-    than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never the reader's stop)."""
+    """One JSONL line as an object, or why it is not a usable row: bad JSON, a key given twice in an object,
+    not an object, or nested deeper than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never
+    the reader's stop)."""
     try:
-        obj = json.loads(text)
+        obj = _loads(text)
+    except _RepeatedKey as e:
+        return None, str(e)
     except RecursionError:
         return None, f"bad JSON (nested deeper than {MAX_DEPTH} levels)"
     except ValueError as e:
