@@ -278,3 +278,29 @@ def test_a_classifier_without_id2label_is_refused_naming_the_key(tmp_path, load_
         'in output order ({"0": "L0", "1": "L1", "2": "L2"}), and label2id to match'
     )
     assert load_reports == []
+
+
+def test_float16_on_a_cpu_without_it_gets_a_warning_beside_bf16s(monkeypatch):
+    import torch
+
+    from batchjob.engine.cpu import bf16
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(bf16, "native_fp16", lambda: False)
+    line = bf16.slow_bf16(cpu, torch.float16)
+    assert line is not None and line.startswith("dtype float16: this CPU has no native float16")
+    assert "slower than float32" in line
+    assert bf16.slow_bf16(torch.device("cuda"), torch.float16) is None
+    monkeypatch.setattr(bf16, "native_fp16", lambda: True)
+    assert bf16.slow_bf16(cpu, torch.float16) is None
+
+
+@pytest.mark.parametrize("given", [["--logprobs", "-1"], ["--logprobs=-1"]])
+def test_a_negative_logprobs_says_what_values_it_takes(given, tmp_path):
+    args = ["run", "--input", str(tmp_path / "x.jsonl"), "--output", str(tmp_path / "o"), *given]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert f"{' '.join(given)}: --logprobs takes a whole number 0 or more, or nothing (--logprobs alone: 0)" in (
+        result.output
+    )
+    assert "No such option" not in result.output
