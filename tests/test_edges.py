@@ -129,6 +129,45 @@ def _run_args(data, out, model):
     return [str(a) for a in [*args, "--checkpoint-interval", "0.000001"]]  # a part each step
 
 
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ("append", "grew from 155 to 188 bytes (is something still writing to it?)"),
+        ("remove", "was removed"),
+        ("replace", "was replaced by another file"),
+        ("rewrite", "was modified (its time stamp changed)"),
+    ],
+)
+def test_the_reader_stops_at_the_end_of_a_file_that_changed_while_read(tmp_path, change, said):
+    import os
+
+    from batchjob.io.readers import iter_rows
+    from batchjob.io.watch import InputChangedWhileReadError
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i:03d} " + "x" * 10}) + "\n" for i in range(5)))
+    assert data.stat().st_size == 155
+    rows = iter_rows(discover([str(data)]))
+    assert next(rows).values is not None  # the reader has the file open
+    if change == "append":
+        with open(data, "a") as f:
+            f.write(json.dumps({"text": "row 005 " + "x" * 12}) + "\n")
+    elif change == "remove":
+        data.unlink()
+    elif change == "replace":
+        other = tmp_path / "other.jsonl"
+        other.write_text(data.read_text())
+        os.replace(other, data)
+    else:
+        st = data.stat()
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(InputChangedWhileReadError) as e:
+        list(rows)
+    assert str(e.value).startswith(f"input {data} {said} while it was being read")
+    hint = "--append" if change == "append" else "Restore the file the job started with"
+    assert hint in str(e.value)
+
+
 def test_an_input_truncated_in_place_while_read_stops_the_job(launch, tiny_model_dir, tmp_path):
     """logrotate's copytruncate: the file is cut to 0 bytes once the first part is committed, while the
     reader is part-way through it. The job must not say complete over the rows it happened to see."""

@@ -70,6 +70,6 @@ def check_unchanged(source: Source, before: Stamp | None) -> None:
             "into a new --output"
         )
     raise InputChangedWhileReadError(
-        f"input {source.path} {what} while the job was reading it, so the rows read may not be the file's; "
-        f"the job stopped before saying complete (the rows it committed are kept). {go_on}"
+        f"input {source.path} {what} while it was being read, so the rows read may not be the file's: "
+        f"stopped before anything was marked complete (rows already committed are kept). {go_on}"
     )
