@@ -199,6 +199,22 @@ def source_schema(source: Source) -> pa.Schema:
     return input_schema([source])
 
 
+def _jsonl_schema(sources: list[Source], kinds: dict[str, set[type]]) -> tuple[str, pa.Schema]:
+    """The JSONL inputs' columns from the value types seen of each key, named for ``_unify``'s messages."""
+    text = pa.schema(
+        [
+            pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
+            for k, v in kinds.items()
+        ]
+    )
+    jsonl_name = (
+        "the JSONL inputs"
+        if sum(s.kind == "jsonl" for s in sources) > 1
+        else next(s.path for s in sources if s.kind == "jsonl")
+    )
+    return jsonl_name, text
+
+
 def input_schema(sources: list[Source]) -> pa.Schema:
     """The input columns of a job: the union of its sources' columns, in order of first appearance.
 
@@ -232,18 +248,7 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     if failed and len(failed) == len(sources):
         raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
     if kinds:
-        text = pa.schema(
-            [
-                pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
-                for k, v in kinds.items()
-            ]
-        )
-        jsonl_name = (
-            "the JSONL inputs"
-            if sum(s.kind == "jsonl" for s in sources) > 1
-            else next(s.path for s in sources if s.kind == "jsonl")
-        )
-        named.insert(jsonl_at or 0, (jsonl_name, text))
+        named.insert(jsonl_at or 0, _jsonl_schema(sources, kinds))
     if not named:
         return pa.schema([])
     schema = _unify(named) if len(named) > 1 else named[0][1]
