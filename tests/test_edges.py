@@ -84,6 +84,18 @@ def test_a_jsonl_row_that_gives_a_key_twice_is_an_error_row_naming_key_file_and_
     assert rows[2].error.startswith("rows.jsonl line 3: key 'x' appears more than once")
 
 
+def test_export_refuses_a_part_an_earlier_version_wrote_with_two_columns_of_one_name(tmp_path):
+    from batchjob.errors import StateError
+    from batchjob.job.export import _part_rows
+    from batchjob.job.manifest import PartRecord
+
+    arrays = [pa.array(["in"]), pa.array(["ie"]), pa.array([None], pa.string())]
+    pq.write_table(pa.Table.from_arrays(arrays, names=["input_error", "input_error", "error"]), tmp_path / "p.parquet")
+    record = PartRecord("p.parquet", 1, 0, 0, 0, [[0, 1]])
+    with pytest.raises(StateError, match=r"part p\.parquet has more than one column named 'input_error'"):
+        list(_part_rows(tmp_path, record))
+
+
 def _job(tmp_path, model, rows, **kw):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

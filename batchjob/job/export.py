@@ -59,6 +59,15 @@ def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:
     ordinals = (o for a, b in record.ordinals for o in range(a, b))
     current = -1
     for batch in read_batches(out_dir, record.name, batch_size=_BATCH):
+        names = batch.schema.names
+        if len(set(names)) != len(names):  # a row as a dict would keep one of them only
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise StateError(
+                f"{out_dir}: part {record.name} has more than one column named {', '.join(map(repr, twice))} "
+                "(an earlier batchjob wrote an input column that clashed with a result column under a taken "
+                "name); exporting it would drop one. Run the job again into a new --output, or read the part "
+                "by column position with pyarrow.parquet"
+            )
         for row in batch.to_pylist(maps_as_pydicts="lossy"):  # --choices maps as objects
             if row.get("sample_index", 0) == 0:  # --n: a row's samples follow it; an error row has one
                 current = next(ordinals, None)
