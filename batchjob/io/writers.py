@@ -135,8 +135,9 @@ def output_schema(
     return pa.schema(fields + result + list(extra), metadata=metadata)
 
 
-# Every result or feature column name any task writes: a part written before the renaming was recorded
-# renamed exactly these (once), so ``input_column`` reads such parts by this list.
+# Every result or feature column name any task writes. A part written before the renaming was recorded
+# renamed an input column of one of these names once (the ones its own task wrote), so ``input_column`` reads
+# such a part by this list (an ``input_<name>`` beside it is taken for the renamed one).
 _ALL_RESULT_NAMES = {
     f.name
     for fields in (
