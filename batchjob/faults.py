@@ -15,6 +15,9 @@ reached and cost nothing when unset.
   for a line on stdin instead (``at_exit``).
 - ``BATCHJOB_FAULT_KILL=<point>``: at that point the process dies as if killed (exit 137, nothing flushed or
   cleaned up). Points: ``after_part_rewrite`` and ``after_manifest_rewrite`` (``verify.py``).
+- ``BATCHJOB_FAULT_TRUNCATE=<point>:<bytes>:<path>``: when the process reaches that point (any of the pause
+  points above) the first time, the file at ``path`` is cut to ``bytes`` in place, as logrotate's
+  ``copytruncate`` does to a log a job is reading; the process goes on at once.
 - ``BATCHJOB_FAULT_EIO=<source name>:<line>``: reading that line of that JSONL input fails with EIO (a
   transient read error: the rest of the file becomes one error row, which ``--retry-errors`` redoes).
 - ``BATCHJOB_FAULT_ENOSPC=<what>:<n>``: the n-th write of ``what`` in this process fails with ENOSPC, the way
@@ -36,15 +39,28 @@ PAUSE_ENV = "BATCHJOB_FAULT_PAUSE"
 ENOSPC_ENV = "BATCHJOB_FAULT_ENOSPC"
 KILL_ENV = "BATCHJOB_FAULT_KILL"
 EIO_ENV = "BATCHJOB_FAULT_EIO"
+TRUNCATE_ENV = "BATCHJOB_FAULT_TRUNCATE"
 
 _writes: dict[str, int] = {}
 _paused: set[str] = set()  # the points this process has paused at: each pauses once
+_truncated: set[str] = set()  # the points at which this process has cut a file: each cuts once
+
+
+def _truncate(name: str) -> None:
+    """If ``BATCHJOB_FAULT_TRUNCATE`` names this point, cut its file in place (the first time only)."""
+    target, _, rest = os.environ.get(TRUNCATE_ENV, "").partition(":")
+    if target != name or name in _truncated:
+        return
+    _truncated.add(name)
+    size, _, path = rest.partition(":")
+    os.truncate(path, int(size))
 
 
 def point(name: str) -> None:
     """If ``BATCHJOB_FAULT_PAUSE`` names this point, announce it and wait for SIGTERM/SIGINT: the first time the
     process reaches it only. (A test sends one signal; the stop it causes may pass the point again, e.g. the
-    last checkpoint's commit, and must not wait there for a second.)"""
+    last checkpoint's commit, and must not wait there for a second.) ``BATCHJOB_FAULT_TRUNCATE`` acts here too."""
+    _truncate(name)
     if name not in os.environ.get(PAUSE_ENV, "").split(","):
         return
     if threading.current_thread() is not threading.main_thread() or name in _paused:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import socket
@@ -233,9 +234,77 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
         if not trust_remote_code:  # a hub model's tokenizer_config.json, read only now
             _refuse_own_code(resolved, tokenizer.init_kwargs.get("auto_map"), "tokenizer_config.json", None)
-        model = auto.from_pretrained(resolved, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = _from_pretrained(auto, resolved, task, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e) from e
     model.to(device)
     model.eval()
     return model, tokenizer, resolved
+
+
+class _HeldReport(logging.Filter):
+    """Holds back transformers' load report (a warning) while a model loads, for ``_from_pretrained`` to show
+    only when it says something is wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+
+def _from_pretrained(auto: Any, resolved: str, task: str, **kwargs: Any) -> Any:
+    """``auto.from_pretrained``, with two of transformers' load reports made right:
+
+    - embed on a causal LM's folder loads the body without the LM head, which the report calls UNEXPECTED
+      ("not ok if you expect identical arch") though nothing is wrong: that report is not shown;
+    - classify with a head whose size is not the config's label count (no ``id2label``: transformers
+      assumes 2) is refused naming the config key, not with a RuntimeError about mismatched sizes.
+
+    Any other report (weights missing, unexpected, mismatched) is shown as transformers wrote it."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    held = _HeldReport()
+    logger.addFilter(held)
+    try:
+        model, info = auto.from_pretrained(
+            resolved, output_loading_info=True, ignore_mismatched_sizes=task == "classify", **kwargs
+        )
+    except BaseException:
+        logger.removeFilter(held)
+        for record in held.records:
+            logger.handle(record)
+        raise
+    logger.removeFilter(held)
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: ("weight" not in m[0], m[0]))
+    if task == "classify" and mismatched:
+        raise _head_mismatch(resolved, mismatched)
+    head_only = task == "embed" and all(k.startswith("lm_head.") for k in info.get("unexpected_keys") or ())
+    if not (head_only and not info.get("missing_keys") and not info.get("error_msgs")):
+        for record in held.records:
+            logger.handle(record)
+    return model
+
+
+def _head_mismatch(resolved: str, mismatched: list[Any]) -> ModelNotFoundError:
+    """Why a classifier's head does not fit its config, naming the key to set."""
+    key, saved, built = mismatched[0][:3]
+    outputs, labels = int(saved[0]), int(built[0])
+    where = f"model folder {resolved}" if Path(resolved).is_dir() else f"model {resolved!r}"
+    try:
+        config = json.loads((Path(resolved) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    said = (
+        f"its config.json lists {labels} labels in id2label"
+        if isinstance(config, dict) and config.get("id2label")
+        else f"its config.json has no id2label, so transformers assumes {labels} labels"
+    )
+    example = ", ".join(f'"{i}": "L{i}"' for i in range(min(outputs, 3))) + (", ..." if outputs > 3 else "")
+    return ModelNotFoundError(
+        f"{where}: its classification head ({key}) has {outputs} outputs, but {said}. Set id2label in "
+        f"config.json to the head's {outputs} labels, in output order ({{{example}}}), and label2id to match"
+    )

@@ -109,6 +109,33 @@ class _Program(click.Group):
             faults.at_exit("finalizing")
             raise
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if cmd is not None:
+            _check_optional_values(cmd, rest)
+        return name, cmd, rest
+
+
+def _check_optional_values(cmd: click.Command, args: list[str]) -> None:
+    """click reads ``--logprobs -1`` (and ``--logprobs=-1``) as the flag alone, then ``-1`` as an unknown
+    option ("No such option '-1'"): for a number option that may be given alone, say what it takes."""
+    numbers = {
+        flag: p
+        for p in cmd.params
+        if isinstance(p, click.Option) and p._flag_needs_value and isinstance(p.type, click.types.IntParamType)
+        for flag in p.opts
+    }
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if flag in numbers and re.fullmatch(r"-\d+", value):
+            given = f"{flag}={value}" if eq else f"{flag} {value}"
+            raise click.UsageError(
+                f"{given}: {flag} takes a whole number 0 or more, or nothing ({flag} alone: "
+                f"{numbers[flag].flag_value})",
+                ctx=None,
+            )
+
 
 @click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="batchjob")

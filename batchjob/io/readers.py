@@ -1,8 +1,8 @@
 """Streaming rows out of sources, one bounded batch at a time; the dataset is never held in memory.
 
 Every row gets an ``ordinal`` (its source's base plus its index: the same on every run) and a derived id
-``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, or a file that stops
-being readable part-way, becomes a ``Row`` with ``error`` set (naming the file and line): bad data never
+``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, an object that gives a
+key twice (JSON would keep the last value without a word), or a file that stops being readable part-way, becomes a ``Row`` with ``error`` set (naming the file and line): bad data never
 stops the stream.
 """
 
@@ -20,6 +20,7 @@ import pyarrow as pa
 from batchjob import faults
 from batchjob.errors import InputError
 from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
+from batchjob.io.watch import check_unchanged, stamp
 
 _PARQUET_BATCH_ROWS = 1024
 _SCHEMA_SAMPLE_ROWS = 1000
@@ -84,11 +85,37 @@ def _depth_over(value: Any, limit: int) -> bool:
     return True
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that gives one key twice: ``json`` would keep the last value without a word."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _RepeatedKey(f"key {key!r} appears more than once in an object (which value is meant?)")
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object)
+
+
+def _loads(text: str | bytes) -> Any:
+    """``json.loads`` (bytes decoded as it decodes them), refusing a key given twice in an object."""
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    return _DECODER.decode(text)
+
+
 def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """One JSONL line as an object, or why it is not a usable row: bad JSON, not an object, or nested deeper
-    than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never the reader's stop)."""
+    """One JSONL line as an object, or why it is not a usable row: bad JSON, a key given twice in an object,
+    not an object, or nested deeper than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never
+    the reader's stop)."""
     try:
-        obj = json.loads(text)
+        obj = _loads(text)
+    except _RepeatedKey as e:
+        return None, str(e)
     except RecursionError:
         return None, f"bad JSON (nested deeper than {MAX_DEPTH} levels)"
     except ValueError as e:
@@ -118,10 +145,23 @@ def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
     return columns
 
 
+class RepeatedColumnError(InputError):
+    """An input file with two columns of one name: its rows can't be read as name -> value, so the job stops
+    before work (not an error row, as another unreadable file is)."""
+
+
 def _table_schema(source: Source) -> pa.Schema:
     if source.kind == "parquet":
-        return _parquet_file(source).schema_arrow
-    return load_hf(source)[0][1].features.arrow_schema
+        schema = _parquet_file(source).schema_arrow
+    else:
+        schema = load_hf(source)[0][1].features.arrow_schema
+    repeated = sorted({n for n in schema.names if schema.names.count(n) > 1})
+    if repeated:
+        raise RepeatedColumnError(
+            f"input {source.path} has more than one column named {', '.join(map(repr, repeated))}: a row "
+            "can't hold two values under one name. Rename them in the file, or leave the file out"
+        )
+    return schema
 
 
 def _read_failed(source: Source, e: Exception) -> InputError:
@@ -159,6 +199,22 @@ def source_schema(source: Source) -> pa.Schema:
     return input_schema([source])
 
 
+def _jsonl_schema(sources: list[Source], kinds: dict[str, set[type]]) -> tuple[str, pa.Schema]:
+    """The JSONL inputs' columns from the value types seen of each key, named for ``_unify``'s messages."""
+    text = pa.schema(
+        [
+            pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
+            for k, v in kinds.items()
+        ]
+    )
+    jsonl_name = (
+        "the JSONL inputs"
+        if sum(s.kind == "jsonl" for s in sources) > 1
+        else next(s.path for s in sources if s.kind == "jsonl")
+    )
+    return jsonl_name, text
+
+
 def input_schema(sources: list[Source]) -> pa.Schema:
     """The input columns of a job: the union of its sources' columns, in order of first appearance.
 
@@ -183,6 +239,8 @@ def input_schema(sources: list[Source]) -> pa.Schema:
                 named.append(
                     (source.path, pa.schema([_mark_text(f) for f in table], metadata=table.metadata))
                 )
+        except RepeatedColumnError:
+            raise
         except InputError as e:
             failed.append(e)
         except Exception as e:
@@ -190,18 +248,7 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     if failed and len(failed) == len(sources):
         raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
     if kinds:
-        text = pa.schema(
-            [
-                pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
-                for k, v in kinds.items()
-            ]
-        )
-        jsonl_name = (
-            "the JSONL inputs"
-            if sum(s.kind == "jsonl" for s in sources) > 1
-            else next(s.path for s in sources if s.kind == "jsonl")
-        )
-        named.insert(jsonl_at or 0, (jsonl_name, text))
+        named.insert(jsonl_at or 0, _jsonl_schema(sources, kinds))
     if not named:
         return pa.schema([])
     schema = _unify(named) if len(named) > 1 else named[0][1]
@@ -375,9 +422,13 @@ def iter_rows(
     ``[a, b)`` are to be skipped, so a reader can pass over a whole batch without decoding it.
     ``on_skipped(ordinal, value)`` is called for every row left out, with its ``id_column`` value (so that
     ids can be checked job-wide without yielding every row).
+
+    A local file that changes while it is read (``batchjob.io.watch``) stops the reader at its end with an
+    InputChangedWhileReadError naming it.
     """
     counts = []
     for source in sources:
+        before = stamp(source)
         if source.kind == "jsonl":
             index = 0
             for i, (lineno, obj, error) in enumerate(_jsonl_rows(source)):
@@ -388,5 +439,6 @@ def iter_rows(
                 index = i + 1
         else:
             index = yield from _table_rows(source, skip, covered, on_skipped, id_column)
+        check_unchanged(source, before)
         counts.append(index)
     return counts

@@ -3,8 +3,12 @@
 The schema is the input's columns (fixed when the job starts) followed by the result columns (and the
 columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``choice_probs`` (Arrow maps
 from label to value), ``logprobs`` (a list of structs per generated token)). A value that does not fit its input column's type (JSONL rows disagree with each other all the
-time) is coerced: text columns store it as JSON text, other columns store null. An input column whose name clashes with a result
-column is written as ``input_<name>``.
+time) is coerced: text columns store it as JSON text, other columns store null.
+
+Naming rule: an input column keeps its name unless it is one of the job's result or feature columns; then it
+is written as ``input_<name>``, prefixed again (``input_input_<name>``, ...) until the name is free of every
+input and result column. So no two columns of a part share a name, and the renaming is recorded in the part's
+schema metadata (``batchjob.renamed``: output name -> input name), from which ``input_column`` reads it back.
 """
 
 from __future__ import annotations
@@ -92,19 +96,75 @@ EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
 }
 
 
-def output_name(column: str, extra: tuple[pa.Field, ...] = (), result: list[pa.Field] | None = None) -> str:
-    """The output name of an input column (``result``: the job's result columns, default generation's)."""
-    names = RESULT_NAMES if result is None else [f.name for f in result]
-    taken = column in names or any(f.name == column for f in extra)
-    return f"input_{column}" if taken else column
+RENAMED_KEY = b"batchjob.renamed"  # part schema metadata: JSON {output name: input name} of renamed inputs
+
+
+def output_names(
+    input_names: list[str], extra: tuple[pa.Field, ...] = (), result: list[pa.Field] | None = None
+) -> dict[str, str]:
+    """``{input column: output name}`` by the module's naming rule (``result``: the job's result columns,
+    default generation's; ``extra``: its feature columns)."""
+    if len(set(input_names)) != len(input_names):  # readers.input_schema refuses such inputs first
+        raise ValueError(f"input columns repeat a name: {input_names}")
+    reserved = {f.name for f in (RESULT_FIELDS if result is None else result)} | {f.name for f in extra}
+    taken = set(input_names) | reserved
+    out = {}
+    for column in input_names:
+        name = column
+        if column in reserved:
+            name = f"input_{column}"
+            while name in taken:  # another input already has it (``error`` beside ``input_error``)
+                name = f"input_{name}"
+            taken.add(name)
+        out[column] = name
+    return out
 
 
 def output_schema(
     input_schema: pa.Schema, extra: tuple[pa.Field, ...] = (), result: list[pa.Field] | None = None
 ) -> pa.Schema:
     result = RESULT_FIELDS if result is None else result
-    fields = [pa.field(output_name(f.name, extra, result), f.type) for f in input_schema]
-    return pa.schema(fields + result + list(extra), metadata=input_schema.metadata)
+    names = output_names(input_schema.names, extra, result)
+    fields = [pa.field(names[f.name], f.type) for f in input_schema]
+    metadata = input_schema.metadata
+    renamed = {out: column for column, out in names.items() if out != column}
+    # recorded too where an input column has a name another task reserves, so ``input_column`` never
+    # takes such a part for one written before the record (``label`` kept beside an input ``input_label``)
+    if renamed or not _ALL_RESULT_NAMES.isdisjoint(names):
+        metadata = {**(metadata or {}), RENAMED_KEY: json.dumps(renamed, ensure_ascii=False).encode()}
+    return pa.schema(fields + result + list(extra), metadata=metadata)
+
+
+# Every result or feature column name any task writes. A part written before the renaming was recorded
+# renamed an input column of one of these names once (the ones its own task wrote), so ``input_column`` reads
+# such a part by this list (an ``input_<name>`` beside it is taken for the renamed one).
+_ALL_RESULT_NAMES = {
+    f.name
+    for fields in (
+        task_fields("embed", 1),
+        task_fields("classify", num_labels=1),
+        task_fields("classify", num_labels=2),
+        task_fields("score", token_logprobs=True),
+        RESULT_FIELDS,
+        list(EXTRA_FIELDS.values()),
+    )
+    for f in fields
+}
+
+
+def input_column(part_schema: pa.Schema, column: str) -> str | None:
+    """The name under which a part holds the input column ``column`` (None when it holds none): what the
+    part's schema records of the renaming, or for a part without the record, the earlier single-prefix
+    rule."""
+    recorded = (part_schema.metadata or {}).get(RENAMED_KEY)
+    if recorded is not None:
+        by_input = {c: out for out, c in json.loads(recorded).items()}
+        name = by_input.get(column, column)
+    elif column in _ALL_RESULT_NAMES and f"input_{column}" in part_schema.names:
+        name = f"input_{column}"
+    else:
+        name = column
+    return name if name in part_schema.names else None
 
 
 def file_sha256(path: Path) -> str:

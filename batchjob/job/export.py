@@ -21,15 +21,21 @@ from itertools import groupby
 from pathlib import Path
 from typing import IO, Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from batchjob.errors import InputError, StateError
+from batchjob.io.writers import input_column
 from batchjob.job.inputs import split_ordinal
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.owned import check_target
+from batchjob.job.rows.base import ENGINE_FAILURE
 from batchjob.job.shard import Shard
 from batchjob.job.state import JobInfo, StateDir
 from batchjob.job.verify import REDO, DamagedPartError, check_parts, read_batches
 
 FORMATS = ("jsonl", "csv", "openai")
+OPENAI_TASKS = ("generate", "embed")  # the tasks that have an OpenAI Batch response: completions, embeddings
 _BATCH = 1024
 
 
@@ -52,6 +58,15 @@ def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:
     ordinals = (o for a, b in record.ordinals for o in range(a, b))
     current = -1
     for batch in read_batches(out_dir, record.name, batch_size=_BATCH):
+        names = batch.schema.names
+        if len(set(names)) != len(names):  # a row as a dict would keep one of them only
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise StateError(
+                f"{out_dir}: part {record.name} has more than one column named {', '.join(map(repr, twice))} "
+                "(an earlier batchjob wrote an input column that clashed with a result column under a taken "
+                "name); exporting it would drop one. Run the job again into a new --output, or read the part "
+                "by column position with pyarrow.parquet"
+            )
         for row in batch.to_pylist(maps_as_pydicts="lossy"):  # --choices maps as objects
             if row.get("sample_index", 0) == 0:  # --n: a row's samples follow it; an error row has one
                 current = next(ordinals, None)
@@ -76,11 +91,23 @@ def iter_results(out_dir: Path) -> tuple[JobInfo, Iterator[Result]]:
     return info, merged
 
 
-def _id_of(result: Result, info: JobInfo, id_column: str | None) -> str:
-    if id_column is not None:
-        for name in (id_column, f"input_{id_column}"):
-            if result.row.get(name) is not None:
-                return str(result.row[name])
+def _id_name(out_dir: Path, info: JobInfo, id_column: str | None) -> str | None:
+    """The name the parts hold the ``--id-column`` under (an input column named like a result column is
+    renamed: ``writers.input_column``), read from the first committed part."""
+    if id_column is None:
+        return None
+    for manifest in _manifests(out_dir, info):
+        for record in manifest.parts:
+            try:
+                return input_column(pq.read_schema(out_dir / record.name), id_column)
+            except (OSError, pa.ArrowException) as e:
+                raise DamagedPartError(out_dir, record.name, f"cannot be read ({e})") from e
+    return id_column
+
+
+def _id_of(result: Result, info: JobInfo, id_name: str | None) -> str:
+    if id_name is not None and result.row.get(id_name) is not None:
+        return str(result.row[id_name])
     seq, index = split_ordinal(result.ordinal)
     names = {r.seq: r.name for r in info.inputs}
     return f"{names.get(seq, seq)}:{index}"
@@ -106,8 +133,9 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         first = failed
     if first.get("error") is not None:
         # as OpenAI and vLLM write a failed request: its HTTP status and error body in ``response``; a
-        # request refused before it ran (no prompt tokens) is a bad request (400), else the server failed
-        status = 400 if not first.get("num_prompt_tokens") else 500
+        # request refused (a bad row, a prompt too long, refused by the engine at admission) is a bad request
+        # (400); only one the engine failed to run is the server's failure (500)
+        status = 500 if first["error"] == ENGINE_FAILURE else 400
         kind = "invalid_request_error" if status == 400 else "server_error"
         error = {"message": first["error"], "type": kind, "param": None, "code": "batchjob_error"}
         line["response"] = {"status_code": status, "request_id": digest, "body": {"error": error}}
@@ -195,7 +223,13 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
     if fmt not in FORMATS:
         raise InputError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     info, results = iter_results(out_dir)
-    id_column = (info.fingerprint.get("prompt") or {}).get("id_column")
+    task = str((info.fingerprint.get("task") or {}).get("task", "generate"))
+    if fmt == "openai" and task not in OPENAI_TASKS:
+        raise InputError(
+            f"--format openai: a {task} job's results have no OpenAI Batch response (OpenAI's have "
+            f"completions, chat and embeddings only); export {out_dir} with --format jsonl or csv"
+        )
+    id_column = _id_name(out_dir, info, (info.fingerprint.get("prompt") or {}).get("id_column"))
     written = 0
     if fmt == "jsonl":
         for r in results:
@@ -237,7 +271,18 @@ def export_to(out_dir: Path, fmt: str, to: str | None) -> tuple[int, str]:
     target = Path(to)
     check_target(target, "--to", [out_dir])
     tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        n = export(out_dir, fmt, f)
-    tmp.replace(target)
+    try:
+        f = open(tmp, "w", encoding="utf-8", newline="")  # noqa: SIM115 - closed below
+    except OSError as e:  # a missing or read-only folder: name the path given, not our temporary file
+        raise InputError(
+            f"--to {target}: cannot write in {target.parent} ({e.strerror or e}); give a file in an existing, "
+            "writable folder"
+        ) from e
+    try:
+        with f:
+            n = export(out_dir, fmt, f)
+        tmp.replace(target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left beside the target
+        raise
     return n, str(target)

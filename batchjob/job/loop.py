@@ -43,6 +43,7 @@ from batchjob.job.rows.prompt import row_request
 from batchjob.job.rows.reasoning import think_tags
 from batchjob.job.seam import JobEngine
 from batchjob.job.stats import RunStats
+from batchjob.job.unchanged import check_inputs_unchanged
 
 if TYPE_CHECKING:
     from batchjob.engine.output import RequestOutput
@@ -375,6 +376,7 @@ class JobLoop:
 
     def _complete(self) -> None:
         """Every row is done: commit the last part, mark the job complete, drop the in-flight checkpoint."""
+        check_inputs_unchanged(self.prep)  # a job is complete only for the inputs it recorded
         self.commit()
         if self.ids is not None:
             self.ids.commit()

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.errors import ConfigError
+from batchjob.io.writers import input_column
 from batchjob.job.manifest import Manifest
 from batchjob.job.owned import check_target
 from batchjob.job.state import STATE_DIR, StateDir
@@ -83,13 +84,14 @@ def read_outputs(
             if record.name in skip or not part.exists():
                 continue
             try:
-                names = set(pq.read_schema(part).names)
+                schema = pq.read_schema(part)
             except (OSError, pa.ArrowException) as e:
                 raise DamagedPartError(out_dir, record.name, f"cannot be read ({e})") from e
             # generation's columns; a prefill-only task's parts have no finish reason or output length
             # (their generation-only figures are left out), a classify job's have its label
             columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error", "label"]
-            id_col = next((c for c in (id_column, f"input_{id_column}") if c and c in names), None)
+            names = set(schema.names)
+            id_col = input_column(schema, id_column) if id_column else None  # renamed when it clashed
             columns += [c for c in (id_col, "generated_text" if choices else None) if c]
             columns = [c for c in columns if c in names]
             generated = "finish_reason" in names

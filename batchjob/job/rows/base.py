@@ -34,11 +34,14 @@ class Ask:
     part: int | None = None  # the row's own index for it (an answer's sample, an input); None: the output's
 
 
+ENGINE_FAILURE = "the engine could not run this request"  # an error the engine gave no words for
+
+
 def request_error(out: RequestOutput) -> str | None:
     """A finished request's error (None when it ran), with a message when the engine gave none."""
     if out.finish_reason != "error":
         return None
-    return out.error if out.error is not None else "the engine could not run this request"
+    return out.error if out.error is not None else ENGINE_FAILURE
 
 
 @dataclass(eq=False)
