@@ -40,15 +40,14 @@ from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.choices import ChoiceScores
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.feature import RequestFeature
-from batchjob.engine.kv_cache import KVShape, allocate_kv_cache, size_kv_pool
+from batchjob.engine.kv_cache import allocate_kv_cache, size_kv_pool
 from batchjob.engine.masks import Constraints
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.output import OutputProcessor, RequestOutput
+from batchjob.engine.plan import ModelPlan, plan_kv, plan_model
 from batchjob.engine.request import Request, RequestState, RequestStatus, request_key
 from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
-from batchjob.engine.support import attention_features, check_supported
-from batchjob.engine.task_state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.models import load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
@@ -103,7 +102,7 @@ class Engine:
     ) -> None:
         """``tensor_parallel``: this rank's :class:`~batchjob.engine.parallel.group.Group` when ``model`` is
         its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it)."""
-        check_supported(model.config, model)  # a model our attention would answer wrongly, refused by name
+        plan = plan_model(model.config, config, model)  # every refusal by name (plan.py)
         if getattr(model, "_batchjob_tp_shard", None) is not None and tensor_parallel is None:
             raise ConfigError(
                 "this model is one rank's shard of a tensor-parallel engine: it runs only in that engine "
@@ -115,79 +114,13 @@ class Engine:
         self.model_id = model_id
         self.device = config.device
         self.dtype = config.dtype
-        self.max_model_len = config.resolve_max_model_len(model.config)
+        self.max_model_len = plan.max_model_len
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.task = config.task
-        encoder = "bidirectional" in attention_features(model.config, model)
-        if encoder and self.task not in ("embed", "classify"):
-            raise ConfigError(
-                f"model family {model.config.model_type!r} attends both ways (an encoder): it can embed or "
-                f"classify (task='embed' or 'classify', --task), not {self.task}"
-            )
-        self.tasks: tasks.TaskRunner | None = None
-        self.prefill_limit = self.max_model_len  # the longest prefill-only request, in tokens
-        if self.task != "generate":
-            self.tasks, self.prefill_limit = tasks.task_runner(model, tokenizer, config, model_id, encoder)
-
-        shape = KVShape.from_config(model.config)
-        if tensor_parallel is not None:  # each rank caches its own KV heads
-            shape = shape.per_rank(tensor_parallel.size)
-        longest = self.prefill_limit if self.tasks is not None else self.max_model_len  # one request's tokens
-        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
-        if tensor_parallel is not None:  # the same pool on every rank: the smallest any of them holds
-            num_blocks = tensor_parallel.agree_min(num_blocks)
-        if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
-            config.check_kv_fits(num_blocks, longest)
-        # An encoder's keys depend on the whole row: nothing of it can be reused by another. A causal task's
-        # rows reuse whole chunks of the grid below (score: rows sharing a prompt compute it once).
-        caching = config.enable_prefix_caching and not encoder
-        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
-        # A token's K and V in every layer (a rank's share under tensor parallelism): the pool holds
-        # num_blocks * block_size of them.
-        self.kv_token_bytes = shape.bytes_per_block(1, config.dtype)
-        # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
-        self.platform = cpu.platform(config.device, spin_guard=True)
-        # With graphs, one more block than the manager hands out: the padding rows' scratch space.
-        scratch = num_blocks if config.cuda_graphs and self.tasks is None else None
-        kv = allocate_kv_cache(
-            shape,
-            num_blocks + (scratch is not None),
-            config.block_size,
-            config.dtype,
-            config.device,
-            self.platform,
-        )
-        self.runner = ModelRunner(
-            model,
-            kv,
-            config.block_size,
-            config.device,
-            scratch_block=scratch,
-            max_graph_rows=config.max_num_batched_tokens,  # (no bucket is larger than ROW_BUCKETS[-1])
-            max_model_len=self.max_model_len,
-            compile_model=config.compile,
-            attention_backend=config.attention_backend,
-            platform=self.platform,
-            tensor_parallel=tensor_parallel,
-            decode_rows=self.tasks is None,
-        )
-        budget = config.max_num_batched_tokens
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max(budget, self.prefill_limit) if encoder else budget,  # an encoder's row runs whole
-            config.max_num_seqs,
-            static=config.static_batching,
-            split_prompts=not encoder,
-            # A task's causal rows: chunks on a fixed grid, prefixes reused only in whole chunks, so the
-            # floats it writes are the same whatever shared its steps, and after a restart.
-            chunk_grid=min(TASK_CHUNK, budget) if self.tasks is not None and not encoder else None,
-        )
-        self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
-        assert config.num_speculative_tokens is not None
-        self.drafter = speculative.Drafter(
-            config.num_speculative_tokens, self.device.type, budget, config.max_num_seqs
-        )
+        self.tasks: Any = None  # hook: a prefill-only engine's task runner (engine/tasks/)
+        self.prefill_limit = self._request_limit(plan)  # hook: the longest request, in tokens
+        self._build(plan, tensor_parallel)
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
         # The request features beside the core (feature.py), in the order their hooks run: log-probabilities
@@ -198,6 +131,66 @@ class Engine:
             ChoiceScores(),
         ]
         self.output = OutputProcessor(tokenizer)
+
+    def _build(self, plan: ModelPlan, tensor_parallel) -> None:
+        """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
+        config = self.config
+        ranks = tensor_parallel.size if tensor_parallel is not None else 1
+        kv_plan = plan_kv(self.model.config, config, self.prefill_limit, ranks)
+        num_blocks = kv_plan.num_blocks or size_kv_pool(self.model, config, kv_plan.shape, kv_plan.longest)
+        if tensor_parallel is not None:  # the same pool on every rank: the smallest any of them holds
+            num_blocks = tensor_parallel.agree_min(num_blocks)
+        kv_plan.check_pool(config, num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self._prefix_caching(plan))
+        # A token's K and V in every layer (a rank's share under tensor parallelism): the pool holds
+        # num_blocks * block_size of them.
+        self.kv_token_bytes = kv_plan.shape.bytes_per_block(1, config.dtype)
+        # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
+        self.platform = cpu.platform(config.device, spin_guard=True)
+        # With graphs, one more block than the manager hands out: the padding rows' scratch space.
+        scratch = num_blocks if config.cuda_graphs and self.decode_graphs else None
+        kv = allocate_kv_cache(
+            kv_plan.shape,
+            num_blocks + (scratch is not None),
+            config.block_size,
+            config.dtype,
+            config.device,
+            self.platform,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            kv,
+            config.block_size,
+            config.device,
+            scratch_block=scratch,
+            max_graph_rows=config.max_num_batched_tokens,  # (no bucket is larger than ROW_BUCKETS[-1])
+            max_model_len=self.max_model_len,
+            compile_model=config.compile,
+            attention_backend=config.attention_backend,
+            platform=self.platform,
+            tensor_parallel=tensor_parallel,
+        )
+        self.scheduler = self._scheduler(plan)
+        self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
+        assert config.num_speculative_tokens is not None
+        budget, seats = config.max_num_batched_tokens, config.max_num_seqs
+        self.drafter = speculative.Drafter(config.num_speculative_tokens, self.device.type, budget, seats)
+
+    # -- hooks a prefill-only engine (engine/tasks/) overrides ----------------------------------------
+
+    decode_graphs = True  # decode-only steps may run through CUDA graphs
+
+    def _request_limit(self, plan: ModelPlan) -> int:
+        """The longest request the engine takes, in tokens (the KV pool holds one)."""
+        return plan.max_model_len
+
+    def _prefix_caching(self, plan: ModelPlan) -> bool:
+        return bool(self.config.enable_prefix_caching)
+
+    def _scheduler(self, plan: ModelPlan) -> Scheduler:
+        config = self.config
+        budget, seats = config.max_num_batched_tokens, config.max_num_seqs
+        return Scheduler(self.block_manager, budget, seats, static=config.static_batching)
 
     @classmethod
     def from_pretrained(
@@ -214,12 +207,19 @@ class Engine:
         without it such a model is refused (transformers is never left to ask on stdin).
         """
         config = EngineConfig(**options)
+        engine_cls = cls.engine_class(config.task)
         if config.tensor_parallel_size > 1:
-            return parallel.load_engine(cls, model, config, options, trust_remote_code)
+            return parallel.load_engine(engine_cls, model, config, options, trust_remote_code)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )
-        return cls(hf_model, tokenizer, config, model_id=resolved)
+        return engine_cls(hf_model, tokenizer, config, model_id=resolved)
+
+    @classmethod
+    def engine_class(cls, task: str) -> type[Engine]:
+        """The engine class for the option ``task``: this one generates; a prefill-only task has its own
+        (the factory in engine/tasks/)."""
+        return tasks.engine_class(task) or cls
 
     # -- the incremental API the job runner drives ---------------------------------------------------
 
@@ -246,16 +246,8 @@ class Engine:
         computes the prompt and the others then take its KV blocks from the prefix cache), or only sample
         ``sample_index`` when given (to resume it).
 
-        With a prefill-only task (tasks.py) ``params`` and ``output_ids`` are not used; ``score`` takes
-        ``continuation_ids`` (only they are scored, given the prompt) and ``token_logprobs`` (keep the
-        per-token list). Longer than ``prefill_limit`` tokens: cut to it with the option ``truncate``, else
-        an error output.
+        ``continuation_ids`` and ``token_logprobs`` are a prefill-only engine's (engine/tasks/).
         """
-        if self.tasks is not None:
-            if params is not None and params.n != 1:
-                raise ConfigError(f"task {self.task} takes one sample per request, got n={params.n}")
-            self._add_prefill(request_id, prompt_ids, continuation_ids, token_logprobs)
-            return
         if continuation_ids is not None or token_logprobs:
             raise ConfigError("continuation_ids and token_logprobs are for task='score'")
         params = SamplingParams() if params is None else params
@@ -311,38 +303,6 @@ class Engine:
             self.scheduler.add(req)
         return req
 
-    def _add_prefill(
-        self,
-        rid: str,
-        prompt_ids: Sequence[int],
-        continuation_ids: Sequence[int] | None,
-        token_logprobs: bool,
-    ) -> None:
-        if rid in self._requests:
-            raise ConfigError(f"request id {rid!r} is already in the engine")
-        if (continuation_ids is not None or token_logprobs) and self.task != "score":
-            raise ConfigError(f"continuation_ids and token_logprobs are for task='score', not {self.task!r}")
-        prompt = [int(t) for t in prompt_ids]
-        continuation = [int(t) for t in continuation_ids or ()]
-        tokens = prompt + continuation
-        cut = self.config.truncate and len(tokens) > self.prefill_limit
-        if cut:
-            tokens = tokens[: self.prefill_limit]
-        req = Request(rid, tokens, min(len(prompt), len(tokens)), SamplingParams(), time.monotonic())
-        assert self.tasks is not None
-        req.task = self.tasks.new_state(
-            req.num_prompt_tokens, len(tokens), continuation_ids is not None, token_logprobs
-        )
-        self._requests[rid] = req
-        self.stats.prompt_tokens += len(tokens)
-        req.error = tasks.check_request(
-            req, continuation_ids is not None, self.prefill_limit, self.vocab_size, self.block_manager
-        )
-        if req.error is not None:
-            self._failed.append(req)
-        else:
-            self.scheduler.add(req)
-
     def _check(self, req: Request) -> str | None:
         n = req.num_prompt_tokens
         if n == 0:
@@ -378,12 +338,13 @@ class Engine:
         for r in self._requests.values():
             if r.owner is not None or (r.is_finished and not r.pending_helpers):
                 continue
-            if r.task is not None:
-                states.append(tasks.request_state(r))
-                continue
-            output = logprobs.output_to_resume(r)
-            states.append(RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index))
+            states.append(self._state_of(r))
         return states
+
+    def _state_of(self, r: Request) -> RequestState:
+        """What a checkpoint keeps of an unfinished request (a hook: engine/tasks/ has its own)."""
+        output = logprobs.output_to_resume(r)
+        return RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index)
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks, if it has any (at exit this happens by itself);
@@ -446,10 +407,6 @@ class Engine:
             for r, n in zip(plan.requests, plan.num_tokens, strict=True)
             if r.num_computed_tokens + n == r.num_tokens
         ]
-        if self.tasks is not None:  # prefill-only: the result comes from the hidden states
-            hidden, lay = self.runner.hidden_states(plan)
-            self.tasks.consume(plan, lay, hidden)
-            return [], []
         for feature in self.features:
             feature.before_forward(will_sample)
         logits, sampling = self.runner.execute(plan)
@@ -472,20 +429,8 @@ class Engine:
     ) -> list[Request]:
         """Advance the counters, give each request its tokens, take out the ones that finished. Returns
         those that can be reported now."""
-        for req, n in zip(plan.requests, plan.num_tokens, strict=True):
-            self.stats.computed_prompt_tokens += max(
-                0, min(req.num_prompt_tokens - req.num_computed_tokens, n)
-            )
-            req.num_computed_tokens += n
-            if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
-                self.block_manager.register_full_blocks(req)
+        self._advance(plan)
         finished: list[Request] = []
-        if self.tasks is not None:
-            for req in plan.requests:
-                if req.num_computed_tokens == req.num_tokens:
-                    self.tasks.finish(req)
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks freed at once
-                    finished.append(req)
         now = time.monotonic()
         for req, tokens in zip(sampling, drawn, strict=True):
             if req.owner is not None:
@@ -496,12 +441,26 @@ class Engine:
                 self.scheduler.finish(req, status)
                 if self._ready(req):
                     finished.append(req)
+        self._count(plan)
+        return finished
+
+    def _advance(self, plan: SchedulerOutput) -> None:
+        """Each request's counter past the tokens this step computed (full blocks into the prefix cache)."""
+        for req, n in zip(plan.requests, plan.num_tokens, strict=True):
+            self.stats.computed_prompt_tokens += max(
+                0, min(req.num_prompt_tokens - req.num_computed_tokens, n)
+            )
+            req.num_computed_tokens += n
+            if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
+                self.block_manager.register_full_blocks(req)
+
+    def _count(self, plan: SchedulerOutput) -> None:
+        """The step's statistics."""
         self.stats.steps += 1
         self.stats.batched_tokens += plan.total_tokens
         self.stats.running_sum += len(plan.requests)
         self.stats.kv_blocks_used_sum += self.block_manager.num_used_blocks
         self.stats.forward_seconds = self.runner.forward_seconds
-        return finished
 
     # -- around the step ------------------------------------------------------------------------------
 
@@ -620,19 +579,7 @@ class Engine:
 
         A seeded request's draws are keyed by its prompt, so it samples the same tokens alone or in a crowd.
         """
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        if self.tasks is not None:
-            raise ConfigError(
-                f"generate() needs an engine built with task='generate'; this one's task is {self.task!r} "
-                f"(call {self.task}() instead)"
-            )
+        params = self._params_for(prompts, sampling_params)
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine; it has unfinished requests")
         ids = []
@@ -648,60 +595,21 @@ class Engine:
                 results[out.request_id, out.sample_index] = out
         return [results[rid, k] for rid, p in zip(ids, params, strict=True) for k in range(p.n)]
 
-    # -- prefill-only tasks (tasks.py) -----------------------------------------------------------------
+    @staticmethod
+    def _params_for(
+        prompts: Sequence[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        """One sampling params per prompt."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        return params
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
-        """A text's token ids as a task request takes them: with the tokenizer's special tokens (as
-        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on."""
-        cut = self.config.truncate and self.tasks is not None
-        return self.tokenizer(
-            text,
-            add_special_tokens=special_tokens,
-            truncation=cut,
-            max_length=self.prefill_limit if cut else None,
-        ).input_ids
-
-    def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
-        """Embed texts (or token id lists); outputs in input order, each with ``embedding`` (or ``error``)."""
-        return self._run_task("embed", [(x, None) for x in inputs], False)
-
-    def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
-        """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""
-        return self._run_task("classify", [(x, None) for x in inputs], False)
-
-    def score(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        continuations: Sequence[str] | Sequence[Sequence[int]] | None = None,
-        *,
-        token_logprobs: bool = False,
-    ) -> list[RequestOutput]:
-        """The log-likelihood of each prompt (every token but the first scored), or with ``continuations``
-        of each continuation given its prompt (a text continuation is tokenized without special tokens):
-        ``logprob``, ``num_scored_tokens``, ``perplexity``, and ``token_logprobs`` when asked for."""
-        if continuations is not None and len(continuations) != len(prompts):
-            raise ConfigError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
-        conts = list(continuations) if continuations is not None else [None] * len(prompts)
-        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs)
-
-    def _run_task(self, task: str, items: list, token_logprobs: bool) -> list[RequestOutput]:
-        if self.task != task:
-            raise ConfigError(
-                f"{task}() needs an engine built with task={task!r} (Engine.from_pretrained(..., task="
-                f"{task!r})); this one's task is {self.task!r}"
-            )
-        if self.has_unfinished():
-            raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
-
-        def ids(x, special: bool) -> list[int]:
-            return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)
-
-        for i, (prompt, cont) in enumerate(items):
-            c = None if cont is None else ids(cont, False)
-            kw = {"continuation_ids": c, "token_logprobs": token_logprobs} if task == "score" else {}
-            self.add_request(f"{task}-{i}", ids(prompt, True), **kw)
-        results: dict[str, RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.request_id] = out
-        return [results[f"{task}-{i}"] for i in range(len(items))]
+        """A text's token ids, with the tokenizer's special tokens (a prefill-only engine cuts them)."""
+        tokenizer = self.tokenizer
+        return tokenizer(text, add_special_tokens=special_tokens, truncation=False, max_length=None).input_ids

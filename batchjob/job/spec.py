@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.engine.options import Option, job_options
-from batchjob.engine.task_state import TASK_CHUNK
+from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
