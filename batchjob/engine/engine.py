@@ -1,27 +1,16 @@
-"""The engine: requests in, one scheduling iteration per ``step()``, finished requests out.
+"""The generating core: requests in, one scheduling iteration per ``step()``, finished requests out.
 
-``Engine.step()`` is schedule, execute, update:
+``Engine.step()`` is schedule, execute, update: the scheduler's plan for one forward (running requests
+first, then admissions, preempting when blocks run out; drafts proposed before it, speculative.py); the
+model runner's forward, then the sampler with the request features' hooks around the draw (feature.py);
+then counters, the prefix cache, each request's tokens and the stop rules (features/), and the finished
+requests freed and returned (after the helper requests a feature asked for have run).
 
-- ``_schedule``: the scheduler's plan for one forward (running requests first, then admissions, preempting
-  when blocks run out); running requests that can draft propose speculative tokens first (speculative.py).
-- ``_execute``: the model runner's forward of the plan, then the sampler, with the request features' hooks
-  around the draw (feature.py): the tokens each sampling request drew.
-- ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
-  conditions; finished requests are freed and returned as outputs (after the helper requests a feature
-  asked for have run).
-
-With ``task`` embed, classify or score (the engine option) every request is prefill-only (tasks.py): it
-finishes in the step that computes its last token, with its result made from that forward's hidden states
-(``Engine.embed``, ``classify``, ``score``; or ``add_request``/``step()`` as for generation).
-
-A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
-schedule; each step first calls the device's platform hook (cpu/platform.py: on the CPU a spin guard checks,
-about once a second, whether other programs share our cores).
-Around it, each in its own module: the request features (constraints in masks.py, log-probabilities in
-logprobs.py, choice scores in choices.py; feature.py lists them); text (detokenizing, stop strings, finish
-reasons) in output.py; prompt-lookup drafts in speculative.py; KV pool sizing in kv_cache.py; CPU-only
-machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
-blocks, the model and the device, and nothing about rows or jobs.
+Beside it, each in its own module: the load-time plan and refusals (plan.py), admission checks (checks.py),
+the request features (feature.py, features/), text and finish reasons (output.py), KV pool sizing
+(kv_cache.py), CPU-only machinery (cpu/), and the prefill-only tasks, whose engine subclasses this one
+through the hooks marked below (engine/tasks/). A request refused at admission finishes with an error at
+the next step. The engine knows token ids, KV blocks, the model and the device, nothing about rows or jobs.
 """
 
 from __future__ import annotations
@@ -30,70 +19,31 @@ import hashlib
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchjob.engine import cpu, logprobs, parallel, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.checks import check_request
 from batchjob.engine.choices import ChoiceScores
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.feature import RequestFeature
+from batchjob.engine.features import stop_rules
+from batchjob.engine.features.helpers import Helpers
+from batchjob.engine.features.samples import samples
 from batchjob.engine.kv_cache import allocate_kv_cache, size_kv_pool
 from batchjob.engine.masks import Constraints
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.output import OutputProcessor, RequestOutput
 from batchjob.engine.plan import ModelPlan, plan_kv, plan_model
-from batchjob.engine.request import Request, RequestState, RequestStatus, request_key
+from batchjob.engine.request import Request, RequestState, RequestStatus
 from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
+from batchjob.engine.stats import EngineStats, eos_token_ids
 from batchjob.errors import ConfigError
 from batchjob.models import load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens of every request added
-    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
-    computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputation included)
-    generated_tokens: int = 0
-    draft_tokens: int = 0  # prompt-lookup drafts verified
-    accepted_draft_tokens: int = 0  # of which kept
-    batched_tokens: int = 0  # all tokens run through the model
-    running_sum: int = 0  # sum over steps of running requests (for mean occupancy)
-    kv_blocks_used_sum: int = 0  # sum over steps of blocks in use (for mean KV utilization)
-    forward_seconds: float = 0.0
-    step_seconds: float = 0.0
-    short_spin_steps: int = 0  # steps run with the spin guard on (other programs busy on our CPUs)
-    max_num_seqs: int = 1
-    num_blocks: int = 1
-
-    @property
-    def mean_batch_occupancy(self) -> float:
-        return self.running_sum / self.steps / self.max_num_seqs if self.steps else 0.0
-
-    @property
-    def kv_utilization(self) -> float:
-        return self.kv_blocks_used_sum / self.steps / self.num_blocks if self.steps else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["mean_batch_occupancy"] = self.mean_batch_occupancy
-        d["kv_utilization"] = self.kv_utilization
-        return d
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    """The ids HF ``generate`` stops on: the generation config's, else the model config's or tokenizer's."""
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-    return {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
 
 
 class Engine:
@@ -116,7 +66,7 @@ class Engine:
         self.dtype = config.dtype
         self.max_model_len = plan.max_model_len
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.task = config.task
         self.tasks: Any = None  # hook: a prefill-only engine's task runner (engine/tasks/)
         self.prefill_limit = self._request_limit(plan)  # hook: the longest request, in tokens
@@ -131,6 +81,8 @@ class Engine:
             ChoiceScores(),
         ]
         self.output = OutputProcessor(tokenizer)
+        self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text
+        self.helpers = Helpers(self._requests, self.scheduler, self._check)  # features/helpers.py
 
     def _build(self, plan: ModelPlan, tensor_parallel) -> None:
         """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
@@ -253,17 +205,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         if params.seed is None and not params.greedy:
             params = params.replace(seed=random.getrandbits(63))
-        if params.n == 1:
-            self._add(request_id, request_id, 0, prompt_ids, params, output_ids, key, None)
-            return
-        if sample_index is not None and not 0 <= sample_index < params.n:
-            raise ConfigError(f"sample_index must be in [0, {params.n}), got {sample_index!r}")
-        leader = None
-        for k in range(params.n) if sample_index is None else [sample_index]:
-            sub_key = None if key is None else request_key(f"{key}#{k}")
-            req = self._add(
-                f"{request_id}#{k}", request_id, k, prompt_ids, params, output_ids, sub_key, leader
-            )
+        leader = None  # the first sample computes the prompt; the others wait for it (features/samples.py)
+        for s in samples(request_id, params.n, key, sample_index):
+            req = self._add(s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader)
             leader = leader or req
 
     def _add(
@@ -304,26 +248,8 @@ class Engine:
         return req
 
     def _check(self, req: Request) -> str | None:
-        n = req.num_prompt_tokens
-        if n == 0:
-            return "empty prompt: no tokens"
-        if req.num_tokens >= self.max_model_len:
-            return f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} tokens"
-        bad = [t for t in req.token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-        new = req.params.max_new_tokens
-        c = req.constraint
-        if c is not None and c.output_limit is not None:  # a choice's longest answer bounds it instead
-            new = c.output_limit
-        longest = min(n + new, self.max_model_len)
-        need = self.block_manager.blocks_for(longest)
-        if need > self.block_manager.num_blocks:
-            return (
-                f"request needs {need} KV blocks of {self.config.block_size} tokens for {longest} tokens, "
-                f"but the pool has {self.block_manager.num_blocks}; raise num_blocks or kv_memory_gb"
-            )
-        return None
+        """Why a new request cannot run (its error), or None (checks.py)."""
+        return check_request(req, self.max_model_len, self.vocab_size, self.block_manager, self.stop_rules)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -390,11 +316,7 @@ class Engine:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan for one forward; the running requests that can draft propose their next
         tokens first (speculative.py), and keep the drafts the plan has room for."""
-        sched = self.scheduler
-        drafted = self.drafter.draft(sched.running, sched.waiting, self.block_manager, self.max_model_len)
-        plan = self.scheduler.schedule()
-        if drafted:
-            speculative.trim(drafted, plan)
+        plan = self.drafter.schedule(self.scheduler, self.block_manager, self.max_model_len)
         self.stats.preemptions += len(plan.preempted)
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
         return plan
@@ -412,17 +334,8 @@ class Engine:
         logits, sampling = self.runner.execute(plan)
         if not sampling:
             return [], []
-        rows, positions = [], []
-        for req in sampling:
-            first = req.num_output_tokens - req.num_draft_tokens
-            rows += [req] * (req.num_draft_tokens + 1)
-            positions += range(first, first + req.num_draft_tokens + 1)
-        tokens = self._sample(logits, rows, positions)
-        drawn, i = [], 0
-        for req in sampling:
-            drawn.append(tokens[i : i + req.num_draft_tokens + 1])
-            i += req.num_draft_tokens + 1
-        return sampling, drawn
+        rows, positions = speculative.sampled_rows(sampling)
+        return sampling, speculative.per_request(self._sample(logits, rows, positions), sampling)
 
     def _update(
         self, plan: SchedulerOutput, sampling: list[Request], drawn: list[list[int]]
@@ -434,7 +347,7 @@ class Engine:
         now = time.monotonic()
         for req, tokens in zip(sampling, drawn, strict=True):
             if req.owner is not None:
-                self._finish_helper(req, finished)
+                self.helpers.finish(req, finished)
                 continue
             status = self._take_tokens(req, tokens, now)
             if status is not None:
@@ -484,50 +397,27 @@ class Engine:
         return outputs
 
     def _take_tokens(self, req: Request, drawn: list[int], now: float) -> RequestStatus | None:
-        """Append the tokens a request drew; with drafts, keep them while each equals the token drawn
-        before it (the draw that follows a rejected draft is the request's correct next token). Returns the
-        request's finished status, if it finished."""
-        d = req.num_draft_tokens
-        drafts: list[int] = []
-        if d:
-            drafts = req.token_ids[-d:]
-            del req.token_ids[-d:]
-            req.num_computed_tokens -= d  # the drafts' K/V count again only where they are kept
-            req.num_draft_tokens = 0
-            self.stats.draft_tokens += d
-        status = None
-        kept = 0
-        for tok in drawn:
+        """Append the tokens a request drew (with drafts, those the drafter keeps: speculative.py). Returns
+        the request's finished status, if it finished."""
+
+        def take(tok: int) -> RequestStatus | None:
             req.token_ids.append(tok)
             self.stats.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
-            if status is not None or kept == d or tok != drafts[kept]:
-                break
-            kept += 1
-            req.num_computed_tokens += 1  # the draft's K/V, computed in this forward, is the token's
-        if d:
-            self.stats.accepted_draft_tokens += kept
-            if status is None:
-                self.drafter.record(req, d, kept)
-            self.block_manager.register_full_blocks(req)
-        return status
+            return RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
+
+        if not req.num_draft_tokens:
+            (tok,) = drawn  # one draw: its next token
+            return take(tok)
+        return self.drafter.verify(req, drawn, take, self.stats, self.block_manager)
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
-        c = req.constraint
-        if c is not None:
-            if c.done:
-                return RequestStatus.FINISHED_STOPPED
-            if c.output_limit is not None:  # it bounds the answer itself; only the context can cut it
-                return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
-        p = req.params
-        if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if p.stop and self.output.stop_string_found(req):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+        """The first verdict of the stop rules (features/): a finished status, or None to go on."""
+        for rule in self.stop_rules:
+            status = rule.stop(req, tok)
+            if status is not None:
+                return status if status.is_finished else None
         return None
 
     # -- the request features' hooks (feature.py) ------------------------------------------------------
@@ -546,27 +436,8 @@ class Engine:
         return tokens
 
     def _ready(self, req: Request) -> bool:
-        """Whether a finished request can be reported now: first the helper requests the features want for
-        it (choices: the trie nodes its decoding did not see) run, at the front of the queue."""
-        for feature in self.features:
-            for helper in feature.helpers(req):
-                if self._check(helper) is not None:
-                    continue  # cannot run (past the context): the feature goes without (choices: NaN)
-                helper.owner = req
-                req.pending_helpers += 1
-                self._requests[helper.request_id] = helper
-                self.scheduler.add(helper, front=True)
-        return req.pending_helpers == 0
-
-    def _finish_helper(self, helper: Request, finished: list[Request]) -> None:
-        """A helper request ran (its logits went to the features); its owner is reported after the last."""
-        self.scheduler.finish(helper, RequestStatus.FINISHED_STOPPED)
-        del self._requests[helper.request_id]
-        owner = helper.owner
-        assert owner is not None and owner.pending_helpers > 0
-        owner.pending_helpers -= 1
-        if owner.pending_helpers == 0 and owner.request_id in self._requests:
-            finished.append(owner)
+        """Whether a finished request can be reported now (after the helpers its features ask for)."""
+        return self.helpers.ready(req, self.features)
 
     # -- convenience ---------------------------------------------------------------------------------
 
