@@ -23,20 +23,18 @@ from typing import Any
 
 import torch
 
-from batchjob.engine import cpu, logprobs, parallel, speculative, tasks
+from batchjob.engine import cpu, parallel, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.checks import check_request
-from batchjob.engine.choices import ChoiceScores
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.feature import RequestFeature
-from batchjob.engine.features import stop_rules
+from batchjob.engine.features import output_to_resume, step_features, stop_rules
 from batchjob.engine.features.helpers import Helpers
 from batchjob.engine.features.samples import samples
-from batchjob.engine.kv_cache import allocate_kv_cache, size_kv_pool
-from batchjob.engine.masks import Constraints
+from batchjob.engine.kv_cache import allocate_kv_cache, plan_pool
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.output import OutputProcessor, RequestOutput
-from batchjob.engine.plan import ModelPlan, plan_kv, plan_model
+from batchjob.engine.plan import ModelPlan, plan_model
 from batchjob.engine.request import Request, RequestState, RequestStatus
 from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
@@ -52,12 +50,7 @@ class Engine:
     ) -> None:
         """``tensor_parallel``: this rank's :class:`~batchjob.engine.parallel.group.Group` when ``model`` is
         its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it)."""
-        plan = plan_model(model.config, config, model)  # every refusal by name (plan.py)
-        if getattr(model, "_batchjob_tp_shard", None) is not None and tensor_parallel is None:
-            raise ConfigError(
-                "this model is one rank's shard of a tensor-parallel engine: it runs only in that engine "
-                "(a second engine over it, e.g. --estimate's calibration, needs --tensor-parallel-size 1)"
-            )
+        plan = plan_model(model.config, config, model, tensor_parallel is not None)  # every refusal (plan.py)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -73,13 +66,8 @@ class Engine:
         self._build(plan, tensor_parallel)
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
-        # The request features beside the core (feature.py), in the order their hooks run: log-probabilities
-        # first (a resumed request's replayed tokens replace the draw before a constraint takes them).
-        self.features: list[RequestFeature] = [
-            logprobs.Logprobs(),
-            Constraints(tokenizer, self.vocab_size, self.eos_token_ids),
-            ChoiceScores(),
-        ]
+        # The request features beside the core, in the order their hooks run (features/).
+        self.features: list[RequestFeature] = step_features(tokenizer, self.vocab_size, self.eos_token_ids)
         self.output = OutputProcessor(tokenizer)
         self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text
         self.helpers = Helpers(self._requests, self.scheduler, self._check)  # features/helpers.py
@@ -87,28 +75,17 @@ class Engine:
     def _build(self, plan: ModelPlan, tensor_parallel) -> None:
         """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
         config = self.config
-        ranks = tensor_parallel.size if tensor_parallel is not None else 1
-        kv_plan = plan_kv(self.model.config, config, self.prefill_limit, ranks)
-        num_blocks = kv_plan.num_blocks or size_kv_pool(self.model, config, kv_plan.shape, kv_plan.longest)
-        if tensor_parallel is not None:  # the same pool on every rank: the smallest any of them holds
-            num_blocks = tensor_parallel.agree_min(num_blocks)
-        kv_plan.check_pool(config, num_blocks)
+        shape, num_blocks = plan_pool(self.model, config, self.prefill_limit, tensor_parallel)  # kv_cache.py
         self.block_manager = BlockManager(num_blocks, config.block_size, self._prefix_caching(plan))
         # A token's K and V in every layer (a rank's share under tensor parallelism): the pool holds
         # num_blocks * block_size of them.
-        self.kv_token_bytes = kv_plan.shape.bytes_per_block(1, config.dtype)
+        self.kv_token_bytes = shape.bytes_per_block(1, config.dtype)
         # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
         self.platform = cpu.platform(config.device, spin_guard=True)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
         scratch = num_blocks if config.cuda_graphs and self.decode_graphs else None
-        kv = allocate_kv_cache(
-            kv_plan.shape,
-            num_blocks + (scratch is not None),
-            config.block_size,
-            config.dtype,
-            config.device,
-            self.platform,
-        )
+        blocks = num_blocks + (scratch is not None)
+        kv = allocate_kv_cache(shape, blocks, config.block_size, config.dtype, config.device, self.platform)
         self.runner = ModelRunner(
             self.model,
             kv,
@@ -148,15 +125,15 @@ class Engine:
     def from_pretrained(
         cls, model: str | None = None, *, trust_remote_code: bool = False, **options: Any
     ) -> Engine:
-        """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine.
+        """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine, of the
+        class the option ``task`` picks (:meth:`engine_class`; ``"embed"`` loads the model's body,
+        ``"classify"`` its sequence-classification head, the others the causal LM).
 
-        ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
-        head, ``"generate"`` and ``"score"`` the causal LM. ``options``: any of ``EngineConfig``'s
-        (``engine/options.py`` declares each with its default and check; None: the engine decides), e.g.
-        ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap the context below the model's own,
-        ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of that context.
-        ``trust_remote_code``: run Python code shipped in the model's folder;
-        without it such a model is refused (transformers is never left to ask on stdin).
+        ``options``: any of ``EngineConfig``'s (``engine/options.py`` declares each with its default and
+        check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap
+        the context, ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of it.
+        ``trust_remote_code``: run Python code shipped in the model's folder; without it such a model is
+        refused (transformers is never left to ask on stdin).
         """
         config = EngineConfig(**options)
         engine_cls = cls.engine_class(config.task)
@@ -269,7 +246,7 @@ class Engine:
 
     def _state_of(self, r: Request) -> RequestState:
         """What a checkpoint keeps of an unfinished request (a hook: engine/tasks/ has its own)."""
-        output = logprobs.output_to_resume(r)
+        output = output_to_resume(r)
         return RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index)
 
     def close(self) -> None:
@@ -368,12 +345,7 @@ class Engine:
                 self.block_manager.register_full_blocks(req)
 
     def _count(self, plan: SchedulerOutput) -> None:
-        """The step's statistics."""
-        self.stats.steps += 1
-        self.stats.batched_tokens += plan.total_tokens
-        self.stats.running_sum += len(plan.requests)
-        self.stats.kv_blocks_used_sum += self.block_manager.num_used_blocks
-        self.stats.forward_seconds = self.runner.forward_seconds
+        self.stats.count_step(plan, self.block_manager.num_used_blocks, self.runner.forward_seconds)
 
     # -- around the step ------------------------------------------------------------------------------
 

@@ -42,10 +42,16 @@ class KVPlan:
             config.check_kv_fits(num_blocks, self.longest)
 
 
-def plan_model(model_config, config: EngineConfig, model=None) -> ModelPlan:
-    """Refuse a model our attention would answer wrongly (by name), a tensor-parallel size its family
+def plan_model(model_config, config: EngineConfig, model=None, tensor_parallel: bool = False) -> ModelPlan:
+    """Refuse a model our attention would answer wrongly (by name), one rank's shard outside its
+    tensor-parallel engine (``tensor_parallel``: the engine is one), a tensor-parallel size the family
     cannot split, a ``max_model_len`` beyond its context, an encoder asked to generate or score."""
     check_supported(model_config, model)
+    if getattr(model, "_batchjob_tp_shard", None) is not None and not tensor_parallel:
+        raise ConfigError(
+            "this model is one rank's shard of a tensor-parallel engine: it runs only in that engine "
+            "(a second engine over it, e.g. --estimate's calibration, needs --tensor-parallel-size 1)"
+        )
     if config.tensor_parallel_size > 1:
         check_shardable(model_config, config.tensor_parallel_size)
     max_model_len = config.resolve_max_model_len(model_config)

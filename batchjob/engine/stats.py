@@ -5,7 +5,10 @@ of them), and the end-of-sequence ids a model stops on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchjob.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -26,6 +29,14 @@ class EngineStats:
     short_spin_steps: int = 0  # steps run with the spin guard on (other programs busy on our CPUs)
     max_num_seqs: int = 1
     num_blocks: int = 1
+
+    def count_step(self, plan: SchedulerOutput, blocks_used: int, forward_seconds: float) -> None:
+        """A step of ``plan`` ran, ``blocks_used`` KV blocks in use after it; ``forward_seconds`` so far."""
+        self.steps += 1
+        self.batched_tokens += plan.total_tokens
+        self.running_sum += len(plan.requests)
+        self.kv_blocks_used_sum += blocks_used
+        self.forward_seconds = forward_seconds
 
     @property
     def mean_batch_occupancy(self) -> float:

@@ -25,4 +25,9 @@ def samples(request_id: str, n: int, key: int | None, sample_index: int | None) 
     if sample_index is not None and not 0 <= sample_index < n:
         raise ConfigError(f"sample_index must be in [0, {n}), got {sample_index!r}")
     indices = range(n) if sample_index is None else [sample_index]
-    return [Sample(f"{request_id}#{k}", k, None if key is None else request_key(f"{key}#{k}")) for k in indices]
+    return [Sample(f"{request_id}#{k}", k, _sub_key(key, k)) for k in indices]
+
+
+def _sub_key(key: int | None, k: int) -> int | None:
+    """Sample k's sampler key: derived from the request's key, or (None) from its own id."""
+    return None if key is None else request_key(f"{key}#{k}")

@@ -18,7 +18,7 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.output import RequestOutput
 from batchjob.engine.plan import ModelPlan
 from batchjob.engine.request import Request, RequestState, RequestStatus
-from batchjob.engine.scheduler import Scheduler, SchedulerOutput
+from batchjob.engine.scheduler import ChunkPolicy, Scheduler, SchedulerOutput
 from batchjob.engine.tasks.policy import ChunkGrid, WholeRows
 from batchjob.engine.tasks.runner import (
     TaskRunner,
@@ -58,6 +58,7 @@ class TaskEngine(Engine):
     def _scheduler(self, plan: ModelPlan) -> Scheduler:
         config = self.config
         budget = config.max_num_batched_tokens
+        chunks: ChunkPolicy
         if plan.encoder:  # an encoder's row runs whole
             budget, chunks = max(budget, self.prefill_limit), WholeRows()
         else:
