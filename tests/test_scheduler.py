@@ -222,3 +222,18 @@ def test_a_chunk_grid_fixes_where_chunks_start_whatever_shares_the_step():
     assert bm.match_prefix(shorter, whole=True) == 0
     for r in (same, longer, shorter):
         bm.free(r)
+
+
+def test_an_encoders_rows_run_whole_or_wait():
+    """The prefill-only encoder's policy (tasks/policy.py): a row is never split; one that does not fit what
+    is left of the budget waits for the next step, and the scheduler itself names no task."""
+    from batchjob.engine.tasks.policy import WholeRows
+
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=4, chunks=WholeRows())
+    a = Request("a", list(range(6)), 6, SamplingParams(max_new_tokens=1), 0.0)
+    b = Request("b", list(range(50, 57)), 7, SamplingParams(max_new_tokens=1), 0.0)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["a"] and plan.num_tokens == [6]
