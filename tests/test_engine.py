@@ -311,3 +311,33 @@ def test_default_model_knows_paris():
     )
     out = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
+
+
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return LlamaConfig(**{**base, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw})
+
+
+def test_the_plan_is_one_copy_of_the_load_time_checks():
+    """plan.py, from a config alone (what ``validate`` sees): the context, the KV pool per rank, when the pool
+    is checked (asked for, or by default when the engine sizes it), and the check's message."""
+    from batchjob.engine.config import EngineConfig
+    from batchjob.engine.plan import plan_kv, plan_model
+
+    model_config = _llama_config()
+    config = EngineConfig(device="cpu", block_size=4, kv_memory_gb=0.001)
+    plan = plan_model(model_config, config)
+    assert plan.max_model_len == 256 and not plan.encoder
+    one, two = plan_kv(model_config, config, 256), plan_kv(model_config, config, 256, ranks=2)
+    assert two.shape.num_kv_heads == 1 and one.num_blocks is not None and one.check
+    assert two.num_blocks >= 2 * one.num_blocks  # a rank's block holds half the heads: twice the blocks
+    given = EngineConfig(device="cpu", block_size=4, num_blocks=3)
+    assert not plan_kv(model_config, given, 256).check  # an explicit pool is the user's: not checked
+    asked = EngineConfig(device="cpu", block_size=4, num_blocks=3, check_kv_pool=True)
+    kv = plan_kv(model_config, asked, 256)
+    with pytest.raises(ConfigError, match="cannot hold one request of the full context"):
+        kv.check_pool(asked, kv.num_blocks)
+    with pytest.raises(ConfigError, match="exceeds the model's context of 256"):
+        plan_model(model_config, EngineConfig(device="cpu", max_model_len=300))

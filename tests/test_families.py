@@ -20,8 +20,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from batchjob import Engine, SamplingParams
-from batchjob.engine import engine as engine_module
 from batchjob.engine import model_runner, support
+from batchjob.engine import plan as plan_module
 from batchjob.engine.attention.flex import Flex
 from batchjob.engine.attention.registry import supported_features
 from batchjob.engine.config import EngineConfig
@@ -145,7 +145,8 @@ def test_refused_families_would_answer_wrongly(folder, family, monkeypatch):
     path = folder(family)
     hf = _reference(path)
     model = copy.deepcopy(hf)
-    monkeypatch.setattr(engine_module, "check_supported", lambda *a, **k: None)
+    monkeypatch.setattr(plan_module, "check_supported", lambda *a, **k: None)
+    monkeypatch.setattr(plan_module, "attention_features", lambda *a: frozenset())  # the plan's choice
     monkeypatch.setattr(model_runner, "attention_features", lambda *a: frozenset())  # nor the backend choice
     options = _engine_options()
     config = EngineConfig(torch.device(options.pop("device")), torch.float64, **options)

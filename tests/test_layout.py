@@ -134,15 +134,8 @@ def test_engine_imports_in_functions_say_why():
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
 MAX_FUNCTIONS_ALLOWED = 3
-FUNCTIONS_ALLOWED = {
-    # being cut on other branches
-    "engine/engine.py:Engine.__init__": 100,
-    "engine/scheduler.py:Scheduler.schedule": 64,
-}
-MODULES_ALLOWED = {
-    # being cut on other branches
-    "engine/engine.py": 715,
-}
+FUNCTIONS_ALLOWED: dict[str, int] = {}
+MODULES_ALLOWED: dict[str, int] = {}
 
 
 def _function_sizes(tree: ast.AST, prefix: str = ""):

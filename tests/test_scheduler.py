@@ -7,6 +7,7 @@ import pytest
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.request import Request, RequestStatus
 from batchjob.engine.scheduler import Scheduler
+from batchjob.engine.tasks.policy import ChunkGrid
 from batchjob.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -179,7 +180,7 @@ def test_larger_output_budgets_are_admitted_first_and_preempted_requests_before_
 
 
 def _task_req(rid: str, tokens: list[int], compute_from: int) -> Request:
-    from batchjob.engine.task_state import TaskState
+    from batchjob.engine.tasks.state import TaskState
 
     req = Request(rid, tokens, len(tokens), SamplingParams(max_new_tokens=1), 0.0)
     req.task = TaskState("score", compute_from=compute_from)
@@ -191,7 +192,7 @@ def test_a_chunk_grid_fixes_where_chunks_start_whatever_shares_the_step():
     a chunk that does not fit waits, and the cache gives the reusable part whole or nothing, so a row
     computes the same chunks alone, beside others, or after a restart."""
     bm = BlockManager(64, 4)
-    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=4, chunk_grid=8)
+    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=4, chunks=ChunkGrid(8))
     # a: 21 tokens, its result from position 13 on: cut 12 (3 blocks), chunks [0, 8) [8, 12) [12, 20) [20, 21)
     a, b = _task_req("a", list(range(21)), 13), _task_req("b", list(range(100, 105)), 0)
     sched.add(a)
@@ -221,3 +222,18 @@ def test_a_chunk_grid_fixes_where_chunks_start_whatever_shares_the_step():
     assert bm.match_prefix(shorter, whole=True) == 0
     for r in (same, longer, shorter):
         bm.free(r)
+
+
+def test_an_encoders_rows_run_whole_or_wait():
+    """The prefill-only encoder's policy (tasks/policy.py): a row is never split; one that does not fit what
+    is left of the budget waits for the next step, and the scheduler itself names no task."""
+    from batchjob.engine.tasks.policy import WholeRows
+
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=4, chunks=WholeRows())
+    a = Request("a", list(range(6)), 6, SamplingParams(max_new_tokens=1), 0.0)
+    b = Request("b", list(range(50, 57)), 7, SamplingParams(max_new_tokens=1), 0.0)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.requests] == ["a"] and plan.num_tokens == [6]

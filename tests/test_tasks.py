@@ -1,4 +1,4 @@
-"""Prefill-only tasks (engine/tasks.py) on tiny random models, against the references people use:
+"""Prefill-only tasks (engine/tasks/) on tiny random models, against the references people use:
 sentence-transformers ``encode`` for embeddings, HF ``forward`` at batch size 1 for classifier logits and
 token log-probabilities. float64: equal to 1e-12; float32: to 1e-5 absolute. Rows of mixed lengths go in
 one forward, long ones in chunks, and score requests sharing a prompt reuse its KV blocks."""

@@ -1,27 +1,16 @@
-"""The engine: requests in, one scheduling iteration per ``step()``, finished requests out.
+"""The generating core: requests in, one scheduling iteration per ``step()``, finished requests out.
 
-``Engine.step()`` is schedule, execute, update:
+``Engine.step()`` is schedule, execute, update: the scheduler's plan for one forward (running requests
+first, then admissions, preempting when blocks run out; drafts proposed before it, speculative.py); the
+model runner's forward, then the sampler with the request features' hooks around the draw (feature.py);
+then counters, the prefix cache, each request's tokens and the stop rules (features/), and the finished
+requests freed and returned (after the helper requests a feature asked for have run).
 
-- ``_schedule``: the scheduler's plan for one forward (running requests first, then admissions, preempting
-  when blocks run out); running requests that can draft propose speculative tokens first (speculative.py).
-- ``_execute``: the model runner's forward of the plan, then the sampler, with the request features' hooks
-  around the draw (feature.py): the tokens each sampling request drew.
-- ``_update``: counters and the prefix cache, each request's tokens (drafts kept while they agree), stop
-  conditions; finished requests are freed and returned as outputs (after the helper requests a feature
-  asked for have run).
-
-With ``task`` embed, classify or score (the engine option) every request is prefill-only (tasks.py): it
-finishes in the step that computes its last token, with its result made from that forward's hidden states
-(``Engine.embed``, ``classify``, ``score``; or ``add_request``/``step()`` as for generation).
-
-A request refused at admission (empty, too long, ...) finishes with an error at the next step, before the
-schedule; each step first calls the device's platform hook (cpu/platform.py: on the CPU a spin guard checks,
-about once a second, whether other programs share our cores).
-Around it, each in its own module: the request features (constraints in masks.py, log-probabilities in
-logprobs.py, choice scores in choices.py; feature.py lists them); text (detokenizing, stop strings, finish
-reasons) in output.py; prompt-lookup drafts in speculative.py; KV pool sizing in kv_cache.py; CPU-only
-machinery in cpu/. Loops, progress, files and checkpoints live outside the engine: it knows token ids, KV
-blocks, the model and the device, and nothing about rows or jobs.
+Beside it, each in its own module: the load-time plan and refusals (plan.py), admission checks (checks.py),
+the request features (feature.py, features/), text and finish reasons (output.py), KV pool sizing
+(kv_cache.py), CPU-only machinery (cpu/), and the prefill-only tasks, whose engine subclasses this one
+through the hooks marked below (engine/tasks/). A request refused at admission finishes with an error at
+the next step. The engine knows token ids, KV blocks, the model and the device, nothing about rows or jobs.
 """
 
 from __future__ import annotations
@@ -30,72 +19,30 @@ import hashlib
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from batchjob.engine import cpu, logprobs, parallel, speculative, tasks
+from batchjob.engine import cpu, parallel, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
-from batchjob.engine.choices import ChoiceScores
+from batchjob.engine.checks import check_request
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.feature import RequestFeature
-from batchjob.engine.kv_cache import KVShape, allocate_kv_cache, size_kv_pool
-from batchjob.engine.masks import Constraints
+from batchjob.engine.features import output_to_resume, step_features, stop_rules
+from batchjob.engine.features.helpers import Helpers
+from batchjob.engine.features.samples import samples
+from batchjob.engine.kv_cache import allocate_kv_cache, plan_pool
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.options import EngineOptions
 from batchjob.engine.output import OutputProcessor, RequestOutput
-from batchjob.engine.request import Request, RequestState, RequestStatus, request_key
+from batchjob.engine.plan import ModelPlan, plan_model
+from batchjob.engine.request import Request, RequestState, RequestStatus
 from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
-from batchjob.engine.support import attention_features, check_supported
-from batchjob.engine.task_state import TASK_CHUNK
+from batchjob.engine.stats import EngineStats, eos_token_ids
 from batchjob.errors import ConfigError
 from batchjob.models import load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens of every request added
-    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
-    computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputation included)
-    generated_tokens: int = 0
-    draft_tokens: int = 0  # prompt-lookup drafts verified
-    accepted_draft_tokens: int = 0  # of which kept
-    batched_tokens: int = 0  # all tokens run through the model
-    running_sum: int = 0  # sum over steps of running requests (for mean occupancy)
-    kv_blocks_used_sum: int = 0  # sum over steps of blocks in use (for mean KV utilization)
-    forward_seconds: float = 0.0
-    step_seconds: float = 0.0
-    short_spin_steps: int = 0  # steps run with the spin guard on (other programs busy on our CPUs)
-    max_num_seqs: int = 1
-    num_blocks: int = 1
-
-    @property
-    def mean_batch_occupancy(self) -> float:
-        return self.running_sum / self.steps / self.max_num_seqs if self.steps else 0.0
-
-    @property
-    def kv_utilization(self) -> float:
-        return self.kv_blocks_used_sum / self.steps / self.num_blocks if self.steps else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["mean_batch_occupancy"] = self.mean_batch_occupancy
-        d["kv_utilization"] = self.kv_utilization
-        return d
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    """The ids HF ``generate`` stops on: the generation config's, else the model config's or tokenizer's."""
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-    return {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
 
 
 class Engine:
@@ -104,63 +51,44 @@ class Engine:
     ) -> None:
         """``tensor_parallel``: this rank's :class:`~batchjob.engine.parallel.group.Group` when ``model`` is
         its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it)."""
-        check_supported(model.config, model)  # a model our attention would answer wrongly, refused by name
-        if getattr(model, "_batchjob_tp_shard", None) is not None and tensor_parallel is None:
-            raise ConfigError(
-                "this model is one rank's shard of a tensor-parallel engine: it runs only in that engine "
-                "(a second engine over it, e.g. --estimate's calibration, needs --tensor-parallel-size 1)"
-            )
+        plan = plan_model(model.config, config, model, tensor_parallel is not None)  # every refusal (plan.py)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.model_id = model_id
         self.device = config.device
         self.dtype = config.dtype
-        self.max_model_len = config.resolve_max_model_len(model.config)
+        self.max_model_len = plan.max_model_len
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.task = config.task
-        encoder = "bidirectional" in attention_features(model.config, model)
-        if encoder and self.task not in ("embed", "classify"):
-            raise ConfigError(
-                f"model family {model.config.model_type!r} attends both ways (an encoder): it can embed or "
-                f"classify (task='embed' or 'classify', --task), not {self.task}"
-            )
-        self.tasks: tasks.TaskRunner | None = None
-        self.prefill_limit = self.max_model_len  # the longest prefill-only request, in tokens
-        if self.task != "generate":
-            self.tasks, self.prefill_limit = tasks.task_runner(model, tokenizer, config, model_id, encoder)
+        self.tasks: Any = None  # hook: a prefill-only engine's task runner (engine/tasks/)
+        self.prefill_limit = self._request_limit(plan)  # hook: the longest request, in tokens
+        self._build(plan, tensor_parallel)
+        self._requests: dict[str, Request] = {}
+        self._failed: list[Request] = []  # rejected at admission; reported by the next step()
+        # The request features beside the core, in the order their hooks run (features/).
+        self.features: list[RequestFeature] = step_features(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.output = OutputProcessor(tokenizer)
+        self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text
+        self.helpers = Helpers(self._requests, self.scheduler, self._check)  # features/helpers.py
 
-        shape = KVShape.from_config(model.config)
-        if tensor_parallel is not None:  # each rank caches its own KV heads
-            shape = shape.per_rank(tensor_parallel.size)
-        longest = self.prefill_limit if self.tasks is not None else self.max_model_len  # one request's tokens
-        num_blocks = config.num_blocks or size_kv_pool(model, config, shape, longest)
-        if tensor_parallel is not None:  # the same pool on every rank: the smallest any of them holds
-            num_blocks = tensor_parallel.agree_min(num_blocks)
-        if config.check_kv_pool or (config.check_kv_pool is None and config.num_blocks is None):
-            config.check_kv_fits(num_blocks, longest)
-        # An encoder's keys depend on the whole row: nothing of it can be reused by another. A causal task's
-        # rows reuse whole chunks of the grid below (score: rows sharing a prompt compute it once).
-        caching = config.enable_prefix_caching and not encoder
-        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
+    def _build(self, plan: ModelPlan, tensor_parallel) -> None:
+        """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
+        config = self.config
+        shape, num_blocks = plan_pool(self.model, config, self.prefill_limit, tensor_parallel)  # kv_cache.py
+        self.block_manager = BlockManager(num_blocks, config.block_size, self._prefix_caching(plan))
         # A token's K and V in every layer (a rank's share under tensor parallelism): the pool holds
         # num_blocks * block_size of them.
         self.kv_token_bytes = shape.bytes_per_block(1, config.dtype)
         # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
         self.platform = cpu.platform(config.device, spin_guard=True)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
-        scratch = num_blocks if config.cuda_graphs and self.tasks is None else None
-        kv = allocate_kv_cache(
-            shape,
-            num_blocks + (scratch is not None),
-            config.block_size,
-            config.dtype,
-            config.device,
-            self.platform,
-        )
+        scratch = num_blocks if config.cuda_graphs and self.decode_graphs else None
+        blocks = num_blocks + (scratch is not None)
+        kv = allocate_kv_cache(shape, blocks, config.block_size, config.dtype, config.device, self.platform)
         self.runner = ModelRunner(
-            model,
+            self.model,
             kv,
             config.block_size,
             config.device,
@@ -171,34 +99,28 @@ class Engine:
             attention_backend=config.attention_backend,
             platform=self.platform,
             tensor_parallel=tensor_parallel,
-            decode_rows=self.tasks is None,
         )
-        budget = config.max_num_batched_tokens
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max(budget, self.prefill_limit) if encoder else budget,  # an encoder's row runs whole
-            config.max_num_seqs,
-            static=config.static_batching,
-            split_prompts=not encoder,
-            # A task's causal rows: chunks on a fixed grid, prefixes reused only in whole chunks, so the
-            # floats it writes are the same whatever shared its steps, and after a restart.
-            chunk_grid=min(TASK_CHUNK, budget) if self.tasks is not None and not encoder else None,
-        )
+        self.scheduler = self._scheduler(plan)
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         assert config.num_speculative_tokens is not None
-        self.drafter = speculative.Drafter(
-            config.num_speculative_tokens, self.device.type, budget, config.max_num_seqs
-        )
-        self._requests: dict[str, Request] = {}
-        self._failed: list[Request] = []  # rejected at admission; reported by the next step()
-        # The request features beside the core (feature.py), in the order their hooks run: log-probabilities
-        # first (a resumed request's replayed tokens replace the draw before a constraint takes them).
-        self.features: list[RequestFeature] = [
-            logprobs.Logprobs(),
-            Constraints(tokenizer, self.vocab_size, self.eos_token_ids),
-            ChoiceScores(),
-        ]
-        self.output = OutputProcessor(tokenizer)
+        budget, seats = config.max_num_batched_tokens, config.max_num_seqs
+        self.drafter = speculative.Drafter(config.num_speculative_tokens, self.device.type, budget, seats)
+
+    # -- hooks a prefill-only engine (engine/tasks/) overrides ----------------------------------------
+
+    decode_graphs = True  # decode-only steps may run through CUDA graphs
+
+    def _request_limit(self, plan: ModelPlan) -> int:
+        """The longest request the engine takes, in tokens (the KV pool holds one)."""
+        return plan.max_model_len
+
+    def _prefix_caching(self, plan: ModelPlan) -> bool:
+        return bool(self.config.enable_prefix_caching)
+
+    def _scheduler(self, plan: ModelPlan) -> Scheduler:
+        config = self.config
+        budget, seats = config.max_num_batched_tokens, config.max_num_seqs
+        return Scheduler(self.block_manager, budget, seats, static=config.static_batching)
 
     @classmethod
     def from_pretrained(
@@ -209,25 +131,32 @@ class Engine:
         options: EngineOptions | None = None,
         **keywords: Any,
     ) -> Engine:
-        """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine.
+        """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine, of the
+        class the option ``task`` picks (:meth:`engine_class`; ``"embed"`` loads the model's body,
+        ``"classify"`` its sequence-classification head, the others the causal LM).
 
-        ``task="embed"`` loads the model's body (``AutoModel``), ``"classify"`` its sequence-classification
-        head, ``"generate"`` and ``"score"`` the causal LM. Keywords: any of ``EngineConfig``'s
-        (``engine/options.py`` declares each with its default and check; None: the engine decides), e.g.
-        ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap the context below the model's own,
-        ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of that context.
-        ``trust_remote_code``: run Python code shipped in the model's folder;
-        without it such a model is refused (transformers is never left to ask on stdin).
+        Keywords: any of ``EngineConfig``'s (``engine/options.py`` declares each with its default and
+        check; None: the engine decides), e.g. ``device="cpu"``, ``max_num_seqs=8``, ``max_model_len`` to cap
+        the context, ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of it.
         ``options``: the same settings as one ``EngineOptions`` (a job's); a keyword given too wins.
+        ``trust_remote_code``: run Python code shipped in the model's folder; without it such a model is
+        refused (transformers is never left to ask on stdin).
         """
         given = (options.as_keywords() if options is not None else {}) | keywords
         config = EngineConfig(**given)
+        engine_cls = cls.engine_class(config.task)
         if config.tensor_parallel_size > 1:
-            return parallel.load_engine(cls, model, config, given, trust_remote_code)
+            return parallel.load_engine(engine_cls, model, config, given, trust_remote_code)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )
-        return cls(hf_model, tokenizer, config, model_id=resolved)
+        return engine_cls(hf_model, tokenizer, config, model_id=resolved)
+
+    @classmethod
+    def engine_class(cls, task: str) -> type[Engine]:
+        """The engine class for the option ``task``: this one generates; a prefill-only task has its own
+        (the factory in engine/tasks/)."""
+        return tasks.engine_class(task) or cls
 
     # -- the incremental API the job runner drives ---------------------------------------------------
 
@@ -254,32 +183,16 @@ class Engine:
         computes the prompt and the others then take its KV blocks from the prefix cache), or only sample
         ``sample_index`` when given (to resume it).
 
-        With a prefill-only task (tasks.py) ``params`` and ``output_ids`` are not used; ``score`` takes
-        ``continuation_ids`` (only they are scored, given the prompt) and ``token_logprobs`` (keep the
-        per-token list). Longer than ``prefill_limit`` tokens: cut to it with the option ``truncate``, else
-        an error output.
+        ``continuation_ids`` and ``token_logprobs`` are a prefill-only engine's (engine/tasks/).
         """
-        if self.tasks is not None:
-            if params is not None and params.n != 1:
-                raise ConfigError(f"task {self.task} takes one sample per request, got n={params.n}")
-            self._add_prefill(request_id, prompt_ids, continuation_ids, token_logprobs)
-            return
         if continuation_ids is not None or token_logprobs:
             raise ConfigError("continuation_ids and token_logprobs are for task='score'")
         params = SamplingParams() if params is None else params
         if params.seed is None and not params.greedy:
             params = params.replace(seed=random.getrandbits(63))
-        if params.n == 1:
-            self._add(request_id, request_id, 0, prompt_ids, params, output_ids, key, None)
-            return
-        if sample_index is not None and not 0 <= sample_index < params.n:
-            raise ConfigError(f"sample_index must be in [0, {params.n}), got {sample_index!r}")
-        leader = None
-        for k in range(params.n) if sample_index is None else [sample_index]:
-            sub_key = None if key is None else request_key(f"{key}#{k}")
-            req = self._add(
-                f"{request_id}#{k}", request_id, k, prompt_ids, params, output_ids, sub_key, leader
-            )
+        leader = None  # the first sample computes the prompt; the others wait for it (features/samples.py)
+        for s in samples(request_id, params.n, key, sample_index):
+            req = self._add(s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader)
             leader = leader or req
 
     def _add(
@@ -319,59 +232,9 @@ class Engine:
             self.scheduler.add(req)
         return req
 
-    def _add_prefill(
-        self,
-        rid: str,
-        prompt_ids: Sequence[int],
-        continuation_ids: Sequence[int] | None,
-        token_logprobs: bool,
-    ) -> None:
-        if rid in self._requests:
-            raise ConfigError(f"request id {rid!r} is already in the engine")
-        if (continuation_ids is not None or token_logprobs) and self.task != "score":
-            raise ConfigError(f"continuation_ids and token_logprobs are for task='score', not {self.task!r}")
-        prompt = [int(t) for t in prompt_ids]
-        continuation = [int(t) for t in continuation_ids or ()]
-        tokens = prompt + continuation
-        cut = self.config.truncate and len(tokens) > self.prefill_limit
-        if cut:
-            tokens = tokens[: self.prefill_limit]
-        req = Request(rid, tokens, min(len(prompt), len(tokens)), SamplingParams(), time.monotonic())
-        assert self.tasks is not None
-        req.task = self.tasks.new_state(
-            req.num_prompt_tokens, len(tokens), continuation_ids is not None, token_logprobs
-        )
-        self._requests[rid] = req
-        self.stats.prompt_tokens += len(tokens)
-        req.error = tasks.check_request(
-            req, continuation_ids is not None, self.prefill_limit, self.vocab_size, self.block_manager
-        )
-        if req.error is not None:
-            self._failed.append(req)
-        else:
-            self.scheduler.add(req)
-
     def _check(self, req: Request) -> str | None:
-        n = req.num_prompt_tokens
-        if n == 0:
-            return "empty prompt: no tokens"
-        if req.num_tokens >= self.max_model_len:
-            return f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} tokens"
-        bad = [t for t in req.token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-        new = req.params.max_new_tokens
-        c = req.constraint
-        if c is not None and c.output_limit is not None:  # a choice's longest answer bounds it instead
-            new = c.output_limit
-        longest = min(n + new, self.max_model_len)
-        need = self.block_manager.blocks_for(longest)
-        if need > self.block_manager.num_blocks:
-            return (
-                f"request needs {need} KV blocks of {self.config.block_size} tokens for {longest} tokens, "
-                f"but the pool has {self.block_manager.num_blocks}; raise num_blocks or kv_memory_gb"
-            )
-        return None
+        """Why a new request cannot run (its error), or None (checks.py)."""
+        return check_request(req, self.max_model_len, self.vocab_size, self.block_manager, self.stop_rules)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -386,12 +249,13 @@ class Engine:
         for r in self._requests.values():
             if r.owner is not None or (r.is_finished and not r.pending_helpers):
                 continue
-            if r.task is not None:
-                states.append(tasks.request_state(r))
-                continue
-            output = logprobs.output_to_resume(r)
-            states.append(RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index))
+            states.append(self._state_of(r))
         return states
+
+    def _state_of(self, r: Request) -> RequestState:
+        """What a checkpoint keeps of an unfinished request (a hook: engine/tasks/ has its own)."""
+        output = output_to_resume(r)
+        return RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index)
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks, if it has any (at exit this happens by itself);
@@ -437,11 +301,7 @@ class Engine:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan for one forward; the running requests that can draft propose their next
         tokens first (speculative.py), and keep the drafts the plan has room for."""
-        sched = self.scheduler
-        drafted = self.drafter.draft(sched.running, sched.waiting, self.block_manager, self.max_model_len)
-        plan = self.scheduler.schedule()
-        if drafted:
-            speculative.trim(drafted, plan)
+        plan = self.drafter.schedule(self.scheduler, self.block_manager, self.max_model_len)
         self.stats.preemptions += len(plan.preempted)
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_tokens
         return plan
@@ -454,32 +314,36 @@ class Engine:
             for r, n in zip(plan.requests, plan.num_tokens, strict=True)
             if r.num_computed_tokens + n == r.num_tokens
         ]
-        if self.tasks is not None:  # prefill-only: the result comes from the hidden states
-            hidden, lay = self.runner.hidden_states(plan)
-            self.tasks.consume(plan, lay, hidden)
-            return [], []
         for feature in self.features:
             feature.before_forward(will_sample)
         logits, sampling = self.runner.execute(plan)
         if not sampling:
             return [], []
-        rows, positions = [], []
-        for req in sampling:
-            first = req.num_output_tokens - req.num_draft_tokens
-            rows += [req] * (req.num_draft_tokens + 1)
-            positions += range(first, first + req.num_draft_tokens + 1)
-        tokens = self._sample(logits, rows, positions)
-        drawn, i = [], 0
-        for req in sampling:
-            drawn.append(tokens[i : i + req.num_draft_tokens + 1])
-            i += req.num_draft_tokens + 1
-        return sampling, drawn
+        rows, positions = speculative.sampled_rows(sampling)
+        return sampling, speculative.per_request(self._sample(logits, rows, positions), sampling)
 
     def _update(
         self, plan: SchedulerOutput, sampling: list[Request], drawn: list[list[int]]
     ) -> list[Request]:
         """Advance the counters, give each request its tokens, take out the ones that finished. Returns
         those that can be reported now."""
+        self._advance(plan)
+        finished: list[Request] = []
+        now = time.monotonic()
+        for req, tokens in zip(sampling, drawn, strict=True):
+            if req.owner is not None:
+                self.helpers.finish(req, finished)
+                continue
+            status = self._take_tokens(req, tokens, now)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                if self._ready(req):
+                    finished.append(req)
+        self._count(plan)
+        return finished
+
+    def _advance(self, plan: SchedulerOutput) -> None:
+        """Each request's counter past the tokens this step computed (full blocks into the prefix cache)."""
         for req, n in zip(plan.requests, plan.num_tokens, strict=True):
             self.stats.computed_prompt_tokens += max(
                 0, min(req.num_prompt_tokens - req.num_computed_tokens, n)
@@ -487,29 +351,9 @@ class Engine:
             req.num_computed_tokens += n
             if not req.num_draft_tokens:  # a verified draft registers once its kept tokens are known
                 self.block_manager.register_full_blocks(req)
-        finished: list[Request] = []
-        if self.tasks is not None:
-            for req in plan.requests:
-                if req.num_computed_tokens == req.num_tokens:
-                    self.tasks.finish(req)
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks freed at once
-                    finished.append(req)
-        now = time.monotonic()
-        for req, tokens in zip(sampling, drawn, strict=True):
-            if req.owner is not None:
-                self._finish_helper(req, finished)
-                continue
-            status = self._take_tokens(req, tokens, now)
-            if status is not None:
-                self.scheduler.finish(req, status)
-                if self._ready(req):
-                    finished.append(req)
-        self.stats.steps += 1
-        self.stats.batched_tokens += plan.total_tokens
-        self.stats.running_sum += len(plan.requests)
-        self.stats.kv_blocks_used_sum += self.block_manager.num_used_blocks
-        self.stats.forward_seconds = self.runner.forward_seconds
-        return finished
+
+    def _count(self, plan: SchedulerOutput) -> None:
+        self.stats.count_step(plan, self.block_manager.num_used_blocks, self.runner.forward_seconds)
 
     # -- around the step ------------------------------------------------------------------------------
 
@@ -533,50 +377,27 @@ class Engine:
         return outputs
 
     def _take_tokens(self, req: Request, drawn: list[int], now: float) -> RequestStatus | None:
-        """Append the tokens a request drew; with drafts, keep them while each equals the token drawn
-        before it (the draw that follows a rejected draft is the request's correct next token). Returns the
-        request's finished status, if it finished."""
-        d = req.num_draft_tokens
-        drafts: list[int] = []
-        if d:
-            drafts = req.token_ids[-d:]
-            del req.token_ids[-d:]
-            req.num_computed_tokens -= d  # the drafts' K/V count again only where they are kept
-            req.num_draft_tokens = 0
-            self.stats.draft_tokens += d
-        status = None
-        kept = 0
-        for tok in drawn:
+        """Append the tokens a request drew (with drafts, those the drafter keeps: speculative.py). Returns
+        the request's finished status, if it finished."""
+
+        def take(tok: int) -> RequestStatus | None:
             req.token_ids.append(tok)
             self.stats.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
-            if status is not None or kept == d or tok != drafts[kept]:
-                break
-            kept += 1
-            req.num_computed_tokens += 1  # the draft's K/V, computed in this forward, is the token's
-        if d:
-            self.stats.accepted_draft_tokens += kept
-            if status is None:
-                self.drafter.record(req, d, kept)
-            self.block_manager.register_full_blocks(req)
-        return status
+            return RequestStatus.FINISHED_ERROR if req.error else self._stop_status(req, tok)
+
+        if not req.num_draft_tokens:
+            (tok,) = drawn  # one draw: its next token
+            return take(tok)
+        return self.drafter.verify(req, drawn, take, self.stats, self.block_manager)
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
-        c = req.constraint
-        if c is not None:
-            if c.done:
-                return RequestStatus.FINISHED_STOPPED
-            if c.output_limit is not None:  # it bounds the answer itself; only the context can cut it
-                return RequestStatus.FINISHED_LENGTH if req.num_tokens >= self.max_model_len else None
-        p = req.params
-        if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if p.stop and self.output.stop_string_found(req):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+        """The first verdict of the stop rules (features/): a finished status, or None to go on."""
+        for rule in self.stop_rules:
+            status = rule.stop(req, tok)
+            if status is not None:
+                return status if status.is_finished else None
         return None
 
     # -- the request features' hooks (feature.py) ------------------------------------------------------
@@ -595,27 +416,8 @@ class Engine:
         return tokens
 
     def _ready(self, req: Request) -> bool:
-        """Whether a finished request can be reported now: first the helper requests the features want for
-        it (choices: the trie nodes its decoding did not see) run, at the front of the queue."""
-        for feature in self.features:
-            for helper in feature.helpers(req):
-                if self._check(helper) is not None:
-                    continue  # cannot run (past the context): the feature goes without (choices: NaN)
-                helper.owner = req
-                req.pending_helpers += 1
-                self._requests[helper.request_id] = helper
-                self.scheduler.add(helper, front=True)
-        return req.pending_helpers == 0
-
-    def _finish_helper(self, helper: Request, finished: list[Request]) -> None:
-        """A helper request ran (its logits went to the features); its owner is reported after the last."""
-        self.scheduler.finish(helper, RequestStatus.FINISHED_STOPPED)
-        del self._requests[helper.request_id]
-        owner = helper.owner
-        assert owner is not None and owner.pending_helpers > 0
-        owner.pending_helpers -= 1
-        if owner.pending_helpers == 0 and owner.request_id in self._requests:
-            finished.append(owner)
+        """Whether a finished request can be reported now (after the helpers its features ask for)."""
+        return self.helpers.ready(req, self.features)
 
     # -- convenience ---------------------------------------------------------------------------------
 
@@ -628,19 +430,7 @@ class Engine:
 
         A seeded request's draws are keyed by its prompt, so it samples the same tokens alone or in a crowd.
         """
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        if self.tasks is not None:
-            raise ConfigError(
-                f"generate() needs an engine built with task='generate'; this one's task is {self.task!r} "
-                f"(call {self.task}() instead)"
-            )
+        params = self._params_for(prompts, sampling_params)
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine; it has unfinished requests")
         ids = []
@@ -656,60 +446,21 @@ class Engine:
                 results[out.request_id, out.sample_index] = out
         return [results[rid, k] for rid, p in zip(ids, params, strict=True) for k in range(p.n)]
 
-    # -- prefill-only tasks (tasks.py) -----------------------------------------------------------------
+    @staticmethod
+    def _params_for(
+        prompts: Sequence[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        """One sampling params per prompt."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        return params
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
-        """A text's token ids as a task request takes them: with the tokenizer's special tokens (as
-        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on."""
-        cut = self.config.truncate and self.tasks is not None
-        return self.tokenizer(
-            text,
-            add_special_tokens=special_tokens,
-            truncation=cut,
-            max_length=self.prefill_limit if cut else None,
-        ).input_ids
-
-    def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
-        """Embed texts (or token id lists); outputs in input order, each with ``embedding`` (or ``error``)."""
-        return self._run_task("embed", [(x, None) for x in inputs], False)
-
-    def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
-        """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""
-        return self._run_task("classify", [(x, None) for x in inputs], False)
-
-    def score(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        continuations: Sequence[str] | Sequence[Sequence[int]] | None = None,
-        *,
-        token_logprobs: bool = False,
-    ) -> list[RequestOutput]:
-        """The log-likelihood of each prompt (every token but the first scored), or with ``continuations``
-        of each continuation given its prompt (a text continuation is tokenized without special tokens):
-        ``logprob``, ``num_scored_tokens``, ``perplexity``, and ``token_logprobs`` when asked for."""
-        if continuations is not None and len(continuations) != len(prompts):
-            raise ConfigError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
-        conts = list(continuations) if continuations is not None else [None] * len(prompts)
-        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs)
-
-    def _run_task(self, task: str, items: list, token_logprobs: bool) -> list[RequestOutput]:
-        if self.task != task:
-            raise ConfigError(
-                f"{task}() needs an engine built with task={task!r} (Engine.from_pretrained(..., task="
-                f"{task!r})); this one's task is {self.task!r}"
-            )
-        if self.has_unfinished():
-            raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
-
-        def ids(x, special: bool) -> list[int]:
-            return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)
-
-        for i, (prompt, cont) in enumerate(items):
-            c = None if cont is None else ids(cont, False)
-            kw = {"continuation_ids": c, "token_logprobs": token_logprobs} if task == "score" else {}
-            self.add_request(f"{task}-{i}", ids(prompt, True), **kw)
-        results: dict[str, RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.request_id] = out
-        return [results[f"{task}-{i}"] for i in range(len(items))]
+        """A text's token ids, with the tokenizer's special tokens (a prefill-only engine cuts them)."""
+        tokenizer = self.tokenizer
+        return tokenizer(text, add_special_tokens=special_tokens, truncation=False, max_length=None).input_ids

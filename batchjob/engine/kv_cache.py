@@ -16,12 +16,14 @@ from batchjob.engine.config import EngineConfig, KVShape
 from batchjob.engine.cpu import Platform
 from batchjob.engine.graphs import ROW_BUCKETS
 from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.plan import plan_kv
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
-__all__ = ["KVShape", "allocate_kv_cache", "size_kv_pool"]  # KVShape: the shape the pool is sized by
+# KVShape: the shape the pool is sized by
+__all__ = ["KVShape", "allocate_kv_cache", "plan_pool", "size_kv_pool"]
 
 
 def allocate_kv_cache(
@@ -36,6 +38,19 @@ def allocate_kv_cache(
     huge pages)."""
     dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
     return (platform or cpu.platform(device)).allocate_kv(dims, shape.num_layers, dtype)
+
+
+def plan_pool(model, config: EngineConfig, longest: int, tensor_parallel=None) -> tuple[KVShape, int]:
+    """One rank's KV shape and the pool's blocks for requests of up to ``longest`` tokens (plan.py's plan,
+    sized here by profiling where it says so; under tensor parallelism the smallest any rank holds), checked
+    to hold one such request where the plan says so."""
+    ranks = tensor_parallel.size if tensor_parallel is not None else 1
+    kv_plan = plan_kv(model.config, config, longest, ranks)
+    num_blocks = kv_plan.num_blocks or size_kv_pool(model, config, kv_plan.shape, kv_plan.longest)
+    if tensor_parallel is not None:  # the same pool on every rank
+        num_blocks = tensor_parallel.agree_min(num_blocks)
+    kv_plan.check_pool(config, num_blocks)
+    return kv_plan.shape, num_blocks
 
 
 def size_kv_pool(model, config: EngineConfig, shape: KVShape, max_model_len: int) -> int:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu, tasks
+from batchjob.engine import attention, cpu
 from batchjob.engine.attention import AttentionBackend, AttentionMetadata, Packer, StepLayout
 from batchjob.engine.attention.layout import ramps
 from batchjob.engine.attention.registry import backend_class, choose_attention
@@ -82,12 +82,11 @@ class ModelRunner:
         attention_backend: str | None = None,
         platform: cpu.Platform | None = None,
         tensor_parallel=None,
-        decode_rows: bool = True,
     ) -> None:
         self.model = model
-        # False (a prefill-only task's engine): one-token rows go the way of prompt chunks, so a row's values
-        # never depend on which rows share its step (see AttentionBackend.decode_rows).
-        self.decode_rows = decode_rows
+        # Whether one-token rows take the backends' decode path (AttentionBackend.decode_rows); off
+        # (``rows_alike``) where a row's values must never depend on which rows share its step.
+        self.decode_rows = True
         # Under tensor parallelism (engine/parallel/): this rank's group; rank 0 sends it each step's layout.
         self.tensor_parallel = tensor_parallel
         self.kv_caches = kv_caches
@@ -100,7 +99,7 @@ class ModelRunner:
         self._max_rows = max(max_graph_rows, ROW_BUCKETS[-1])  # rows one step can have
         # An encoder attends within each row both ways (the backend chosen has ``bidirectional``).
         self.causal = "bidirectional" not in self.features
-        self.position_offset = tasks.position_offset(model.config)  # RoBERTa counts from padding_idx + 1
+        self.position_offset = 0  # added to ``hidden_states``' position ids (the task engine sets RoBERTa's)
         self.attention: AttentionBackend = self.new_backend(choice.backend)
         self.forward_seconds = 0.0  # time inside the model forward (for the benchmark's breakdown)
         self.platform = platform or cpu.platform(device)
@@ -135,6 +134,12 @@ class ModelRunner:
         backend.causal = self.causal
         backend.decode_rows = self.decode_rows
         return backend
+
+    def rows_alike(self) -> None:
+        """From now on attend every row the same way whatever shares its step: one-token rows go the way
+        of prompt chunks (a hook for an engine whose floats must not depend on the batch)."""
+        self.decode_rows = False
+        self.attention.decode_rows = False
 
     def _layout(self, plan: SchedulerOutput) -> StepLayout:
         """The step's host-side index arrays (numpy)."""
@@ -230,7 +235,7 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepLayout]:
         """Run the plan through the model's body (``base_model``: no head); returns the last hidden states
-        [T, H] of every packed row, and the step's layout (the prefill-only tasks, engine/tasks.py)."""
+        [T, H] of every packed row, and the step's layout (the prefill-only tasks, engine/tasks/)."""
         lay = self._layout(plan)
         self._share(HIDDEN, lay)
         return self._hidden(lay), lay

@@ -6,7 +6,7 @@ recomputes everything (its generated tokens included) the next time it is schedu
 
 The core state comes first; then each request feature's state in a slot of its own, None when the request
 does not use the feature. The slots' types live in leaf modules that import nothing of the engine
-(constraints.py, ngram.py, stop_strings.py, task_state.py), so this module imports no feature: the features
+(constraints.py, ngram.py, stop_strings.py, tasks/state.py), so this module imports no feature: the features
 import it.
 """
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from batchjob.engine.constraints import Constraint
     from batchjob.engine.ngram import SpecState
     from batchjob.engine.stop_strings import StopScan
-    from batchjob.engine.task_state import TaskState
+    from batchjob.engine.tasks.state import TaskState
 
 
 class RequestStatus(enum.IntEnum):

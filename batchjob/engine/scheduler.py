@@ -11,12 +11,8 @@ next few waiting requests, the one with the largest ``max_new_tokens``, ties in 
 budgets differ, the long ones start decoding early and the run does not end with one long request
 decoding alone in many small steps (with equal budgets, as in a job, this is first come, first served).
 
-A chunk grid (``chunk_grid``, a prefill-only task's causal rows) makes a row's chunks a function of its
-tokens alone: the part the prefix cache could hold (``BlockManager.reusable``, its ``cut``) and the rest
-are each cut in chunks of ``grid`` tokens from their start, and a chunk is computed whole in one step or
-waits for a step with the budget for it. A row takes its reusable part from the cache only whole, computed
-by rows of the same cut (so in the same chunks). The floats a task writes then never depend on which rows
-shared its steps, or on whether a restart found a prefix cached.
+How a request's next chunk is cut is a :class:`ChunkPolicy` the engine hands the scheduler: by default as
+much of what is left as the budget takes (the prefill-only tasks bring their own, engine/tasks/policy.py).
 
 When a running request needs a block and none is free, the most recently admitted running request is
 preempted: its blocks are freed, its counter reset, and it goes back to the front of the queue to recompute
@@ -51,6 +47,20 @@ class SchedulerOutput:
         return not self.requests
 
 
+class ChunkPolicy:
+    """How many tokens a request computes next: here as much of what is left as the budget takes."""
+
+    whole_prefix = False  # the prefix cache gives a request its reusable part only whole
+
+    def fits(self, max_num_batched_tokens: int) -> bool:
+        """Whether some chunk fits a step of this budget (else a request could never run)."""
+        return True
+
+    def chunk(self, req: Request, computed: int, budget: int, block_manager: BlockManager) -> int:
+        """The tokens ``req`` computes next within ``budget`` from ``computed``; 0: it waits for a step."""
+        return min(req.num_tokens - computed, budget)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -58,14 +68,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         static: bool = False,
-        split_prompts: bool = True,
-        chunk_grid: int | None = None,
+        chunks: ChunkPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
-        # False for an encoder (rows attended both ways): a prompt runs whole in one step or waits.
-        self.split_prompts = split_prompts
-        self.chunk_grid = chunk_grid  # at most the token budget (or no chunk would ever fit)
-        assert chunk_grid is None or 0 < chunk_grid <= max_num_batched_tokens
+        self.chunks = chunks or ChunkPolicy()
+        assert self.chunks.fits(max_num_batched_tokens)
         # Static batching, the baseline that continuous batching replaces: once a batch has filled (or the
         # queue ran dry, or blocks ran out), nothing is admitted until every request of it has finished.
         self.static = static
@@ -102,31 +109,29 @@ class Scheduler:
                 best = req
         return best
 
-    def _chunk(self, req: Request, computed: int, budget: int) -> int:
-        """The tokens ``req`` computes next within ``budget``: 0 when its next chunk must be whole and
-        does not fit."""
-        left = req.num_tokens - computed
-        if not self.split_prompts:
-            return left if left <= budget else 0
-        if self.chunk_grid is not None:  # the grid from the start of the part it is in, to that part's end
-            cut = self.block_manager.reusable(req)
-            start, end = (0, cut) if computed < cut else (cut, req.num_tokens)
-            whole = min(start + ((computed - start) // self.chunk_grid + 1) * self.chunk_grid, end) - computed
-            return whole if whole <= budget else 0
-        return min(left, budget)
-
     def schedule(self) -> SchedulerOutput:
+        """The next forward's plan: running requests first, then admissions (none after a preemption)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if self.static and not self.running:
+            self._admitting = True
+        if not out.preempted and self._admitting:
+            self._schedule_waiting(out, budget)
+            if self.static and (not self.waiting or len(self.running) >= self.max_num_seqs):
+                self._admitting = False
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Each running request's next chunk, in admission order, preempting the latest admitted when blocks
+        run out. Returns the budget left."""
+        bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             assert req.num_tokens > req.num_computed_tokens, (
                 f"running request {req.request_id} has nothing to compute"
             )
-            n = self._chunk(req, req.num_computed_tokens, budget)
+            n = self.chunks.chunk(req, req.num_computed_tokens, budget, bm)
             if n == 0:  # its next chunk waits for a step with room for it whole
                 i += 1
                 continue
@@ -143,42 +148,40 @@ class Scheduler:
                 i += 1
                 continue
             break  # ``req`` itself was the last one and had to go
+        return budget
 
-        if self.static and not self.running:
-            self._admitting = True
-        if not out.preempted and self._admitting:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self._next_waiting()
-                if req is None:
-                    break
-                cached = bm.match_prefix(req, whole=self.chunk_grid is not None)
-                req.num_computed_tokens = cached
-                n = self._chunk(req, cached, budget)
-                if n == 0:
-                    bm.free(req)
-                    req.num_computed_tokens = 0
-                    break  # its first chunk whole, in the next step
-                if not bm.allocate(req, cached + n):
-                    bm.free(req)
-                    req.num_computed_tokens = 0
-                    self._admitting = not self.static
-                    break
-                self.num_cached_tokens += min(cached, req.num_prompt_tokens)
-                bm.mark_in_flight(req)
-                if req is self.waiting[0]:
-                    self.waiting.popleft()
-                else:
-                    self.waiting.remove(req)
-                req.status = RequestStatus.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                self.running.append(req)
-                out.requests.append(req)
-                out.num_tokens.append(n)
-                budget -= n
-            if self.static and (not self.waiting or len(self.running) >= self.max_num_seqs):
-                self._admitting = False
-        return out
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests while budget, seats and blocks last, each with its cached prefix."""
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._next_waiting()
+            if req is None:
+                break
+            cached = bm.match_prefix(req, whole=self.chunks.whole_prefix)
+            req.num_computed_tokens = cached
+            n = self.chunks.chunk(req, cached, budget, bm)
+            if n == 0:
+                bm.free(req)
+                req.num_computed_tokens = 0
+                break  # its first chunk whole, in the next step
+            if not bm.allocate(req, cached + n):
+                bm.free(req)
+                req.num_computed_tokens = 0
+                self._admitting = not self.static
+                break
+            self.num_cached_tokens += min(cached, req.num_prompt_tokens)
+            bm.mark_in_flight(req)
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_tokens.append(n)
+            budget -= n
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

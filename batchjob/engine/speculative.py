@@ -28,12 +28,13 @@ time draws.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.ngram import KeptRate, SpecState
-from batchjob.engine.request import Request
-from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.request import Request, RequestStatus
+from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 
 ENGINE_DECAY = 0.98  # the engine's (every request's), likewise
 PROBE_STEPS = 32  # a request whose drafts don't pay still tries one this often (its text may start to loop)
@@ -162,6 +163,46 @@ class Drafter:
         self.kept.add(proposed, kept)
         record(req, proposed, kept)
 
+    def verify(
+        self,
+        req: Request,
+        drawn: list[int],
+        take: Callable[[int], RequestStatus | None],
+        stats: Any,
+        bm: BlockManager,
+    ) -> RequestStatus | None:
+        """A request's drafts against its draws: each draw is taken (``take``: returns its finished status)
+        and the next is kept while the draft it checks equals the draw before it (the draw that follows a
+        rejected draft is the request's correct next token). ``stats``: the engine's counters."""
+        d = req.num_draft_tokens
+        drafts = req.token_ids[-d:]
+        del req.token_ids[-d:]
+        req.num_computed_tokens -= d  # the drafts' K/V count again only where they are kept
+        req.num_draft_tokens = 0
+        stats.draft_tokens += d
+        status = None
+        kept = 0
+        for tok in drawn:
+            status = take(tok)
+            if status is not None or kept == d or tok != drafts[kept]:
+                break
+            kept += 1
+            req.num_computed_tokens += 1  # the draft's K/V, computed in this forward, is the token's
+        stats.accepted_draft_tokens += kept
+        if status is None:
+            self.record(req, d, kept)
+        bm.register_full_blocks(req)
+        return status
+
+    def schedule(self, scheduler: Scheduler, bm: BlockManager, max_model_len: int) -> SchedulerOutput:
+        """The scheduler's plan, the running requests that can draft having proposed their next tokens
+        first, each keeping the drafts the plan has room for."""
+        drafted = self.draft(scheduler.running, scheduler.waiting, bm, max_model_len)
+        plan = scheduler.schedule()
+        if drafted:
+            trim(drafted, plan)
+        return plan
+
     def draft(
         self, running: list[Request], waiting: Sequence[Request], bm: BlockManager, max_model_len: int
     ) -> list[Request]:
@@ -256,3 +297,24 @@ def trim(drafted: list[Request], plan: SchedulerOutput) -> None:
         if keep < req.num_draft_tokens:
             del req.token_ids[len(req.token_ids) - (req.num_draft_tokens - keep) :]
             req.num_draft_tokens = keep
+
+
+def sampled_rows(sampling: list[Request]) -> tuple[list[Request], list[int]]:
+    """The sampler's rows of a step and the output position each draws at: one per request, or d + 1 for a
+    request verifying d drafts."""
+    rows: list[Request] = []
+    positions: list[int] = []
+    for req in sampling:
+        first = req.num_output_tokens - req.num_draft_tokens
+        rows += [req] * (req.num_draft_tokens + 1)
+        positions += range(first, first + req.num_draft_tokens + 1)
+    return rows, positions
+
+
+def per_request(tokens: list[int], sampling: list[Request]) -> list[list[int]]:
+    """The tokens drawn at the rows of :func:`sampled_rows`, split by request."""
+    drawn, i = [], 0
+    for req in sampling:
+        drawn.append(tokens[i : i + req.num_draft_tokens + 1])
+        i += req.num_draft_tokens + 1
+    return drawn

@@ -37,25 +37,21 @@ def check_engine(spec: JobSpec) -> str:
     ``max_model_len`` beyond the model's context, a KV pool that can't hold one request of the context.
     Returns a line saying what the engine will get."""
     from batchjob.engine.config import EngineConfig
-    from batchjob.engine.kv_cache import KVShape
-    from batchjob.engine.parallel import check_shardable
-    from batchjob.engine.support import check_supported
+    from batchjob.engine.plan import plan_kv, plan_model
     from batchjob.models import load_config
 
     model_config, _ = load_config(spec.model, spec.trust_remote_code)
-    check_supported(model_config)
     config = EngineConfig(**spec.engine.as_keywords())
-    check_shardable(model_config, config.tensor_parallel_size)
-    device = config.device
-    max_len = config.resolve_max_model_len(model_config)
+    max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
     tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
-    blocks = config.planned_num_blocks(KVShape.from_config(model_config).per_rank(tp), max_len)
+    kv = plan_kv(model_config, config, max_len, tp)
+    blocks = kv.num_blocks
     if blocks is None:
         return (
-            f"context {max_len} tokens; the KV pool is sized at load by profiling {device} memory, and "
-            "checked then to hold one request of that context"
+            f"context {max_len} tokens; the KV pool is sized at load by profiling {config.device} memory, "
+            "and checked then to hold one request of that context"
         )
-    config.check_kv_fits(blocks, max_len)
+    kv.check_pool(config, blocks)
     per_rank = f" on each of {tp} ranks" if tp > 1 else ""
     return (
         f"context {max_len} tokens; KV pool {blocks} blocks x {config.block_size} tokens = "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.engine.options import EngineOptions, Option, by_engine_name, job_options
-from batchjob.engine.task_state import TASK_CHUNK
+from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.job.checks import check_task, check_type, finite_float

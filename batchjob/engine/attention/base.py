@@ -97,7 +97,7 @@ class AttentionBackend:
         self.num_heads = num_heads
         self.max_rows = max_rows
         self.causal = True  # False (set by the runner, only where ``bidirectional``): rows attend both ways
-        # False (set by the runner of a prefill-only task): no separate path for one-token rows, whose
+        # False (``ModelRunner.rows_alike``, a hook): no separate path for one-token rows, whose
         # batched calls pad to their group's longest row; each row is then attended the same way whatever
         # shares its step.
         self.decode_rows = True

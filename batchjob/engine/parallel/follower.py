@@ -28,7 +28,8 @@ def main(argv: list[str]) -> int:
         hf_model, tokenizer, resolved = load_model(spec["model"], config, spec["trust_remote_code"], group)
         group.ready()
         group.connect()
-        engine = Engine(hf_model, tokenizer, config, model_id=resolved, tensor_parallel=group)
+        engine_cls = Engine.engine_class(config.task)  # the same class as rank 0's
+        engine = engine_cls(hf_model, tokenizer, config, model_id=resolved, tensor_parallel=group)
         steps = 0
         while True:
             kind, lay = group.receive_step()

@@ -5,7 +5,7 @@ attended both ways, always whole in one step), its result is made from the hidde
 returns for its rows, and it finishes in the step that computes its last token, which frees its KV blocks
 at once (the full ones stay findable in the prefix cache: score requests sharing a prompt reuse them).
 The task is the engine's (``Engine.from_pretrained(model, task=...)``, the option ``task``); each request's
-state is a :class:`~.task_state.TaskState` on ``Request.task``.
+state is a :class:`~.state.TaskState` on ``Request.task``.
 
 The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for other tasks and errors):
 
@@ -41,10 +41,10 @@ from batchjob.engine.attention.layout import StepLayout
 from batchjob.engine.config import model_context_len
 from batchjob.engine.request import Request, RequestState
 from batchjob.engine.scheduler import SchedulerOutput
-from batchjob.engine.task_state import TaskState
+from batchjob.engine.tasks import PREFILL_TASKS
+from batchjob.engine.tasks.state import TaskState
 from batchjob.errors import ConfigError
 
-PREFILL_TASKS = ("embed", "classify", "score")
 LOGIT_ELEMENTS = 1 << 24  # score: at most this many logits (rows x vocabulary) exist at once
 # Encoders whose positions start after the padding index (position ids are padding_idx + 1 + p).
 _PADDED_POSITIONS = {"roberta", "xlm-roberta", "camembert"}

@@ -1,0 +1,47 @@
+"""The stop check's plain rules: end of sequence and stop token ids, stop strings (their scan is
+``stop_strings.py``'s, their text cut ``output.py``'s), and the lengths (``max_new_tokens``, the context).
+"""
+
+from __future__ import annotations
+
+from batchjob.engine.features.base import Limits, StopRule
+from batchjob.engine.request import Request, RequestStatus
+
+
+class EndOfSequence(StopRule):
+    """The model's end-of-sequence ids (unless ``ignore_eos``) and the request's ``stop_token_ids``."""
+
+    def __init__(self, engine: Limits) -> None:
+        self.engine = engine
+
+    def stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        eos = not p.ignore_eos and token in self.engine.eos_token_ids
+        if eos or (p.stop_token_ids and token in p.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+
+class StopStrings(StopRule):
+    """The request's stop strings, looked for in its text as it grows."""
+
+    def __init__(self, engine: Limits) -> None:
+        self.engine = engine
+
+    def stop(self, req: Request, token: int) -> RequestStatus | None:
+        if req.params.stop and self.engine.output.stop_string_found(req):
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+
+class Lengths(StopRule):
+    """``max_new_tokens`` output tokens, or the model's context, whichever comes first."""
+
+    def __init__(self, engine: Limits) -> None:
+        self.engine = engine
+
+    def stop(self, req: Request, token: int) -> RequestStatus | None:
+        full = req.num_tokens >= self.engine.max_model_len
+        if req.num_output_tokens >= req.params.max_new_tokens or full:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,202 @@
+"""The prefill-only engine: the core ``Engine`` built for embed, classify or score, where every request is
+a prompt with no decode.
+
+A request is scheduled and packed like any prompt (an encoder's row whole in one step, a causal row on the
+chunk grid: policy.py), its result is made from that forward's hidden states (runner.py), and it finishes
+in the step that computes its last token, which frees its KV blocks at once. Attention takes no separate
+path for one-token rows and no decode graphs run, so a row's floats never depend on what shares its step.
+``Engine.from_pretrained(model, task=...)`` builds one (the factory in ``tasks/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from batchjob.engine.engine import Engine
+from batchjob.engine.output import RequestOutput
+from batchjob.engine.plan import ModelPlan
+from batchjob.engine.request import Request, RequestState, RequestStatus
+from batchjob.engine.scheduler import ChunkPolicy, Scheduler, SchedulerOutput
+from batchjob.engine.tasks.policy import ChunkGrid, WholeRows
+from batchjob.engine.tasks.runner import (
+    TaskRunner,
+    check_request,
+    position_offset,
+    request_state,
+    task_runner,
+)
+from batchjob.engine.tasks.state import TASK_CHUNK
+from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
+
+
+class TaskEngine(Engine):
+    """An engine for one prefill-only task (``config.task``): ``embed``, ``classify`` or ``score``, or
+    ``add_request``/``step()`` as for generation."""
+
+    tasks: TaskRunner
+    decode_graphs = False  # a decode graph's padded rows would attend a one-token row another way
+
+    def __init__(self, model, tokenizer, config, model_id: str = "", *, tensor_parallel=None) -> None:
+        super().__init__(model, tokenizer, config, model_id, tensor_parallel=tensor_parallel)
+        self.runner.rows_alike()
+        self.runner.position_offset = position_offset(model.config)  # RoBERTa counts from padding_idx + 1
+
+    # -- the core's hooks ------------------------------------------------------------------------------
+
+    def _request_limit(self, plan: ModelPlan) -> int:
+        self.tasks, limit = task_runner(self.model, self.tokenizer, self.config, self.model_id, plan.encoder)
+        return limit
+
+    def _prefix_caching(self, plan: ModelPlan) -> bool:
+        # An encoder's keys depend on the whole row: nothing of it can be reused by another. A causal task's
+        # rows reuse whole chunks of the grid (score: rows sharing a prompt compute it once).
+        return bool(self.config.enable_prefix_caching and not plan.encoder)
+
+    def _scheduler(self, plan: ModelPlan) -> Scheduler:
+        config = self.config
+        budget = config.max_num_batched_tokens
+        chunks: ChunkPolicy
+        if plan.encoder:  # an encoder's row runs whole
+            budget, chunks = max(budget, self.prefill_limit), WholeRows()
+        else:
+            # Causal rows: chunks on a fixed grid, prefixes reused only in whole chunks, so the floats a task
+            # writes are the same whatever shared its steps, and after a restart.
+            chunks = ChunkGrid(min(TASK_CHUNK, budget))
+        return Scheduler(
+            self.block_manager, budget, config.max_num_seqs, static=config.static_batching, chunks=chunks
+        )
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[list[int]]]:
+        """The result comes from the hidden states; nothing samples."""
+        hidden, lay = self.runner.hidden_states(plan)
+        self.tasks.consume(plan, lay, hidden)
+        return [], []
+
+    def _update(
+        self, plan: SchedulerOutput, sampling: list[Request], drawn: list[list[int]]
+    ) -> list[Request]:
+        """A request finishes in the step that computes its last token; its blocks are freed at once."""
+        self._advance(plan)
+        finished: list[Request] = []
+        for req in plan.requests:
+            if req.num_computed_tokens == req.num_tokens:
+                self.tasks.finish(req)
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+        self._count(plan)
+        return finished
+
+    def _state_of(self, req: Request) -> RequestState:
+        return request_state(req)
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        output_ids: Sequence[int] | None = None,
+        *,
+        key: int | None = None,
+        sample_index: int | None = None,
+        continuation_ids: Sequence[int] | None = None,
+        token_logprobs: bool = False,
+    ) -> None:
+        """Queue a prefill-only request (``params`` and ``output_ids`` are not used). ``score`` takes
+        ``continuation_ids`` (only they are scored, given the prompt) and ``token_logprobs`` (keep the
+        per-token list). Longer than ``prefill_limit`` tokens: cut to it with the option ``truncate``, else
+        an error output."""
+        if params is not None and params.n != 1:
+            raise ConfigError(f"task {self.task} takes one sample per request, got n={params.n}")
+        rid = request_id
+        if rid in self._requests:
+            raise ConfigError(f"request id {rid!r} is already in the engine")
+        if (continuation_ids is not None or token_logprobs) and self.task != "score":
+            raise ConfigError(f"continuation_ids and token_logprobs are for task='score', not {self.task!r}")
+        prompt = [int(t) for t in prompt_ids]
+        continuation = [int(t) for t in continuation_ids or ()]
+        tokens = prompt + continuation
+        if self.config.truncate and len(tokens) > self.prefill_limit:
+            tokens = tokens[: self.prefill_limit]
+        req = Request(rid, tokens, min(len(prompt), len(tokens)), SamplingParams(), time.monotonic())
+        req.task = self.tasks.new_state(
+            req.num_prompt_tokens, len(tokens), continuation_ids is not None, token_logprobs
+        )
+        self._requests[rid] = req
+        self.stats.prompt_tokens += len(tokens)
+        req.error = check_request(
+            req, continuation_ids is not None, self.prefill_limit, self.vocab_size, self.block_manager
+        )
+        if req.error is not None:
+            self._failed.append(req)
+        else:
+            self.scheduler.add(req)
+
+    def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """A text's token ids as a task request takes them: with the tokenizer's special tokens (as
+        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on."""
+        cut = self.config.truncate
+        return self.tokenizer(
+            text,
+            add_special_tokens=special_tokens,
+            truncation=cut,
+            max_length=self.prefill_limit if cut else None,
+        ).input_ids
+
+    # -- convenience ---------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Any], sampling_params: Any = None) -> list[RequestOutput]:
+        self._params_for(prompts, sampling_params)  # its own refusals first, as the core's generate()
+        raise ConfigError(
+            f"generate() needs an engine built with task='generate'; this one's task is {self.task!r} "
+            f"(call {self.task}() instead)"
+        )
+
+    def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
+        """Embed texts (or token id lists); outputs in input order, each with ``embedding`` (or ``error``)."""
+        return self._run_task("embed", [(x, None) for x in inputs], False)
+
+    def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
+        """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""
+        return self._run_task("classify", [(x, None) for x in inputs], False)
+
+    def score(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        continuations: Sequence[str] | Sequence[Sequence[int]] | None = None,
+        *,
+        token_logprobs: bool = False,
+    ) -> list[RequestOutput]:
+        """The log-likelihood of each prompt (every token but the first scored), or with ``continuations``
+        of each continuation given its prompt (a text continuation is tokenized without special tokens):
+        ``logprob``, ``num_scored_tokens``, ``perplexity``, and ``token_logprobs`` when asked for."""
+        if continuations is not None and len(continuations) != len(prompts):
+            raise ConfigError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
+        conts = list(continuations) if continuations is not None else [None] * len(prompts)
+        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs)
+
+    def _run_task(self, task: str, items: list, token_logprobs: bool) -> list[RequestOutput]:
+        if self.task != task:
+            raise ConfigError(
+                f"{task}() needs an engine built with task={task!r} (Engine.from_pretrained(..., task="
+                f"{task!r})); this one's task is {self.task!r}"
+            )
+        if self.has_unfinished():
+            raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
+
+        def ids(x, special: bool) -> list[int]:
+            return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)
+
+        for i, (prompt, cont) in enumerate(items):
+            c = None if cont is None else ids(cont, False)
+            kw = {"continuation_ids": c, "token_logprobs": token_logprobs} if task == "score" else {}
+            self.add_request(f"{task}-{i}", ids(prompt, True), **kw)
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[f"{task}-{i}"] for i in range(len(items))]
