@@ -166,7 +166,7 @@ def _family_configs() -> dict:
 
 _CONFIGS = _family_configs()
 
-# The family matrix (tests/test_families.py): the four families above plus every builder of _CONFIGS.
+# The family matrix (tests/engine/test_families.py): the four families above plus every builder of _CONFIGS.
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", *_CONFIGS]
 
 # Larger random weights where the default initialisation leaves a family's answers nearly blind to their

@@ -23,9 +23,9 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
 print("flash_attn installed:", importlib.util.find_spec("flash_attn") is not None)
 EOF
-timeout 150 python -m pytest -q -rs -m gpu tests/test_gpu.py -k "not family_matrix" > "$out/gpu-tests.txt" 2>&1
-timeout 80 python -m pytest -q -rs -m gpu tests/test_gpu.py -k family_matrix > "$out/family-matrix-bf16.txt" 2>&1
-timeout 75 python -m pytest -q -x tests/test_engine.py tests/test_flex.py > "$out/engine-tests.txt" 2>&1
+timeout 150 python -m pytest -q -rs -m gpu tests/engine/test_gpu.py -k "not family_matrix" > "$out/gpu-tests.txt" 2>&1
+timeout 80 python -m pytest -q -rs -m gpu tests/engine/test_gpu.py -k family_matrix > "$out/family-matrix-bf16.txt" 2>&1
+timeout 75 python -m pytest -q -x tests/engine/test_engine.py tests/engine/test_flex.py > "$out/engine-tests.txt" 2>&1
 common=(--device cuda --num-requests 256 --static-batch-size 8)
 timeout 100 batchjob bench "${common[@]}" --hf-cb-max-batch-tokens 4096 --json "$out/bench-default.json" \
     > "$out/bench-default.txt" 2>&1

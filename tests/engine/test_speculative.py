@@ -21,7 +21,7 @@ from batchjob.engine.speculative import (
     trim,
     window,
 )
-from tests.test_engine import _hf
+from tests.engine.test_engine import _hf
 from tests.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MEASUREMENTS = ROOT / "measurements"
 SCRIPTS = sorted(
     str(p.relative_to(ROOT)) for p in [*MEASUREMENTS.rglob("*.py"), *MEASUREMENTS.rglob("*.sh")]

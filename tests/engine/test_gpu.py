@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from batchjob import Engine, SamplingParams
 from batchjob.engine.attention import flex_kernel as flex
 from batchjob.engine.attention.flash import installed as flash_attn_available
-from tests.test_flex import MIXED, _alibi_slopes, _flex_meta, _hf_greedy, _reference, _step
+from tests.engine.test_flex import MIXED, _alibi_slopes, _flex_meta, _hf_greedy, _reference, _step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 DEVICE = "cuda"
@@ -170,7 +170,7 @@ def family_agreement(folder, device: str, dtype: torch.dtype, new_tokens: int = 
     """(tokens equal to HF ``generate`` up to each sequence's first difference, tokens in all) for one family
     of the matrix, our engine and HF on the same device and dtype, under the matrix's pressure (chunked
     prompts longer than the windows, prefix caching)."""
-    from tests.test_families import _engine_options, _prompts, _reference
+    from tests.engine.test_families import _engine_options, _prompts, _reference
     from tests.tiny_models import hf_greedy
 
     options = _engine_options() | {"device": device, "num_blocks": 64}
@@ -190,7 +190,7 @@ def test_family_matrix_in_bf16_agreement_rate(tmp_path, capsys):
     """The family matrix in bf16 on the GPU against HF ``generate`` in bf16 there: ties flip in bf16, so the
     agreement rate (tokens equal before a sequence's first difference) is measured and printed per family.
     A broken attention path agrees on a token or two at most; each family must agree on most."""
-    from tests.test_families import REFUSED
+    from tests.engine.test_families import REFUSED
     from tests.tiny_models import FAMILIES, make_family_model
 
     rates = {}

@@ -9,7 +9,7 @@ import torch
 from batchjob import Engine, SamplingParams
 from batchjob.engine.cpu import bf16 as cpu_bf16
 from batchjob.engine.cpu import linear as cpu_linear
-from tests.test_cpu_kernel import assert_bf16_differs_only_at_near_ties, bf16_prompts
+from tests.engine.test_cpu_kernel import assert_bf16_differs_only_at_near_ties, bf16_prompts
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"

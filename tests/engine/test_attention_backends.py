@@ -26,8 +26,8 @@ from batchjob.engine.attention import varlen as varlen_module
 from batchjob.engine.attention.registry import OPTION_CHOICES, REGISTRY, choose_attention, supported_features
 from batchjob.engine.options import ATTENTION_BACKENDS
 from batchjob.errors import ConfigError
-from tests.test_flex import _varlen_in_torch
-from tests.test_graphs import _flash_varlen_in_torch
+from tests.engine.test_flex import _varlen_in_torch
+from tests.engine.test_graphs import _flash_varlen_in_torch
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,7 +24,7 @@ from batchjob.engine.support import attention_features
 from batchjob.errors import ConfigError
 from batchjob.job import runner as job_runner
 from batchjob.job.spec import make_spec
-from tests.test_graphs import _flash_varlen_in_torch
+from tests.engine.test_graphs import _flash_varlen_in_torch
 from tests.tiers import engine_fixture
 from tests.tiny_models import hf_greedy, make_model, make_tokenizer
 

@@ -31,7 +31,7 @@ from tests.jobproc import read_results, torch_threads
 
 pytestmark = [pytest.mark.cluster, pytest.mark.process, pytest.mark.timeout(600)]
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "array.sbatch"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "array.sbatch"
 N_ROWS = 100  # and one torn line; 8 rows at a time, so a worker's first part is a few rows of its 50
 FINISHED = {
     "COMPLETED",

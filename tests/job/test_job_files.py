@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 
-JOBS = Path(__file__).resolve().parent.parent / "jobs"
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
 @pytest.mark.engine  # the default model's config and tokenizer, from its cache
