@@ -1,5 +1,5 @@
 """What the chunk grid of task rows costs: the same texts run by engines of one process that differ only in
-their chunk grid (scheduler.py: a causal row's chunks depend on the row alone; ``none``: chunks cut where
+their chunk grid (engine/tasks/policy.py: a causal row's chunks depend on the row alone; ``none``: chunks cut where
 the step's budget runs out, as before the grid), alternating, fastest of ``--rounds``.
 
     python measurements/task_grid_ab.py MODEL_DIR --task score --grids 512,128,none --min-tokens 300 --max-tokens 1500
@@ -14,6 +14,8 @@ import torch
 
 from batchjob.bench.tasks import docstring_texts
 from batchjob.engine.engine import Engine
+from batchjob.engine.scheduler import ChunkPolicy
+from batchjob.engine.tasks.policy import ChunkGrid
 
 
 def main() -> None:
@@ -30,7 +32,7 @@ def main() -> None:
     engines = {}
     for grid in args.grids.split(","):
         engine = Engine.from_pretrained(args.model, task=args.task, device="cpu", dtype="float32")
-        engine.scheduler.chunk_grid = None if grid == "none" else int(grid)
+        engine.scheduler.chunks = ChunkPolicy() if grid == "none" else ChunkGrid(int(grid))
         engines[grid] = engine
     first = next(iter(engines.values()))
     texts = docstring_texts(first.tokenizer, args.texts, args.min_tokens, args.max_tokens, 0)
