@@ -24,11 +24,11 @@ on :class:`~.request.Request` (None when unused), typed in a leaf module, so ``r
 The features: ``masks.Constraints`` (JSON schema, regex, choices: one bitmask row per constrained request),
 ``choices.ChoiceScores`` (each choice's log-probability, with helper requests for the trie nodes decoding
 did not see), ``logprobs.Logprobs`` (top-K log-probabilities, and resumed tokens replayed to recompute
-them). Three more sit on named calls of their own, as their work is not per step: stop strings
-(``output.OutputProcessor.stop_string_found``, in the per-token stop check), prompt-lookup drafts
-(``speculative``: before the schedule, after it, and as tokens are taken) and the prefill-only tasks
-(``tasks.TaskRunner``: an engine built for embed, classify or score runs only those). A prompt sampled
-n > 1 times is plain requests sharing a prefix (``Request.group_id``, ``wait_for``), in the core.
+them); ``features/`` builds the list. What ends a request after each token is a list of stop rules
+(``features/``: a constraint's own bound, end of sequence, stop strings, lengths), a prompt sampled n > 1
+times is a group of plain requests sharing a prefix (``features/samples.py``), and prompt-lookup drafts are
+the ``speculative.Drafter``'s (before the schedule, after it, and as tokens are verified). The prefill-only
+tasks are an engine of their own (``tasks/``) that overrides the core's hooks.
 """
 
 from __future__ import annotations
