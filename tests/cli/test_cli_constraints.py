@@ -185,10 +185,7 @@ def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp
     ("extra", "message"),
     [
         (["--n", "0"], "n must be"),
-        (
-            ["--logprobs", "-1"],
-            "No such option '-1'",
-        ),  # its value is optional (--task score): -1 reads as an option
+        (["--logprobs", "-1"], "takes a whole number 0 or more"),
         (["--json-schema", "/no/such/schema.json"], "cannot be read"),
         (["--choices", "a,b", "--regex", "x"], "exclude each other"),
         (["--choices", "a,a"], "distinct"),
