@@ -15,7 +15,6 @@ the next step. The engine knows token ids, KV blocks, the model and the device, 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from batchjob.engine import cpu, parallel, speculative, tasks
+from batchjob.engine import cpu, offline, parallel, speculative, tasks
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.checks import check_request
 from batchjob.engine.config import EngineConfig
@@ -426,39 +425,21 @@ class Engine:
         prompts: Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order (a prompt's n samples in a row).
+        """Run every prompt (raw text, or token ids) to completion; outputs in input order (a prompt's n
+        samples in a row). An instruct model's questions go through :meth:`chat` (offline.py)."""
+        return offline.generate(self, prompts, offline.params_for(prompts, sampling_params))
 
-        A seeded request's draws are keyed by its prompt, so it samples the same tokens alone or in a crowd.
-        """
-        params = self._params_for(prompts, sampling_params)
-        if self.has_unfinished():
-            raise ConfigError("generate() needs an idle engine; it has unfinished requests")
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            tokens = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-            digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
-            rid = f"generate-{i}"
-            self.add_request(rid, tokens, p, key=int.from_bytes(digest, "little") & 0x7FFFFFFF)
-            ids.append(rid)
-        results: dict[tuple[str, int], RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.request_id, out.sample_index] = out
-        return [results[rid, k] for rid, p in zip(ids, params, strict=True) for k in range(p.n)]
-
-    @staticmethod
-    def _params_for(
-        prompts: Sequence[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[SamplingParams]:
-        """One sampling params per prompt."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * len(prompts)
-        params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        return params
+    def chat(
+        self,
+        conversations: Sequence[str] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        system: str | None = None,
+    ) -> list[RequestOutput]:
+        """:meth:`generate` over each conversation (a user message, or a list of ``{role, content}``
+        messages) rendered through the tokenizer's chat template, as ``batchjob run`` renders prompts."""
+        params = offline.params_for(conversations, sampling_params)
+        return offline.generate(self, offline.chat_prompts(self.tokenizer, conversations, system), params)
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """A text's token ids, with the tokenizer's special tokens (a prefill-only engine cuts them)."""

@@ -311,6 +311,23 @@ def test_default_model_knows_paris():
     )
     out = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
+    # chat() renders the question as batchjob run does: the README's example
+    chat = engine.chat(["What is the capital of France?"], SamplingParams(max_new_tokens=24, temperature=0))[0]
+    assert chat.token_ids == out.token_ids
+
+
+def test_chat_is_generate_over_the_chat_template(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu")
+    tok, params = engine.tokenizer, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    conversations = ["hello there", [{"role": "user", "content": "a b c"}]]
+    want = []
+    for messages in ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        want.append(tok(text, add_special_tokens=False).input_ids)
+    got = engine.chat(conversations, params, system="be brief")
+    assert [o.token_ids for o in got] == [o.token_ids for o in engine.generate(want, params)]
+    assert [o.prompt_ids for o in got] == want
 
 
 def _llama_config(**kw):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from batchjob.engine import offline
 from batchjob.engine.engine import Engine
 from batchjob.engine.output import RequestOutput
 from batchjob.engine.plan import ModelPlan
@@ -150,7 +151,7 @@ class TaskEngine(Engine):
     # -- convenience ---------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Any], sampling_params: Any = None) -> list[RequestOutput]:
-        self._params_for(prompts, sampling_params)  # its own refusals first, as the core's generate()
+        offline.params_for(prompts, sampling_params)  # its own refusals first, as the core's generate()
         raise ConfigError(
             f"generate() needs an engine built with task='generate'; this one's task is {self.task!r} "
             f"(call {self.task}() instead)"

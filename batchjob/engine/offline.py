@@ -1,0 +1,88 @@
+"""Whole batches from Python: prompts in, every output back in input order (``Engine.generate`` and
+``Engine.chat``). The loop is the incremental API's (add_request, then step until idle); nothing here is
+on the step's path.
+
+A plain string is raw text to ``generate``, as in Hugging Face ``generate`` and vLLM's ``LLM.generate``: an
+instruct model given a bare question may answer with nothing. ``chat`` renders each prompt through the
+tokenizer's chat template first, as ``batchjob run`` does by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+from batchjob.engine.output import RequestOutput
+from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+
+
+class _Engine(Protocol):  # what the loop uses of the engine (engine.py imports this module)
+    tokenizer: Any
+
+    def has_unfinished(self) -> bool: ...
+
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = ..., *, key: int | None
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+
+def params_for(
+    prompts: Sequence[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    """One sampling params per prompt."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * len(prompts)
+    params = list(sampling_params)
+    if len(params) != len(prompts):
+        raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+    return params
+
+
+def generate(
+    engine: _Engine, prompts: Sequence[str] | Sequence[Sequence[int]], params: list[SamplingParams]
+) -> list[RequestOutput]:
+    """Run every prompt (text, or token ids) to completion on an idle engine; a prompt's n samples in a row.
+    A request's draws are keyed by its prompt, so a seeded one samples the same tokens alone or in a crowd."""
+    if engine.has_unfinished():
+        raise ConfigError("generate() needs an idle engine; it has unfinished requests")
+    ids = []
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        tokens = engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(cast(Sequence[int], prompt))
+        digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
+        rid = f"generate-{i}"
+        engine.add_request(rid, tokens, p, key=int.from_bytes(digest, "little") & 0x7FFFFFFF)
+        ids.append(rid)
+    results: dict[tuple[str, int | None], RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id, out.sample_index] = out
+    return [results[rid, k] for rid, p in zip(ids, params, strict=True) for k in range(p.n)]
+
+
+def chat_prompts(
+    tokenizer: Any, conversations: Sequence[str] | Sequence[list[Message]], system: str | None
+) -> list[list[int]]:
+    """Each conversation (a user message's text, or a list of messages) as the token ids of the chat
+    template with the assistant's turn opened; ``system`` goes first where a conversation has none."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            "chat() needs a tokenizer with a chat template; this one has none: use generate() with the "
+            "prompt text as the model expects it"
+        )
+    rendered = []
+    for c in conversations:
+        messages = [{"role": "user", "content": c}] if isinstance(c, str) else list(c)
+        if system is not None and (not messages or messages[0].get("role") != "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # the template writes the special tokens itself, so they are not added again
+        rendered.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return rendered
