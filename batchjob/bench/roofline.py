@@ -158,7 +158,9 @@ def prefill_pass(engine: Any, prompts: list[list[int]]) -> dict[str, float]:
     engine.reset_prefix_cache()
     before = engine.stats.as_dict()
     with torch.inference_mode():
-        engine.generate(prompts, [SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)] * len(prompts))
+        engine.generate(
+            prompts, [SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)] * len(prompts)
+        )
     after = engine.stats.as_dict()
     engine.reset_prefix_cache()
     return {k: after[k] - before[k] for k in ("forward_seconds", "steps")}
@@ -196,14 +198,16 @@ def shares(
         "decode_steps": decode_steps,
         "decode_weight_bytes": decode_bytes,
         "decode_seconds": decode_s,
-        "decode_share": decode_bytes / (limits.bandwidth * decode_s) if decode_s > 0 and decode_steps else None,
+        "decode_share": decode_bytes / (limits.bandwidth * decode_s)
+        if decode_s > 0 and decode_steps
+        else None,
         "split": "prefill: forward time of a prefill-only pass over the same prompts; decode: the run's "
         "forward time less that",
     }
 
 
 def _rate(value: float, unit: str) -> str:
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if value >= scale:
             return f"{value / scale:.1f} {prefix}{unit}"
     return f"{value:.0f} {unit}"
