@@ -30,7 +30,7 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     assert "our time:" in text and "forward" in text
     assert "agreement: ours == static greedy tokens on" in text
     assert re.search(
-        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s \(cpu",
+        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s and (\d+%|\?) of peak FLOP/s at \d+ rows a step \(cpu",
         text,
     )
 
@@ -225,17 +225,28 @@ def test_roofline_arithmetic():
         peak_flops=17488.0, bandwidth=11000.0, gemm_tokens=8, gemm_shape=(4, 8), features="cpu: avx2"
     )
     figures = shares(
-        shape, limits, [3, 5], {"forward_seconds": 5.0, "steps": 10}, {"forward_seconds": 2.0, "steps": 2}
+        shape,
+        limits,
+        [3, 5],
+        {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24},
+        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
     )
     assert figures["prefill_share"] == 0.5
     assert figures["decode_steps"] == 8 and figures["decode_weight_bytes"] == 8 * 4400
     assert figures["decode_seconds"] == 3.0 and figures["decode_share"] == 8 * 4400 / (11000 * 3.0)
-    assert (
-        format_line(figures) == "roofline: prefill 50% of 17.5 kFLOP/s, decode 107% of 11.0 kB/s (cpu: avx2)"
+    assert figures["decode_tokens"] == 16 and figures["decode_flops"] == 2 * 1100 * 16
+    assert figures["decode_flops_share"] == 2 * 1100 * 16 / (17488.0 * 3.0)
+    assert format_line(figures) == (
+        "roofline: prefill 50% of 17.5 kFLOP/s, decode 107% of 11.0 kB/s and 67% of peak FLOP/s at 2 rows a step "
+        "(cpu: avx2)"
     )
     # a decode time that noise sank to zero or below has no share
     sunk = shares(
-        shape, limits, [3, 5], {"forward_seconds": 1.9, "steps": 2}, {"forward_seconds": 2.0, "steps": 2}
+        shape,
+        limits,
+        [3, 5],
+        {"forward_seconds": 1.9, "steps": 2, "batched_tokens": 8},
+        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
     )
     assert sunk["decode_share"] is None and "decode ? of" in format_line(sunk)
     flags = "fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"

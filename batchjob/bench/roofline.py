@@ -163,7 +163,7 @@ def prefill_pass(engine: Any, prompts: list[list[int]]) -> dict[str, float]:
         )
     after = engine.stats.as_dict()
     engine.reset_prefix_cache()
-    return {k: after[k] - before[k] for k in ("forward_seconds", "steps")}
+    return {k: after[k] - before[k] for k in ("forward_seconds", "steps", "batched_tokens")}
 
 
 def prefill_flops(shape: Shape, prompt_lens: list[int]) -> float:
@@ -177,13 +177,18 @@ def prefill_flops(shape: Shape, prompt_lens: list[int]) -> float:
 def shares(
     shape: Shape, limits: Limits, prompt_lens: list[int], run: dict[str, Any], prefill: dict[str, float]
 ) -> dict[str, Any]:
-    """The roofline figures: ``run`` is our run's stats (forward_seconds, steps), ``prefill`` the prefill-only
-    pass's. A share is None where its time is not positive (decode time is a difference: noise can sink it)."""
+    """The roofline figures: ``run`` is our run's stats (forward_seconds, steps, batched_tokens), ``prefill``
+    the prefill-only pass's. A share is None where its time is not positive (decode time is a difference:
+    noise can sink it). Decode steps of many rows (drafts verified included) can be bound by compute rather
+    than by reading the weights: ``decode_flops_share`` says how close they came to the GEMM peak."""
     flops = prefill_flops(shape, prompt_lens)
     prefill_s = prefill["forward_seconds"]
     decode_s = run["forward_seconds"] - prefill_s
     decode_steps = max(int(run["steps"] - prefill["steps"]), 0)
+    decode_tokens = max(int(run["batched_tokens"] - prefill["batched_tokens"]), 0)
     decode_bytes = float(shape.weight_bytes) * decode_steps
+    decode_flops = 2.0 * (shape.body_params + shape.head_params) * decode_tokens
+    timed = decode_s > 0 and decode_steps > 0
     return {
         "peak_flops_per_s": limits.peak_flops,
         "weight_bandwidth_bytes_per_s": limits.bandwidth,
@@ -198,9 +203,10 @@ def shares(
         "decode_steps": decode_steps,
         "decode_weight_bytes": decode_bytes,
         "decode_seconds": decode_s,
-        "decode_share": decode_bytes / (limits.bandwidth * decode_s)
-        if decode_s > 0 and decode_steps
-        else None,
+        "decode_share": decode_bytes / (limits.bandwidth * decode_s) if timed else None,
+        "decode_tokens": decode_tokens,  # rows run by decode steps: one per request, plus drafts verified
+        "decode_flops": decode_flops,
+        "decode_flops_share": decode_flops / (limits.peak_flops * decode_s) if timed else None,
         "split": "prefill: forward time of a prefill-only pass over the same prompts; decode: the run's "
         "forward time less that",
     }
@@ -219,8 +225,11 @@ def format_line(figures: dict[str, Any]) -> str:
     def pct(share: float | None) -> str:
         return "?" if share is None else f"{100 * share:.0f}%"
 
+    steps = figures["decode_steps"]
+    rows = f"{figures['decode_tokens'] / steps:.0f}" if steps else "?"
+
     return (
         f"roofline: prefill {pct(figures['prefill_share'])} of {_rate(figures['peak_flops_per_s'], 'FLOP/s')}, "
         f"decode {pct(figures['decode_share'])} of {_rate(figures['weight_bandwidth_bytes_per_s'], 'B/s')} "
-        f"({figures['features']})"
+        f"and {pct(figures['decode_flops_share'])} of peak FLOP/s at {rows} rows a step ({figures['features']})"
     )

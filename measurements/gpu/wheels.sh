@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the GPU check needs and the GPU machine lacks (it has no package registry and no
-# network): pytest and its plugins for the test steps, llguidance and gguf which batchjob imports for
+# network): pytest and what it needs for the test steps, llguidance and gguf which batchjob imports for
 # constrained decoding and GGUF. Into .whl/ at the repository root (ignored by git; ~4 MB): carry that
 # folder with the command, and measurements/gpu/check.py unpacks it there onto PYTHONPATH. The versions are
 # this environment's own (the ones the tests pass with), for CPython 3.12 on x86-64 Linux (glibc 2.31 or newer
@@ -19,7 +19,7 @@ mkdir -p "$dest"
 pins=$("$python" - <<'EOF'
 import importlib.metadata as md
 
-for name in ("pytest", "pluggy", "iniconfig", "pytest-timeout", "llguidance", "gguf"):
+for name in ("pytest", "pluggy", "iniconfig", "pygments", "pytest-timeout", "llguidance", "gguf"):
     try:
         print(f"{name}=={md.version(name)}")
     except md.PackageNotFoundError:
