@@ -31,6 +31,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".whl"
@@ -233,7 +234,7 @@ def environment(run: Run, site: Path | None) -> dict[str, str]:
     return env
 
 
-def _why_skip(step: Step, run: Run, probe: dict, left: float) -> str | None:
+def _why_skip(step: Step, run: Run, probe: dict[str, Any], left: float) -> str | None:
     if step.cuda and run.rehearse:
         return "needs CUDA (rehearsal on the CPU)"
     if step.min_gpus and probe.get("gpus", 0) < step.min_gpus:
@@ -274,7 +275,7 @@ def run_step(step: Step, env: dict[str, str], path: Path, timeout: float) -> dic
     return outcome
 
 
-def _probe(text: str) -> dict:
+def _probe(text: str) -> dict[str, Any]:
     line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("probe: ")), None)
     return json.loads(line.removeprefix("probe: ")) if line else {}
 
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args.out.resolve(), Path(tempfile.mkdtemp(prefix="batchjob-gpu-check-")), args.rehearse)
     env = environment(run, _unpack_wheels(run.work))
-    started, probe = time.monotonic(), {}
+    started, probe = time.monotonic(), dict[str, Any]()
     for step in steps(run):
         left = BUDGET_S - (time.monotonic() - started)
         path = run.out / f"{step.name}.txt"
