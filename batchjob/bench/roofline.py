@@ -94,12 +94,15 @@ def device_features(device: Any) -> str:
     return f"cpu: {', '.join(cpu_features(line)) or 'none of ' + ', '.join(RELEVANT_CPU_FLAGS)}"
 
 
-def _seconds_per_call(fn: Any, device: Any, before: Callable[[], object]) -> float:
+def _seconds_per_call(fn: Callable[[], object], device: Any, before: Callable[[], object]) -> float:
     """The fastest of repeated calls' mean times (after one untimed call), over about _MEASURE_SECONDS;
     ``before`` runs ahead of each timed batch, as the engine's platform hook runs ahead of each step."""
     import torch
 
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    def sync() -> None:  # CUDA runs asynchronously: a timing ends when the device is done
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     sync()
     best, spent, calls = float("inf"), 0.0, 1
