@@ -69,9 +69,10 @@ def test_bench_dataset_and_subset_of_baselines(tiny_model_dir, tmp_path):
     rows = [{"text": "The quick brown fox."}, {"other": 1}, "not a dict", {"prompt": "Paris is the capital"}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
     args = ["bench", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-len", "3"]
-    args += ["--baselines", "ours,static", "--device", "cpu", "--worker-thread"]
+    args += ["--baselines", "ours,static", "--device", "cpu", "--worker-thread", "--no-roofline"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
+    assert "roofline" not in result.output  # neither measured nor reported
     assert f"2 requests ({data})" in result.output
     assert "hf-cb" not in result.output
     assert "ratio ours/static" in result.output

@@ -247,7 +247,7 @@ def _bench_generate(opts: BenchOptions) -> None:
         engine, work = _load(opts)
         notes: list[str] = []
         runs = _runs(opts, engine, work, used_threads, notes)
-        limits = _limits(engine, work) if "ours" in opts.baselines else None
+        limits = _limits(engine, work) if opts.roofline and "ours" in opts.baselines else None
         results = _run_rounds(runs, opts.repeat, opts.worker_thread)
         figures = _roofline(engine, work, results, limits)
     finally:
