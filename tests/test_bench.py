@@ -218,7 +218,15 @@ def test_agreement_is_counted_against_a_baseline_setting_that_gave_tokens_back()
 def test_roofline_arithmetic():
     """Prefill: 2 FLOPs per weight per prompt token, the head once per request, causal attention 2 x L^2 x
     query_dim per layer; decode: every weight read once per decode step, over the run's time less prefill's."""
-    from batchjob.bench.roofline import Limits, Shape, cpu_features, format_line, prefill_flops, shares
+    from batchjob.bench.roofline import (
+        Limits,
+        Shape,
+        cpu_features,
+        faster,
+        format_line,
+        prefill_flops,
+        shares,
+    )
 
     shape = Shape(body_params=1000, head_params=100, weight_bytes=4400, layers=2, query_dim=8)
     assert prefill_flops(shape, [3, 5]) == 2 * 1000 * 8 + 2 * 100 * 2 + 2 * 2 * 8 * (9 + 25)
@@ -242,6 +250,9 @@ def test_roofline_arithmetic():
         "(cpu: avx2)"
     )
     # a decode time that noise sank to zero or below has no share
+    again = Limits(peak_flops=1.0, bandwidth=22000.0, gemm_tokens=8, gemm_shape=(4, 8), features="cpu: avx2")
+    best = faster(limits, again)
+    assert (best.peak_flops, best.bandwidth) == (17488.0, 22000.0)  # each limit's higher measurement
     sunk = shares(
         shape,
         limits,

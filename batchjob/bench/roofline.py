@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,11 @@ class Limits:
     gemm_tokens: int
     gemm_shape: tuple[int, int]  # (in, out) features of the linear timed
     features: str  # "cpu: avx2, avx512f" or the CUDA device's name
+
+
+def faster(a: Limits, b: Limits) -> Limits:
+    """The higher of two measurements of each limit (a busy machine only ever takes some away)."""
+    return replace(a, peak_flops=max(a.peak_flops, b.peak_flops), bandwidth=max(a.bandwidth, b.bandwidth))
 
 
 def _linears(model: Any) -> tuple[list[Any], Any]:
