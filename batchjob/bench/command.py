@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from batchjob.bench import roofline
 from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static, workload_num_blocks
 from batchjob.bench.options import BASELINES, BENCH_FLAGS, BenchOptions
 from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
@@ -145,6 +146,8 @@ def format_report(
     ]
     if memory:
         lines.append("memory: " + "; ".join(memory))
+    if summary.get("roofline") is not None:
+        lines.append(roofline.format_line(summary["roofline"]))
     for name, agree in summary["agreement"].items():
         lines.append(
             f"agreement: ours == {name} greedy tokens on {agree['equal']}/{agree['total']} requests "
@@ -244,12 +247,14 @@ def _bench_generate(opts: BenchOptions) -> None:
         engine, work = _load(opts)
         notes: list[str] = []
         runs = _runs(opts, engine, work, used_threads, notes)
+        limits = _limits(engine, work) if opts.roofline and "ours" in opts.baselines else None
         results = _run_rounds(runs, opts.repeat, opts.worker_thread)
+        figures = _roofline(engine, work, results, limits)
     finally:
         transformers.logging.set_verbosity(verbosity)
         torch.set_num_threads(default_threads)  # a process-wide setting: leave it as found (tests share it)
 
-    summary = summarize(results)
+    summary = summarize(results) | {"roofline": figures}
     header = (
         f"batchjob bench: model {Path(engine.model_id).name}, device {engine.device}, "
         f"dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {used_threads}, "
@@ -326,6 +331,33 @@ def _runs(
     if "llama.cpp" in baselines:
         runs += _llama_cpp_runs(engine, work, threads, notes, _progress)
     return runs
+
+
+def _limits(engine: Any, work: Workload) -> roofline.Limits:
+    """This machine's GEMM peak and weight bandwidth at the model's shapes, before the runs."""
+    _progress("measuring this machine's limits at the model's shapes (roofline) ...")
+    tokens = min(engine.config.max_num_batched_tokens, work.prompt_tokens)  # a full prefill step
+    platform = getattr(engine, "platform", None)
+    before = platform.before_step if platform is not None else (lambda: None)
+    limits = roofline.measure_limits(engine.model, engine.device, engine.dtype, tokens, before)
+    if platform is not None:
+        platform.idle()  # as the engine leaves it when it has no request
+    return limits
+
+
+def _roofline(
+    engine: Any, work: Workload, results: list[Result], limits: roofline.Limits | None
+) -> dict[str, Any] | None:
+    """Our best run's shares of the limits (None without a run of ours that succeeded); the prefill-only
+    pass that splits its time runs here, after every engine's runs, and the limits are measured once more."""
+    ours = _best(results, "ours")
+    if limits is None or ours is None:
+        return None
+    _progress("running a prefill-only pass of ours (the roofline's time split) ...")
+    prefill = roofline.prefill_pass(engine, work.prompts)
+    limits = roofline.faster(limits, _limits(engine, work))  # measured again: the run lies between the two
+    shape = roofline.model_shape(engine.model)
+    return roofline.shares(shape, limits, [len(p) for p in work.prompts], ours.extra, prefill)
 
 
 def _run_rounds(

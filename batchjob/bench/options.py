@@ -174,6 +174,14 @@ BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
         "machine the main thread can be several times slower).",
     ),
     click.option(
+        "--roofline/--no-roofline",
+        default=True,
+        show_default=True,
+        help="Measure this machine's GEMM peak and weight bandwidth at the model's shapes (about a second) and "
+        "report our prefill's and decode's shares of them. Splitting our time takes a prefill-only pass of ours "
+        "after the runs, about as long as our run's prompts took.",
+    ),
+    click.option(
         "--task",
         type=click.Choice(["generate", "embed", "classify", "score"]),
         default="generate",
@@ -215,6 +223,7 @@ class BenchOptions:
     threads: int | None
     repeat: int
     worker_thread: bool
+    roofline: bool
     task: str
     text_tokens: tuple[int, int]  # tokens, MIN and MAX
     st_batch_sizes: list[int | None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -28,8 +29,16 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     assert "ratio ours/hf-cb" in text and "ratio ours/static" in text
     assert "our time:" in text and "forward" in text
     assert "agreement: ours == static greedy tokens on" in text
+    assert re.search(
+        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s and (\d+%|\?) of peak FLOP/s at \d+ rows a step \(cpu",
+        text,
+    )
 
     body = json.loads(out.read_text())
+    roof = body["roofline"]
+    assert roof["peak_flops_per_s"] > 0 and roof["weight_bandwidth_bytes_per_s"] > 0
+    assert roof["features"].startswith("cpu:") and roof["prefill_seconds"] > 0
+    assert roof["shape"]["body_params"] > 0 and roof["decode_steps"] > 0
     assert body["workload"]["num_requests"] == 3
     assert body["workload"]["seed"] == 0
     assert body["options"]["hf_cb_max_batch_tokens"] == [32, 64] and body["options"]["static_batch_size"] == 2
@@ -60,9 +69,10 @@ def test_bench_dataset_and_subset_of_baselines(tiny_model_dir, tmp_path):
     rows = [{"text": "The quick brown fox."}, {"other": 1}, "not a dict", {"prompt": "Paris is the capital"}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
     args = ["bench", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-len", "3"]
-    args += ["--baselines", "ours,static", "--device", "cpu", "--worker-thread"]
+    args += ["--baselines", "ours,static", "--device", "cpu", "--worker-thread", "--no-roofline"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
+    assert "roofline" not in result.output  # neither measured nor reported
     assert f"2 requests ({data})" in result.output
     assert "hf-cb" not in result.output
     assert "ratio ours/static" in result.output
@@ -203,3 +213,76 @@ def test_agreement_is_counted_against_a_baseline_setting_that_gave_tokens_back()
     summary = summarize([ours, server, batched])
     assert summary["ratios"]["ours/llama.cpp"] == 0.5
     assert summary["agreement"]["llama.cpp"]["total"] == 2 and summary["agreement"]["llama.cpp"]["equal"] == 1
+
+
+def test_roofline_arithmetic():
+    """Prefill: 2 FLOPs per weight per prompt token, the head once per request, causal attention 2 x L^2 x
+    query_dim per layer; decode: every weight read once per decode step, over the run's time less prefill's."""
+    from batchjob.bench.roofline import (
+        Limits,
+        Shape,
+        cpu_features,
+        faster,
+        format_line,
+        prefill_flops,
+        shares,
+    )
+
+    shape = Shape(body_params=1000, head_params=100, weight_bytes=4400, layers=2, query_dim=8)
+    assert prefill_flops(shape, [3, 5]) == 2 * 1000 * 8 + 2 * 100 * 2 + 2 * 2 * 8 * (9 + 25)
+    limits = Limits(
+        peak_flops=17488.0, bandwidth=11000.0, gemm_tokens=8, gemm_shape=(4, 8), features="cpu: avx2"
+    )
+    figures = shares(
+        shape,
+        limits,
+        [3, 5],
+        {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24},
+        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
+    )
+    assert figures["prefill_share"] == 0.5
+    assert figures["decode_steps"] == 8 and figures["decode_weight_bytes"] == 8 * 4400
+    assert figures["decode_seconds"] == 3.0 and figures["decode_share"] == 8 * 4400 / (11000 * 3.0)
+    assert figures["decode_tokens"] == 16 and figures["decode_flops"] == 2 * 1100 * 16
+    assert figures["decode_flops_share"] == 2 * 1100 * 16 / (17488.0 * 3.0)
+    assert format_line(figures) == (
+        "roofline: prefill 50% of 17.5 kFLOP/s, decode 107% of 11.0 kB/s and 67% of peak FLOP/s at 2 rows a step "
+        "(cpu: avx2)"
+    )
+    # a decode time that noise sank to zero or below has no share
+    again = Limits(peak_flops=1.0, bandwidth=22000.0, gemm_tokens=8, gemm_shape=(4, 8), features="cpu: avx2")
+    best = faster(limits, again)
+    assert (best.peak_flops, best.bandwidth) == (17488.0, 22000.0)  # each limit's higher measurement
+    sunk = shares(
+        shape,
+        limits,
+        [3, 5],
+        {"forward_seconds": 1.9, "steps": 2, "batched_tokens": 8},
+        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
+    )
+    assert sunk["decode_share"] is None and "decode ? of" in format_line(sunk)
+    flags = "fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
+    assert cpu_features(flags) == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"]
+    assert cpu_features("fpu sse2") == []
+
+
+@pytest.mark.timeout(60)
+def test_roofline_counts_the_model_linears_and_measures_its_limits(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from batchjob.bench.roofline import measure_limits, model_shape
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    shape = model_shape(model)
+    c = model.config
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    assert shape.head_params == head.weight.numel() == c.vocab_size * c.hidden_size
+    assert shape.body_params == sum(m.weight.numel() for m in linears if m is not head)
+    assert shape.weight_bytes == 4 * (shape.body_params + shape.head_params)
+    assert shape.layers == c.num_hidden_layers and shape.query_dim == c.num_attention_heads * c.head_dim
+    limits = measure_limits(model, "cpu", torch.float32, 16)
+    assert limits.peak_flops > 0 and limits.bandwidth > 0 and limits.features.startswith("cpu")
+    biggest = max((m for m in linears if m is not head), key=lambda m: m.weight.numel())
+    assert limits.gemm_shape == (biggest.in_features, biggest.out_features)  # not the output head

@@ -1,0 +1,243 @@
+"""The bench's roofline: how close our engine's prefill and decode came to this machine's own limits.
+
+Two limits, measured here in a second or two with the model's own layers (so the engine's own kernels: the
+packed oneDNN linears on the CPU, cuBLAS on CUDA), in the run's dtype on the run's device: the GEMM rate at
+a prefill step's shape (the model's largest linear over a full step's tokens), and the weight bandwidth of
+a decode step (every linear of the model over a few rows). Against them, from what the bench observes:
+prefill FLOPs / (peak x prefill time) and decode weight bytes / (bandwidth x decode time).
+
+The engine has no prefill or decode phase (a step mixes both), so the split of the time is the bench's:
+prefill time is the forward time of a prefill-only pass over the same prompts (each request samples one
+token, from its prompt's logits); decode time is the run's forward time less that. This module knows
+shapes, timings and arithmetic; it drives the engine only through ``generate`` and its stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+_MEASURE_SECONDS = 0.4  # per limit: long enough to average over a busy machine's noise, short for the bench
+DECODE_ROWS = 8  # rows per decode-shaped call: few enough that reading the weights is the cost
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one token costs in the model's linears, and what one step reads."""
+
+    body_params: int  # weights of the linear layers a token passes through (the output head excluded)
+    head_params: int  # the output head's weights: run once per sampled row
+    weight_bytes: int  # every linear's weights (head included): what a decode step reads
+    layers: int  # for the attention FLOPs (0 where the config does not say)
+    query_dim: int  # attention heads x head size
+
+
+@dataclass(frozen=True)
+class Limits:
+    """This machine's measured limits at the model's shapes."""
+
+    peak_flops: float  # FLOP/s of the largest linear over ``gemm_tokens`` rows
+    bandwidth: float  # bytes/s of every linear's weights read over DECODE_ROWS rows
+    gemm_tokens: int
+    gemm_shape: tuple[int, int]  # (in, out) features of the linear timed
+    features: str  # "cpu: avx2, avx512f" or the CUDA device's name
+
+
+def faster(a: Limits, b: Limits) -> Limits:
+    """The higher of two measurements of each limit (a busy machine only ever takes some away)."""
+    return replace(a, peak_flops=max(a.peak_flops, b.peak_flops), bandwidth=max(a.bandwidth, b.bandwidth))
+
+
+def _linears(model: Any) -> tuple[list[Any], Any]:
+    """The model's ``nn.Linear`` layers but its output head, and the head (None where it is no Linear)."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return body, head if isinstance(head, torch.nn.Linear) else None
+
+
+def model_shape(model: Any) -> Shape:
+    body, head = _linears(model)
+    layers = [*body, *([head] if head is not None else [])]
+    config = getattr(model, "config", None)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or (
+        int(getattr(config, "hidden_size", 0) or 0) // heads if heads else 0
+    )
+    return Shape(
+        body_params=sum(m.weight.numel() for m in body),
+        head_params=head.weight.numel() if head is not None else 0,
+        # element_size, not storage: a packed layer's weight keeps its shape and dtype without its memory
+        weight_bytes=sum(m.weight.numel() * m.weight.element_size() for m in layers),
+        layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+        query_dim=heads * int(head_dim or 0),
+    )
+
+
+def cpu_features(flags_line: str) -> list[str]:
+    """The CPU flags that decide our kernels' speed, in a fixed order, from a /proc/cpuinfo ``flags`` line."""
+    flags = set(flags_line.split())
+    return [f for f in RELEVANT_CPU_FLAGS if f in flags]
+
+
+def device_features(device: Any) -> str:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "cpu: flags unknown"
+    line = next((ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("flags")), "")
+    return f"cpu: {', '.join(cpu_features(line)) or 'none of ' + ', '.join(RELEVANT_CPU_FLAGS)}"
+
+
+def _seconds_per_call(fn: Callable[[], object], device: Any, before: Callable[[], object]) -> float:
+    """The fastest of repeated calls' mean times (after one untimed call), over about _MEASURE_SECONDS;
+    ``before`` runs ahead of each timed batch, as the engine's platform hook runs ahead of each step."""
+    import torch
+
+    def sync() -> None:  # CUDA runs asynchronously: a timing ends when the device is done
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    best, spent, calls = float("inf"), 0.0, 1
+    while spent < _MEASURE_SECONDS:
+        before()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        took = time.perf_counter() - start
+        best, spent = min(best, took / calls), spent + took
+        calls = min(calls * 2, 64)
+    return best
+
+
+def measure_limits(
+    model: Any, device: Any, dtype: Any, gemm_tokens: int, before: Callable[[], object] = lambda: None
+) -> Limits:
+    """Time the model's largest linear a prompt token passes through (not the output head, which runs on
+    sampled rows only) over ``gemm_tokens`` rows (peak), then every linear over a few rows (bandwidth); the
+    inputs are random, in ``dtype`` on ``device``. ``before``: the engine's platform hook (on a busy CPU it
+    shortens OpenMP's spin, as it does for the engine's steps)."""
+    import torch
+
+    body, head = _linears(model)
+    layers = [*body, *([head] if head is not None else [])]
+    assert layers, "a model without linear layers has no roofline"
+    big = max(body or layers, key=lambda m: m.weight.numel())
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    with torch.inference_mode():
+        x = rand(gemm_tokens, big.in_features)
+        gemm = _seconds_per_call(lambda: big(x), device, before)
+        inputs = {n: rand(DECODE_ROWS, n) for n in {m.in_features for m in layers}}
+        sweep = _seconds_per_call(lambda: [m(inputs[m.in_features]) for m in layers], device, before)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    return Limits(
+        peak_flops=2 * gemm_tokens * big.in_features * big.out_features / gemm,
+        bandwidth=weight_bytes / sweep,
+        gemm_tokens=gemm_tokens,
+        gemm_shape=(big.in_features, big.out_features),
+        features=device_features(device),
+    )
+
+
+def prefill_pass(engine: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """A prefill-only pass over ``prompts`` (one token sampled per request, from its prompt's logits), with
+    the prefix cache emptied before and after: its forward seconds and steps, by the engine's stats."""
+    import torch
+
+    from batchjob.sampling import SamplingParams
+
+    engine.reset_prefix_cache()
+    before = engine.stats.as_dict()
+    with torch.inference_mode():
+        engine.generate(
+            prompts, [SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)] * len(prompts)
+        )
+    after = engine.stats.as_dict()
+    engine.reset_prefix_cache()
+    return {k: after[k] - before[k] for k in ("forward_seconds", "steps", "batched_tokens")}
+
+
+def prefill_flops(shape: Shape, prompt_lens: list[int]) -> float:
+    """Linears: 2 FLOPs per weight per prompt token, the head once per request; causal attention: QK^T and
+    PV, 2 x L^2/2 x query_dim each per layer for a prompt of L tokens."""
+    tokens = sum(prompt_lens)
+    attention = 2 * shape.layers * shape.query_dim * sum(n * n for n in prompt_lens)
+    return 2.0 * shape.body_params * tokens + 2.0 * shape.head_params * len(prompt_lens) + attention
+
+
+def shares(
+    shape: Shape, limits: Limits, prompt_lens: list[int], run: dict[str, Any], prefill: dict[str, float]
+) -> dict[str, Any]:
+    """The roofline figures: ``run`` is our run's stats (forward_seconds, steps, batched_tokens), ``prefill``
+    the prefill-only pass's. A share is None where its time is not positive (decode time is a difference:
+    noise can sink it). Decode steps of many rows (drafts verified included) can be bound by compute rather
+    than by reading the weights: ``decode_flops_share`` says how close they came to the GEMM peak."""
+    flops = prefill_flops(shape, prompt_lens)
+    prefill_s = prefill["forward_seconds"]
+    decode_s = run["forward_seconds"] - prefill_s
+    decode_steps = max(int(run["steps"] - prefill["steps"]), 0)
+    decode_tokens = max(int(run["batched_tokens"] - prefill["batched_tokens"]), 0)
+    decode_bytes = float(shape.weight_bytes) * decode_steps
+    decode_flops = 2.0 * (shape.body_params + shape.head_params) * decode_tokens
+    timed = decode_s > 0 and decode_steps > 0
+    return {
+        "peak_flops_per_s": limits.peak_flops,
+        "weight_bandwidth_bytes_per_s": limits.bandwidth,
+        "gemm_tokens": limits.gemm_tokens,
+        "gemm_shape": list(limits.gemm_shape),
+        "decode_rows": DECODE_ROWS,
+        "features": limits.features,
+        "shape": asdict(shape),
+        "prefill_flops": flops,
+        "prefill_seconds": prefill_s,
+        "prefill_share": flops / (limits.peak_flops * prefill_s) if prefill_s > 0 else None,
+        "decode_steps": decode_steps,
+        "decode_weight_bytes": decode_bytes,
+        "decode_seconds": decode_s,
+        "decode_share": decode_bytes / (limits.bandwidth * decode_s) if timed else None,
+        "decode_tokens": decode_tokens,  # rows run by decode steps: one per request, plus drafts verified
+        "decode_flops": decode_flops,
+        "decode_flops_share": decode_flops / (limits.peak_flops * decode_s) if timed else None,
+        "split": "prefill: forward time of a prefill-only pass over the same prompts; decode: the run's "
+        "forward time less that",
+    }
+
+
+def _rate(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+def format_line(figures: dict[str, Any]) -> str:
+    """One line of the bench's table: each phase's share of its limit, and what the machine ran with."""
+
+    def pct(share: float | None) -> str:
+        return "?" if share is None else f"{100 * share:.0f}%"
+
+    steps = figures["decode_steps"]
+    rows = f"{figures['decode_tokens'] / steps:.0f}" if steps else "?"
+
+    return (
+        f"roofline: prefill {pct(figures['prefill_share'])} of {_rate(figures['peak_flops_per_s'], 'FLOP/s')}, "
+        f"decode {pct(figures['decode_share'])} of {_rate(figures['weight_bandwidth_bytes_per_s'], 'B/s')} "
+        f"and {pct(figures['decode_flops_share'])} of peak FLOP/s at {rows} rows a step ({figures['features']})"
+    )
