@@ -10,6 +10,11 @@ request whose prompt starts with the same tokens takes those blocks (the ref cou
 computing them. A released block keeps its contents and stays findable until it is reused: the free list is
 least-recently-released first, so the blocks of a popular prefix survive longest.
 
+With ``grow`` (the CPU's pool, whose pages the OS gives only when first written: platform.py), the pool grows
+on demand up to its size: a released block is reused before a block never used is taken (one holding a
+cached prefix only once the pool has twice the most blocks in use at once), so the memory the pool holds
+follows the most blocks the job has had in use at once, not the budget.
+
 A block also keeps the ``cut`` of the request that computed it (:meth:`BlockManager.reusable`): a request
 that takes only whole reusable parts (``match_prefix(req, whole=True)``, a prefill-only task's rows)
 takes blocks computed by a request with its own cut, whose chunks (scheduler.py's grid) were its own.
@@ -30,13 +35,19 @@ def block_digest(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, grow: bool = False
+    ) -> None:
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks [0, grown) have been handed out at least once; the free ones among them are in _free
+        # (least-recently-released first). Without ``grow`` the whole pool counts as grown from the start.
+        self.grown = 0 if grow else num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.grown))
+        self.peak_used = 0  # the most blocks in use at once
         self._cached: dict[bytes, int] = {}  # prefix digest -> block holding it
         # per block: (digest, its tokens, the cut of the request that computed it) while findable
         self._block_key: list[tuple[bytes, tuple[int, ...], int] | None] = [None] * num_blocks
@@ -46,11 +57,11 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self.grown
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -62,9 +73,13 @@ class BlockManager:
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` enough blocks for ``num_tokens`` tokens; False (and nothing taken) if too few are free."""
         missing = self.num_missing(req, num_tokens)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             return False
         for _ in range(missing):
+            if self._grow_first():  # a block never used, rather than none or a cached prefix's
+                self._free[self.grown] = None
+                self._free.move_to_end(self.grown, last=False)
+                self.grown += 1
             block, _ = self._free.popitem(last=False)
             assert self.ref_counts[block] == 0, f"free block {block} has ref count {self.ref_counts[block]}"
             key = self._block_key[block]
@@ -73,7 +88,19 @@ class BlockManager:
                 self._block_key[block] = None
             self.ref_counts[block] = 1
             req.block_ids.append(block)
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return True
+
+    def _grow_first(self) -> bool:
+        """Whether to take a block never used before a released one: when none is released, or when the
+        oldest released one holds a cached prefix and the pool holds fewer than twice the most blocks ever
+        in use at once (so the prefix cache keeps as much again as the job uses)."""
+        if self.grown == self.num_blocks:
+            return False
+        if not self._free:
+            return True
+        oldest = next(iter(self._free))
+        return self._block_key[oldest] is not None and self.grown < 2 * max(1, self.peak_used)
 
     def free(self, req: Request) -> None:
         """Release every block of ``req``; blocks whose count drops to zero return to the free list.

@@ -76,12 +76,13 @@ class Engine:
         """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
         config = self.config
         shape, num_blocks = plan_pool(self.model, config, self.prefill_limit, tensor_parallel)  # kv_cache.py
-        self.block_manager = BlockManager(num_blocks, config.block_size, self._prefix_caching(plan))
+        # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
+        self.platform = cpu.platform(config.device, spin_guard=True)
+        grow = self.platform.grows_kv  # the pool takes memory as blocks are first used: reuse before growing
+        self.block_manager = BlockManager(num_blocks, config.block_size, self._prefix_caching(plan), grow)
         # A token's K and V in every layer (a rank's share under tensor parallelism): the pool holds
         # num_blocks * block_size of them.
         self.kv_token_bytes = shape.bytes_per_block(1, config.dtype)
-        # The device's hooks (engine/cpu/): on the CPU, packed weights, huge pages and the spin guard.
-        self.platform = cpu.platform(config.device, spin_guard=True)
         # With graphs, one more block than the manager hands out: the padding rows' scratch space.
         scratch = num_blocks if config.cuda_graphs and self.decode_graphs else None
         blocks = num_blocks + (scratch is not None)

@@ -41,6 +41,21 @@ def test_block_manager_allocates_and_frees():
     assert r.block_ids == [] and bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4
 
 
+def test_a_growing_pool_reuses_released_blocks_before_taking_new_ones():
+    """With ``grow`` (the CPU's pool, whose memory is taken as blocks are first written), the blocks handed
+    out stay as few as the most ever in use at once; all of them are still free to take."""
+    bm = BlockManager(num_blocks=8, block_size=4, grow=True)
+    assert bm.num_free_blocks == 8 and bm.grown == 0
+    a, b = _req("a", 8), _req("b", 4)
+    assert bm.allocate(a, 8) and bm.allocate(b, 4) and bm.grown == 3
+    bm.free(a)
+    c = _req("c", 12)
+    assert bm.allocate(c, 12) and sorted(c.block_ids) == [0, 1, 3] and bm.grown == 4
+    assert bm.num_free_blocks == 4 and not bm.allocate(_req("d", 20), 20)  # 5 > 4: nothing taken
+    assert bm.grown == 4 and bm.allocate(_req("e", 16), 16) and bm.grown == 8 and bm.num_free_blocks == 0
+    assert BlockManager(num_blocks=8, block_size=4).grown == 8  # without grow: the whole pool from the start
+
+
 def test_chunked_prefill_shares_the_budget_with_decodes():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=10, max_num_seqs=4)
     a, b = _req("a", 3), _req("b", 25)

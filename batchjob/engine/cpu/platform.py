@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
 
 import torch
@@ -27,6 +28,10 @@ KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 class Platform:
     """Hooks of a device that needs nothing special (CUDA)."""
+
+    # Whether the KV pool takes memory only as blocks are first written, so the block manager should reuse
+    # released blocks before it takes new ones (its ``grow``); CUDA's pool is taken whole either way.
+    grows_kv = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -67,19 +72,23 @@ def _madvise_huge_pages(address: int, length: int) -> None:
 
 def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Zeroed CPU memory on 2 MiB pages where the OS offers them: decode attention reads blocks scattered
-    over the whole pool, and huge pages spare it most TLB misses. Pages are advised before the zeroing
-    touches them, so they are faulted in huge from the start."""
+    over the whole pool, and huge pages spare it most TLB misses. An anonymous mapping, which the OS zeroes
+    page by page as each is first touched: the pool holds memory only for the blocks written so far (the
+    block manager reuses released blocks before it takes new ones), not its whole budget at load."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE)  # anonymous: zero-filled on first touch
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = (-raw.data_ptr()) % _HUGE_PAGE
     buf = raw[start : start + nbytes]
     _madvise_huge_pages(buf.data_ptr(), nbytes // _HUGE_PAGE * _HUGE_PAGE)
-    return buf.zero_().view(dtype)
+    return buf.view(dtype)
 
 
 class CpuPlatform(Platform):
     """The CPU's hooks. ``spin_guard``: whether to watch for other programs on our cores (the engine's
     runner does; a runner built alone, to measure or test, does not)."""
+
+    grows_kv = True
 
     def __init__(self, device: torch.device, spin_guard: bool = True) -> None:
         super().__init__(device)
@@ -98,7 +107,8 @@ class CpuPlatform(Platform):
         return linear.prepack_linears(model)
 
     def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
-        """One zeroed pool on huge pages, every layer's K and V a view of it."""
+        """One zeroed pool on huge pages, every layer's K and V a view of it, its pages taken as blocks are
+        first written (the block manager grows it on demand: ``grows_kv``)."""
         per_tensor = dims[0] * dims[1] * dims[2] * dims[3]
         pool = huge_page_zeros(2 * num_layers * per_tensor, dtype).view(2 * num_layers, *dims)
         return [(pool[2 * i], pool[2 * i + 1]) for i in range(num_layers)]
