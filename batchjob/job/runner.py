@@ -42,8 +42,9 @@ def check_engine(spec: JobSpec) -> str:
     from batchjob.engine.support import check_supported
     from batchjob.models import load_config
 
-    model_config, _ = load_config(spec.model, spec.trust_remote_code)
+    model_config, resolved = load_config(spec.model, spec.trust_remote_code)
     check_supported(model_config)
+    _check_pooling(spec, model_config, resolved)
     config = EngineConfig(**spec.engine.as_keywords())
     check_shardable(model_config, config.tensor_parallel_size)
     device = config.device
@@ -61,6 +62,19 @@ def check_engine(spec: JobSpec) -> str:
         f"context {max_len} tokens; KV pool {blocks} blocks x {config.block_size} tokens = "
         f"{blocks * config.block_size} tokens{per_rank} (sized by {config.kv_pool_source})"
     )
+
+
+def _check_pooling(spec: JobSpec, model_config: Any, resolved: str) -> None:
+    """--task embed: the embedding recipe the engine resolves at load (--pooling, --normalize, --dimensions
+    against the model's width and its sentence-transformers files), resolved here the same way, so that
+    ``validate`` refuses what ``run`` would, with the same message."""
+    if spec.engine.task != "embed":
+        return
+    from batchjob.engine.tasks import resolve_pooling
+
+    width = model_config.get_text_config().hidden_size
+    options = spec.engine
+    resolve_pooling(resolved, options.pooling, options.normalize, options.dimensions, width)
 
 
 def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None = None) -> JobResult:

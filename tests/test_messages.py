@@ -1,0 +1,34 @@
+"""Messages that say what is true: ``validate`` refuses what ``run`` refuses, with the same words; a file read
+twice through a symlink, a bad row, a resumed job's changed setting each say which file, row or value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def _rows(path, n=2):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"hello {i}"}) + "\n")
+    return path
+
+
+def test_validate_refuses_embed_dimensions_beyond_the_width(tiny_model_dir, tmp_path):
+    data = _rows(tmp_path / "in.jsonl")
+    common = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--task", "embed")
+    code, text = invoke("validate", *common, "--dimensions", "65")  # the tiny llama is 64 wide
+    assert code == 2 and "dimensions 65 exceeds the model's width of 64" in text, text
+    code, text = invoke("validate", *common, "--dimensions", "64")
+    assert code == 0 and "ok:" in text, text
