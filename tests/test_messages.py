@@ -32,3 +32,16 @@ def test_validate_refuses_embed_dimensions_beyond_the_width(tiny_model_dir, tmp_
     assert code == 2 and "dimensions 65 exceeds the model's width of 64" in text, text
     code, text = invoke("validate", *common, "--dimensions", "64")
     assert code == 0 and "ok:" in text, text
+
+
+def test_a_file_reached_twice_through_a_symlink_is_read_once(tmp_path):
+    from batchjob.io.sources import discover
+
+    (tmp_path / "in" / "a").mkdir(parents=True)
+    _rows(tmp_path / "in" / "a" / "f.jsonl")
+    (tmp_path / "in" / "link").symlink_to("a")  # a sibling folder, not a loop
+    skipped: list = []
+    found = discover([str(tmp_path / "in"), str(tmp_path / "in" / "a" / "f.jsonl")], skipped=skipped)
+    assert [s.name for s in found] == ["a/f.jsonl"]
+    same = [str(s) for s in skipped]
+    assert len(same) == 2 and all(f"the same file as {tmp_path}/in/a/f.jsonl" in s for s in same), same

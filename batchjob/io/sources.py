@@ -293,12 +293,33 @@ def discover(
                     "or a datasets.save_to_disk folder)"
                 )
             sources.append(Source(path=path, name=name, kind=kind))
+    sources = _read_once(sources, skipped)
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         # Same relative name under two --input values: prefix with the value's position to keep ids unique.
         sources = [Source(s.path, f"{i}/{s.name}", s.kind) for i, s in enumerate(sources)]
     # A new job's file i starts at ordinal i << 40; a job's saved records may order them otherwise.
     return [Source(s.path, s.name, s.kind, i << ORDINAL_BITS) for i, s in enumerate(sources)]
+
+
+def _read_once(sources: list[Source], skipped: list[Skipped]) -> list[Source]:
+    """Each local file (or saved dataset) once, by its real path: a symbolic link inside an input folder to a
+    sibling folder, or two --input values naming one file, would otherwise read its rows twice, as two rows
+    each. The name that reaches it without a symbolic link reads it (else the first, in discovery order); the
+    others go to ``skipped``, saying which it is."""
+    reader: dict[str, Source] = {}
+    for source in sources:
+        real = source.path if source.remote else os.path.realpath(source.path)
+        if real not in reader or (os.path.abspath(source.path) == real != os.path.abspath(reader[real].path)):
+            reader[real] = source
+    kept: list[Source] = []
+    for source in sources:
+        chosen = reader[source.path if source.remote else os.path.realpath(source.path)]
+        if chosen is source:
+            kept.append(source)
+        else:
+            skipped.append(Skipped(source.path, f"the same file as {chosen.path} (read once, as that)"))
+    return kept
 
 
 def open_binary(source: Source) -> IO[bytes]:
