@@ -45,3 +45,21 @@ def test_a_file_reached_twice_through_a_symlink_is_read_once(tmp_path):
     assert [s.name for s in found] == ["a/f.jsonl"]
     same = [str(s) for s in skipped]
     assert len(same) == 2 and all(f"the same file as {tmp_path}/in/a/f.jsonl" in s for s in same), same
+
+
+def test_a_file_behind_a_symlinked_subfolder_is_taken_by_the_input_folder(tmp_path):
+    """``export --to`` is refused where the next run would read the file (owned.py asks ``takes``): the real
+    path behind a symbolic link to a folder outside the input folder counts, as the walk follows it."""
+    from batchjob.io.sources import takes
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "other" / "deep").mkdir(parents=True)
+    (tmp_path / "in" / "link").symlink_to(tmp_path / "other", target_is_directory=True)
+    (tmp_path / "in" / "_hidden").symlink_to(tmp_path / "other", target_is_directory=True)
+    target = (tmp_path / "other" / "deep" / "x.jsonl").resolve()
+    assert takes(str(tmp_path / "in"), target)
+    assert takes(str(tmp_path / "in" / "**" / "*.jsonl"), target)
+    assert not takes(str(tmp_path / "in"), target.with_suffix(".txt"))  # not a format it reads
+    assert not takes(str(tmp_path / "in" / "*.jsonl"), target)  # the glob does not reach into link/
+    (tmp_path / "in" / "link").unlink()
+    assert not takes(str(tmp_path / "in"), target)  # only through a hidden name: not read

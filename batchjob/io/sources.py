@@ -220,14 +220,44 @@ def takes(value: str, path: Path) -> bool:
             return True
         if not root.is_dir():
             return False
-    try:
-        rel = path.relative_to(root).parts
-    except ValueError:
-        return False
+    return any(_takes_rel(rel, pats, path.name) for rel in _names_under(root, path))
+
+
+def _takes_rel(rel: tuple[str, ...], pats: tuple[str, ...] | None, name: str) -> bool:
+    """Whether the file at ``rel`` (its path's parts under the --input folder or glob root) is taken."""
     if pats is not None and not _matches(rel, pats):
         return False
     hidden = any(p.startswith((".", "_")) and not _spelled_out(p, pats) for p in rel)
-    return not hidden and kind_of(path.name) is not None
+    return not hidden and kind_of(name) is not None
+
+
+def _names_under(root: Path, path: Path) -> list[tuple[str, ...]]:
+    """The relative paths by which the walk of ``root`` (the resolved --input folder) reaches ``path``
+    (resolved): directly, and through each symbolic link to a folder outside ``root`` (its real path is
+    not under ``root``, but the walk follows the link to it)."""
+    names: list[tuple[str, ...]] = []
+    if root in path.parents:
+        names.append(path.relative_to(root).parts)
+    seen = {root}
+    todo: list[tuple[Path, tuple[str, ...]]] = [(root, ())]
+    while todo:  # the folders the walk visits, each once (a link loop ends)
+        folder, rel = todo.pop()
+        try:
+            entries = [e for e in os.scandir(folder) if e.is_dir()]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                real = Path(entry.path).resolve()
+            except (RuntimeError, OSError):
+                continue
+            parts = (*rel, entry.name)
+            if entry.is_symlink() and root not in real.parents and real in (path, *path.parents):
+                names.append((*parts, *path.relative_to(real).parts))  # each link's name: one may be hidden
+            if real not in seen:
+                seen.add(real)
+                todo.append((real, parts))
+    return names
 
 
 def _expand_local(value: str, exclude: Path | None, skipped: list[Skipped]) -> list[tuple[str, str]]:
