@@ -63,3 +63,33 @@ def test_a_file_behind_a_symlinked_subfolder_is_taken_by_the_input_folder(tmp_pa
     assert not takes(str(tmp_path / "in" / "*.jsonl"), target)  # the glob does not reach into link/
     (tmp_path / "in" / "link").unlink()
     assert not takes(str(tmp_path / "in"), target)  # only through a hidden name: not read
+
+
+def test_bad_rows_name_their_file_and_line_and_keep_their_id(tiny_model_dir, tmp_path):
+    import pyarrow.dataset as ds
+
+    data = tmp_path / "in.jsonl"
+    lines = [
+        json.dumps({"id": "a", "prompt": ""}).encode(),
+        json.dumps({"id": "b", "prompt": "word " * 1200}).encode(),  # beyond the tiny model's 1024 tokens
+        b'{"id": "c", "prompt": "ok \xff"}',
+        b'{"id": "\xfe", "prompt": "x"}',  # an id with a bad byte: not written as if read
+        json.dumps({"id": "d", "prompt": "fine"}).encode(),
+    ]
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    for task in ("embed", "generate"):
+        out = tmp_path / task
+        more = ("--max-new-tokens", "1") if task == "generate" else ()
+        args = ("--model", tiny_model_dir, "--input", data, "--output", out, "--task", task, "--id-column", "id")
+        code, text = invoke("run", *args, *more)
+        assert code == 0, text
+        rows = ds.dataset(out, format="parquet").to_table(columns=["id", "prompt", "error"]).to_pylist()
+        errors = [(r["id"], r["prompt"], (r["error"] or "").split(": ")[0]) for r in rows]
+        assert errors == [
+            ("a", "", "in.jsonl line 1"),
+            ("b", "word " * 1200, "in.jsonl line 2"),
+            ("c", None, "in.jsonl line 3"),  # the id kept, the damaged values not
+            (None, None, "in.jsonl line 4"),
+            ("d", "fine", ""),
+        ], task
+        assert "invalid UTF-8" in rows[2]["error"] and "empty" in rows[0]["error"]

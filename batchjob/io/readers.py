@@ -39,6 +39,11 @@ class Row:
     def derived_id(self) -> str:
         return f"{self.source}:{self.index}"
 
+    @property
+    def place(self) -> str:
+        """Where the row is, as a message names it: ``in.jsonl line 3``, ``data.parquet row 2``."""
+        return f"{self.source} line {self.line}" if self.line is not None else f"{self.source} row {self.index}"
+
 
 def _parquet_file(source: Source) -> Any:
     import pyarrow.parquet as pq
@@ -322,7 +327,9 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    yield lineno, None, f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})"
+                    # the line's error row keeps the --id-column value when it reads cleanly (iter_rows)
+                    obj, _ = parse_line(raw.decode("utf-8", "replace"))
+                    yield lineno, obj, f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})"
                     continue
                 obj, error = parse_line(text)
                 yield lineno, obj, None if error is None else f"{where}: {error}"
@@ -355,6 +362,16 @@ def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None
         return
     for values in rows:
         yield values, ""
+
+
+def _id_only(obj: dict[str, Any], id_column: str | None) -> dict[str, Any] | None:
+    """Of a line that failed but parsed once decoded leniently (invalid UTF-8), only its ``id_column`` value,
+    and only when no replaced byte is in it: the error row can then say whose row it is, and no other value
+    of it (which would hold replacement characters) is written as if read."""
+    value = obj.get(id_column) if id_column else None
+    if value is None or "\ufffd" in json.dumps(value, ensure_ascii=False):
+        return None
+    return {id_column: value}
 
 
 IdHook = Callable[[int, Any], None]  # (ordinal, id value) of a row the reader passes over
@@ -432,10 +449,14 @@ def iter_rows(
         if source.kind == "jsonl":
             index = 0
             for i, (lineno, obj, error) in enumerate(_jsonl_rows(source)):
+                if error is not None and obj is not None:
+                    obj = _id_only(obj, id_column)
                 if not skip(source.base + i):
                     yield Row(source.base + i, source.name, i, obj, error, lineno)
                 elif on_skipped is not None:
-                    on_skipped(source.base + i, obj.get(id_column) if obj is not None and id_column else None)
+                    # an error row's id (kept for its row) was never taken, as on the first run
+                    taken = obj is not None and error is None and id_column
+                    on_skipped(source.base + i, obj.get(id_column) if taken else None)
                 index = i + 1
         else:
             index = yield from _table_rows(source, skip, covered, on_skipped, id_column)
