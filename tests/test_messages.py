@@ -93,3 +93,50 @@ def test_bad_rows_name_their_file_and_line_and_keep_their_id(tiny_model_dir, tmp
             ("d", "fine", ""),
         ], task
         assert "invalid UTF-8" in rows[2]["error"] and "empty" in rows[0]["error"]
+
+
+def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(tiny_model_dir, tmp_path, monkeypatch):
+    """The reader reads a JSONL file as far as the job recorded it: a half-written line appended after that
+    is not made an error row (which --append, going by the record, would not redo); the run stops as the
+    file grew, and --append then reads the finished line."""
+    import pyarrow.dataset as ds
+
+    from batchjob import faults
+    from batchjob.errors import InputError
+    from batchjob.job import make_spec, run_job
+
+    data = _rows(tmp_path / "in.jsonl", 40)
+    point = faults.point
+
+    def torn_after_recording(name: str) -> None:
+        if name == "loop_started":
+            with open(data, "a") as f:
+                f.write('{"prom')
+        point(name)
+
+    monkeypatch.setattr(faults, "point", torn_after_recording)
+    options = dict(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1)
+    with pytest.raises(InputError, match="grew"):
+        run_job(make_spec(checkpoint_interval=1e-6, **options))
+    monkeypatch.setattr(faults, "point", point)
+    with open(data, "a") as f:
+        f.write('pt": "the end"}\n')
+    assert run_job(make_spec(append=True, **options)).status == "complete"
+    rows = ds.dataset(tmp_path / "out", format="parquet").to_table(columns=["prompt", "error"]).to_pylist()
+    assert len(rows) == 41 and not [r for r in rows if r["error"]], [r for r in rows if r["error"]]
+
+
+def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_default_is(tiny_model_dir, tmp_path):
+    from batchjob.job import make_spec, run_job
+    from batchjob.job.state import JobMismatchError
+
+    data = _rows(tmp_path / "in.jsonl")
+    options = dict(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), task="embed")
+    assert run_job(make_spec(**options)).status == "complete"
+    # the tiny llama has no sentence-transformers files: normalize's default is off, for this model anywhere
+    assert run_job(make_spec(normalize=False, **options)).status == "already complete"
+    with pytest.raises(JobMismatchError, match=r"task.normalize: was None \(the default: False for this model\), now True"):
+        run_job(make_spec(normalize=True, **options))
+    # dtype's default depends on the device: spelled out it stays a change, and the message says what it is
+    with pytest.raises(JobMismatchError, match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\)"):
+        run_job(make_spec(dtype="float32", **options))

@@ -13,7 +13,7 @@ import errno
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 
@@ -310,13 +310,27 @@ def compatible(saved: pa.Schema, source: Source) -> str | None:
     return None
 
 
+def _lines(f: IO[bytes], size: int | None) -> Iterator[bytes]:
+    """The lines of ``f``'s first ``size`` bytes (None: all); a line cut at ``size`` ends without newline."""
+    if size is None:
+        yield from f
+        return
+    left = size
+    while left > 0:
+        raw = f.readline(left)
+        if not raw:
+            return
+        left -= len(raw)
+        yield raw
+
+
 def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
     """(line number, object or None, error or None) for each non-blank line."""
     lineno = 0
     fail_at = faults.read_error_line(source.name)
     try:
         with open_binary(source) as f:
-            for raw in f:
+            for raw in _lines(f, source.size):
                 if lineno + 1 == fail_at:  # as if reading this line failed
                     raise OSError(errno.EIO, "Input/output error (fault injected)")
                 lineno += 1
@@ -368,7 +382,9 @@ def _id_only(obj: dict[str, Any], id_column: str | None) -> dict[str, Any] | Non
     """Of a line that failed but parsed once decoded leniently (invalid UTF-8), only its ``id_column`` value,
     and only when no replaced byte is in it: the error row can then say whose row it is, and no other value
     of it (which would hold replacement characters) is written as if read."""
-    value = obj.get(id_column) if id_column else None
+    if id_column is None:
+        return None
+    value = obj.get(id_column)
     if value is None or "\ufffd" in json.dumps(value, ensure_ascii=False):
         return None
     return {id_column: value}
@@ -455,8 +471,10 @@ def iter_rows(
                     yield Row(source.base + i, source.name, i, obj, error, lineno)
                 elif on_skipped is not None:
                     # an error row's id (kept for its row) was never taken, as on the first run
-                    taken = obj is not None and error is None and id_column
-                    on_skipped(source.base + i, obj.get(id_column) if taken else None)
+                    value = None
+                    if obj is not None and error is None and id_column is not None:
+                        value = obj.get(id_column)
+                    on_skipped(source.base + i, value)
                 index = i + 1
         else:
             index = yield from _table_rows(source, skip, covered, on_skipped, id_column)

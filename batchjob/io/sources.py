@@ -33,6 +33,8 @@ class Source:
     name: str  # stable name used in derived row ids
     kind: str  # "parquet" | "jsonl" | "hf"
     base: int = 0  # ordinal of its first row (batchjob.job.inputs: the file's sequence number << 40)
+    # plain JSONL: bytes to read, its size when the job recorded it (what grew since is --append's); None: all
+    size: int | None = None
 
     @property
     def remote(self) -> bool:

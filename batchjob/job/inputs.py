@@ -356,9 +356,16 @@ def reconcile(
 
 
 def ordered_sources(sources: list[Source], records: list[InputRecord]) -> list[Source]:
-    """The sources in the order of their records (first sight), each with its ordinal base."""
+    """The sources in the order of their records (first sight), each with its ordinal base and, a plain
+    JSONL file, the size to read: a line half written after the job recorded the file is not read (it would
+    be an error row that ``--append``, going by the record, would not know to redo)."""
     by_name = {s.name: s for s in sources}
-    return [replace(by_name[r.name], base=r.base) for r in sorted(records, key=lambda r: r.seq)]
+    ordered = []
+    for r in sorted(records, key=lambda r: r.seq):
+        source = by_name[r.name]
+        plain = source.kind == "jsonl" and not source.remote and not is_compressed(source)
+        ordered.append(replace(source, base=r.base, size=r.size if plain else None))
+    return ordered
 
 
 def changes_now(records: list[InputRecord], paths: list[str], out_dir: Path) -> list[str]:
