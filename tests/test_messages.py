@@ -140,3 +140,24 @@ def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_def
     # dtype's default depends on the device: spelled out it stays a change, and the message says what it is
     with pytest.raises(JobMismatchError, match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\)"):
         run_job(make_spec(dtype="float32", **options))
+
+
+def test_status_says_a_killed_run_left_rows_to_redo(tmp_path):
+    from batchjob.job.shard import Shard
+    from batchjob.job.status import JobStatus, WorkerStatus
+
+    stats = {"rows": 20, "elapsed_s": 3.0, "live": {"updated": 0, "finished_uncommitted": 20, "in_engine": 40}}
+    killed = WorkerStatus(Shard(), "stopped", rows_done=0, rows_total=400, stats=stats)
+    text = "\n".join(JobStatus(tmp_path, [killed], 400).lines("out"))
+    assert "rows: 0 of 400 input rows" in text and "last run: 20 rows" in text
+    assert "the last run ended without committing 20 rows it had finished (killed or crashed" in text, text
+    assert "`batchjob run` with the same command redoes them" in text
+    clean = WorkerStatus(Shard(), "stopped", rows_done=20, rows_total=400, stats=stats | {"live": {}})
+    assert "without committing" not in "\n".join(JobStatus(tmp_path, [clean], 400).lines("out"))
+
+
+def test_inputs_that_changed_by_a_few_bytes_say_how_many():
+    from batchjob.job.inputs import _from_to
+
+    assert _from_to(140_300, 140_310) == "from 140300 to 140310 bytes"  # not "137.0 KiB to 137.0 KiB"
+    assert _from_to(1024, 4096) == "from 1.0 KiB to 4.0 KiB"

@@ -203,6 +203,12 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _from_to(before: int, after: int) -> str:
+    """``from A to B``, in bytes where the rounded sizes would read the same (137.0 KiB to 137.0 KiB)."""
+    a, b = _size(before), _size(after)
+    return f"from {a} to {b}" if a != b else f"from {before} to {after} bytes"
+
+
 # (record now, problem, grew, torn): what one file's check found (``_check_one``)
 _Check = tuple[InputRecord | None, str | None, bool, int | None]
 
@@ -220,7 +226,7 @@ def _check_one(source: Source, saved: InputRecord, append: bool) -> _Check:
         if now.size == saved.size:
             return _same_size(source, saved, now)
         if now.size < saved.size:
-            return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False, None
+            return None, f"changed (shrank {_from_to(saved.size, now.size)})", False, None
         return _grown(source, saved, now, append)
     except FileNotFoundError:
         return None, "removed", False, None
@@ -257,12 +263,9 @@ def _grown(source: Source, saved: InputRecord, now: identity.FileIdentity, appen
     change."""
     old = _identify(source, prefix=saved.size)
     if old.digest != saved.digest:
-        return (
-            None,
-            f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)",
-            False,
-            None,
-        )
+        plain = source.kind == "jsonl" and not is_compressed(source)
+        what = "and rows before the end differ" if plain else "and its content differs: rewritten"
+        return None, f"changed (grew {_from_to(saved.size, now.size)}, {what})", False, None
     grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
     if source.kind != "jsonl" or is_compressed(source):
         what = (
