@@ -297,7 +297,9 @@ def validate(
         click.echo(f"skipped {skipped}")
     engine = check_engine(spec)
     _check_tokenizer(prep)
-    state = "resumes the job in" if prep.resumed else "starts a new job in"
+    state = "starts a new job in"
+    if prep.resumed:
+        state = "finds the job complete in" if prep.info.complete else "resumes the job in"
     for line in prep.taken:
         click.echo(f"--append: {line}")
     click.echo(
@@ -305,7 +307,9 @@ def validate(
         f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {engine}; "
         f"{state} {prep.out_dir}"
     )
-    if estimate:
+    if estimate and prep.info.complete:
+        click.echo("estimated time: 0 s (the job is complete: nothing is left to run)")
+    elif estimate:
         from batchjob.job.estimate import estimate as run_estimate
 
         for line in run_estimate(prep, max_rows=estimate_rows).lines():

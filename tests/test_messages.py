@@ -161,3 +161,21 @@ def test_inputs_that_changed_by_a_few_bytes_say_how_many():
 
     assert _from_to(140_300, 140_310) == "from 140300 to 140310 bytes"  # not "137.0 KiB to 137.0 KiB"
     assert _from_to(1024, 4096) == "from 1.0 KiB to 4.0 KiB"
+
+
+def test_validate_estimate_on_a_complete_job_says_nothing_is_left(tiny_model_dir, tmp_path):
+    data = _rows(tmp_path / "in.jsonl")
+    common = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--max-new-tokens", "2")
+    assert invoke("run", *common)[0] == 0
+    code, text = invoke("validate", *common, "--estimate")
+    assert code == 0 and "finds the job complete in" in text and "resumes" not in text, text
+    assert "estimated time: 0 s (the job is complete: nothing is left to run)" in text, text
+
+
+def test_estimate_table_is_left_out_when_the_steps_cannot_tell_settings_apart():
+    from batchjob.job.estimate import Calibration, Estimate
+
+    flat = Calibration("s", 64, 1.0, 1000, 1000, alpha=0.0, beta_prompt=1e-4, beta_out=1e-4)
+    alternatives = [("--max-num-seqs 32", flat.with_settings("--max-num-seqs 32", 32, None))]
+    text = "\n".join(Estimate(64, 64, [10] * 64, 0, 0, 1024, 64, 1000, flat, alternatives).lines())
+    assert "not estimated (the calibration's steps were too alike" in text and "--max-num-seqs 32  " not in text
