@@ -9,6 +9,7 @@ fields, ``job/spec.py``), none by hand. The ``main`` group, that mapping and the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import Field
 from pathlib import Path
@@ -149,7 +150,21 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
         for k, v in options.items()
         if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT) and v not in ((), None)
     }
+    for k in _ESCAPED:
+        if isinstance(given.get(k), str):
+            given[k] = _unescape(given[k])
     return make_spec(job_file, **given)
+
+
+# Text options whose \n and \t a shell passes on as typed: read as a job file's TOML string reads them, so
+# the prompt a user copies from a job file to the command line is the same prompt.
+_ESCAPED = ("template", "system")
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` in ``text`` as a newline, a tab and a backslash; any other backslash as is."""
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
 @main.command(epilog=EXIT_CODES)

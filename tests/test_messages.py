@@ -179,3 +179,14 @@ def test_estimate_table_is_left_out_when_the_steps_cannot_tell_settings_apart():
     alternatives = [("--max-num-seqs 32", flat.with_settings("--max-num-seqs 32", 32, None))]
     text = "\n".join(Estimate(64, 64, [10] * 64, 0, 0, 1024, 64, 1000, flat, alternatives).lines())
     assert "not estimated (the calibration's steps were too alike" in text and "--max-num-seqs 32  " not in text
+
+
+def test_a_template_typed_on_the_command_line_reads_its_escapes_as_a_job_file_does(tiny_model_dir, tmp_path):
+    from batchjob.cli import _unescape
+
+    assert _unescape(r"Q: {prompt}\nA:\t\\n \d") == "Q: {prompt}\nA:\t\\n \\d"  # other backslashes as typed
+    data = _rows(tmp_path / "in.jsonl")
+    job = tmp_path / "job.toml"
+    job.write_text(f'input = "{data}"\noutput = "{tmp_path / "out"}"\nmodel = "{tiny_model_dir}"\n')
+    code, text = invoke("validate", job, "--template", r"Q: {prompt}\nA:")
+    assert code == 0 and repr("Q: {prompt}\nA:") in text, text
