@@ -151,8 +151,9 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
         if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT) and v not in ((), None)
     }
     for k in _ESCAPED:
-        if isinstance(given.get(k), str):
-            given[k] = _unescape(given[k])
+        value = given.get(k)
+        if isinstance(value, str):
+            given[k] = _unescape(value)
     return make_spec(job_file, **given)
 
 

@@ -190,3 +190,15 @@ def test_a_template_typed_on_the_command_line_reads_its_escapes_as_a_job_file_do
     job.write_text(f'input = "{data}"\noutput = "{tmp_path / "out"}"\nmodel = "{tiny_model_dir}"\n')
     code, text = invoke("validate", job, "--template", r"Q: {prompt}\nA:")
     assert code == 0 and repr("Q: {prompt}\nA:") in text, text
+
+
+def test_the_run_says_which_input_columns_it_renames(tiny_model_dir, tmp_path, capsys):
+    from batchjob.job import make_spec, run_job
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "error": "x", "input_error": "y"}) + "\n")
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1)
+    assert run_job(spec).status == "complete"
+    err = capsys.readouterr().err
+    assert "input column 'error' is written as 'input_input_error' (it clashes with a result column)" in err
+    assert "'input_error' is written" not in err  # kept: no result column has its name

@@ -12,7 +12,7 @@ from typing import Any
 
 from batchjob import faults, signals
 from batchjob.errors import StateError
-from batchjob.io.writers import EXTRA_FIELDS
+from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.manifest import Manifest
@@ -112,6 +112,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
         manifest = Manifest(prep.state.manifest_file)
         tags = think_tags(spec, engine.tokenizer)  # the model's thinking: a reasoning column, two-phase rows
         writer = part_writer(prep, engine, tags)  # the run's one writer: repairs here, then the loop's parts
+        _say_renamed(writer)
         check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))  # one job, one schema
         # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
         # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
@@ -134,6 +135,18 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
         if loaded and engine is not None:
             engine.close()
         state.unlock()
+
+
+def _say_renamed(writer: PartWriter) -> None:
+    """A line for each input column written under another name (``writers.output_names``): a reader who
+    looks for the input's ``error`` column finds it, and does not take the result's for it."""
+    names = output_names(writer.input_schema.names, writer.extra, writer.result)
+    for column, name in names.items():
+        if name != column:
+            print(
+                f"batchjob: input column {column!r} is written as {name!r} (it clashes with a result column)",
+                file=sys.stderr,
+            )
 
 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:
