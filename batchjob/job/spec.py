@@ -143,8 +143,8 @@ class JobSpec:
     # constraints and samples
     choices: list[str] | None = job_option(  # "a,b,c" is split at commas
         None,
-        "The answer is exactly one of these comma-separated labels (decoded under a token constraint); adds a "
-        "choice_logprobs column: JSON {label: log-probability}.",
+        "The answer is exactly one of these comma-separated labels (decoded under a token constraint); adds "
+        "the columns choice_logprobs and choice_probs: maps {label: log-probability} and {label: probability}.",
         metavar="A,B,C",
         cli_type=str,
     )
