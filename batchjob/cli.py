@@ -9,6 +9,7 @@ fields, ``job/spec.py``), none by hand. The ``main`` group, that mapping and the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import Field
 from pathlib import Path
@@ -149,7 +150,22 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
         for k, v in options.items()
         if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT) and v not in ((), None)
     }
+    for k in _ESCAPED:
+        value = given.get(k)
+        if isinstance(value, str):
+            given[k] = _unescape(value)
     return make_spec(job_file, **given)
+
+
+# Text options whose \n and \t a shell passes on as typed: read as a job file's TOML string reads them, so
+# the prompt a user copies from a job file to the command line is the same prompt.
+_ESCAPED = ("template", "system")
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` in ``text`` as a newline, a tab and a backslash; any other backslash as is."""
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
 @main.command(epilog=EXIT_CODES)
@@ -297,7 +313,9 @@ def validate(
         click.echo(f"skipped {skipped}")
     engine = check_engine(spec)
     _check_tokenizer(prep)
-    state = "resumes the job in" if prep.resumed else "starts a new job in"
+    state = "starts a new job in"
+    if prep.resumed:
+        state = "finds the job complete in" if prep.info.complete else "resumes the job in"
     for line in prep.taken:
         click.echo(f"--append: {line}")
     click.echo(
@@ -305,7 +323,9 @@ def validate(
         f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {engine}; "
         f"{state} {prep.out_dir}"
     )
-    if estimate:
+    if estimate and prep.info.complete:
+        click.echo("estimated time: 0 s (the job is complete: nothing is left to run)")
+    elif estimate:
         from batchjob.job.estimate import estimate as run_estimate
 
         for line in run_estimate(prep, max_rows=estimate_rows).lines():

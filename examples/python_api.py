@@ -37,15 +37,18 @@ def main() -> None:
             model=args.model,
             id_column="review_id",
             template="Review: {review}\nSentiment (positive, negative or neutral):",
+            choices=["positive", "negative", "neutral"],  # the answer is one of these labels, nothing else
             max_new_tokens=4,
         )
         result = run_job(spec, engine=engine)
         print(f"{result.status}: {result.rows_done} rows, {result.errors} errors")
+        # The parts hold rows in the order they finished: sort by the id for input order. ``label`` is the
+        # file's own label, ``generated_text`` the model's.
         table = ds.dataset(result.out_dir, format="parquet").to_table(
             columns=["review_id", "label", "generated_text"]
         )
         for row in table.sort_by("review_id").slice(0, 5).to_pylist():
-            print(row)
+            print(f"{row['review_id']}: file says {row['label']:<8} model says {row['generated_text']}")
 
 
 if __name__ == "__main__":

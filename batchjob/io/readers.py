@@ -13,7 +13,7 @@ import errno
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 
@@ -38,6 +38,11 @@ class Row:
     @property
     def derived_id(self) -> str:
         return f"{self.source}:{self.index}"
+
+    @property
+    def place(self) -> str:
+        """Where the row is, as a message names it: ``in.jsonl line 3``, ``data.parquet row 2``."""
+        return f"{self.source} line {self.line}" if self.line is not None else f"{self.source} row {self.index}"
 
 
 def _parquet_file(source: Source) -> Any:
@@ -305,13 +310,27 @@ def compatible(saved: pa.Schema, source: Source) -> str | None:
     return None
 
 
+def _lines(f: IO[bytes], size: int | None) -> Iterator[bytes]:
+    """The lines of ``f``'s first ``size`` bytes (None: all); a line cut at ``size`` ends without newline."""
+    if size is None:
+        yield from f
+        return
+    left = size
+    while left > 0:
+        raw = f.readline(left)
+        if not raw:
+            return
+        left -= len(raw)
+        yield raw
+
+
 def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
     """(line number, object or None, error or None) for each non-blank line."""
     lineno = 0
     fail_at = faults.read_error_line(source.name)
     try:
         with open_binary(source) as f:
-            for raw in f:
+            for raw in _lines(f, source.size):
                 if lineno + 1 == fail_at:  # as if reading this line failed
                     raise OSError(errno.EIO, "Input/output error (fault injected)")
                 lineno += 1
@@ -322,7 +341,9 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    yield lineno, None, f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})"
+                    # the line's error row keeps the --id-column value when it reads cleanly (iter_rows)
+                    obj, _ = parse_line(raw.decode("utf-8", "replace"))
+                    yield lineno, obj, f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})"
                     continue
                 obj, error = parse_line(text)
                 yield lineno, obj, None if error is None else f"{where}: {error}"
@@ -355,6 +376,18 @@ def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None
         return
     for values in rows:
         yield values, ""
+
+
+def _id_only(obj: dict[str, Any], id_column: str | None) -> dict[str, Any] | None:
+    """Of a line that failed but parsed once decoded leniently (invalid UTF-8), only its ``id_column`` value,
+    and only when no replaced byte is in it: the error row can then say whose row it is, and no other value
+    of it (which would hold replacement characters) is written as if read."""
+    if id_column is None:
+        return None
+    value = obj.get(id_column)
+    if value is None or "\ufffd" in json.dumps(value, ensure_ascii=False):
+        return None
+    return {id_column: value}
 
 
 IdHook = Callable[[int, Any], None]  # (ordinal, id value) of a row the reader passes over
@@ -432,10 +465,16 @@ def iter_rows(
         if source.kind == "jsonl":
             index = 0
             for i, (lineno, obj, error) in enumerate(_jsonl_rows(source)):
+                if error is not None and obj is not None:
+                    obj = _id_only(obj, id_column)
                 if not skip(source.base + i):
                     yield Row(source.base + i, source.name, i, obj, error, lineno)
                 elif on_skipped is not None:
-                    on_skipped(source.base + i, obj.get(id_column) if obj is not None and id_column else None)
+                    # an error row's id (kept for its row) was never taken, as on the first run
+                    value = None
+                    if obj is not None and error is None and id_column is not None:
+                        value = obj.get(id_column)
+                    on_skipped(source.base + i, value)
                 index = i + 1
         else:
             index = yield from _table_rows(source, skip, covered, on_skipped, id_column)

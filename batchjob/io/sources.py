@@ -33,6 +33,8 @@ class Source:
     name: str  # stable name used in derived row ids
     kind: str  # "parquet" | "jsonl" | "hf"
     base: int = 0  # ordinal of its first row (batchjob.job.inputs: the file's sequence number << 40)
+    # plain JSONL: bytes to read, its size when the job recorded it (what grew since is --append's); None: all
+    size: int | None = None
 
     @property
     def remote(self) -> bool:
@@ -220,14 +222,44 @@ def takes(value: str, path: Path) -> bool:
             return True
         if not root.is_dir():
             return False
-    try:
-        rel = path.relative_to(root).parts
-    except ValueError:
-        return False
+    return any(_takes_rel(rel, pats, path.name) for rel in _names_under(root, path))
+
+
+def _takes_rel(rel: tuple[str, ...], pats: tuple[str, ...] | None, name: str) -> bool:
+    """Whether the file at ``rel`` (its path's parts under the --input folder or glob root) is taken."""
     if pats is not None and not _matches(rel, pats):
         return False
     hidden = any(p.startswith((".", "_")) and not _spelled_out(p, pats) for p in rel)
-    return not hidden and kind_of(path.name) is not None
+    return not hidden and kind_of(name) is not None
+
+
+def _names_under(root: Path, path: Path) -> list[tuple[str, ...]]:
+    """The relative paths by which the walk of ``root`` (the resolved --input folder) reaches ``path``
+    (resolved): directly, and through each symbolic link to a folder outside ``root`` (its real path is
+    not under ``root``, but the walk follows the link to it)."""
+    names: list[tuple[str, ...]] = []
+    if root in path.parents:
+        names.append(path.relative_to(root).parts)
+    seen = {root}
+    todo: list[tuple[Path, tuple[str, ...]]] = [(root, ())]
+    while todo:  # the folders the walk visits, each once (a link loop ends)
+        folder, rel = todo.pop()
+        try:
+            entries = [e for e in os.scandir(folder) if e.is_dir()]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                real = Path(entry.path).resolve()
+            except (RuntimeError, OSError):
+                continue
+            parts = (*rel, entry.name)
+            if entry.is_symlink() and root not in real.parents and real in (path, *path.parents):
+                names.append((*parts, *path.relative_to(real).parts))  # each link's name: one may be hidden
+            if real not in seen:
+                seen.add(real)
+                todo.append((real, parts))
+    return names
 
 
 def _expand_local(value: str, exclude: Path | None, skipped: list[Skipped]) -> list[tuple[str, str]]:
@@ -293,12 +325,33 @@ def discover(
                     "or a datasets.save_to_disk folder)"
                 )
             sources.append(Source(path=path, name=name, kind=kind))
+    sources = _read_once(sources, skipped)
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         # Same relative name under two --input values: prefix with the value's position to keep ids unique.
         sources = [Source(s.path, f"{i}/{s.name}", s.kind) for i, s in enumerate(sources)]
     # A new job's file i starts at ordinal i << 40; a job's saved records may order them otherwise.
     return [Source(s.path, s.name, s.kind, i << ORDINAL_BITS) for i, s in enumerate(sources)]
+
+
+def _read_once(sources: list[Source], skipped: list[Skipped]) -> list[Source]:
+    """Each local file (or saved dataset) once, by its real path: a symbolic link inside an input folder to a
+    sibling folder, or two --input values naming one file, would otherwise read its rows twice, as two rows
+    each. The name that reaches it without a symbolic link reads it (else the first, in discovery order); the
+    others go to ``skipped``, saying which it is."""
+    reader: dict[str, Source] = {}
+    for source in sources:
+        real = source.path if source.remote else os.path.realpath(source.path)
+        if real not in reader or (os.path.abspath(source.path) == real != os.path.abspath(reader[real].path)):
+            reader[real] = source
+    kept: list[Source] = []
+    for source in sources:
+        chosen = reader[source.path if source.remote else os.path.realpath(source.path)]
+        if chosen is source:
+            kept.append(source)
+        else:
+            skipped.append(Skipped(source.path, f"the same file as {chosen.path} (read once, as that)"))
+    return kept
 
 
 def open_binary(source: Source) -> IO[bytes]:

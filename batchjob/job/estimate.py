@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from batchjob.io.readers import iter_rows
 from batchjob.job.loop import row_request
+from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import _duration as duration
 from batchjob.job.runner import load_engine, prompt_builder
@@ -111,6 +112,7 @@ class Estimate:
     budget_tokens: int  # and the tokens those samples may generate (n * max_new_tokens each)
     calibration: Calibration
     alternatives: list[tuple[str, Calibration]]
+    done: int = 0  # a resumed job's rows committed already: not in ``total``
 
     @property
     def ok(self) -> int:
@@ -149,6 +151,8 @@ class Estimate:
             f"generated tok/s) with {c.settings}"
         )
         rows = f"{self.total:,} rows" if self.total is not None else f"the {self.sampled:,} rows looked at"
+        if self.done:
+            rows += f" left ({self.done:,} done already)"
         if self.samples != self.ok:  # --n, or requests' own n: the outputs to make
             per = self.samples / max(self.ok, 1)
             rows += f", {per:,.1f} samples a usable row ({self.samples:,} in the first {self.sampled:,})"
@@ -159,7 +163,13 @@ class Estimate:
             f"{c.output_per_row:.1f} tokens out a sample, {c.computed_share:.2f} prompt tokens computed a prompt "
             "token (prefix cache, choices); this machine, today's settings; plus model loading)"
         )
-        if self.alternatives:
+        if self.alternatives and c.alpha <= 0:
+            # the settings change the number of steps, and only a step's own cost makes that matter
+            out.append(
+                "  other --max-num-seqs and --max-num-batched-tokens: not estimated (the calibration's steps "
+                "were too alike to tell a step's own cost from its tokens' cost; more --estimate-rows may)"
+            )
+        elif self.alternatives:
             out.append(f"  {'with':<34}  estimated time")
             for name, alt in self.alternatives:
                 out.append(f"  {name:<34}  {duration(self.seconds(alt))}")
@@ -290,6 +300,7 @@ def estimate(
         seen.budget,
         main,
         alternatives,
+        seen.done,
     )
 
 
@@ -306,14 +317,19 @@ class _Sample:
     no_prompt: int = 0
     samples: int = 0
     budget: int = 0
+    done: int = 0  # rows of a resumed job committed already (not looked at, not counted)
     prompts: list[tuple[list[int], Any]] = dataclasses.field(default_factory=list)
 
     def read(self, prep: Prepared, builder: Any, max_rows: int, calibration_rows: int) -> None:
         """The first ``max_rows`` rows of this worker's share through the job's own prompt builder."""
         spec = prep.spec
         base = spec.sampling_params(prep.info.job_seed)
-        skip, covered = prep.shard.filters(_nothing())
-        self.total = total = prep.shard.share_of(prep.info.row_counts)
+        # a resumed job: only the rows a run would do (those committed are skipped, as the loop skips them)
+        manifest = Manifest(prep.state.manifest_file) if prep.resumed else None
+        skip, covered = prep.shard.filters(manifest.done if manifest is not None else _nothing())
+        total = prep.shard.share_of(prep.info.row_counts)
+        self.done = manifest.rows if manifest is not None else 0
+        self.total = total = None if total is None else max(0, total - self.done)
         bar = tqdm(
             total=min(max_rows, total) if total is not None else max_rows,
             unit="row",

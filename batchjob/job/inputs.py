@@ -203,6 +203,12 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _from_to(before: int, after: int) -> str:
+    """``from A to B``, in bytes where the rounded sizes would read the same (137.0 KiB to 137.0 KiB)."""
+    a, b = _size(before), _size(after)
+    return f"from {a} to {b}" if a != b else f"from {before} to {after} bytes"
+
+
 # (record now, problem, grew, torn): what one file's check found (``_check_one``)
 _Check = tuple[InputRecord | None, str | None, bool, int | None]
 
@@ -220,7 +226,7 @@ def _check_one(source: Source, saved: InputRecord, append: bool) -> _Check:
         if now.size == saved.size:
             return _same_size(source, saved, now)
         if now.size < saved.size:
-            return None, f"changed (shrank from {_size(saved.size)} to {_size(now.size)})", False, None
+            return None, f"changed (shrank {_from_to(saved.size, now.size)})", False, None
         return _grown(source, saved, now, append)
     except FileNotFoundError:
         return None, "removed", False, None
@@ -257,12 +263,9 @@ def _grown(source: Source, saved: InputRecord, now: identity.FileIdentity, appen
     change."""
     old = _identify(source, prefix=saved.size)
     if old.digest != saved.digest:
-        return (
-            None,
-            f"changed (grew from {_size(saved.size)} to {_size(now.size)}, and rows before the end differ)",
-            False,
-            None,
-        )
+        plain = source.kind == "jsonl" and not is_compressed(source)
+        what = "and rows before the end differ" if plain else "and its content differs: rewritten"
+        return None, f"changed (grew {_from_to(saved.size, now.size)}, {what})", False, None
     grown = f"grew by {_size(now.size - saved.size)} (rows appended?)"
     if source.kind != "jsonl" or is_compressed(source):
         what = (
@@ -356,9 +359,16 @@ def reconcile(
 
 
 def ordered_sources(sources: list[Source], records: list[InputRecord]) -> list[Source]:
-    """The sources in the order of their records (first sight), each with its ordinal base."""
+    """The sources in the order of their records (first sight), each with its ordinal base and, a plain
+    JSONL file, the size to read: a line half written after the job recorded the file is not read (it would
+    be an error row that ``--append``, going by the record, would not know to redo)."""
     by_name = {s.name: s for s in sources}
-    return [replace(by_name[r.name], base=r.base) for r in sorted(records, key=lambda r: r.seq)]
+    ordered = []
+    for r in sorted(records, key=lambda r: r.seq):
+        source = by_name[r.name]
+        plain = source.kind == "jsonl" and not source.remote and not is_compressed(source)
+        ordered.append(replace(source, base=r.base, size=r.size if plain else None))
+    return ordered
 
 
 def changes_now(records: list[InputRecord], paths: list[str], out_dir: Path) -> list[str]:

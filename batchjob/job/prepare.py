@@ -22,13 +22,21 @@ from batchjob.errors import InputError
 from batchjob.io.readers import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
+from batchjob.job.defaults import resolved_defaults
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
+from batchjob.job.state import (
+    STATE_DIR,
+    JobInfo,
+    JobMismatchError,
+    StateDir,
+    differing,
+    fingerprint_changes,
+)
 
 
 @dataclass
@@ -80,15 +88,18 @@ def input_paths(spec: JobSpec) -> list[str]:
     return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in spec.input]
 
 
-def _changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """What differs between a saved job's fingerprint and this run's, in words."""
+def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a saved job's fingerprint and this run's, in words (a default spelled out as
+    what it surely resolves to is no difference: ``defaults.py``)."""
     saved = {"sharding": {"num_shards": 1}} | saved
     model = model_identity.changes(saved.get("model", {}).get("identity", {}), now["model"]["identity"])
 
     def without_identity(fp: dict[str, Any]) -> dict[str, Any]:
         return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
 
-    return ([model] if model else []) + fingerprint_changes(without_identity(saved), without_identity(now))
+    a, b = without_identity(saved), without_identity(now)
+    defaults = resolved_defaults(spec) if differing(a, b) and not model else {}  # only a refusal pays for it
+    return ([model] if model else []) + fingerprint_changes(a, b, defaults)
 
 
 def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:
@@ -198,7 +209,7 @@ def _resume(
         # the hub model is not on this machine now: compare it by content once it is loaded
         deferred = saved_identity
         fingerprint["model"]["identity"] = saved_identity
-    changes = _changes(saved.fingerprint, fingerprint)
+    changes = _changes(spec, saved.fingerprint, fingerprint)
     if changes:
         raise JobMismatchError(
             f"--output {out_dir} holds a different job; changed: {'; '.join(changes)}. "

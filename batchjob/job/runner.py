@@ -12,7 +12,7 @@ from typing import Any
 
 from batchjob import faults, signals
 from batchjob.errors import StateError
-from batchjob.io.writers import EXTRA_FIELDS
+from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.manifest import Manifest
@@ -40,7 +40,8 @@ def check_engine(spec: JobSpec) -> str:
     from batchjob.engine.plan import plan_kv, plan_model
     from batchjob.models import load_config
 
-    model_config, _ = load_config(spec.model, spec.trust_remote_code)
+    model_config, resolved = load_config(spec.model, spec.trust_remote_code)
+    _check_pooling(spec, model_config, resolved)
     config = EngineConfig(**spec.engine.as_keywords())
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
     tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
@@ -57,6 +58,19 @@ def check_engine(spec: JobSpec) -> str:
         f"context {max_len} tokens; KV pool {blocks} blocks x {config.block_size} tokens = "
         f"{blocks * config.block_size} tokens{per_rank} (sized by {config.kv_pool_source})"
     )
+
+
+def _check_pooling(spec: JobSpec, model_config: Any, resolved: str) -> None:
+    """--task embed: the embedding recipe the engine resolves at load (--pooling, --normalize, --dimensions
+    against the model's width and its sentence-transformers files), resolved here the same way, so that
+    ``validate`` refuses what ``run`` would, with the same message."""
+    if spec.engine.task != "embed":
+        return
+    from batchjob.engine.tasks.runner import resolve_pooling
+
+    width = model_config.get_text_config().hidden_size
+    options = spec.engine
+    resolve_pooling(resolved, options.pooling, options.normalize, options.dimensions, width)
 
 
 def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None = None) -> JobResult:
@@ -94,6 +108,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
         manifest = Manifest(prep.state.manifest_file)
         tags = think_tags(spec, engine.tokenizer)  # the model's thinking: a reasoning column, two-phase rows
         writer = part_writer(prep, engine, tags)  # the run's one writer: repairs here, then the loop's parts
+        _say_renamed(writer)
         check_schema(prep.out_dir, manifest, tuple(EXTRA_FIELDS.values()))  # one job, one schema
         # verify.py. Before --append's records are saved: a crash between leaves the old records, and the
         # next start finds the same rows to redo (a torn last line finished since, in ``prep.redo``).
@@ -116,6 +131,18 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
         if loaded and engine is not None:
             engine.close()
         state.unlock()
+
+
+def _say_renamed(writer: PartWriter) -> None:
+    """A line for each input column written under another name (``writers.output_names``): a reader who
+    looks for the input's ``error`` column finds it, and does not take the result's for it."""
+    names = output_names(writer.input_schema.names, writer.extra, writer.result)
+    for column, name in names.items():
+        if name != column:
+            print(
+                f"batchjob: input column {column!r} is written as {name!r} (it clashes with a result column)",
+                file=sys.stderr,
+            )
 
 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:

@@ -63,9 +63,16 @@ class JobSpec:
     )
     messages_column: str | None = job_option(None, "Column holding a list of chat messages.", metavar="COL")
     template: str | None = job_option(
-        None, 'Prompt format string over columns, e.g. "Classify: {review}".', metavar="FMT"
+        None,
+        'Prompt format string over columns, e.g. "Classify: {review}". On the command line \\n and \\t are '
+        "a newline and a tab (\\\\ a backslash), as in a job file's string.",
+        metavar="FMT",
     )
-    system: str | None = job_option(None, "System message put before each prompt.", metavar="TEXT")
+    system: str | None = job_option(
+        None,
+        "System message put before each prompt (\\n and \\t read as for --template).",
+        metavar="TEXT",
+    )
     chat: bool | None = job_option(
         None,
         "Wrap each prompt as a user message in the chat template",
@@ -136,8 +143,8 @@ class JobSpec:
     # constraints and samples
     choices: list[str] | None = job_option(  # "a,b,c" is split at commas
         None,
-        "The answer is exactly one of these comma-separated labels (decoded under a token constraint); adds a "
-        "choice_logprobs column: JSON {label: log-probability}.",
+        "The answer is exactly one of these comma-separated labels (decoded under a token constraint); adds "
+        "the columns choice_logprobs and choice_probs: maps {label: log-probability} and {label: probability}.",
         metavar="A,B,C",
         cli_type=str,
     )

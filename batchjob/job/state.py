@@ -27,7 +27,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,12 +61,32 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Human-readable differences, e.g. ``"sampling.temperature: was 0.0, now 1.0"``."""
+def differing(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The dotted names of the fingerprint entries that differ."""
     a, b = _flatten(saved), _flatten(now)
-    return [
-        f"{k}: was {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
-    ]
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def fingerprint_changes(
+    saved: dict[str, Any], now: dict[str, Any], defaults: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Human-readable differences, e.g. ``"sampling.temperature: was 0.0, now 1.0"``. ``defaults``: entries'
+    ``job.defaults.Default`` by name: a default spelled out as the value it surely resolves to is no change,
+    and a default named in a message says what it resolves to."""
+    a, b = _flatten(saved), _flatten(now)
+    out = []
+    for k in differing(saved, now):
+        was, is_ = a.get(k), b.get(k)
+        d = (defaults or {}).get(k)
+        if d is not None and (was == d.word) != (is_ == d.word):
+            other = is_ if was == d.word else was
+            if d.sure and other == d.value:
+                continue  # the default, spelled out (or left out again): the same job
+            words = [d.describe() if v == d.word else repr(v) for v in (was, is_)]
+            out.append(f"{k}: was {words[0]}, now {words[1]}")
+            continue
+        out.append(f"{k}: was {was!r}, now {is_!r}")
+    return out
 
 
 @dataclass

@@ -111,6 +111,7 @@ class JobStatus:
             )
             lines += [f"  {line}" for line in self.input_changes]
         lines += [f"stats: {w.stats_problem}" for w in self.workers if w.stats_problem]
+        lines += [line for w in self.workers if (line := _died_line(w, len(self.workers) > 1))]
         lines += [f"missing or damaged: {p} ({p.record.rows} rows)" for p in self.problems]
         if self.problems:
             redo = self.total("rows_to_redo")
@@ -129,9 +130,11 @@ class JobStatus:
         if live:
             age = max(0.0, time.time() - min(float(x.get("updated", 0)) for x in live))
             finished = sum(int(x.get("finished_uncommitted", 0)) for x in live)
+            seqs = [w.stats.get("batch_occupancy", {}).get("max_num_seqs") for w in self.workers if w.live]
+            at_once = f" (up to {sum(seqs)} at a time, the rest queued)" if all(seqs) else ""
             lines.append(
                 f"in flight: {finished} more rows finished, not yet committed; "
-                f"{sum(int(x.get('in_engine', 0)) for x in live)} being generated, "
+                f"{sum(int(x.get('in_engine', 0)) for x in live)} in the engine{at_once}, "
                 f"{sum(int(x.get('read_ahead', 0)) for x in live)} read ahead (as of {age:.0f} s ago; the "
                 "rows above are committed)"
             )
@@ -181,6 +184,22 @@ class JobStatus:
                     line += f", {w.stats.get('generated_tokens_per_s', 0):.1f} tok/s"
             lines.append(line)
         return lines
+
+
+def _died_line(w: WorkerStatus, named: bool) -> str | None:
+    """A worker not running whose last run's stats say it still held finished rows it had not committed: it
+    was killed (or crashed) before it could save them; the next run redoes them. ``named``: say which worker."""
+    live = w.stats.get("live") if w.state in ("stopped", "not started") else None
+    if not isinstance(live, dict) or not int(live.get("finished_uncommitted", 0)):
+        return None
+    lost = int(live["finished_uncommitted"])
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(live.get("updated", 0))))
+    who = f"{w.shard}: " if named else ""
+    return (
+        f"{who}the last run ended without committing {lost} rows it had finished (killed or crashed; its "
+        f"last progress was saved at {when}), so the 'last run' figures count rows not done: `batchjob "
+        "run` with the same command redoes them"
+    )
 
 
 def read_stats(path: Path) -> tuple[dict[str, Any], str | None]:

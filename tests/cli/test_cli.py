@@ -201,7 +201,7 @@ def test_status_of_a_running_job_says_so_with_its_rows_in_flight(launch, tiny_mo
         assert code == 0, text
         assert f"{out}: incomplete, running now (pid {pid} on " in text, text
         live = re.search(
-            r"in flight: (\d+) more rows finished, not yet committed; (\d+) being generated", text
+            r"in flight: (\d+) more rows finished, not yet committed; (\d+) in the engine \(up to 4 at a time", text
         )
         assert live and int(live.group(2)) > 0, text  # rows the committed count does not show yet
         assert "rows: " in text and " of 40 input rows" in text
@@ -213,6 +213,7 @@ def test_status_of_a_running_job_says_so_with_its_rows_in_flight(launch, tiny_mo
     assert (
         code == 0 and f"{out}: incomplete\n" in text and "running now" not in text and "in flight" not in text
     )
+    assert "without committing" not in text, text  # a clean stop committed what it had finished
 
 
 @pytest.mark.timeout(300)

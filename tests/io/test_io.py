@@ -37,8 +37,12 @@ def test_discover_file_dir_glob_and_names(tmp_path):
     assert [s.name for s in discover([str(tmp_path / "d" / "_*.jsonl")])] == ["_hidden.jsonl"]  # asked for
     assert [s.name for s in discover([str(tmp_path / "d" / "a.jsonl")])] == ["a.jsonl"]
     # the same name from two --input values stays unique
-    names = [s.name for s in discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "a.jsonl")])]
+    write_jsonl(tmp_path / "d" / "sub" / "a.jsonl", [{"text": "w"}])
+    names = [s.name for s in discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "sub" / "a.jsonl")])]
     assert len(set(names)) == 2
+    # one file named twice is one input: read once
+    assert len(discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "a.jsonl")])) == 1
+    (tmp_path / "d" / "sub" / "a.jsonl").unlink()
     # the output folder inside an input folder is never read back
     (tmp_path / "d" / "out").mkdir()
     write_jsonl(tmp_path / "d" / "out" / "c.jsonl", [{"text": "z"}])
@@ -49,7 +53,8 @@ def test_discover_file_dir_glob_and_names(tmp_path):
 
 def test_folders_and_globs_take_the_same_files_and_say_what_they_skip(tmp_path):
     """One rule for a folder and a glob over it: names starting with '.' or '_' are left out unless asked for,
-    symlinked folders are followed (a loop ends), and every path left out is listed with its reason."""
+    symlinked folders are followed (a loop ends; a file reached twice is read once, by its own path), and every
+    path left out is listed with its reason."""
     d = tmp_path / "d"
     for rel in ["a.jsonl", "_SUCCESS.jsonl", ".tmp.jsonl", "sub/b.jsonl", "_meta/c.jsonl", "x/z.jsonl"]:
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +62,7 @@ def test_folders_and_globs_take_the_same_files_and_say_what_they_skip(tmp_path):
     (d / "notes.txt").write_text("not data")
     (d / "linked").symlink_to(d / "x", target_is_directory=True)  # a symlinked folder: followed
     (d / "x" / "loop").symlink_to(d, target_is_directory=True)  # a loop back to the top: not followed
-    taken = ["a.jsonl", "linked/z.jsonl", "sub/b.jsonl", "x/z.jsonl"]
+    taken = ["a.jsonl", "sub/b.jsonl", "x/z.jsonl"]
     skipped = []
     assert [s.name for s in discover([str(d)], skipped=skipped)] == taken
     assert [s.name for s in discover([str(d / "**" / "*.jsonl")])] == taken  # the glob: the same files
@@ -67,6 +72,7 @@ def test_folders_and_globs_take_the_same_files_and_say_what_they_skip(tmp_path):
     assert reasons["_meta"] == "its name starts with '_'"
     assert reasons["notes.txt"].startswith("not .parquet")
     assert "symbolic link loop" in reasons["linked/loop"] and "symbolic link loop" in reasons["x/loop"]
+    assert reasons["linked/z.jsonl"] == f"the same file as {d / 'x' / 'z.jsonl'} (read once, as that)"
     # spelled out, a name starting with '_' is taken: by a glob part, or as the path itself
     assert [s.name for s in discover([str(d / "_*" / "*.jsonl")])] == ["_meta/c.jsonl"]
     assert [s.name for s in discover([str(d / "_meta")])] == ["c.jsonl"]

@@ -145,7 +145,8 @@ def test_embed_job_writes_what_engine_embed_computes(tiny_model_dir, tmp_path):
     by_id = {r["rid"]: r for r in rows}
     assert "longer" in by_id["r05"]["error"] or "tokens" in by_id["r05"]["error"]  # too long, no --truncate
     assert by_id["r05"]["embedding"] is None
-    assert by_id["r07"]["error"] == "column 'text' is empty"
+    assert by_id["r07"]["error"] == "rows.jsonl line 8: column 'text' is empty"  # whose row it is
+    assert by_id["r05"]["error"].startswith("rows.jsonl line 6: ")
     assert any(r["rid"] is None and "line 13" in r["error"] for r in rows)  # the torn line
     assert len(ok) == 10
 

@@ -61,5 +61,5 @@ def _row_request(
         params, error = params_from_column(row.values.get(spec.params_column), spec.params_column, base)
         if params is None:
             return None, None, where + str(error)
-    ids, error = builder.build(row.values)
-    return params, ids, error
+    ids, error = builder.build(row.values)  # an empty or too long prompt: say whose row it is
+    return params, ids, None if error is None else f"{row.place}: {error}"

@@ -41,4 +41,5 @@ class TaskRow(RowWork):
         return [score]
 
     def result(self, k: int, out: RequestOutput) -> dict[str, Any]:
-        return task_result(self.task, k, out, request_error(out))
+        error = request_error(out)  # the engine's words (a text beyond the model's limit): whose row it is
+        return task_result(self.task, k, out, None if error is None else f"{self.row.place}: {error}")

@@ -1,0 +1,204 @@
+"""Messages that say what is true: ``validate`` refuses what ``run`` refuses, with the same words; a file read
+twice through a symlink, a bad row, a resumed job's changed setting each say which file, row or value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def _rows(path, n=2):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"hello {i}"}) + "\n")
+    return path
+
+
+def test_validate_refuses_embed_dimensions_beyond_the_width(tiny_model_dir, tmp_path):
+    data = _rows(tmp_path / "in.jsonl")
+    common = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--task", "embed")
+    code, text = invoke("validate", *common, "--dimensions", "65")  # the tiny llama is 64 wide
+    assert code == 2 and "dimensions 65 exceeds the model's width of 64" in text, text
+    code, text = invoke("validate", *common, "--dimensions", "64")
+    assert code == 0 and "ok:" in text, text
+
+
+def test_a_file_reached_twice_through_a_symlink_is_read_once(tmp_path):
+    from batchjob.io.sources import discover
+
+    (tmp_path / "in" / "a").mkdir(parents=True)
+    _rows(tmp_path / "in" / "a" / "f.jsonl")
+    (tmp_path / "in" / "link").symlink_to("a")  # a sibling folder, not a loop
+    skipped: list = []
+    found = discover([str(tmp_path / "in"), str(tmp_path / "in" / "a" / "f.jsonl")], skipped=skipped)
+    assert [s.name for s in found] == ["a/f.jsonl"]
+    same = [str(s) for s in skipped]
+    assert len(same) == 2 and all(f"the same file as {tmp_path}/in/a/f.jsonl" in s for s in same), same
+
+
+def test_a_file_behind_a_symlinked_subfolder_is_taken_by_the_input_folder(tmp_path):
+    """``export --to`` is refused where the next run would read the file (owned.py asks ``takes``): the real
+    path behind a symbolic link to a folder outside the input folder counts, as the walk follows it."""
+    from batchjob.io.sources import takes
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "other" / "deep").mkdir(parents=True)
+    (tmp_path / "in" / "link").symlink_to(tmp_path / "other", target_is_directory=True)
+    (tmp_path / "in" / "_hidden").symlink_to(tmp_path / "other", target_is_directory=True)
+    target = (tmp_path / "other" / "deep" / "x.jsonl").resolve()
+    assert takes(str(tmp_path / "in"), target)
+    assert takes(str(tmp_path / "in" / "**" / "*.jsonl"), target)
+    assert not takes(str(tmp_path / "in"), target.with_suffix(".txt"))  # not a format it reads
+    assert not takes(str(tmp_path / "in" / "*.jsonl"), target)  # the glob does not reach into link/
+    (tmp_path / "in" / "link").unlink()
+    assert not takes(str(tmp_path / "in"), target)  # only through a hidden name: not read
+
+
+def test_bad_rows_name_their_file_and_line_and_keep_their_id(tiny_model_dir, tmp_path):
+    import pyarrow.dataset as ds
+
+    data = tmp_path / "in.jsonl"
+    lines = [
+        json.dumps({"id": "a", "prompt": ""}).encode(),
+        json.dumps({"id": "b", "prompt": "word " * 1200}).encode(),  # beyond the tiny model's 1024 tokens
+        b'{"id": "c", "prompt": "ok \xff"}',
+        b'{"id": "\xfe", "prompt": "x"}',  # an id with a bad byte: not written as if read
+        json.dumps({"id": "d", "prompt": "fine"}).encode(),
+    ]
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    for task in ("embed", "generate"):
+        out = tmp_path / task
+        more = ("--max-new-tokens", "1") if task == "generate" else ()
+        args = ("--model", tiny_model_dir, "--input", data, "--output", out, "--task", task, "--id-column", "id")
+        code, text = invoke("run", *args, *more)
+        assert code == 0, text
+        rows = ds.dataset(out, format="parquet").to_table(columns=["id", "prompt", "error"]).to_pylist()
+        errors = [(r["id"], r["prompt"], (r["error"] or "").split(": ")[0]) for r in rows]
+        assert errors == [
+            ("a", "", "in.jsonl line 1"),
+            ("b", "word " * 1200, "in.jsonl line 2"),
+            ("c", None, "in.jsonl line 3"),  # the id kept, the damaged values not
+            (None, None, "in.jsonl line 4"),
+            ("d", "fine", ""),
+        ], task
+        assert "invalid UTF-8" in rows[2]["error"] and "empty" in rows[0]["error"]
+
+
+def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(tiny_model_dir, tmp_path, monkeypatch):
+    """The reader reads a JSONL file as far as the job recorded it: a half-written line appended after that
+    is not made an error row (which --append, going by the record, would not redo); the run stops as the
+    file grew, and --append then reads the finished line."""
+    import pyarrow.dataset as ds
+
+    from batchjob import faults
+    from batchjob.errors import InputError
+    from batchjob.job import make_spec, run_job
+
+    data = _rows(tmp_path / "in.jsonl", 40)
+    point = faults.point
+
+    def torn_after_recording(name: str) -> None:
+        if name == "loop_started":
+            with open(data, "a") as f:
+                f.write('{"prom')
+        point(name)
+
+    monkeypatch.setattr(faults, "point", torn_after_recording)
+    options = dict(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1)
+    with pytest.raises(InputError, match="grew"):
+        run_job(make_spec(checkpoint_interval=1e-6, **options))
+    monkeypatch.setattr(faults, "point", point)
+    with open(data, "a") as f:
+        f.write('pt": "the end"}\n')
+    assert run_job(make_spec(append=True, **options)).status == "complete"
+    rows = ds.dataset(tmp_path / "out", format="parquet").to_table(columns=["prompt", "error"]).to_pylist()
+    assert len(rows) == 41 and not [r for r in rows if r["error"]], [r for r in rows if r["error"]]
+
+
+def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_default_is(tiny_model_dir, tmp_path):
+    from batchjob.job import make_spec, run_job
+    from batchjob.job.state import JobMismatchError
+
+    data = _rows(tmp_path / "in.jsonl")
+    options = dict(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), task="embed")
+    assert run_job(make_spec(**options)).status == "complete"
+    # the tiny llama has no sentence-transformers files: normalize's default is off, for this model anywhere
+    assert run_job(make_spec(normalize=False, **options)).status == "already complete"
+    with pytest.raises(JobMismatchError, match=r"task.normalize: was None \(the default: False for this model\), now True"):
+        run_job(make_spec(normalize=True, **options))
+    # dtype's default depends on the device: spelled out it stays a change, and the message says what it is
+    with pytest.raises(JobMismatchError, match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\)"):
+        run_job(make_spec(dtype="float32", **options))
+
+
+def test_status_says_a_killed_run_left_rows_to_redo(tmp_path):
+    from batchjob.job.shard import Shard
+    from batchjob.job.status import JobStatus, WorkerStatus
+
+    stats = {"rows": 20, "elapsed_s": 3.0, "live": {"updated": 0, "finished_uncommitted": 20, "in_engine": 40}}
+    killed = WorkerStatus(Shard(), "stopped", rows_done=0, rows_total=400, stats=stats)
+    text = "\n".join(JobStatus(tmp_path, [killed], 400).lines("out"))
+    assert "rows: 0 of 400 input rows" in text and "last run: 20 rows" in text
+    assert "the last run ended without committing 20 rows it had finished (killed or crashed" in text, text
+    assert "`batchjob run` with the same command redoes them" in text
+    clean = WorkerStatus(Shard(), "stopped", rows_done=20, rows_total=400, stats=stats | {"live": {}})
+    assert "without committing" not in "\n".join(JobStatus(tmp_path, [clean], 400).lines("out"))
+
+
+def test_inputs_that_changed_by_a_few_bytes_say_how_many():
+    from batchjob.job.inputs import _from_to
+
+    assert _from_to(140_300, 140_310) == "from 140300 to 140310 bytes"  # not "137.0 KiB to 137.0 KiB"
+    assert _from_to(1024, 4096) == "from 1.0 KiB to 4.0 KiB"
+
+
+def test_validate_estimate_on_a_complete_job_says_nothing_is_left(tiny_model_dir, tmp_path):
+    data = _rows(tmp_path / "in.jsonl")
+    common = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--max-new-tokens", "2")
+    assert invoke("run", *common)[0] == 0
+    code, text = invoke("validate", *common, "--estimate")
+    assert code == 0 and "finds the job complete in" in text and "resumes" not in text, text
+    assert "estimated time: 0 s (the job is complete: nothing is left to run)" in text, text
+
+
+def test_estimate_table_is_left_out_when_the_steps_cannot_tell_settings_apart():
+    from batchjob.job.estimate import Calibration, Estimate
+
+    flat = Calibration("s", 64, 1.0, 1000, 1000, alpha=0.0, beta_prompt=1e-4, beta_out=1e-4)
+    alternatives = [("--max-num-seqs 32", flat.with_settings("--max-num-seqs 32", 32, None))]
+    text = "\n".join(Estimate(64, 64, [10] * 64, 0, 0, 1024, 64, 1000, flat, alternatives).lines())
+    assert "not estimated (the calibration's steps were too alike" in text and "--max-num-seqs 32  " not in text
+
+
+def test_a_template_typed_on_the_command_line_reads_its_escapes_as_a_job_file_does(tiny_model_dir, tmp_path):
+    from batchjob.cli import _unescape
+
+    assert _unescape(r"Q: {prompt}\nA:\t\\n \d") == "Q: {prompt}\nA:\t\\n \\d"  # other backslashes as typed
+    data = _rows(tmp_path / "in.jsonl")
+    job = tmp_path / "job.toml"
+    job.write_text(f'input = "{data}"\noutput = "{tmp_path / "out"}"\nmodel = "{tiny_model_dir}"\n')
+    code, text = invoke("validate", job, "--template", r"Q: {prompt}\nA:")
+    assert code == 0 and repr("Q: {prompt}\nA:") in text, text
+
+
+def test_the_run_says_which_input_columns_it_renames(tiny_model_dir, tmp_path, capsys):
+    from batchjob.job import make_spec, run_job
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "error": "x", "input_error": "y"}) + "\n")
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1)
+    assert run_job(spec).status == "complete"
+    err = capsys.readouterr().err
+    assert "input column 'error' is written as 'input_input_error' (it clashes with a result column)" in err
+    assert "'input_error' is written" not in err  # kept: no result column has its name
