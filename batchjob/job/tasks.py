@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchjob.engine.tasks.state import head_kind
 from batchjob.io.writers import EXTRA_FIELDS
 from batchjob.job.seam import JobEngine
 from batchjob.job.spec import JobSpec
@@ -19,7 +20,7 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
     """The result columns of the job's task for this engine's model (``writers.task_fields``)."""
     from batchjob.io.writers import task_fields
 
-    width, num_labels = None, 1
+    width, num_labels, head = None, 1, "single"
     if spec.engine.task == "embed":
         pooling = engine.tasks.pooling if engine.tasks is not None else None
         width = (pooling and pooling.dimensions) or engine.model.config.get_text_config().hidden_size
@@ -27,7 +28,8 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
         labels = engine.model.config.num_labels
         assert labels is not None  # a sequence-classification head has its labels
         num_labels = int(labels)
-    return task_fields(spec.engine.task, width, num_labels, token_logprobs=spec.logprobs is not None)
+        head = head_kind(engine.model.config)
+    return task_fields(spec.engine.task, width, num_labels, spec.logprobs is not None, head)
 
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:
@@ -43,7 +45,11 @@ def task_columns(task: str, out: Any) -> dict[str, Any]:
     if task == "classify":
         columns: dict[str, Any] = {"scores": out.logits.astype("float32").tolist()}
         if out.probs is not None:
-            columns |= {"probs": out.probs.astype("float32").tolist(), "label": out.label}
+            columns["probs"] = out.probs.astype("float32").tolist()
+        if out.labels is not None:  # a multi-label head: each label above the threshold, in label order
+            columns["labels"] = list(out.labels)
+        elif out.probs is not None:
+            columns["label"] = out.label
         if out.score is not None:
             columns["score"] = float(out.score)
         return columns

@@ -42,7 +42,7 @@ from batchjob.engine.config import model_context_len
 from batchjob.engine.request import Request, RequestState
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.tasks import PREFILL_TASKS
-from batchjob.engine.tasks.state import TaskState
+from batchjob.engine.tasks.state import MULTI_LABEL_THRESHOLD, TaskState, head_kind
 from batchjob.errors import ConfigError
 
 LOGIT_ELEMENTS = 1 << 24  # score: at most this many logits (rows x vocabulary) exist at once
@@ -204,11 +204,13 @@ class TaskRunner:
         self.task = task
         self.pooling = pooling
         self.id2label: dict[int, str] = {}
+        self.head_kind = "single"  # classify: how the head's outputs are read (state.HEADS)
         self.position = "cls"
         if task == "embed":
             assert pooling is not None
             self.position = pooling.mode
         elif task == "classify":
+            self.head_kind = head_kind(model.config)
             self.position, self.head = _classifier(model, encoder)
             self.id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
         else:
@@ -316,13 +318,25 @@ class TaskRunner:
             return
         if self.position == "mean":  # classify: the head takes the mean of the row's states
             vec = self.head((vec / req.num_tokens)[None, :])[0]
+        st.result = self._classified(vec)
+
+    def _classified(self, vec: torch.Tensor) -> dict[str, Any]:
+        """A classifier's result fields from its head's outputs ``vec`` [L], read as its problem_type says."""
         logits = _array(vec)
+        wide = vec.float() if vec.dtype in (torch.float16, torch.bfloat16) else vec
+        if self.head_kind == "multi":  # each label on its own, as transformers' pipeline reads such a head
+            probs = torch.sigmoid(wide)
+            chosen = torch.nonzero(probs > MULTI_LABEL_THRESHOLD)[:, 0].tolist()
+            return {"logits": logits, "probs": _array(probs), "labels": [self._name(i) for i in chosen]}
         if logits.shape[0] == 1:
-            st.result = {"logits": logits, "score": float(logits[0])}
-            return
-        probs = torch.softmax(vec.float() if vec.dtype in (torch.float16, torch.bfloat16) else vec, dim=0)
-        best = int(torch.argmax(vec))
-        st.result = {"logits": logits, "probs": _array(probs), "label": self.id2label.get(best, str(best))}
+            return {"logits": logits, "score": float(logits[0])}
+        if self.head_kind == "regression":  # values, not scores of labels: nothing to take a softmax of
+            return {"logits": logits}
+        probs = torch.softmax(wide, dim=0)
+        return {"logits": logits, "probs": _array(probs), "label": self._name(int(torch.argmax(vec)))}
+
+    def _name(self, index: int) -> str:
+        return self.id2label.get(index, str(index))
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
