@@ -171,6 +171,7 @@ def task_model_dirs(tmp_path_factory):
         "embedder": make_embedder(root / "st", "bert", "cls"),
         3: make_classifier(root / "clf3", "bert", 3),
         1: make_classifier(root / "clf1", "bert", 1),
+        "multi": make_classifier(root / "multi", "bert", 4, problem_type="multi_label_classification"),
     }
 
 
@@ -253,6 +254,26 @@ def test_classify_job_equals_engine_classify(task_model_dirs, tmp_path, num_labe
         assert code == 0, text
         html = page.read_text()
         assert "labels" in html and "finish reasons" not in html and "output lengths" not in html
+
+
+def test_multi_label_classify_job_writes_labels(task_model_dirs, tmp_path):
+    model = task_model_dirs["multi"]
+    out, rows = job(tmp_path, model, "classify", truncate=True)
+    schema = ds.dataset(out, format="parquet").schema
+    assert [(f.name, f.type) for f in schema][-5:] == [
+        ("scores", pa.list_(pa.float32())),
+        ("probs", pa.list_(pa.float32())),
+        ("labels", pa.list_(pa.string())),
+        ("num_prompt_tokens", pa.int64()),
+        ("error", pa.string()),
+    ]
+    ok = [r for r in rows if r["error"] is None]
+    expected = Engine.from_pretrained(str(model), task="classify", truncate=True).classify(
+        [_texts(tmp_path)[r["rid"]]["text"] for r in ok]
+    )
+    for r, e in zip(ok, expected, strict=True):
+        assert r["labels"] == e.labels and np.array_equal(np.asarray(r["probs"], dtype=np.float32), e.probs)
+    assert "label" not in rows[0]
 
 
 # -- identity, status, report, export ----------------------------------------------------------------------
