@@ -27,6 +27,7 @@ from batchjob.engine.tasks.runner import (
     request_state,
     task_runner,
 )
+from batchjob.engine.tasks.st_folder import input_ids
 from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
@@ -138,8 +139,13 @@ class TaskEngine(Engine):
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """A text's token ids as a task request takes them: with the tokenizer's special tokens (as
-        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on."""
+        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on.
+        embed: after the model folder's prompt, or rendered through its chat template, as its
+        sentence-transformers files say (``st_folder.input_ids``)."""
         cut = self.config.truncate
+        pooling = self.tasks.pooling
+        if special_tokens and pooling is not None:  # embed: as sentence-transformers' encode (st_folder.py)
+            return input_ids(self.tokenizer, text, pooling, self.prefill_limit if cut else None)
         return self.tokenizer(
             text,
             add_special_tokens=special_tokens,
