@@ -22,6 +22,7 @@ from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
+from batchjob.job.tasks import embed_input
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 
 
@@ -124,7 +125,8 @@ def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder
     if spec.engine.task == "generate":
         return PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
     cut = engine.prefill_limit if spec.engine.truncate else None
-    return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut)
+    tokenize = embed_input(spec, plan, engine)
+    return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut, tokenize=tokenize)
 
 
 def _restamp(prep: Prepared) -> None:

@@ -8,9 +8,11 @@ saves nothing in flight: a resume computes it again), shards, status, export.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from batchjob.engine.tasks.state import head_kind
+from batchjob.errors import ConfigError
 from batchjob.io.writers import EXTRA_FIELDS
 from batchjob.job.seam import JobEngine
 from batchjob.job.spec import JobSpec
@@ -30,6 +32,26 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
         num_labels = int(labels)
         head = head_kind(engine.model.config)
     return task_fields(spec.engine.task, width, num_labels, spec.logprobs is not None, head)
+
+
+def embed_input(spec: JobSpec, plan: Any, engine: JobEngine) -> Callable[[str], list[int]] | None:
+    """How an embed job makes a text's token ids: the engine's ``tokenize``, which follows the model's
+    sentence-transformers files (a prompt, the chat template) as ``encode`` does; None for the other tasks.
+    A job that renders its own chat (--chat, --messages-column) is refused where those files make the input
+    themselves, so the two never stack."""
+    pooling = engine.tasks.pooling if engine.tasks is not None else None
+    if spec.engine.task != "embed" or pooling is None:
+        return None
+    if (pooling.prompt or pooling.chat) and (plan.chat or plan.kind == "messages"):
+        what = "renders each text through the chat template" if pooling.chat else "puts a prompt before it"
+        flag = "--messages-column" if plan.kind == "messages" else "--chat"
+        raise ConfigError(
+            f"{flag}: the model folder's sentence-transformers files make each text the model's input "
+            f"themselves (it {what}, as encode does: sentence_bert_config.json, "
+            "config_sentence_transformers.json); give the text alone (--prompt-column or --template, "
+            "without --chat)"
+        )
+    return engine.tokenize
 
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:
