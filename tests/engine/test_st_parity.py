@@ -169,3 +169,13 @@ def test_what_batchjob_cannot_follow_is_refused_by_name(folders, tmp_path):
         (folder / "sentence_bert_config.json").write_text(json.dumps(edit(config)))
         with pytest.raises(ConfigError, match=message):
             Engine.from_pretrained(str(folder), task="embed", device="cpu")
+
+
+@pytest.mark.parametrize("name", ["bert-mean-noprompt", "qwen3-last-chat"])
+def test_embed_takes_a_prompt_name_per_call(folders, name):
+    st = _st(folders[name])
+    eng = Engine.from_pretrained(str(folders[name]), task="embed", device="cpu", dtype="float64")
+    texts = TEXTS[:3]
+    for prompt_name in ("doc", "", None):  # None: the engine's own again (the folder's default, query)
+        got = np.stack([o.embedding for o in eng.embed(texts, prompt_name=prompt_name)])
+        assert float(np.abs(got - _encode(st, texts, prompt_name)).max()) <= 1e-12

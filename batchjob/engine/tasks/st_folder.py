@@ -150,7 +150,7 @@ def _check_method(where: str, modality: str, params: Any) -> None:
         )
 
 
-def _prompt(model_dir: str | None, prompt_name: str | None) -> str:
+def prompt_text(model_dir: str | None, prompt_name: str | None) -> str:
     """The prompt before each text: ``prompt_name``'s, else the folder's default_prompt_name's, else none;
     ``prompt_name`` "" asks for none."""
     config = st_file(model_dir, "config_sentence_transformers.json") or {}
@@ -185,7 +185,7 @@ def resolve_pooling(
         raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
     st_config = st_file(model_dir, "sentence_bert_config.json") or {}
     limit = st_config.get("max_seq_length")
-    prompt = _prompt(model_dir, prompt_name)
+    prompt = prompt_text(model_dir, prompt_name)
     return Pooling(
         mode=pooling or mode or "mean",
         normalize=st_normalize if normalize is None else normalize,
