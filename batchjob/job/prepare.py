@@ -29,6 +29,7 @@ from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import STATE_DIR, JobInfo, JobMismatchError, StateDir, fingerprint_changes
+from batchjob.job.tasks import head_fingerprint
 
 
 @dataclass
@@ -115,7 +116,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
             "sharding": {"num_shards": shard.count},
         }
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
-            fingerprint["task"] = spec.task_fingerprint()
+            fingerprint["task"] = spec.task_fingerprint() | head_fingerprint(spec)
         return plan, fingerprint
 
     if spec.format == "openai":

@@ -8,10 +8,11 @@ saves nothing in flight: a resume computes it again), shards, status, export.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
-from batchjob.engine.tasks.state import head_kind
+from batchjob.engine.tasks.state import HEADS, head_kind
 from batchjob.errors import ConfigError
 from batchjob.io.writers import EXTRA_FIELDS
 from batchjob.job.seam import JobEngine
@@ -52,6 +53,25 @@ def embed_input(spec: JobSpec, plan: Any, engine: JobEngine) -> Callable[[str], 
             "without --chat)"
         )
     return engine.tokenize
+
+
+def head_fingerprint(spec: JobSpec) -> dict[str, Any]:
+    """classify: how the head's outputs are read, where not as one label of all (so such a job keeps its
+    identity): a job an earlier batchjob started on a multi-label head, writing a softmax, is not resumed
+    into this one's sigmoid columns."""
+    if spec.engine.task != "classify":
+        return {}
+    from batchjob.job.model_identity import local_folder
+    from batchjob.models import resolve_model
+
+    folder = local_folder(resolve_model(spec.model))
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8")) if folder else {}
+    except (OSError, ValueError, RecursionError):
+        config = {}  # the model's load says what is wrong with it
+    problem = config.get("problem_type") if isinstance(config, dict) else None
+    kind = HEADS.get(problem) if isinstance(problem, str) else None
+    return {"head": kind} if kind in ("multi", "regression") else {}
 
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:

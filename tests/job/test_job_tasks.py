@@ -279,6 +279,12 @@ def test_multi_label_classify_job_writes_labels(task_model_dirs, tmp_path):
     for r, e in zip(ok, expected, strict=True):
         assert r["labels"] == e.labels and np.array_equal(np.asarray(r["probs"], dtype=np.float32), e.probs)
     assert "label" not in rows[0]
+    # the head's reading is in the job's identity (a single-label job's identity is as it was)
+    from batchjob.job.tasks import head_fingerprint
+
+    spec = make_spec(input=["x.jsonl"], output="o", model=str(model), task="classify")
+    assert head_fingerprint(spec) == {"head": "multi"}
+    assert head_fingerprint(make_spec(input=["x.jsonl"], output="o", model=str(task_model_dirs[3]), task="classify")) == {}
 
 
 def test_embed_job_makes_each_input_as_the_folder_says(task_model_dirs, tmp_path):
