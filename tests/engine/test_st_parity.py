@@ -84,6 +84,16 @@ def folders(tmp_path_factory):
             root / "5x", "qwen3", "lasttoken", chat=True, prompts=PROMPTS, default_prompt_name="query"
         )
     )
+    out["bert-mean-noprompt-5x"] = _as_saved_by_5x(
+        make_embedder(
+            root / "5x-mean",
+            "bert",
+            "mean",
+            include_prompt=False,
+            prompts=PROMPTS,
+            default_prompt_name="query",
+        )
+    )
     return out
 
 
@@ -99,7 +109,7 @@ def _encode(st, texts, prompt_name):
     return st.encode(texts, convert_to_numpy=True, **kw)
 
 
-@pytest.mark.parametrize("name", [f[0] for f in FOLDERS] + ["qwen3-last-chat-5x"])
+@pytest.mark.parametrize("name", [f[0] for f in FOLDERS] + ["qwen3-last-chat-5x", "bert-mean-noprompt-5x"])
 def test_embed_equals_encode_with_each_prompt(folders, name):
     st = _st(folders[name])
     chat = "message" in json.loads((folders[name] / "sentence_bert_config.json").read_text()).get(
