@@ -12,12 +12,15 @@ The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for o
 - ``embed``: ``embedding``, a 1-D numpy array (the model's dtype; float32 for half dtypes): the pooled last
   hidden state (``cls``: the first token's, ``mean``: the mean of all tokens', ``last``: the last token's),
   cut to ``dimensions`` and scaled to unit length when ``normalize``. Pooling and normalisation come from
-  the model folder's sentence-transformers files (``modules.json``, ``1_Pooling/config.json``) when present,
-  else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option given wins.
+  the model folder's sentence-transformers files (``modules.json``, ``1_Pooling/config.json``: st_folder.py)
+  when present, else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option
+  given wins. A prompt the pooling leaves out (``include_prompt`` false) is skipped: ``TaskState.pool_from``.
 - ``classify``: ``logits``, a 1-D numpy array of the sequence-classification head's raw outputs, read at the
   first token for an encoder (through its pooler when it has one, as the model does) and at the last token
   for a decoder (a reward model); with more than one label also ``probs`` (softmax) and ``label`` (the
-  ``id2label`` name of the largest); with one output ``score`` (that output, a float).
+  ``id2label`` name of the largest); with one output ``score`` (that output, a float). As the config's
+  ``problem_type`` says (``state.HEADS``): a multi-label head gives ``probs`` (a sigmoid per label) and
+  ``labels`` (those above 0.5), a regression head its values alone.
 - ``score``: ``logprob`` (float, the sum of the scored tokens' log-probabilities, accumulated in float64),
   ``num_scored_tokens``, and with ``token_logprobs=True`` the per-token list ``token_logprobs``. Unconditional
   (no continuation): every token of the prompt but the first is scored; conditional: only the
