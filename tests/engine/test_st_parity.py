@@ -189,3 +189,40 @@ def test_embed_takes_a_prompt_name_per_call(folders, name):
     for prompt_name in ("doc", "", None):  # None: the engine's own again (the folder's default, query)
         got = np.stack([o.embedding for o in eng.embed(texts, prompt_name=prompt_name)])
         assert float(np.abs(got - _encode(st, texts, prompt_name)).max()) <= 1e-12
+
+
+def test_a_hub_models_files_are_asked_of_the_hub_when_not_cached(tmp_path, monkeypatch):
+    """transformers fetches a model's own files, not modules.json and the rest: taken for absent, a hub
+    model's pooling and prompts would be silently left out."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    from batchjob.engine.tasks.st_folder import st_file
+
+    saved = tmp_path / "modules.json"
+    saved.write_text('[{"type": "Pooling", "path": "1_Pooling"}]')
+    answers = {"cached": str(saved), "unknown": None}
+    monkeypatch.setattr(
+        huggingface_hub, "try_to_load_from_cache", lambda repo, name: answers[repo.split("/")[1]]
+    )
+    asked = []
+
+    def download(repo, name):
+        asked.append((repo, name))
+        if repo == "org/unknown" and name == "modules.json":
+            return str(saved)
+        if name == "offline.json":
+            raise LocalEntryNotFoundError("offline mode is on")
+        missing = RemoteEntryNotFoundError.__new__(
+            RemoteEntryNotFoundError
+        )  # (its __init__ wants a response)
+        Exception.__init__(missing, "404: no such file")
+        raise missing
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert st_file("org/cached", "modules.json") == [{"type": "Pooling", "path": "1_Pooling"}] and not asked
+    assert st_file("org/unknown", "modules.json")[0]["type"] == "Pooling"
+    assert st_file("org/unknown", "sentence_bert_config.json") is None  # the hub has none
+    with pytest.raises(ConfigError, match="cannot tell whether model 'org/unknown' has .* offline.json"):
+        st_file("org/unknown", "offline.json")
+    assert st_file(str(tmp_path), "absent.json") is None  # a local folder: absent is absent

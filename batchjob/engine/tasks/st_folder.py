@@ -45,25 +45,51 @@ class Pooling:
 
 
 def st_file(model_dir: str | None, name: str) -> Any:
-    """A sentence-transformers JSON file of the model folder (local, or the hub's cached copy); None if
-    there is none."""
+    """A sentence-transformers JSON file of the model folder (local, or a hub model's: cached, else asked
+    of the hub); None if there is none."""
     if not model_dir:
         return None
     path = Path(model_dir) / name
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache  # heavy: only for a hub id
-
-            cached = try_to_load_from_cache(model_dir, name)
-        except Exception:  # noqa: BLE001 - not a hub id, no cache: no file
+    if Path(model_dir).is_dir():
+        if not path.is_file():
             return None
-        if not isinstance(cached, str):
+    else:
+        found = _hub_file(model_dir, name)
+        if found is None:
             return None
-        path = Path(cached)
+        path = Path(found)
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the sentence-transformers file {path}: {e}") from e
+
+
+def _hub_file(repo: str, name: str) -> str | None:
+    """A hub model's file: the cached copy, else downloaded (transformers fetches the model's own files, not
+    these); None when the hub says it has none. Where neither the cache nor the hub can say, refused: taken
+    for absent, a folder's pooling, prompt or chat rendering would be silently left out."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache  # heavy: only for a hub id
+    from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError  # (as heavy)
+
+    try:
+        cached = try_to_load_from_cache(repo, name)
+    except HFValidationError:  # not a hub id: nothing to ask
+        return None
+    if isinstance(cached, str):
+        return cached
+    if cached is not None:  # the cache records that the hub has no such file
+        return None
+    try:
+        return hf_hub_download(repo, name)
+    except RemoteEntryNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # offline, not cached, the hub unreachable
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"cannot tell whether model {repo!r} has the sentence-transformers file {name} (it is not in the "
+            f"Hugging Face cache and the hub can't be asked: {why}); download the model's files once (hf "
+            f"download {repo}) and run again"
+        ) from e
 
 
 def _pooling_mode(model_dir: str | None, module: dict, given: str | None) -> tuple[str | None, bool]:
