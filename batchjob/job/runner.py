@@ -41,9 +41,14 @@ def check_engine(spec: JobSpec) -> str:
     from batchjob.engine.plan import plan_kv, plan_model
     from batchjob.models import load_config
 
-    model_config, _ = load_config(spec.model, spec.trust_remote_code)
+    model_config, resolved = load_config(spec.model, spec.trust_remote_code)
     config = EngineConfig(**spec.engine.as_keywords())
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
+    if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses
+        from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
+
+        width = model_config.get_text_config().hidden_size
+        resolve_pooling(resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name)
     tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
     kv = plan_kv(model_config, config, max_len, tp)
     blocks = kv.num_blocks

@@ -305,8 +305,9 @@ def test_embed_job_makes_each_input_as_the_folder_says(task_model_dirs, tmp_path
     args = ("run", "--task", "embed", "--model", model, "--input", data, "--id-column", "rid")
     code, text = invoke(*args, "--output", tmp_path / "o", "--chat")
     assert code == 2 and "--chat: the model folder's sentence-transformers files" in text, text
-    code, text = invoke(*args, "--output", tmp_path / "o2", "--prompt-name", "passage")
-    assert code == 2 and "prompt name 'passage' is not one of the model's prompts" in text, text
+    for command in ("run", "validate"):
+        code, text = invoke(command, *args[1:], "--output", tmp_path / "o2", "--prompt-name", "passage")
+        assert code == 2 and "prompt name 'passage' is not one of the model's prompts" in text, text
 
 
 # -- identity, status, report, export ----------------------------------------------------------------------

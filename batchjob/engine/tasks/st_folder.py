@@ -87,8 +87,8 @@ def _hub_file(repo: str, name: str) -> str | None:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"cannot tell whether model {repo!r} has the sentence-transformers file {name} (it is not in the "
-            f"Hugging Face cache and the hub can't be asked: {why}); download the model's files once (hf "
-            f"download {repo}) and run again"
+            f"Hugging Face cache and the hub can't be asked: {why}); run once with the hub reachable (what it "
+            "says, a file or that there is none, is cached for offline runs)"
         ) from e
 
 
