@@ -16,8 +16,10 @@ WIDTH = 64
 MAX_LEN = 96  # the sentence-transformers max_seq_length of the embedders
 
 
-def _tokenizer(folder: Path):
+def _tokenizer(folder: Path, chat: bool = False):
     tok = make_tokenizer(folder, 512)
+    if chat:  # sentence-transformers 6 then renders each text as a chat message
+        return tok
     tok.chat_template = None
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     tok.save_pretrained(str(folder))
@@ -71,26 +73,38 @@ def _config(family: str, tok, **extra):
     raise ValueError(family)
 
 
-def make_embedder(folder: Path, family: str, pooling: str, normalize: bool = True, seed: int = 0) -> Path:
+def make_embedder(
+    folder: Path,
+    family: str,
+    pooling: str,
+    normalize: bool = True,
+    seed: int = 0,
+    *,
+    chat: bool = False,
+    include_prompt: bool = True,
+    **st: object,
+) -> Path:
     """A sentence-transformers model folder: ``family``'s body, then Pooling(``pooling``: cls | mean |
-    lasttoken), then Normalize when ``normalize``."""
+    lasttoken, ``include_prompt``), then Normalize when ``normalize``; ``chat``: the tokenizer keeps its chat
+    template; ``st``: more of ``SentenceTransformer``'s arguments (``prompts``, ``default_prompt_name``)."""
     from sentence_transformers import SentenceTransformer, models
     from transformers import AutoModel
 
     folder = Path(folder)
     body = folder / "body"
     body.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(body)
+    tok = _tokenizer(body, chat)
     torch.manual_seed(seed)
     AutoModel.from_config(_config(family, tok)).save_pretrained(str(body))
     modules = [
         models.Transformer(str(body), max_seq_length=MAX_LEN),
-        models.Pooling(WIDTH, pooling_mode=pooling),
+        models.Pooling(WIDTH, pooling_mode=pooling, include_prompt=include_prompt),
     ]
     if normalize:
         modules.append(models.Normalize())
-    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    SentenceTransformer(modules=modules, device="cpu", **st).save(str(folder))  # type: ignore[arg-type]
+    if not chat:
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
     return folder
 
 

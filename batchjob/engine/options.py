@@ -134,6 +134,10 @@ def _one_of(choices: tuple[str, ...]) -> Check:
     return check
 
 
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) else f"must be a string; got {value!r}"
+
+
 def _attention_backend(value: Any) -> str | None:
     ok = value in ATTENTION_BACKENDS
     return None if ok else f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {value!r}"
@@ -269,6 +273,14 @@ class EngineOptions:
         "embed: keep the first N dimensions (Matryoshka), renormalised when normalize is on.",
         check=integer(1),
         metavar="N",
+    )
+    prompt_name: str | None = option(
+        None,
+        str,
+        "embed: which of the model folder's sentence-transformers prompts goes before each text, as "
+        "encode(prompt_name=NAME) puts it ('' for none; default: the folder's default_prompt_name, else none).",
+        check=_text,
+        metavar="NAME",
     )
     truncate: bool = option(
         False,

@@ -44,8 +44,9 @@ class RequestOutput:
     # Prefill-only tasks (tasks.py documents each); None for generation and for errors.
     embedding: np.ndarray | None = None  # embed: [D]
     logits: np.ndarray | None = None  # classify: [L] the head's raw outputs
-    probs: np.ndarray | None = None  # classify, L > 1: softmax of logits
+    probs: np.ndarray | None = None  # classify, L > 1: softmax of logits (multi-label: sigmoid of each)
     label: str | None = None  # classify, L > 1: id2label of the largest
+    labels: list[str] | None = None  # classify, multi-label head: id2label of each label above 0.5
     score: float | None = None  # classify, L == 1: the one output
     logprob: float | None = None  # score: sum of the scored tokens' log-probabilities
     num_scored_tokens: int | None = None  # score

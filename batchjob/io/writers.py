@@ -38,10 +38,11 @@ RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 
 
 def task_fields(
-    task: str, width: int | None = None, num_labels: int = 1, token_logprobs: bool = False
+    task: str, width: int | None = None, num_labels: int = 1, token_logprobs: bool = False, head: str = "single"
 ) -> list[pa.Field]:
     """The result columns of a job of ``task`` (generate: ``RESULT_FIELDS``). ``width``: embed's embedding
     length; ``num_labels``: classify's head outputs (one: a ``score``; more: ``probs`` and ``label``);
+    ``head``: classify's reading of them (multi: ``probs`` and ``labels``; regression: no ``probs``);
     ``token_logprobs``: score's per-token list."""
     if task == "generate":
         return list(RESULT_FIELDS)
@@ -51,9 +52,11 @@ def task_fields(
         out = [pa.field("embedding", pa.list_(pa.float32(), width))]
     elif task == "classify":
         out = [pa.field("scores", pa.list_(pa.float32()))]
-        if num_labels > 1:
+        if head == "multi":
+            out += [pa.field("probs", pa.list_(pa.float32())), pa.field("labels", pa.list_(pa.string()))]
+        elif num_labels > 1 and head != "regression":
             out += [pa.field("probs", pa.list_(pa.float32())), pa.field("label", pa.string())]
-        else:
+        elif num_labels == 1:
             out.append(pa.field("score", pa.float32()))
     elif task == "score":
         out = [
@@ -144,6 +147,7 @@ _ALL_RESULT_NAMES = {
         task_fields("embed", 1),
         task_fields("classify", num_labels=1),
         task_fields("classify", num_labels=2),
+        task_fields("classify", num_labels=2, head="multi"),
         task_fields("score", token_logprobs=True),
         RESULT_FIELDS,
         list(EXTRA_FIELDS.values()),

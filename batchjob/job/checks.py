@@ -37,7 +37,7 @@ GENERATION_ONLY = (
     "params_column",
     "num_speculative_tokens",
 )
-EMBED_ONLY = ("pooling", "normalize", "dimensions")
+EMBED_ONLY = ("pooling", "normalize", "dimensions", "prompt_name")
 
 
 def flags(names: list[str]) -> str:
@@ -119,7 +119,7 @@ def check_task(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
 
 def _check_generation(values: Mapping[str, Any]) -> None:
     """A generation job: refuse the other tasks' options."""
-    owners = {"pooling": "embed", "normalize": "embed", "dimensions": "embed", "score_column": "score"}
+    owners = {n: "embed" for n in EMBED_ONLY} | {"score_column": "score"}
     wrong = [n for n in owners if values[n] is not None] + (["truncate"] if values["truncate"] else [])
     if wrong:
         name = wrong[0]

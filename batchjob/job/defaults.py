@@ -49,7 +49,7 @@ def resolved_defaults(spec: JobSpec) -> dict[str, Default]:
 
 def _pooling_defaults(spec: JobSpec) -> dict[str, Default]:
     """--task embed: the pooling and normalisation the model folder's sentence-transformers files give."""
-    from batchjob.engine.tasks.runner import resolve_pooling
+    from batchjob.engine.tasks.st_folder import resolve_pooling
     from batchjob.job.model_identity import local_folder
     from batchjob.models import resolve_model
 

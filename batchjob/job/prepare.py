@@ -37,6 +37,7 @@ from batchjob.job.state import (
     differing,
     fingerprint_changes,
 )
+from batchjob.job.tasks import head_fingerprint
 
 
 @dataclass
@@ -126,7 +127,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
             "sharding": {"num_shards": shard.count},
         }
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
-            fingerprint["task"] = spec.task_fingerprint()
+            fingerprint["task"] = spec.task_fingerprint() | head_fingerprint(spec)
         return plan, fingerprint
 
     if spec.format == "openai":

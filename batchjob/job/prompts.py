@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -323,10 +324,13 @@ class PromptBuilder:
         max_model_len: int | None,
         template_kwargs: dict[str, Any] | None = None,
         truncate_to: int | None = None,
+        tokenize: Callable[[str], list[int]] | None = None,
     ) -> None:
         """``max_model_len``: a prompt of this many tokens or more is an error (None: the engine checks its
         length, as prefill-only tasks do); ``truncate_to``: cut a text longer than this by the tokenizer (the
-        tasks' --truncate, as ``Engine.tokenize`` cuts)."""
+        tasks' --truncate, as ``Engine.tokenize`` cuts); ``tokenize``: makes a plain text's ids instead of
+        the tokenizer (embed: the engine's, as the model's sentence-transformers files say)."""
+        self.tokenize = tokenize
         self.plan = plan
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -424,9 +428,12 @@ class PromptBuilder:
     def _tokens(self, text: str, chat: bool) -> tuple[list[int] | None, str | None]:
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
         cut = self.truncate_to is not None
-        ids = self.tokenizer(
-            text, add_special_tokens=not chat, truncation=cut, max_length=self.truncate_to if cut else None
-        )["input_ids"]
+        if self.tokenize is not None and not chat:
+            ids = self.tokenize(text)
+        else:
+            ids = self.tokenizer(
+                text, add_special_tokens=not chat, truncation=cut, max_length=self.truncate_to if cut else None
+            )["input_ids"]
         if not ids:
             return None, "the prompt has no tokens"
         if self.max_model_len is not None and len(ids) >= self.max_model_len:

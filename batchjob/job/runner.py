@@ -22,6 +22,7 @@ from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
+from batchjob.job.tasks import embed_input
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 
 
@@ -41,9 +42,13 @@ def check_engine(spec: JobSpec) -> str:
     from batchjob.models import load_config
 
     model_config, resolved = load_config(spec.model, spec.trust_remote_code)
-    _check_pooling(spec, model_config, resolved)
     config = EngineConfig(**spec.engine.as_keywords())
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
+    if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses
+        from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
+
+        width = model_config.get_text_config().hidden_size
+        resolve_pooling(resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name)
     tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
     kv = plan_kv(model_config, config, max_len, tp)
     blocks = kv.num_blocks
@@ -58,19 +63,6 @@ def check_engine(spec: JobSpec) -> str:
         f"context {max_len} tokens; KV pool {blocks} blocks x {config.block_size} tokens = "
         f"{blocks * config.block_size} tokens{per_rank} (sized by {config.kv_pool_source})"
     )
-
-
-def _check_pooling(spec: JobSpec, model_config: Any, resolved: str) -> None:
-    """--task embed: the embedding recipe the engine resolves at load (--pooling, --normalize, --dimensions
-    against the model's width and its sentence-transformers files), resolved here the same way, so that
-    ``validate`` refuses what ``run`` would, with the same message."""
-    if spec.engine.task != "embed":
-        return
-    from batchjob.engine.tasks.runner import resolve_pooling
-
-    width = model_config.get_text_config().hidden_size
-    options = spec.engine
-    resolve_pooling(resolved, options.pooling, options.normalize, options.dimensions, width)
 
 
 def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None = None) -> JobResult:
@@ -151,7 +143,8 @@ def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder
     if spec.engine.task == "generate":
         return PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
     cut = engine.prefill_limit if spec.engine.truncate else None
-    return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut)
+    tokenize = embed_input(spec, plan, engine)
+    return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut, tokenize=tokenize)
 
 
 def _restamp(prep: Prepared) -> None:

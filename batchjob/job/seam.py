@@ -27,6 +27,12 @@ class JobPooling(Protocol):
     @property
     def dimensions(self) -> int | None: ...  # the first N dimensions kept (Matryoshka); None: all
 
+    @property
+    def prompt(self) -> str: ...  # put before each text ("": none)
+
+    @property
+    def chat(self) -> str | None: ...  # each text rendered through the chat template (None: as it is)
+
 
 class JobTasks(Protocol):
     """A prefill-only engine's task runner (``engine/tasks.py``'s ``TaskRunner``), as far as the job reads it."""

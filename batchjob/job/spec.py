@@ -338,6 +338,8 @@ class JobSpec:
                 "normalize": self.engine.normalize,
                 "dimensions": self.engine.dimensions,
             }
+            if self.engine.prompt_name is not None:  # named only when given, so a job keeps its identity
+                out["prompt_name"] = self.engine.prompt_name
         if self.engine.task == "score":
             out |= {"score_column": self.score_column, "token_logprobs": self.logprobs is not None}
         if self.engine.max_model_len is not None:  # it cuts (with --truncate) or fails long texts

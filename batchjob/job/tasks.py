@@ -8,8 +8,12 @@ saves nothing in flight: a resume computes it again), shards, status, export.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
+from batchjob.engine.tasks.state import HEADS, head_kind
+from batchjob.errors import ConfigError
 from batchjob.io.writers import EXTRA_FIELDS
 from batchjob.job.seam import JobEngine
 from batchjob.job.spec import JobSpec
@@ -19,7 +23,7 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
     """The result columns of the job's task for this engine's model (``writers.task_fields``)."""
     from batchjob.io.writers import task_fields
 
-    width, num_labels = None, 1
+    width, num_labels, head = None, 1, "single"
     if spec.engine.task == "embed":
         pooling = engine.tasks.pooling if engine.tasks is not None else None
         width = (pooling and pooling.dimensions) or engine.model.config.get_text_config().hidden_size
@@ -27,7 +31,47 @@ def result_fields(spec: JobSpec, engine: JobEngine) -> list[Any]:
         labels = engine.model.config.num_labels
         assert labels is not None  # a sequence-classification head has its labels
         num_labels = int(labels)
-    return task_fields(spec.engine.task, width, num_labels, token_logprobs=spec.logprobs is not None)
+        head = head_kind(engine.model.config)
+    return task_fields(spec.engine.task, width, num_labels, spec.logprobs is not None, head)
+
+
+def embed_input(spec: JobSpec, plan: Any, engine: JobEngine) -> Callable[[str], list[int]] | None:
+    """How an embed job makes a text's token ids: the engine's ``tokenize``, which follows the model's
+    sentence-transformers files (a prompt, the chat template) as ``encode`` does; None for the other tasks.
+    A job that renders its own chat (--chat, --messages-column) is refused where those files make the input
+    themselves, so the two never stack."""
+    pooling = engine.tasks.pooling if engine.tasks is not None else None
+    if spec.engine.task != "embed" or pooling is None:
+        return None
+    if (pooling.prompt or pooling.chat) and (plan.chat or plan.kind == "messages"):
+        what = "renders each text through the chat template" if pooling.chat else "puts a prompt before it"
+        flag = "--messages-column" if plan.kind == "messages" else "--chat"
+        raise ConfigError(
+            f"{flag}: the model folder's sentence-transformers files make each text the model's input "
+            f"themselves (it {what}, as encode does: sentence_bert_config.json, "
+            "config_sentence_transformers.json); give the text alone (--prompt-column or --template, "
+            "without --chat)"
+        )
+    return engine.tokenize
+
+
+def head_fingerprint(spec: JobSpec) -> dict[str, Any]:
+    """classify: how the head's outputs are read, where not as one label of all (so such a job keeps its
+    identity): a job an earlier batchjob started on a multi-label head, writing a softmax, is not resumed
+    into this one's sigmoid columns."""
+    if spec.engine.task != "classify":
+        return {}
+    from batchjob.job.model_identity import local_folder
+    from batchjob.models import resolve_model
+
+    folder = local_folder(resolve_model(spec.model))
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8")) if folder else {}
+    except (OSError, ValueError, RecursionError):
+        config = {}  # the model's load says what is wrong with it
+    problem = config.get("problem_type") if isinstance(config, dict) else None
+    kind = HEADS.get(problem) if isinstance(problem, str) else None
+    return {"head": kind} if kind in ("multi", "regression") else {}
 
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:
@@ -43,7 +87,11 @@ def task_columns(task: str, out: Any) -> dict[str, Any]:
     if task == "classify":
         columns: dict[str, Any] = {"scores": out.logits.astype("float32").tolist()}
         if out.probs is not None:
-            columns |= {"probs": out.probs.astype("float32").tolist(), "label": out.label}
+            columns["probs"] = out.probs.astype("float32").tolist()
+        if out.labels is not None:  # a multi-label head: each label above the threshold, in label order
+            columns["labels"] = list(out.labels)
+        elif out.probs is not None:
+            columns["label"] = out.label
         if out.score is not None:
             columns["score"] = float(out.score)
         return columns

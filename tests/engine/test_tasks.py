@@ -264,7 +264,7 @@ def test_refusals(embedders, causal_lm):
         lm.embed(TEXTS)
     with pytest.raises(ConfigError, match="generate\\(\\) needs an engine built with task='generate'"):
         lm.generate(TEXTS)
-    with pytest.raises(ConfigError, match="pooling, normalize and dimensions are options of task embed"):
+    with pytest.raises(ConfigError, match="pooling, normalize, dimensions and prompt_name are options of task embed"):
         Engine.from_pretrained(str(causal_lm), task="score", device="cpu", pooling="mean")
     with pytest.raises(ConfigError, match="task must be one of generate, embed, classify, score"):
         Engine.from_pretrained(str(causal_lm), task="rerank", device="cpu")

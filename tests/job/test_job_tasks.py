@@ -83,6 +83,8 @@ def job(tmp_path, model, task, name="out", **kw):
         ("generate", {"pooling": "mean"}, "--pooling"),
         ("generate", {"truncate": True}, "--truncate"),
         ("generate", {"score_column": "answer"}, "--score-column"),
+        ("classify", {"prompt_name": "query"}, "--prompt-name"),
+        ("generate", {"prompt_name": "query"}, "--prompt-name"),
     ],
 )
 def test_an_option_the_task_has_no_use_for_is_refused_by_name(task, given, named):
@@ -172,6 +174,10 @@ def task_model_dirs(tmp_path_factory):
         "embedder": make_embedder(root / "st", "bert", "cls"),
         3: make_classifier(root / "clf3", "bert", 3),
         1: make_classifier(root / "clf1", "bert", 1),
+        "multi": make_classifier(root / "multi", "bert", 4, problem_type="multi_label_classification"),
+        "chat": make_embedder(
+            root / "chat", "qwen3", "lasttoken", chat=True, prompts={"doc": "Doc: "}, default_prompt_name="doc"
+        ),
     }
 
 
@@ -254,6 +260,55 @@ def test_classify_job_equals_engine_classify(task_model_dirs, tmp_path, num_labe
         assert code == 0, text
         html = page.read_text()
         assert "labels" in html and "finish reasons" not in html and "output lengths" not in html
+
+
+def test_multi_label_classify_job_writes_labels(task_model_dirs, tmp_path):
+    model = task_model_dirs["multi"]
+    out, rows = job(tmp_path, model, "classify", truncate=True)
+    schema = ds.dataset(out, format="parquet").schema
+    assert [(f.name, f.type) for f in schema][-5:] == [
+        ("scores", pa.list_(pa.float32())),
+        ("probs", pa.list_(pa.float32())),
+        ("labels", pa.list_(pa.string())),
+        ("num_prompt_tokens", pa.int64()),
+        ("error", pa.string()),
+    ]
+    ok = [r for r in rows if r["error"] is None]
+    expected = Engine.from_pretrained(str(model), task="classify", truncate=True).classify(
+        [_texts(tmp_path)[r["rid"]]["text"] for r in ok]
+    )
+    for r, e in zip(ok, expected, strict=True):
+        assert r["labels"] == e.labels and np.array_equal(np.asarray(r["probs"], dtype=np.float32), e.probs)
+    assert "label" not in rows[0]
+    # the head's reading is in the job's identity (a single-label job's identity is as it was)
+    from batchjob.job.tasks import head_fingerprint
+
+    spec = make_spec(input=["x.jsonl"], output="o", model=str(model), task="classify")
+    assert head_fingerprint(spec) == {"head": "multi"}
+    assert head_fingerprint(make_spec(input=["x.jsonl"], output="o", model=str(task_model_dirs[3]), task="classify")) == {}
+
+
+def test_embed_job_makes_each_input_as_the_folder_says(task_model_dirs, tmp_path):
+    """A folder whose sentence-transformers files render each text through the chat template after a
+    default prompt: the job writes what Engine.embed (equal to encode) computes, with each --prompt-name;
+    --chat would render it twice and is refused, by name, before work."""
+    model = task_model_dirs["chat"]
+    for name, prompt_name in (("default", None), ("none", "")):
+        _, rows = job(tmp_path, model, "embed", name=name, prompt_name=prompt_name)
+        texts = _texts(tmp_path)
+        ok = [r for r in rows if r["error"] is None]
+        engine = Engine.from_pretrained(str(model), task="embed")
+        expected = engine.embed([texts[r["rid"]]["text"] for r in ok], prompt_name=prompt_name)
+        assert len(ok) == 10  # the long row and the empty one are errors
+        for r, e in zip(ok, expected, strict=True):
+            assert np.array_equal(np.asarray(r["embedding"], dtype=np.float32), e.embedding)
+    data = tmp_path / "rows.jsonl"
+    args = ("run", "--task", "embed", "--model", model, "--input", data, "--id-column", "rid")
+    code, text = invoke(*args, "--output", tmp_path / "o", "--chat")
+    assert code == 2 and "--chat: the model folder's sentence-transformers files" in text, text
+    for command in ("run", "validate"):
+        code, text = invoke(command, *args[1:], "--output", tmp_path / "o2", "--prompt-name", "passage")
+        assert code == 2 and "prompt name 'passage' is not one of the model's prompts" in text, text
 
 
 # -- identity, status, report, export ----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The prefill-only tasks (embed, classify, score) beside the generating core: their engine (engine.py, a
 ``TaskEngine`` that :func:`engine_class` picks from the option ``task``), its chunk policies (policy.py),
-the heads and pooling that make results from hidden states (runner.py), and each request's state
+the heads and pooling that make results from hidden states (runner.py), what a sentence-transformers
+folder says about them and about each text's input (st_folder.py), and each request's state
 (state.py, a leaf: the request and the job layer import it without torch).
 
 This module imports nothing of the engine, so ``batchjob.engine.tasks.state`` stays light and the core can

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from batchjob.engine import offline
@@ -28,6 +29,7 @@ from batchjob.engine.tasks.runner import (
     request_state,
     task_runner,
 )
+from batchjob.engine.tasks.st_folder import input_ids, prompt_length, prompt_text
 from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
@@ -139,8 +141,13 @@ class TaskEngine(Engine):
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """A text's token ids as a task request takes them: with the tokenizer's special tokens (as
-        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on."""
+        sentence-transformers and HF classifiers encode), cut to ``prefill_limit`` when ``truncate`` is on.
+        embed: after the model folder's prompt, or rendered through its chat template, as its
+        sentence-transformers files say (``st_folder.input_ids``)."""
         cut = self.config.truncate
+        pooling = self.tasks.pooling
+        if special_tokens and pooling is not None:  # embed: as sentence-transformers' encode (st_folder.py)
+            return input_ids(self.tokenizer, text, pooling, self.prefill_limit if cut else None)
         return self.tokenizer(
             text,
             add_special_tokens=special_tokens,
@@ -157,9 +164,24 @@ class TaskEngine(Engine):
             f"(call {self.task}() instead)"
         )
 
-    def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
-        """Embed texts (or token id lists); outputs in input order, each with ``embedding`` (or ``error``)."""
-        return self._run_task("embed", [(x, None) for x in inputs], False)
+    def embed(
+        self, inputs: Sequence[str] | Sequence[Sequence[int]], *, prompt_name: str | None = None
+    ) -> list[RequestOutput]:
+        """Embed texts (or token id lists, taken as the whole input); outputs in input order, each with
+        ``embedding`` (or ``error``). ``prompt_name``: which of the folder's sentence-transformers prompts
+        goes before each text for this call ("" for none), as ``encode(prompt_name=...)``; None: the engine's
+        (the option ``prompt_name``, else the folder's default)."""
+        items = [(x, None) for x in inputs]
+        if prompt_name is None or self.task != "embed":
+            return self._run_task("embed", items, False)
+        kept = self.tasks.pooling, self.tasks.skip
+        assert kept[0] is not None
+        self.tasks.pooling = replace(kept[0], prompt=prompt_text(self.model_id, prompt_name))
+        self.tasks.skip = prompt_length(self.tokenizer, self.tasks.pooling)
+        try:
+            return self._run_task("embed", items, False)
+        finally:
+            self.tasks.pooling, self.tasks.skip = kept
 
     def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
         """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""

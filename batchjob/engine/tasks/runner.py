@@ -12,12 +12,15 @@ The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for o
 - ``embed``: ``embedding``, a 1-D numpy array (the model's dtype; float32 for half dtypes): the pooled last
   hidden state (``cls``: the first token's, ``mean``: the mean of all tokens', ``last``: the last token's),
   cut to ``dimensions`` and scaled to unit length when ``normalize``. Pooling and normalisation come from
-  the model folder's sentence-transformers files (``modules.json``, ``1_Pooling/config.json``) when present,
-  else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option given wins.
+  the model folder's sentence-transformers files (``modules.json``, ``1_Pooling/config.json``: st_folder.py)
+  when present, else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option
+  given wins. A prompt the pooling leaves out (``include_prompt`` false) is skipped: ``TaskState.pool_from``.
 - ``classify``: ``logits``, a 1-D numpy array of the sequence-classification head's raw outputs, read at the
   first token for an encoder (through its pooler when it has one, as the model does) and at the last token
   for a decoder (a reward model); with more than one label also ``probs`` (softmax) and ``label`` (the
-  ``id2label`` name of the largest); with one output ``score`` (that output, a float).
+  ``id2label`` name of the largest); with one output ``score`` (that output, a float). As the config's
+  ``problem_type`` says (``state.HEADS``): a multi-label head gives ``probs`` (a sigmoid per label) and
+  ``labels`` (those above 0.5), a regression head its values alone.
 - ``score``: ``logprob`` (float, the sum of the scored tokens' log-probabilities, accumulated in float64),
   ``num_scored_tokens``, and with ``token_logprobs=True`` the per-token list ``token_logprobs``. Unconditional
   (no continuation): every token of the prompt but the first is scored; conditional: only the
@@ -27,10 +30,7 @@ The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for o
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,101 +42,13 @@ from batchjob.engine.config import model_context_len
 from batchjob.engine.request import Request, RequestState
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.tasks import PREFILL_TASKS
-from batchjob.engine.tasks.state import TaskState
+from batchjob.engine.tasks.st_folder import Pooling, prompt_length, resolve_pooling
+from batchjob.engine.tasks.state import MULTI_LABEL_THRESHOLD, TaskState, head_kind
 from batchjob.errors import ConfigError
 
 LOGIT_ELEMENTS = 1 << 24  # score: at most this many logits (rows x vocabulary) exist at once
 # Encoders whose positions start after the padding index (position ids are padding_idx + 1 + p).
 _PADDED_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
-
-
-@dataclass(frozen=True)
-class Pooling:
-    """How an embedding is made from the last hidden states."""
-
-    mode: str  # "cls" | "mean" | "last"
-    normalize: bool
-    dimensions: int | None  # keep the first N (Matryoshka); None: all
-    max_seq_length: int | None  # the sentence-transformers limit, when its files name one
-
-
-def _st_file(model_dir: str | None, name: str) -> Any:
-    """A sentence-transformers JSON file of the model folder (local, or the hub's cached copy); None if
-    there is none."""
-    if not model_dir:
-        return None
-    path = Path(model_dir) / name
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache  # heavy: only for a hub id
-
-            cached = try_to_load_from_cache(model_dir, name)
-        except Exception:  # noqa: BLE001 - not a hub id, no cache: no file
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the sentence-transformers file {path}: {e}") from e
-
-
-def resolve_pooling(
-    model_dir: str | None, pooling: str | None, normalize: bool | None, dimensions: int | None, width: int
-) -> Pooling:
-    """The embedding recipe: the options given, else the folder's sentence-transformers files, else mean
-    pooling without normalisation. Raises ``ConfigError`` for a sentence-transformers pipeline with a module
-    batchjob does not run (Dense, ...) or a pooling mode it does not compute (max, weighted mean)."""
-    modules = _st_file(model_dir, "modules.json") or []
-    st_mode, st_normalize = None, False
-    for module in modules:
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        if kind == "Transformer":
-            continue
-        if kind == "Normalize":
-            st_normalize = True
-        elif kind == "Pooling":
-            config = _st_file(model_dir, f"{module.get('path', '1_Pooling')}/config.json") or {}
-            # sentence-transformers 6 writes "pooling_mode": "mean"; earlier versions a flag per mode.
-            modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
-            if isinstance(config.get("pooling_mode"), str):
-                modes = [config["pooling_mode"]]
-            if config.get("include_prompt") is False:
-                modes = [f"{m} without the prompt" for m in modes]
-            names = {
-                "pooling_mode_cls_token": "cls",
-                "pooling_mode_mean_tokens": "mean",
-                "pooling_mode_lasttoken": "last",
-                "cls": "cls",
-                "mean": "mean",
-                "lasttoken": "last",
-            }
-            if len(modes) != 1 or modes[0] not in names:
-                if pooling is None:
-                    raise ConfigError(
-                        f"the model's sentence-transformers pooling ({', '.join(modes) or 'none'}, in "
-                        f"{model_dir}/{module.get('path')}/config.json) is not one batchjob computes; give "
-                        "pooling=cls, mean or last (--pooling) to override it"
-                    )
-            else:
-                st_mode = names[modes[0]]
-        elif pooling is None or normalize is None:
-            raise ConfigError(
-                f"the model's sentence-transformers pipeline (modules.json in {model_dir}) has a {kind} module, "
-                "which batchjob does not run; give both pooling and normalize (--pooling, --normalize) to "
-                "embed with the transformer's hidden states alone"
-            )
-    if dimensions is not None and dimensions > width:
-        raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
-    st_config = _st_file(model_dir, "sentence_bert_config.json") or {}
-    limit = st_config.get("max_seq_length")
-    return Pooling(
-        mode=pooling or st_mode or "mean",
-        normalize=st_normalize if normalize is None else normalize,
-        dimensions=dimensions,
-        max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
-    )
 
 
 def position_offset(config) -> int:
@@ -199,16 +111,21 @@ def _score_head(model):
 class TaskRunner:
     """Turns the hidden states of each step into the results of the prefill-only requests in it."""
 
-    def __init__(self, task: str, model, *, encoder: bool, pooling: Pooling | None = None) -> None:
+    def __init__(
+        self, task: str, model, *, encoder: bool, pooling: Pooling | None = None, skip: int = 0
+    ) -> None:
         assert task in PREFILL_TASKS
         self.task = task
         self.pooling = pooling
+        self.skip = skip  # embed: leading tokens (a prompt) the pooling leaves out
         self.id2label: dict[int, str] = {}
+        self.head_kind = "single"  # classify: how the head's outputs are read (state.HEADS)
         self.position = "cls"
         if task == "embed":
             assert pooling is not None
             self.position = pooling.mode
         elif task == "classify":
+            self.head_kind = head_kind(model.config)
             self.position, self.head = _classifier(model, encoder)
             self.id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
         else:
@@ -223,7 +140,7 @@ class TaskRunner:
             score_from = num_prompt if conditional else 1
             return TaskState("score", score_from - 1, score_from, token_logprobs)
         compute_from = num_tokens - 1 if self.position == "last" else 0
-        return TaskState(self.task, compute_from)
+        return TaskState(self.task, compute_from, pool_from=self.skip)
 
     # -- each step -------------------------------------------------------------------------------------
 
@@ -234,15 +151,20 @@ class TaskRunner:
             return
         if self.position == "mean":
             sums = hidden.new_zeros(len(plan.requests), hidden.shape[1])
-            sums.index_add_(0, torch.from_numpy(lay.req_of_row).to(hidden.device), hidden)
+            owner = lay.req_of_row
+            if self.skip:  # a prompt's rows left out of the mean: zero them
+                pos = np.arange(len(owner)) - lay.offsets[owner] + lay.starts[owner]
+                hidden = hidden * torch.from_numpy(pos >= self.skip).to(hidden.device, hidden.dtype)[:, None]
+            sums.index_add_(0, torch.from_numpy(owner).to(hidden.device), hidden)
             for i, req in enumerate(plan.requests):
                 st = req.task
                 st.pooled = sums[i] if st.pooled is None else st.pooled + sums[i]
             return
         picks, owners = [], []
+        first = self.skip  # cls: the first position the pooling takes
         for i, req in enumerate(plan.requests):
-            if self.position == "cls" and lay.starts[i] == 0:
-                picks.append(int(lay.offsets[i]))
+            if self.position == "cls" and lay.starts[i] <= first < lay.ends[i]:
+                picks.append(int(lay.offsets[i]) + first - int(lay.starts[i]))
             elif self.position == "last" and lay.ends[i] == req.num_tokens:
                 picks.append(int(lay.offsets[i + 1]) - 1)
             else:
@@ -307,7 +229,7 @@ class TaskRunner:
             p = self.pooling
             assert p is not None
             if p.mode == "mean":
-                vec = vec / req.num_tokens
+                vec = vec / (req.num_tokens - st.pool_from)
             if p.dimensions is not None:
                 vec = vec[: p.dimensions]
             if p.normalize:
@@ -316,13 +238,25 @@ class TaskRunner:
             return
         if self.position == "mean":  # classify: the head takes the mean of the row's states
             vec = self.head((vec / req.num_tokens)[None, :])[0]
+        st.result = self._classified(vec)
+
+    def _classified(self, vec: torch.Tensor) -> dict[str, Any]:
+        """A classifier's result fields from its head's outputs ``vec`` [L], read as its problem_type says."""
         logits = _array(vec)
+        wide = vec.float() if vec.dtype in (torch.float16, torch.bfloat16) else vec
+        if self.head_kind == "multi":  # each label on its own, as transformers' pipeline reads such a head
+            probs = torch.sigmoid(wide)
+            chosen = torch.nonzero(probs > MULTI_LABEL_THRESHOLD)[:, 0].tolist()
+            return {"logits": logits, "probs": _array(probs), "labels": [self._name(i) for i in chosen]}
         if logits.shape[0] == 1:
-            st.result = {"logits": logits, "score": float(logits[0])}
-            return
-        probs = torch.softmax(vec.float() if vec.dtype in (torch.float16, torch.bfloat16) else vec, dim=0)
-        best = int(torch.argmax(vec))
-        st.result = {"logits": logits, "probs": _array(probs), "label": self.id2label.get(best, str(best))}
+            return {"logits": logits, "score": float(logits[0])}
+        if self.head_kind == "regression":  # values, not scores of labels: nothing to take a softmax of
+            return {"logits": logits}
+        probs = torch.softmax(wide, dim=0)
+        return {"logits": logits, "probs": _array(probs), "label": self._name(int(torch.argmax(vec)))}
+
+    def _name(self, index: int) -> str:
+        return self.id2label.get(index, str(index))
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -355,16 +289,21 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
     pooling = None
     if config.task == "embed":
         width = model.config.get_text_config().hidden_size
-        pooling = resolve_pooling(model_id, config.pooling, config.normalize, config.dimensions, width)
+        pooling = resolve_pooling(
+            model_id, config.pooling, config.normalize, config.dimensions, width, config.prompt_name
+        )
         if pooling.max_seq_length is not None:
             limit = min(limit, pooling.max_seq_length)
-    elif config.pooling is not None or config.normalize is not None or config.dimensions is not None:
-        raise ConfigError(f"pooling, normalize and dimensions are options of task embed, not {config.task}")
+    elif any(getattr(config, k) is not None for k in ("pooling", "normalize", "dimensions", "prompt_name")):
+        raise ConfigError(
+            f"pooling, normalize, dimensions and prompt_name are options of task embed, not {config.task}"
+        )
     if config.task != "score":
         own = getattr(tokenizer, "model_max_length", None)
         if isinstance(own, int) and 0 < own < 1_000_000:
             limit = min(limit, own)
-    return TaskRunner(config.task, model, encoder=encoder, pooling=pooling), limit
+    skip = prompt_length(tokenizer, pooling) if pooling is not None else 0
+    return TaskRunner(config.task, model, encoder=encoder, pooling=pooling, skip=skip), limit
 
 
 def check_request(req: Request, conditional: bool, limit: int, vocab_size: int, block_manager) -> str | None:
@@ -382,6 +321,8 @@ def check_request(req: Request, conditional: bool, limit: int, vocab_size: int, 
         return "nothing to score: the continuation has no tokens (or was cut off by truncate)"
     if not conditional and req.task is not None and req.task.kind == "score" and n < 2:
         return "nothing to score: one token (the first token of a text is never scored)"
+    if req.task is not None and n <= req.task.pool_from:
+        return f"nothing to pool: the text's {n} tokens are all the prompt's (include_prompt is off)"
     bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
     if bad:
         return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"

@@ -1,0 +1,270 @@
+"""What a sentence-transformers model folder says about making an embedding, read as the installed
+sentence-transformers' ``encode`` reads it (checked against 5.x and 6.x): how a text becomes the model's
+input (a prompt before it, or a chat message rendered through the chat template) and how the last hidden
+states become the embedding (pooling, which tokens it takes, normalisation). A setting batchjob cannot
+follow is refused by name, with the file and key, never silently left out.
+
+The files: ``modules.json`` (the pipeline: Transformer, Pooling, Normalize; anything else is refused),
+``sentence_bert_config.json`` (the Transformer's: 5.x ``max_seq_length`` and ``do_lower_case``, 6.x
+``transformer_task`` and ``modality_config``; a folder without ``modality_config``, as 5.x saved it, takes
+text alone), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``) and the pooling
+module's ``config.json`` (its mode and ``include_prompt``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+_POOLING_NAMES = {  # 6.x writes "pooling_mode": "mean"; earlier versions a flag per mode
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+    "cls": "cls",
+    "mean": "mean",
+    "lasttoken": "last",
+}
+_HIDDEN_STATES = {"method": "forward", "method_output_name": "last_hidden_state"}
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How an embedding is made from the last hidden states, and how a text becomes the model's input."""
+
+    mode: str  # "cls" | "mean" | "last"
+    normalize: bool
+    dimensions: int | None  # keep the first N (Matryoshka); None: all
+    max_seq_length: int | None  # the sentence-transformers limit, when its files name one
+    prompt: str = ""  # put before each text (config_sentence_transformers.json's prompts); "" for none
+    chat: str | None = None  # "flat" | "structured": each text is a chat message (modality_config message)
+    include_prompt: bool = True  # False: the prompt's tokens are left out of the pooling (text inputs)
+
+
+def st_file(model_dir: str | None, name: str) -> Any:
+    """A sentence-transformers JSON file of the model folder (local, or a hub model's: cached, else asked
+    of the hub); None if there is none."""
+    if not model_dir:
+        return None
+    path = Path(model_dir) / name
+    if Path(model_dir).is_dir():
+        if not path.is_file():
+            return None
+    else:
+        found = _hub_file(model_dir, name)
+        if found is None:
+            return None
+        path = Path(found)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the sentence-transformers file {path}: {e}") from e
+
+
+def _hub_file(repo: str, name: str) -> str | None:
+    """A hub model's file: the cached copy, else downloaded (transformers fetches the model's own files, not
+    these); None when the hub says it has none. Where neither the cache nor the hub can say, refused: taken
+    for absent, a folder's pooling, prompt or chat rendering would be silently left out."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache  # heavy: only for a hub id
+    from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError  # (as heavy)
+
+    try:
+        cached = try_to_load_from_cache(repo, name)
+    except HFValidationError:  # not a hub id: nothing to ask
+        return None
+    if isinstance(cached, str):
+        return cached
+    if cached is not None:  # the cache records that the hub has no such file
+        return None
+    try:
+        return hf_hub_download(repo, name)
+    except RemoteEntryNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # offline, not cached, the hub unreachable
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"cannot tell whether model {repo!r} has the sentence-transformers file {name} (it is not in the "
+            f"Hugging Face cache and the hub can't be asked: {why}); run once with the hub reachable (what it "
+            "says, a file or that there is none, is cached for offline runs)"
+        ) from e
+
+
+def _pooling_mode(model_dir: str | None, module: dict, given: str | None) -> tuple[str | None, bool]:
+    """(the pooling module's mode, or None where ``given`` overrides one batchjob does not compute;
+    its include_prompt)."""
+    path = f"{module.get('path', '1_Pooling')}/config.json"
+    config = st_file(model_dir, path) or {}
+    modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+    if isinstance(config.get("pooling_mode"), str):
+        modes = [config["pooling_mode"]]
+    include = config.get("include_prompt", True) is not False
+    if len(modes) == 1 and modes[0] in _POOLING_NAMES:
+        return _POOLING_NAMES[modes[0]], include
+    if given is None:
+        raise ConfigError(
+            f"the model's sentence-transformers pooling ({', '.join(modes) or 'none'}, in {model_dir}/{path}) "
+            "is not one batchjob computes; give pooling=cls, mean or last (--pooling) to override it"
+        )
+    return None, include
+
+
+def _pipeline(model_dir: str | None, pooling: str | None, normalize: bool | None) -> tuple[str | None, bool, bool]:
+    """modules.json read: (its pooling mode, whether it normalises, the pooling's include_prompt)."""
+    modules = st_file(model_dir, "modules.json") or []
+    mode, st_normalize, include = None, False, True
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            st_normalize = True
+        elif kind == "Pooling":
+            mode, include = _pooling_mode(model_dir, module, pooling)
+        elif pooling is None or normalize is None:
+            raise ConfigError(
+                f"the model's sentence-transformers pipeline (modules.json in {model_dir}) has a {kind} module, "
+                "which batchjob does not run; give both pooling and normalize (--pooling, --normalize) to "
+                "embed with the transformer's hidden states alone"
+            )
+    return mode, st_normalize, include
+
+
+def _input_format(model_dir: str | None, config: dict) -> str | None:
+    """How the Transformer module takes a text (sentence_bert_config.json): None as it is, else the chat
+    message format ("flat" or "structured") it renders each text through the chat template in."""
+    where = f"{model_dir}/sentence_bert_config.json"
+    if config.get("do_lower_case") is True:
+        raise ConfigError(
+            f"{where} sets do_lower_case, which batchjob does not apply; lower-case the texts yourself and "
+            "set do_lower_case to false"
+        )
+    task = config.get("transformer_task", "feature-extraction")
+    if task != "feature-extraction":
+        raise ConfigError(f"{where} has transformer_task {task!r}; --task embed reads feature-extraction models")
+    modalities = config.get("modality_config")
+    if modalities is None:  # saved by sentence-transformers 5 or earlier: text alone
+        return None
+    unknown = sorted(set(config.get("processing_kwargs") or {}))
+    if unknown:
+        raise ConfigError(
+            f"{where} sets processing_kwargs ({', '.join(unknown)}), which batchjob does not apply; remove them "
+            "to embed as batchjob does"
+        )
+    message = modalities.get("message")
+    if message is None:
+        if modalities.get("text") is None:
+            raise ConfigError(f"{where}: its modality_config has neither text nor message; batchjob embeds text")
+        _check_method(where, "text", modalities["text"])
+        return None
+    _check_method(where, "message", message)
+    fmt = message.get("format", "auto")
+    if fmt not in ("flat", "structured"):
+        raise ConfigError(
+            f"{where}: modality_config message has format {fmt!r}; batchjob renders flat or structured "
+            "messages: set one of them"
+        )
+    return str(fmt)
+
+
+def _check_method(where: str, modality: str, params: Any) -> None:
+    if not isinstance(params, dict) or any(params.get(k) != v for k, v in _HIDDEN_STATES.items()):
+        raise ConfigError(
+            f"{where}: modality_config {modality} is {params!r}; batchjob embeds the forward's last_hidden_state"
+        )
+
+
+def prompt_text(model_dir: str | None, prompt_name: str | None) -> str:
+    """The prompt before each text: ``prompt_name``'s, else the folder's default_prompt_name's, else none;
+    ``prompt_name`` "" asks for none."""
+    config = st_file(model_dir, "config_sentence_transformers.json") or {}
+    # sentence-transformers gives every model a "query" and a "document" prompt, empty unless saved
+    prompts = {"query": "", "document": ""} | (config.get("prompts") or {})
+    name = config.get("default_prompt_name") if prompt_name is None else prompt_name
+    if not name:
+        return ""
+    if name not in prompts:
+        where = f"{model_dir}/config_sentence_transformers.json"
+        known = ", ".join(repr(k) for k in prompts) or "none"
+        raise ConfigError(
+            f"prompt name {name!r} is not one of the model's prompts ({known}, in {where}); give "
+            "--prompt-name with one of them, or --prompt-name '' for none"
+        )
+    return str(prompts[name] or "")
+
+
+def resolve_pooling(
+    model_dir: str | None,
+    pooling: str | None,
+    normalize: bool | None,
+    dimensions: int | None,
+    width: int,
+    prompt_name: str | None = None,
+) -> Pooling:
+    """The embedding recipe: the options given, else the folder's sentence-transformers files, else mean
+    pooling without normalisation and the text alone. Raises ``ConfigError`` for what batchjob does not
+    follow (a Dense module, max pooling, a prompt name the folder lacks, ...)."""
+    mode, st_normalize, include = _pipeline(model_dir, pooling, normalize)
+    if dimensions is not None and dimensions > width:
+        raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
+    st_config = st_file(model_dir, "sentence_bert_config.json") or {}
+    limit = st_config.get("max_seq_length")
+    prompt = prompt_text(model_dir, prompt_name)
+    return Pooling(
+        mode=pooling or mode or "mean",
+        normalize=st_normalize if normalize is None else normalize,
+        dimensions=dimensions,
+        max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
+        prompt=prompt,
+        chat=_input_format(model_dir, st_config),
+        include_prompt=include,
+    )
+
+
+def _message(role: str, text: str, fmt: str) -> dict[str, Any]:
+    return {"role": role, "content": text if fmt == "flat" else [{"type": "text", "text": text}]}
+
+
+def _render(tokenizer: Any, pooling: Pooling, text: str) -> list[int]:
+    """A text as one chat message (after the prompt as a system message), rendered as encode renders it."""
+    assert pooling.chat is not None
+    messages = [_message("system", pooling.prompt, pooling.chat)] if pooling.prompt else []
+    messages.append(_message("user", text, pooling.chat))
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+
+
+def input_ids(tokenizer: Any, text: str, pooling: Pooling, limit: int | None) -> list[int]:
+    """A text's token ids as sentence-transformers' ``encode`` makes them for this folder: the prompt before
+    it, or both rendered through the chat template; cut to ``limit`` tokens when given (a chat render then
+    ends with the template's own tail again, written over the last tokens, as encode writes it back)."""
+    if pooling.chat is None:
+        cut = limit is not None
+        return tokenizer(pooling.prompt + text, truncation=cut, max_length=limit).input_ids
+    ids = _render(tokenizer, pooling, text)
+    if limit is None or len(ids) <= limit:
+        return ids
+    # The tail is the tokens two renders with different texts share at their end: the template's, never
+    # the text's.
+    first, second = _render(tokenizer, pooling, "0"), _render(tokenizer, pooling, "1 2 3 4")
+    same = 0
+    for a, b in zip(reversed(first), reversed(second), strict=False):
+        if a != b:
+            break
+        same += 1
+    ids = ids[:limit]
+    if 0 < same < min(len(first), len(second)):
+        keep = min(same, limit)
+        ids[limit - keep :] = first[len(first) - keep :]
+    return ids
+
+
+def prompt_length(tokenizer: Any, pooling: Pooling) -> int:
+    """How many leading tokens pooling leaves out (``include_prompt`` false, text inputs): the prompt's
+    tokens alone, less a special token the tokenizer ends it with, as encode counts them. 0: none."""
+    if pooling.include_prompt or not pooling.prompt or pooling.chat is not None:
+        return 0  # encode keeps a chat render's prompt in the pooling
+    ids = tokenizer(pooling.prompt).input_ids
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    return len(ids) - 1 if ids and ids[-1] in special else len(ids)
