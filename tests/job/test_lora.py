@@ -181,3 +181,9 @@ def test_sigkill_then_resume_equals_uninterrupted(launch, rows, tiny_model_dir, 
     code, output = run_here(args)
     assert code == 0, output
     assert read_results(out) == expected
+
+
+def test_devices_with_adapters_refused(rows, tiny_model_dir, adapters, tmp_path):
+    spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"qv": adapters["qv"]})
+    code, text = run_here([*_args(spec), "--devices", "cpu,cpu"])
+    assert code == 2 and "LoRA adapters with --devices or --ray are not supported" in text
