@@ -20,11 +20,12 @@ from batchjob.engine.lora.peft_folder import LoraWeights
 
 
 class LoraStep:
-    """The current step's rows of each adapter: ``groups`` [(adapter index, row indices on the device)]."""
+    """The current step's rows of each adapter: ``groups`` [(adapter index, row indices on the device, or
+    None when the adapter has every row of the step)]."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
 
     def set(self, adapter_of_row: np.ndarray | None) -> None:
         """Group the step's rows ([T] adapter index per packed row) by adapter; base rows are left out."""
@@ -33,7 +34,8 @@ class LoraStep:
             return
         for index in np.unique(adapter_of_row[adapter_of_row > 0]).tolist():
             rows = np.flatnonzero(adapter_of_row == index)
-            self.groups.append((int(index), torch.from_numpy(rows).to(self.device)))
+            whole = len(rows) == len(adapter_of_row)  # no gather: (a decode buffer's padding rows too)
+            self.groups.append((int(index), None if whole else torch.from_numpy(rows).to(self.device)))
 
 
 def _lora_forward(
@@ -46,15 +48,18 @@ def _lora_forward(
         if not step.groups:
             return out
         flat_x = x.reshape(-1, x.shape[-1])
-        flat = out.reshape(-1, out.shape[-1])
+        out = out if out.is_contiguous() else out.contiguous()
+        flat = out.view(-1, out.shape[-1])  # the layer's fresh output: updated in place
         for index, rows in step.groups:
             w = weights.get(index)
             if w is None:
                 continue
             # PEFT's order of operations (lora_B(lora_A(x)) * scaling, then added), so float64 agrees.
-            update = (flat_x.index_select(0, rows) @ w.a.T) @ w.b.T * w.scale
-            flat = flat.index_add(0, rows, update)
-        return flat.view(out.shape)
+            if rows is None:
+                flat.add_((flat_x @ w.a.T) @ w.b.T * w.scale)
+            else:
+                flat.index_add_(0, rows, (flat_x.index_select(0, rows) @ w.a.T) @ w.b.T * w.scale)
+        return out
 
     return forward
 
