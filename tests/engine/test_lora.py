@@ -224,3 +224,32 @@ def test_refused_targets_bases_and_settings(adapter_sets, tiny_model_dirs, tmp_p
     engine = Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"qv": str(folders["qv"])})
     with pytest.raises(ConfigError, match="unknown LoRA adapter 'nope'"):
         engine.add_request("a", [5, 6], adapter="nope")
+
+
+def test_choices_and_samples_run_under_their_adapter(adapter_sets, tmp_path):
+    """Choice scores (their helper requests) and n samples run under the row's adapter: the same in a
+    mixed batch as alone, as the adapter merged into the weights gives them, and not the base model's."""
+    from transformers import AutoTokenizer
+
+    base, folders = adapter_sets["llama"]
+    merged = peft.PeftModel.from_pretrained(_hf(base), str(folders["all"])).merge_and_unload()
+    merged.save_pretrained(str(tmp_path / "merged"))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(tmp_path / "merged"))
+    engine = Engine.from_pretrained(
+        str(base), dtype="float64", device="cpu", block_size=4, lora={"all": str(folders["all"])}
+    )
+    prompt = list(range(5, 30))
+    choice = SamplingParams(max_new_tokens=4, temperature=0, choices=["ab", "cd e", "f"])
+    mixed = engine.generate([prompt, prompt], choice, adapters=["all", None])
+    alone = engine.generate([prompt], choice, adapters=["all"])[0]
+    assert mixed[0].choice_logprobs == alone.choice_logprobs
+    assert mixed[0].choice_logprobs != mixed[1].choice_logprobs
+    reference = Engine.from_pretrained(str(tmp_path / "merged"), dtype="float64", device="cpu", block_size=4)
+    want = reference.generate([prompt], choice)[0].choice_logprobs
+    assert want is not None and mixed[0].choice_logprobs is not None
+    for label, value in want.items():
+        assert mixed[0].choice_logprobs[label] == pytest.approx(value, rel=1e-9, abs=1e-9)
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=3)
+    with_adapter = engine.generate([prompt], sampled, adapters=["all"])
+    again = engine.generate([prompt, prompt], sampled, adapters=[None, "all"])[3:]
+    assert [o.token_ids for o in with_adapter] == [o.token_ids for o in again]
