@@ -129,9 +129,12 @@ class BlockManager:
     def _digests(self, req: Request, num_full: int) -> list[bytes]:
         """Chained digests of the first ``num_full`` full blocks of ``req`` (memoized on the request)."""
         bs, toks, digests = self.block_size, req.token_ids, req.block_digests
+        # A LoRA adapter's prefixes chain from their own root (4 bytes: no length collides with b"" or a
+        # 16-byte parent), so a prefix computed under one adapter never serves another.
+        root = req.adapter.to_bytes(4, "little") if req.adapter else b""
         while len(digests) < num_full:
             i = len(digests)
-            digests.append(block_digest(digests[-1] if digests else b"", toks[i * bs : (i + 1) * bs]))
+            digests.append(block_digest(digests[-1] if digests else root, toks[i * bs : (i + 1) * bs]))
         return digests[:num_full]
 
     def reusable(self, req: Request) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from batchjob.engine import cpu, offline, parallel, speculative, tasks
+from batchjob.engine import lora as lora_adapters
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.checks import check_request
 from batchjob.engine.config import EngineConfig
@@ -46,10 +47,11 @@ from batchjob.sampling import SamplingParams
 
 class Engine:
     def __init__(
-        self, model, tokenizer, config: EngineConfig, model_id: str = "", *, tensor_parallel=None
+        self, model, tokenizer, config: EngineConfig, model_id: str = "", *, tensor_parallel=None, lora=None
     ) -> None:
         """``tensor_parallel``: this rank's :class:`~batchjob.engine.parallel.group.Group` when ``model`` is
-        its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it)."""
+        its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it). ``lora``: LoRA adapters
+        to hold resident, name -> PEFT folder or hub id (engine/lora/)."""
         plan = plan_model(model.config, config, model, tensor_parallel is not None)  # every refusal (plan.py)
         self.model = model
         self.tokenizer = tokenizer
@@ -71,6 +73,8 @@ class Engine:
         self.output = OutputProcessor(tokenizer)
         self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text
         self.helpers = Helpers(self._requests, self.scheduler, self._check)  # features/helpers.py
+        # The resident LoRA adapters, beside the layers they target (engine/lora/).
+        self.lora = lora_adapters.attach_to(self, lora, tensor_parallel is not None) if lora else None
 
     def _build(self, plan: ModelPlan, tensor_parallel) -> None:
         """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
@@ -129,6 +133,7 @@ class Engine:
         *,
         trust_remote_code: bool = False,
         options: EngineOptions | None = None,
+        lora: lora_adapters.Paths | None = None,
         **keywords: Any,
     ) -> Engine:
         """Load a Hugging Face model (default: the embedded SmolLM2-135M-Instruct) into a new engine, of the
@@ -140,17 +145,21 @@ class Engine:
         the context, ``check_kv_pool=True`` to refuse a KV pool that cannot hold one request of it.
         ``options``: the same settings as one ``EngineOptions`` (a job's); a keyword given too wins.
         ``trust_remote_code``: run Python code shipped in the model's folder; without it such a model is
-        refused (transformers is never left to ask on stdin).
+        refused (transformers is never left to ask on stdin). ``lora``: LoRA adapters held resident, name ->
+        PEFT folder or hub id; a request picks one with ``add_request(..., adapter=name)``.
         """
         given = (options.as_keywords() if options is not None else {}) | keywords
         config = EngineConfig(**given)
         engine_cls = cls.engine_class(config.task)
+        if lora:
+            lora_adapters.refuse(config, config.tensor_parallel_size > 1)  # before any work
         if config.tensor_parallel_size > 1:
             return parallel.load_engine(engine_cls, model, config, given, trust_remote_code)
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )
-        return engine_cls(hf_model, tokenizer, config, model_id=resolved)
+        extra = {"lora": lora} if lora else {}  # (a prefill-only engine takes none: refused above)
+        return engine_cls(hf_model, tokenizer, config, model_id=resolved, **extra)
 
     @classmethod
     def engine_class(cls, task: str) -> type[Engine]:
@@ -171,6 +180,7 @@ class Engine:
         sample_index: int | None = None,
         continuation_ids: Sequence[int] | None = None,
         token_logprobs: bool = False,
+        adapter: str | None = None,
     ) -> None:
         """Queue a request. ``output_ids`` resumes one that already generated tokens in an earlier run.
 
@@ -183,6 +193,7 @@ class Engine:
         computes the prompt and the others then take its KV blocks from the prefix cache), or only sample
         ``sample_index`` when given (to resume it).
 
+        ``adapter``: a LoRA adapter the engine holds, by name (None: the base model; unknown: ConfigError).
         ``continuation_ids`` and ``token_logprobs`` are a prefill-only engine's (engine/tasks/).
         """
         if continuation_ids is not None or token_logprobs:
@@ -190,9 +201,12 @@ class Engine:
         params = SamplingParams() if params is None else params
         if params.seed is None and not params.greedy:
             params = params.replace(seed=random.getrandbits(63))
+        index = lora_adapters.index_of(self.lora, adapter)
         leader = None  # the first sample computes the prompt; the others wait for it (features/samples.py)
         for s in samples(request_id, params.n, key, sample_index):
-            req = self._add(s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader)
+            req = self._add(
+                s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader, index
+            )
             leader = leader or req
 
     def _add(
@@ -205,6 +219,7 @@ class Engine:
         output_ids: Sequence[int] | None,
         key: int | None,
         wait_for: Request | None,
+        adapter: int = 0,
     ) -> Request:
         if rid in self._requests:
             raise ConfigError(f"request id {rid!r} is already in the engine")
@@ -212,6 +227,7 @@ class Engine:
         output = [int(t) for t in output_ids] if output_ids else []
         req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
         req.sample_index = sample_index
+        req.adapter = adapter
         if key is not None:
             req.key = key
         for feature in self.features:
@@ -255,7 +271,8 @@ class Engine:
     def _state_of(self, r: Request) -> RequestState:
         """What a checkpoint keeps of an unfinished request (a hook: engine/tasks/ has its own)."""
         output = output_to_resume(r)
-        return RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index)
+        adapter = None if self.lora is None else self.lora.name(r.adapter)
+        return RequestState(r.group_id, r.prompt_ids, output, r.params, r.sample_index, adapter=adapter)
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks, if it has any (at exit this happens by itself);
@@ -425,10 +442,13 @@ class Engine:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt (raw text, or token ids) to completion; outputs in input order (a prompt's n
-        samples in a row). An instruct model's questions go through :meth:`chat` (offline.py)."""
-        return offline.generate(self, prompts, offline.params_for(prompts, sampling_params))
+        samples in a row). An instruct model's questions go through :meth:`chat` (offline.py). ``adapters``:
+        each prompt's LoRA adapter name (None: the base model), as ``add_request`` takes it."""
+        names = lora_adapters.per_prompt(adapters, len(prompts))
+        return offline.generate(self, prompts, offline.params_for(prompts, sampling_params), names)
 
     def chat(
         self,

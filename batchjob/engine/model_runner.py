@@ -22,6 +22,7 @@ from batchjob.engine.attention.layout import ramps
 from batchjob.engine.attention.registry import backend_class, choose_attention
 from batchjob.engine.config import KVShape
 from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
+from batchjob.engine.lora import LoraStep
 from batchjob.engine.parallel.group import HIDDEN, LOGITS
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
@@ -116,6 +117,7 @@ class ModelRunner:
         else:
             model.set_attn_implementation(attention.ATTN_NAME)
             self.forward = model
+        self.lora: LoraStep | None = None  # with LoRA adapters (engine/lora/): the step's rows by adapter
         self.graphs: DecodeGraphs | None = None
         if scratch_block is not None:
             self.graphs = DecodeGraphs(self, scratch_block, max_graph_rows, -(-max_model_len // block_size))
@@ -168,6 +170,7 @@ class ModelRunner:
         drafts = np.array([r.num_draft_tokens for r in reqs], dtype=np.int64)
         per = drafts[sample_mask] + 1
         sample_rows = np.repeat(offsets[1:][sample_mask] - per, per) + ramps(per)
+        adapters = None if self.lora is None else np.repeat([r.adapter for r in reqs], n).astype(np.int64)
         return StepLayout(
             np.array(ids, dtype=np.int64),
             positions,
@@ -181,6 +184,7 @@ class ModelRunner:
             drafts,
             sample_mask,
             sample_rows,
+            adapters,
         )
 
     def _prepare(self, plan: SchedulerOutput | None, lay: StepLayout | None = None):
@@ -241,6 +245,8 @@ class ModelRunner:
         return self._hidden(lay), lay
 
     def _hidden(self, lay: StepLayout) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.set(lay.adapter_of_row)
         input_ids, position_ids, meta, _ = self._prepare(None, lay)
         t0 = time.perf_counter()
         if self.position_offset:
@@ -274,6 +280,8 @@ class ModelRunner:
 
     def _logits(self, lay: StepLayout) -> torch.Tensor:
         logits = None
+        if self.lora is not None:
+            self.lora.set(lay.adapter_of_row)
         if self.graphs is not None and lay.decode_like:
             t0 = time.perf_counter()
             logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.table[lay.req_of_row])

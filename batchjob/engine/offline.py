@@ -26,7 +26,13 @@ class _Engine(Protocol):  # what the loop uses of the engine (engine.py imports 
     def has_unfinished(self) -> bool: ...
 
     def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = ..., *, key: int | None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = ...,
+        *,
+        key: int | None,
+        adapter: str | None,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -47,18 +53,24 @@ def params_for(
 
 
 def generate(
-    engine: _Engine, prompts: Sequence[str] | Sequence[Sequence[int]], params: list[SamplingParams]
+    engine: _Engine,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    params: list[SamplingParams],
+    adapters: Sequence[str | None] | None = None,
 ) -> list[RequestOutput]:
-    """Run every prompt (text, or token ids) to completion on an idle engine; a prompt's n samples in a row.
+    """Run every prompt (text, or token ids) to completion on an idle engine; a prompt's n samples in a row,
+    each under its adapter in ``adapters`` (None or a None name: the base model).
     A request's draws are keyed by its prompt, so a seeded one samples the same tokens alone or in a crowd."""
     if engine.has_unfinished():
         raise ConfigError("generate() needs an idle engine; it has unfinished requests")
     ids = []
+    names = adapters if adapters is not None else [None] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         tokens = engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(cast(Sequence[int], prompt))
         digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
         rid = f"generate-{i}"
-        engine.add_request(rid, tokens, p, key=int.from_bytes(digest, "little") & 0x7FFFFFFF)
+        key = int.from_bytes(digest, "little") & 0x7FFFFFFF
+        engine.add_request(rid, tokens, p, key=key, adapter=names[i])
         ids.append(rid)
     results: dict[tuple[str, int | None], RequestOutput] = {}
     while engine.has_unfinished():

@@ -66,6 +66,7 @@ class RequestState:
     sample_index: int = 0  # pass it back to add_request when params.n > 1
     continuation_ids: list[int] | None = None  # score: the scored continuation (pass it back likewise)
     token_logprobs: bool = False  # score: the per-token list was asked for
+    adapter: str | None = None  # its LoRA adapter's name (None: the base model); pass it back likewise
 
 
 @dataclass(eq=False)
@@ -106,6 +107,7 @@ class Request:
     score_node: int | None = None  # choices.py: a helper scoring this node of its owner's choice trie
     stop: StopScan | None = None  # output.py: the incremental text its stop strings are looked for in
     task: TaskState | None = None  # tasks.py: a prefill-only request (embed, classify, score), never samples
+    adapter: int = 0  # lora/: the LoRA adapter it runs under (0: the base model); roots its block digests
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

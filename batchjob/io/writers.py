@@ -82,6 +82,7 @@ LABEL_MAP = pa.map_(
 EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
     "reasoning": pa.field("reasoning", pa.string()),  # a reasoning model: the text between its think tags
     "sample_index": pa.field("sample_index", pa.int64()),  # --n: which of the row's samples
+    "adapter": pa.field("adapter", pa.string()),  # --lora: the row's LoRA adapter (null: the base model)
     "choice_logprobs": pa.field("choice_logprobs", LABEL_MAP),  # --choices: {label: log-prob}
     "choice_probs": pa.field("choice_probs", LABEL_MAP),  # --choices: {label: prob}, sums to 1
     # --logprobs K: per generated token, the sampled token and its log-prob, and the top K (best first)

@@ -253,6 +253,7 @@ class JobLoop:
 
     def _ask(self, work: RowWork, asks: list[Ask]) -> None:
         """Give the engine a row's requests, each routed back to the row with its part."""
+        lora = {"adapter": work.adapter} if work.adapter is not None else {}  # (engines without: never set)
         for a in asks:
             self.routes[a.request_id] = (work, a.part)
             work.request_ids.append(a.request_id)
@@ -264,6 +265,7 @@ class JobLoop:
                 sample_index=a.sample_index,
                 continuation_ids=a.continuation_ids,
                 token_logprobs=a.token_logprobs,
+                **lora,
             )
 
     def _step(self) -> None:

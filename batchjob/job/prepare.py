@@ -25,6 +25,7 @@ from batchjob.job import model_identity
 from batchjob.job.defaults import resolved_defaults
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
+from batchjob.job.lora import lora_identity
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.shard import Shard, choose_chunk_rows
@@ -126,6 +127,8 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
             "sampling": spec.sampling_fingerprint(),
             "sharding": {"num_shards": shard.count},
         }
+        if spec.lora_paths:  # each adapter by content, by name (a job without keeps its identity)
+            fingerprint["lora"] = lora_identity(spec.lora_paths)
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
             fingerprint["task"] = spec.task_fingerprint() | head_fingerprint(spec)
         return plan, fingerprint

@@ -29,7 +29,8 @@ from batchjob.job.verify import check_schema, needs_repair, repair_outputs, rest
 def load_engine(spec: JobSpec) -> JobEngine:
     from batchjob.engine import Engine
 
-    return Engine.from_pretrained(spec.model, trust_remote_code=spec.trust_remote_code, options=spec.engine)
+    trust, lora = spec.trust_remote_code, spec.lora_paths or None
+    return Engine.from_pretrained(spec.model, trust_remote_code=trust, options=spec.engine, lora=lora)
 
 
 def check_engine(spec: JobSpec) -> str:

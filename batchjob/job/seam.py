@@ -74,6 +74,7 @@ class JobEngine(Protocol):
         sample_index: int | None = None,
         continuation_ids: Sequence[int] | None = None,
         token_logprobs: bool = False,
+        adapter: str | None = None,
     ) -> None: ...
 
     def has_unfinished(self) -> bool: ...

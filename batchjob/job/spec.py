@@ -27,6 +27,7 @@ from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
 from batchjob.job.checks import check_task, check_type, finite_float
 from batchjob.job.jobfile import read_job_file
+from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
 from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
@@ -130,6 +131,17 @@ class JobSpec:
         default_help="off: such a model is refused",
         switch=True,
     )
+    lora: list[str] = job_option(  # a job file's [lora] table {name = path} comes as NAME=PATH entries
+        list,
+        "A LoRA adapter to hold resident, NAME=PATH (repeatable): a PEFT folder (adapter_config.json and "
+        "adapter_model.safetensors) or hub id; rows pick one by --adapter-column, or with one adapter and no "
+        "column every row takes it. Results get an adapter column.",
+        metavar="NAME=PATH",
+        multiple=True,
+    )
+    adapter_column: str | None = job_option(
+        None, "Column naming each row's LoRA adapter (null or empty: the base model).", metavar="COL"
+    )
     # sampling (checked by SamplingParams, like every row's own)
     max_new_tokens: int = job_option(128, "Tokens to generate per row at most")
     temperature: float | None = job_option(
@@ -212,6 +224,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         values = checked(self.values())  # the same checks, in the same order, as make_spec's
         self.input, self.stop, self.choices = values["input"], values["stop"], values["choices"]
+        self.lora = values["lora"]
         self.checkpoint_interval = values["checkpoint_interval"]
         # A job always wants a pool that fits one request of the full context, however it was sized: a
         # smaller one would turn rows into errors for a reason that is about the setup, not the row.
@@ -219,6 +232,7 @@ class JobSpec:
             self.engine, static_batching=self.admission == "static", check_kv_pool=True
         )
         self.template_kwargs = self._template_kwargs()
+        self.lora_paths = lora_paths(self.lora, self.adapter_column, self.format, self.engine.task)
         if self.reasoning_tags is not None:
             from batchjob.job.reasoning import parse_tags
 
@@ -409,6 +423,8 @@ def checked(values: dict[str, Any]) -> dict[str, Any]:
     for the first that is wrong. ``make_spec`` runs it on the flat values before it builds the engine's
     object, and ``JobSpec`` again on its own, so a job reports the same first error however it is made."""
     values = dict(values)
+    if isinstance(values["lora"], dict):  # a job file's [lora] table
+        values["lora"] = [f"{k}={v}" for k, v in values["lora"].items()]
     if isinstance(values["input"], str):
         values["input"] = [values["input"]]
     if isinstance(values["stop"], str):

@@ -61,6 +61,7 @@ class StepLayout:
     drafts: np.ndarray  # [R] drafts each request verifies
     sample_mask: np.ndarray  # [R] whether the request samples this step
     sample_rows: np.ndarray  # [S] rows whose logits are sampled
+    adapter_of_row: np.ndarray | None = None  # [T] LoRA adapter of each row (0: base); None: none loaded
 
     @property
     def decode_like(self) -> bool:

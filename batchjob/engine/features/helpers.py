@@ -30,6 +30,7 @@ class Helpers:
                 if self.check(helper) is not None:
                     continue  # cannot run (past the context): the feature goes without (choices: NaN)
                 helper.owner = req
+                helper.adapter = req.adapter  # it runs under its owner's LoRA adapter (and prefix)
                 req.pending_helpers += 1
                 self.requests[helper.request_id] = helper
                 self.scheduler.add(helper, front=True)

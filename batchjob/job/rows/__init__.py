@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from batchjob.job.requests import parse_embeddings_request
+from batchjob.job.rows.adapter import row_adapter
 from batchjob.job.rows.base import RowWork
 from batchjob.job.rows.embeddings import EmbeddingInputs
 from batchjob.job.rows.generate import Samples
@@ -50,7 +51,8 @@ class RowMaker:
         self.tags = tags
         self.width = width
         self.task = spec.engine.task  # generate, or a prefill-only task: which kinds the rows are
-        self.model_names = model_names(spec.model)  # --format openai: what body.model may say
+        # --format openai: what body.model may say (the model's names, or a --lora adapter's)
+        self.model_names = model_names(spec.model) | set(spec.lora_paths)
         self.models_seen: set[str] = set()
         self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
 
@@ -68,7 +70,12 @@ class RowMaker:
         params, ids, error = self._request(row)
         if ids is None or params is None:
             return None, error
-        return self._generate_row(row, row_id, ids, params), None
+        adapter, error = row_adapter(self.spec, row)
+        if error is not None:
+            return None, error
+        work = self._generate_row(row, row_id, ids, params)
+        work.adapter = adapter
+        return work, None
 
     def _generate_row(self, row: Row, row_id: str, ids: list[int], params: SamplingParams) -> Samples:
         """A generate row; in two requests a sample when the model thinks before a constrained or bounded

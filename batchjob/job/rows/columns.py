@@ -22,6 +22,8 @@ def part_writer(prep: Prepared, engine: JobEngine, tags: ReasoningTags | None) -
     if spec.engine.task == "generate":
         params = spec.sampling_params(prep.info.job_seed)
         extra = extra_fields(params, every=spec.per_row_params, reasoning=tags is not None)
+        if spec.lora_paths:
+            extra += (EXTRA_FIELDS["adapter"],)
     else:
         extra = task_extra(spec)
     return PartWriter(
@@ -35,7 +37,7 @@ def extra_fields(params: Any, every: bool = False, reasoning: bool = False) -> t
     names = ["reasoning"] if reasoning else []
     if every:
         return tuple(EXTRA_FIELDS[n] for n in names) + tuple(
-            f for n, f in EXTRA_FIELDS.items() if n != "reasoning"
+            f for n, f in EXTRA_FIELDS.items() if n not in ("reasoning", "adapter")
         )
     if params.n > 1:
         names.append("sample_index")

@@ -66,6 +66,7 @@ class Samples(RowWork):
             "num_generated_tokens": n_gen,
             "error": error,
             "reasoning": reasoning,
+            "adapter": self.adapter,
         } | feature_columns(out, params.logprobs, self.token_text)
 
     def restore(self, saved: InFlight | None) -> None:

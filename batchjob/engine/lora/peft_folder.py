@@ -1,0 +1,230 @@
+"""One PEFT LoRA folder read into per-module low-rank weights, or refused by name before any work.
+
+The input is PEFT's saved format: ``adapter_config.json`` and ``adapter_model.safetensors`` (read with
+safetensors, so the engine needs no peft). What the file holds decides which modules are adapted (PEFT
+wrote exactly its ``target_modules`` after ``exclude_modules``, ``layers_to_transform``); each module's rank
+is its tensors' shape, checked against ``r``/``rank_pattern``; its scale is ``alpha / r`` (``alpha / sqrt(r)``
+with rsLoRA), ``alpha`` from ``lora_alpha``/``alpha_pattern``. ``fan_in_fan_out`` only says how PEFT would
+merge into a GPT-2 ``Conv1D`` weight: the update beside the layer is the same either way. Whatever changes
+the forward in a way not built here (DoRA, LoRA biases, modules to save, trainable tokens, embedding or
+output-head targets, another base's shapes or name) raises ``ConfigError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
+
+from batchjob.errors import ConfigError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# Config fields that change the forward in ways not built here: (field, what it is), refused when set.
+_NOT_BUILT = (
+    ("use_dora", "DoRA (use_dora)"),
+    ("lora_bias", "LoRA biases (lora_bias)"),
+    ("modules_to_save", "modules_to_save"),
+    ("trainable_token_indices", "trainable_token_indices"),
+    ("target_parameters", "target_parameters (LoRA on parameters)"),
+    ("layer_replication", "layer_replication"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
+    ("use_qalora", "QA-LoRA (use_qalora)"),
+    ("use_bdlora", "use_bdlora"),
+    ("arrow_config", "Arrow routing (arrow_config)"),
+)
+# A saved tensor's name: PEFT's prefix, the module's name in the model, lora_A or lora_B (an adapter name
+# between them in some older files).
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass
+class LoraWeights:
+    """One module's update ``(x @ a.T) @ b.T * scale``."""
+
+    a: torch.Tensor  # [r, in_features], on the engine's device and dtype
+    b: torch.Tensor  # [out_features, r]
+    scale: float
+
+
+@dataclass
+class Adapter:
+    """One adapter, resident: its name, where it came from and each adapted module's weights."""
+
+    name: str
+    path: Path
+    layers: dict[str, LoraWeights]  # module name in the model -> its update
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.layers.values())
+
+    @property
+    def max_rank(self) -> int:
+        return max(w.a.shape[0] for w in self.layers.values())
+
+
+def resolve_folder(name: str, path: str | Path) -> Path:
+    """The local folder of adapter ``name``: ``path`` itself, or a hub id fetched by huggingface_hub."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists() or str(path).startswith((".", "/", "~")):
+        raise ConfigError(f"LoRA adapter {name!r}: {path} is not a folder")
+    try:
+        from huggingface_hub import snapshot_download  # only for a hub id
+
+        return Path(snapshot_download(str(path), allow_patterns=[CONFIG_FILE, WEIGHTS_FILE]))
+    except Exception as e:  # noqa: BLE001 - the hub raises many types; each is the same refusal here
+        raise ConfigError(
+            f"LoRA adapter {name!r}: {path} is neither a folder nor a hub id we can fetch ({e})"
+        ) from e
+
+
+def read_config(name: str, folder: Path) -> dict[str, Any]:
+    """The adapter's config, refused when it is not a LoRA this engine computes."""
+    file = folder / CONFIG_FILE
+    if not file.is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise ConfigError(
+            f"LoRA adapter {name!r}: {folder} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)"
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"LoRA adapter {name!r}: cannot read {file}: {e}") from e
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"LoRA adapter {name!r}: {file} is a {config.get('peft_type')} adapter, not LoRA")
+    for key, what in _NOT_BUILT:
+        if config.get(key):
+            raise ConfigError(f"LoRA adapter {name!r}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ConfigError(
+            f"LoRA adapter {name!r}: trained base biases (bias={config['bias']!r}) are not supported"
+        )
+    return config
+
+
+def pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """A ``rank_pattern``/``alpha_pattern`` value for ``module``: the first key that matches the end of its
+    dotted name as a regular expression (PEFT's rule), else ``default``."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def check_base(name: str, config: dict[str, Any], model_id: str) -> None:
+    """Refuse an adapter whose config names another base model than the engine's (compared by last path
+    component, so a local copy of the same hub model passes)."""
+    base = str(config.get("base_model_name_or_path") or "")
+    if not base or not model_id:
+        return
+    if base.rstrip("/").split("/")[-1].lower() != str(model_id).rstrip("/").split("/")[-1].lower():
+        raise ConfigError(f"LoRA adapter {name!r} was made for base model {base!r}, not {model_id!r}")
+
+
+def read_tensors(name: str, folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """module name -> {"A": tensor, "B": tensor}; a tensor that is not a LoRA A or B is refused by name."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(folder / WEIGHTS_FILE)).items():
+        m = _TENSOR.match(key)
+        if m is None:
+            raise ConfigError(
+                f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B weight (not supported)"
+            )
+        modules.setdefault(m["module"], {})[m["ab"]] = tensor
+    if not modules:
+        raise ConfigError(f"LoRA adapter {name!r}: {folder / WEIGHTS_FILE} holds no LoRA weights")
+    return modules
+
+
+def module_shape(name: str, module_name: str, model: PreTrainedModel) -> tuple[int, int]:
+    """(in_features, out_features) of the layer an adapter targets; refused unless a linear layer of the
+    model's body (an embedding or the output head is not built)."""
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise ConfigError(
+            f"LoRA adapter {name!r} targets {module_name!r}, which this model does not have"
+        ) from None
+    if module is model.get_output_embeddings():
+        raise ConfigError(
+            f"LoRA adapter {name!r}: the output head ({module_name}) as a target is not supported"
+        )
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):  # GPT-2's layers: weight [in, out] (PEFT's fan_in_fan_out)
+        return int(module.weight.shape[0]), int(module.nf)
+    kind = "an embedding" if isinstance(module, torch.nn.Embedding) else type(module).__name__
+    raise ConfigError(
+        f"LoRA adapter {name!r} targets {module_name!r} ({kind}): only linear layers are supported"
+    )
+
+
+def _targets(config: dict[str, Any], module_name: str) -> bool:
+    """Whether ``target_modules`` names ``module_name`` (a regex matches the whole name; a list entry the
+    name or its dotted end)."""
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module_name) is not None
+    return any(module_name == t or module_name.endswith(f".{t}") for t in targets)
+
+
+def check_targets(name: str, config: dict[str, Any], model: PreTrainedModel) -> None:
+    """Refuse an adapter that targets the input embedding or the output head (not built)."""
+    ends = {
+        "the output head": model.get_output_embeddings(),
+        "the input embedding": model.get_input_embeddings(),
+    }
+    for module_name, module in model.named_modules():
+        for what, end in ends.items():
+            if module is end and _targets(config, module_name):
+                raise ConfigError(
+                    f"LoRA adapter {name!r}: {what} ({module_name}) as a target is not supported"
+                )
+
+
+def load_adapter(
+    name: str,
+    path: str | Path,
+    model: PreTrainedModel,
+    model_id: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Adapter:
+    """Adapter ``name`` from the PEFT folder (or hub id) ``path``, checked against ``model``, resident on
+    ``device`` in ``dtype``."""
+    folder = resolve_folder(name, path)
+    config = read_config(name, folder)
+    check_base(name, config, model_id)
+    check_targets(name, config, model)
+    r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    layers: dict[str, LoraWeights] = {}
+    for module_name, pair in read_tensors(name, folder).items():
+        if set(pair) != {"A", "B"}:
+            raise ConfigError(
+                f"LoRA adapter {name!r}: {module_name} lacks its lora_{'AB'[('A' in pair)]} weight"
+            )
+        a, b = pair["A"], pair["B"]
+        in_f, out_f = module_shape(name, module_name, model)
+        rank = int(pattern_value(ranks, module_name, r))
+        if a.shape != (rank, in_f) or b.shape != (out_f, rank):
+            raise ConfigError(
+                f"LoRA adapter {name!r}: {module_name} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this "
+                f"model's layer is [{in_f} -> {out_f}] at rank {rank}: made for another base model "
+                f"({config.get('base_model_name_or_path') or 'unnamed'}, not {model_id or 'this one'})"
+            )
+        a_pat = float(pattern_value(alphas, module_name, alpha))
+        scale = a_pat / math.sqrt(rank) if config.get("use_rslora") else a_pat / rank
+        layers[module_name] = LoraWeights(a.to(device, dtype), b.to(device, dtype), scale)
+    return Adapter(name, folder, layers)

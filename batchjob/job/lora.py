@@ -1,0 +1,44 @@
+"""A job's LoRA adapters: ``--lora NAME=PATH`` entries (or a job file's ``[lora]`` table) checked into
+``{name: path}``, with what adapters are not built with refused by name before any work; and their
+identity by content, part of the job's fingerprint (a changed or renamed adapter is a different job).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchjob.errors import ConfigError
+from batchjob.io.identity import combine, folder_digest
+from batchjob.job.model_identity import local_folder
+
+
+def lora_paths(entries: list[str], column: str | None, fmt: str, task: str) -> dict[str, str]:
+    """``{name: path}`` of ``--lora`` entries, in the order given; refuses a malformed or repeated entry, an
+    adapter column without adapters, several adapters with nothing to pick them by, a prefill-only task."""
+    paths: dict[str, str] = {}
+    for entry in entries:
+        name, eq, path = entry.partition("=")
+        name, path = name.strip(), path.strip()
+        if not eq or not name or not path:
+            raise ConfigError(f"--lora takes NAME=PATH, got {entry!r}")
+        if name in paths:
+            raise ConfigError(f"--lora names adapter {name!r} twice")
+        paths[name] = path
+    if column is not None and not paths:
+        raise ConfigError("--adapter-column needs adapters: give --lora NAME=PATH")
+    if paths and task != "generate":
+        raise ConfigError(f"LoRA adapters with task={task!r} are not supported")
+    if len(paths) > 1 and column is None and fmt != "openai":
+        raise ConfigError(
+            f"{len(paths)} --lora adapters ({', '.join(paths)}): give --adapter-column to pick each row's"
+        )
+    return paths
+
+
+def lora_identity(paths: dict[str, str]) -> dict[str, Any]:
+    """Each adapter's files by content (a hub id not on this machine: by its id), by name."""
+    out: dict[str, Any] = {}
+    for name, path in paths.items():
+        folder = local_folder(path)
+        out[name] = f"hub:{path}" if folder is None else combine(folder_digest(folder))
+    return out

@@ -1,0 +1,255 @@
+"""LoRA adapters per request against PEFT: a mixed batch of adapters and base rows equals
+``PeftModel.from_pretrained(base, adapter)`` generate token for token (float64), with chunked prefill,
+preemption and the prefix cache on; the CPU fast path's update beside the packed GEMM; refusals by name."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.errors import ConfigError
+from tests.tiny_models import hf_greedy, make_model
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.timeout(600)
+
+# Three adapters that exercise what PEFT's config carries: rank and alpha, per-module patterns, rsLoRA,
+# attention and MLP targets, a layer subset.
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        rank_pattern={"down_proj": 2, r"layers\.1\.self_attn\.q_proj": 6},
+        alpha_pattern={"up_proj": 3.0},
+    ),
+    "rs": dict(
+        r=3, lora_alpha=5, use_rslora=True, target_modules=["o_proj", "down_proj"], layers_to_transform=[1]
+    ),
+}
+
+
+def _hf(folder, dtype=torch.float64):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def make_adapter(base_folder: Path, out: Path, seed: int, **config) -> Path:
+    """A PEFT LoRA folder for the model in ``base_folder``, with random (non-zero) A and B."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(_hf(base_folder), peft.LoraConfig(init_lora_weights=False, **config))
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_sets(tiny_model_dirs, tmp_path_factory):
+    """family -> (base folder, {name: adapter folder})."""
+    root = tmp_path_factory.mktemp("lora")
+    sets = {}
+    for family in ("llama", "qwen2"):
+        base = tiny_model_dirs[family]
+        folders = {
+            name: make_adapter(base, root / family / name, i + 1, **cfg)
+            for i, (name, cfg) in enumerate(ADAPTERS.items())
+        }
+        sets[family] = (base, folders)
+    return sets
+
+
+def _peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
+    model = _hf(base)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+    return hf_greedy(model, prompt, n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_mixed_batch_equals_peft_generate(adapter_sets, family):
+    """Rows of three adapters and base rows in one batch, chunked prefill, preemption and a shared prefix:
+    each row's greedy tokens equal PEFT's generate with its adapter; each adapter changes the output."""
+    base, folders = adapter_sets[family]
+    engine = Engine.from_pretrained(
+        str(base),
+        dtype="float64",
+        device="cpu",
+        block_size=4,
+        num_blocks=40,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        lora={k: str(v) for k, v in folders.items()},
+    )
+    rng = random.Random(5)
+    shared = [rng.randrange(3, engine.vocab_size) for _ in range(21)]
+    prompts, names = [], []
+    for i, name in enumerate([None, "qv", "all", "rs"] * 2):
+        tail = [rng.randrange(3, engine.vocab_size) for _ in range(3 + 5 * i)]
+        prompts.append(shared + tail if i % 2 == 0 else tail)
+        names.append(name)
+    # The same prompt under every adapter: the prefix cache must not serve one adapter's blocks to another.
+    prompts += [shared + [7, 8, 9]] * 4
+    names += [None, "qv", "all", "rs"]
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params, adapters=names)
+    assert engine.stats.preemptions > 0
+    assert engine.stats.cached_prompt_tokens > 0
+    refs = [
+        _peft_greedy(base, None if n is None else folders[n], p, 10)
+        for p, n in zip(prompts, names, strict=True)
+    ]
+    for out, ref, name in zip(outs, refs, names, strict=True):
+        assert out.error is None
+        assert out.token_ids == ref, f"adapter {name}"
+    same_prompt = refs[-4:]
+    assert len({tuple(r) for r in same_prompt}) == 4, "each adapter changes the output"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # A row alone equals the same row in the mixed batch.
+    for i in (2, 9, 11):
+        alone = engine.generate([prompts[i]], params, adapters=[names[i]])[0]
+        assert alone.token_ids == outs[i].token_ids
+
+
+def test_decode_buffers_and_resume_keep_the_adapter(adapter_sets):
+    """The padded decode buffers (cuda_graphs on a CPU engine) and a resumed request (its snapshot names the
+    adapter) give PEFT's tokens."""
+    base, folders = adapter_sets["llama"]
+    engine = Engine.from_pretrained(
+        str(base),
+        dtype="float64",
+        device="cpu",
+        block_size=4,
+        cuda_graphs=True,
+        lora={"all": str(folders["all"])},
+    )
+    prompt = list(range(5, 25))
+    ref = _peft_greedy(base, folders["all"], prompt, 12)
+    engine.add_request(
+        "r", prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True), adapter="all"
+    )
+    engine.add_request("b", prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    states = {s.request_id: s for s in engine.snapshot()}
+    assert states["r"].adapter == "all" and states["b"].adapter is None
+    fresh = Engine.from_pretrained(
+        str(base), dtype="float64", device="cpu", lora={"all": str(folders["all"])}
+    )
+    s = states["r"]
+    fresh.add_request("r", s.prompt_ids, s.params, output_ids=s.output_ids, adapter=s.adapter)
+    while fresh.has_unfinished():
+        for out in fresh.step():
+            assert out.token_ids == ref
+
+
+def test_cpu_fast_path_update_beside_the_packed_gemm(adapter_sets):
+    """float32 with packed linears: a step's logits under an adapter equal PEFT's (float32 tolerance)."""
+    base, folders = adapter_sets["qwen2"]
+    engine = Engine.from_pretrained(
+        str(base), dtype="float32", device="cpu", block_size=4, lora={k: str(v) for k, v in folders.items()}
+    )
+    if not engine.runner.packed_linears:
+        pytest.skip("no oneDNN packing on this CPU")
+    assert hasattr(engine.model.get_submodule("model.layers.0.self_attn.q_proj"), "_batchjob_packed")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (9, 4, 13, 6)]
+    names = [None, "qv", "all", "rs"]
+    for i, (p, name) in enumerate(zip(prompts, names, strict=True)):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, temperature=0), adapter=name)
+    reqs = list(engine.scheduler.waiting)
+    for r in reqs:
+        assert engine.block_manager.allocate(r, r.num_tokens)
+    logits, _ = engine.runner.execute(SchedulerOutput(reqs, [r.num_tokens for r in reqs]))
+    for row, (p, name) in enumerate(zip(prompts, names, strict=True)):
+        model = _hf(base, torch.float32)
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, str(folders[name])).eval()
+        with torch.inference_mode():
+            ref = model(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
+
+
+def _edited(folder: Path, tmp_path: Path, name: str, **changes) -> Path:
+    out = tmp_path / name
+    out.mkdir()
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(changes)
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    (out / "adapter_model.safetensors").write_bytes((folder / "adapter_model.safetensors").read_bytes())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"lora_bias": True}, "LoRA biases"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "base biases"),
+        ({"base_model_name_or_path": "someone/Other-Model"}, "made for base model 'someone/Other-Model'"),
+        ({"r": 5}, "made for another base model"),
+    ],
+)
+def test_refused_by_name(adapter_sets, tmp_path, changes, message):
+    base, folders = adapter_sets["llama"]
+    bad = _edited(folders["qv"], tmp_path, "bad", **changes)
+    with pytest.raises(ConfigError, match=message):
+        Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"bad": str(bad)})
+
+
+def test_refused_targets_bases_and_settings(adapter_sets, tiny_model_dirs, tmp_path):
+    base, folders = adapter_sets["llama"]
+    head = make_adapter(base, tmp_path / "head", 9, r=2, target_modules=["lm_head"])
+    with pytest.raises(ConfigError, match="output head"):
+        Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"head": str(head)})
+    emb = make_adapter(base, tmp_path / "emb", 9, r=2, target_modules=["embed_tokens"])
+    with pytest.raises(ConfigError, match="input embedding"):
+        Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"emb": str(emb)})
+    other = make_model(tmp_path / "wide" / "llama", "llama", hidden_size=32, intermediate_size=64)
+    with pytest.raises(ConfigError, match="made for another base model"):
+        Engine.from_pretrained(str(other), dtype="float64", device="cpu", lora={"qv": str(folders["qv"])})
+    with pytest.raises(ConfigError, match="task='embed' are not supported"):
+        Engine.from_pretrained(str(base), device="cpu", task="embed", lora={"qv": str(folders["qv"])})
+    with pytest.raises(ConfigError, match="needs adapter_config.json"):
+        Engine.from_pretrained(str(base), device="cpu", lora={"x": str(tmp_path)})
+    engine = Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"qv": str(folders["qv"])})
+    with pytest.raises(ConfigError, match="unknown LoRA adapter 'nope'"):
+        engine.add_request("a", [5, 6], adapter="nope")
+
+
+def test_choices_and_samples_run_under_their_adapter(adapter_sets, tmp_path):
+    """Choice scores (their helper requests) and n samples run under the row's adapter: the same in a
+    mixed batch as alone, as the adapter merged into the weights gives them, and not the base model's."""
+    from transformers import AutoTokenizer
+
+    base, folders = adapter_sets["llama"]
+    merged = peft.PeftModel.from_pretrained(_hf(base), str(folders["all"])).merge_and_unload()
+    merged.save_pretrained(str(tmp_path / "merged"))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(tmp_path / "merged"))
+    engine = Engine.from_pretrained(
+        str(base), dtype="float64", device="cpu", block_size=4, lora={"all": str(folders["all"])}
+    )
+    prompt = list(range(5, 30))
+    choice = SamplingParams(max_new_tokens=4, temperature=0, choices=["ab", "cd e", "f"])
+    mixed = engine.generate([prompt, prompt], choice, adapters=["all", None])
+    alone = engine.generate([prompt], choice, adapters=["all"])[0]
+    assert mixed[0].choice_logprobs == alone.choice_logprobs
+    assert mixed[0].choice_logprobs != mixed[1].choice_logprobs
+    reference = Engine.from_pretrained(str(tmp_path / "merged"), dtype="float64", device="cpu", block_size=4)
+    want = reference.generate([prompt], choice)[0].choice_logprobs
+    assert want is not None and mixed[0].choice_logprobs is not None
+    for label, value in want.items():
+        assert mixed[0].choice_logprobs[label] == pytest.approx(value, rel=1e-9, abs=1e-9)
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=3)
+    with_adapter = engine.generate([prompt], sampled, adapters=["all"])
+    again = engine.generate([prompt, prompt], sampled, adapters=[None, "all"])[3:]
+    assert [o.token_ids for o in with_adapter] == [o.token_ids for o in again]

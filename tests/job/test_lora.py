@@ -1,0 +1,189 @@
+"""Jobs with LoRA adapters: --lora / [lora], --adapter-column (null or empty: base; unknown: an error row),
+one adapter for every row, --format openai's body.model, the adapter column, the adapters in the job's
+identity, and a kill -9 then resume equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import time
+
+import pytest
+
+from batchjob.errors import ConfigError
+from batchjob.job import make_spec, run_job
+from tests.jobproc import read_results, run_here
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.timeout(600)
+
+NAMES = ("qv", "mlp", "rs")
+CONFIGS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "rs": dict(r=2, lora_alpha=4, use_rslora=True, target_modules=["o_proj"]),
+}
+N_ROWS = 60
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, name in enumerate(NAMES):
+        torch.manual_seed(i + 1)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **CONFIGS[name]))
+        model.save_pretrained(str(root / name))
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    rng = random.Random(0)
+    words = ["great", "terrible", "fine", "broke", "love", "quality", "price", "arrived", "slow", "cheap"]
+    with open(path, "w") as f:
+        for i in range(N_ROWS):
+            adapter = [None, "", *NAMES][i % 5] if i != 7 else "nope"
+            text = " ".join(rng.choices(words, k=rng.randint(3, 20)))
+            f.write(json.dumps({"rid": f"r{i:03d}", "review": text, "adapter": adapter}) + "\n")
+    return path
+
+
+def _spec(rows, out, model, adapters, **extra):
+    return (
+        dict(
+            input=[str(rows)],
+            output=str(out),
+            model=str(model),
+            template="Review: {review}\nSentiment:",
+            id_column="rid",
+            max_new_tokens=8,
+            max_num_seqs=8,
+            lora=[f"{n}={p}" for n, p in adapters.items()],
+        )
+        | extra
+    )
+
+
+def test_adapter_column_one_adapter_and_identity(rows, tiny_model_dir, adapters, tmp_path):
+    mixed = tmp_path / "mixed"
+    assert run_job(make_spec(**_spec(rows, mixed, tiny_model_dir, adapters, adapter_column="adapter"))).status
+    got = {r["rid"]: r for r in read_results(mixed)}
+    assert len(got) == N_ROWS
+    assert "unknown LoRA adapter 'nope'" in got["r007"]["error"]
+    for rid, r in got.items():
+        if rid != "r007":
+            assert r["error"] is None
+            assert r["adapter"] == [None, None, *NAMES][int(rid[1:]) % 5]
+    assert got["r002"]["input_adapter"] == "qv"  # the input's own column keeps its values, renamed
+    assert {r["adapter"] for r in got.values()} == {None, *NAMES}
+    # One adapter and no column: every row takes it, and gets the text the mixed job gave its rows.
+    alone = tmp_path / "alone"
+    one = {"mlp": adapters["mlp"]}
+    assert run_job(make_spec(**_spec(rows, alone, tiny_model_dir, one)))
+    for r in read_results(alone):
+        assert r["adapter"] == "mlp"
+        if got[r["rid"]]["adapter"] == "mlp":
+            assert r["generated_text"] == got[r["rid"]]["generated_text"]
+    texts = {
+        name: [r["generated_text"] for r in got.values() if r["adapter"] == name] for name in (None, *NAMES)
+    }
+    assert len({tuple(t[:1]) for t in texts.values()}) > 1
+    # The job's identity holds each adapter by content: a changed adapter on resume is refused by name.
+    changed = tmp_path / "changed"
+    shutil.copytree(adapters["rs"], changed)
+    cfg = json.loads((changed / "adapter_config.json").read_text())
+    (changed / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 7}))
+    spec = _spec(rows, alone, tiny_model_dir, {"mlp": changed})
+    code, text = run_here(_args(spec))
+    assert code != 0 and "lora.mlp" in text
+
+
+def _args(spec: dict) -> list[str]:
+    out: list[str] = []
+    for k, v in spec.items():
+        for item in v if isinstance(v, list) else [v]:
+            out += ["--" + k.replace("_", "-"), str(item)]
+    return out
+
+
+def test_refused_before_any_work(rows, tiny_model_dir, adapters, tmp_path):
+    with pytest.raises(ConfigError, match="give --adapter-column"):
+        make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, adapters))
+    with pytest.raises(ConfigError, match="NAME=PATH"):
+        make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, {}, lora=["justapath"]))
+    with pytest.raises(ConfigError, match="--adapter-column needs adapters"):
+        make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, {}, adapter_column="adapter"))
+
+
+def test_job_file_lora_table_and_openai_body_model(tiny_model_dir, adapters, tmp_path):
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": m,
+                "messages": [{"role": "user", "content": "Paris is the capital of"}],
+                "max_tokens": 6,
+                "temperature": 0,
+            },
+        }
+        for i, m in enumerate(["qv", "rs", None, "some-other-model", "qv"])
+    ]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({k: v for k, v in x.items()}) + "\n" for x in lines))
+    job = tmp_path / "job.toml"
+    table = "".join(f'{n} = "{p}"\n' for n, p in adapters.items())
+    job.write_text(
+        f'input = "{requests}"\noutput = "{tmp_path / "out"}"\nmodel = "{tiny_model_dir}"\n'
+        f'format = "openai"\n\n[lora]\n{table}'
+    )
+    assert run_job(make_spec(job)).status == "complete"
+    got = {r["custom_id"]: r for r in read_results_by(tmp_path / "out", "custom_id")}
+    assert [got[f"c{i}"]["adapter"] for i in range(5)] == ["qv", "rs", None, None, "qv"]
+    assert got["c0"]["generated_text"] == got["c4"]["generated_text"]
+
+
+def read_results_by(out, key):
+    import pyarrow.dataset as ds
+
+    return sorted(ds.dataset(out, format="parquet").to_table().to_pylist(), key=lambda r: r[key])
+
+
+def test_sigkill_then_resume_equals_uninterrupted(launch, rows, tiny_model_dir, adapters, tmp_path):
+    spec = _spec(rows, tmp_path / "ref", tiny_model_dir, adapters, adapter_column="adapter")
+    assert run_job(make_spec(**spec)).status == "complete"
+    expected = read_results(tmp_path / "ref")
+    out = tmp_path / "out"
+    args = _args(spec | {"output": str(out), "checkpoint_interval": 0.2})
+    rng = random.Random(4)
+    for _ in range(2):
+        proc = launch(args, BATCHJOB_FAULT_PAUSE="part_committed")
+        deadline = time.monotonic() + 120
+        while not (out / "_batchjob" / "job.json").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.3, 1.2))
+        assert proc.poll() is None, proc.stdout.read()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    code, output = run_here(args)
+    assert code == 0, output
+    assert read_results(out) == expected
+
+
+def test_devices_with_adapters_refused(rows, tiny_model_dir, adapters, tmp_path):
+    spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"qv": adapters["qv"]})
+    code, text = run_here([*_args(spec), "--devices", "cpu,cpu"])
+    assert code == 2 and "LoRA adapters with --devices or --ray are not supported" in text
