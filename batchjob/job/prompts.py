@@ -288,9 +288,14 @@ def _check_template_field(part: TemplateField, field: Any) -> None:
 def _check_prompt_column(column: str, t: Any) -> None:
     import pyarrow as pa
 
-    if _is_scalar(t) or pa.types.is_struct(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    kinds = (pa.types.is_struct, pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list, pa.types.is_map)
+    binary = pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+    if _is_scalar(t) or binary or any(kind(t) for kind in kinds):
+        bytes_note = " (bytes; every row would be refused as not text)" if binary else ""
         raise ConfigError(
-            f"prompt column {column!r} is {t} in the input, not text: choose a text column with "
+            f"prompt column {column!r} is {t} in the input{bytes_note}, not text: choose a text column with "
             "--prompt-column, or build the prompt with --template"
         )
 

@@ -170,7 +170,7 @@ def test_struct_and_list_fields_in_a_job(data, tiny_model_dir, tmp_path):
 
 @pytest.fixture()
 def typed_inputs(tmp_path):
-    """A Parquet file with text, struct, list and integer columns; a JSONL file with a text column and a
+    """A Parquet file with text, struct, list, integer and binary columns; a JSONL file with a text column and a
     column of nested lists (JSON text to the schema, lists in the rows)."""
     pq.write_table(
         pa.table(
@@ -180,6 +180,7 @@ def typed_inputs(tmp_path):
                 "tags": [["a"], ["b"]],
                 "n": [1, 2],
                 "p": [{"temprature": 0.5}, {"temprature": None}],
+                "raw": pa.array([b"great", b"bad"], pa.binary()),
             }
         ),
         tmp_path / "typed.parquet",
@@ -210,6 +211,8 @@ TYPE_REFUSALS = [
     ),
     ("typed.jsonl", ["--template", "{n[0]}"], "'n' is int64 in the input, so no row has [0]"),
     ("typed.parquet", ["--prompt-column", "n"], "prompt column 'n' is int64 in the input, not text"),
+    ("typed.parquet", ["--prompt-column", "raw"], "prompt column 'raw' is binary in the input (bytes;"),
+    ("typed.parquet", ["--prompt-column", "tags"], "prompt column 'tags' is list<element: string>"),
     (
         "typed.jsonl",
         ["--template", "{text}", "--params-column", "n"],
