@@ -23,6 +23,9 @@ def main() -> None:
     from batchjob.bench import engines
     from batchjob.bench.workload import synthetic_workload
 
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print("usage: python measurements/peak_rss.py DTYPE [MODEL_DIR|-]\n\n" + (__doc__ or "").strip())
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     dtype = sys.argv[1]
     model = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None
     with torch.inference_mode():

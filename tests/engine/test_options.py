@@ -72,7 +72,7 @@ def test_from_pretrained_takes_the_options_as_one_object_a_keyword_winning(tiny_
     monkeypatch.setattr(Engine, "from_pretrained", lambda model, **kw: seen.update(kw, model=model))
     spec = make_spec(model="m", device="cpu", admission="static")
     runner.load_engine(spec)
-    assert seen == {"model": "m", "trust_remote_code": False, "options": spec.engine}
+    assert seen == {"model": "m", "trust_remote_code": False, "options": spec.engine, "lora": None}
     assert spec.engine.static_batching and spec.engine.check_kv_pool and spec.engine.device == "cpu"
 
 
