@@ -25,6 +25,7 @@ import torch
 
 from batchjob import env
 from batchjob.engine.cpu.bf16 import native_bf16
+from batchjob.engine.cpu.pages import FilePages
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
 
@@ -92,7 +93,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
     first = next(model.parameters(), None)
     if first is not None:
         uses[id(first)] = 0  # transformers takes the model's device from its first parameter: never meta
-    count = 0
+    count, pages = 0, FilePages()
     for module in model.modules():
         if type(module) is not torch.nn.Linear or not packs(module.weight.dtype):
             continue
@@ -105,7 +106,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
             continue
         module.forward = types.MethodType(_packed_forward, module)
         if uses.get(id(module.weight), 0) == 1:  # not tied to another module: the packed copy is the one
-            module.weight = _drop(module.weight)
+            plain, module.weight = module.weight, _drop(module.weight)
+            pages.release(plain.detach())  # its pages of the checkpoint file's mapping (pages.py)
         count += 1
     if count:
         _own_storage(model)
