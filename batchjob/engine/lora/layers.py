@@ -33,6 +33,12 @@ from batchjob.engine.lora.peft_folder import LoraWeights
 # they share ``x @ a.T``. Where a model passes them different tensors each computes its own (correct, slower).
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
+# A step computes every present adapter's columns for every row (the mask) while rows x (adapters - 1) is at
+# most this; past it (prompt chunks of several adapters) each adapter's rows are gathered instead, so the
+# wasted products of other adapters' columns never outgrow the saved calls (measured at 135M: 16 adapters
+# over a 1,024-row prefill cost 1.6 s more masked than gathered).
+DENSE_LIMIT = 512
+
 Layout = tuple[tuple[int, int], ...]  # (adapter index, rank) of each stacked block of rank columns, in order
 
 
@@ -45,6 +51,7 @@ class LoraStep:
         self.whole = 0  # the adapter that has every row of the step (0: none does)
         self.generation = 0  # bumped by every set(): what a layer computed for an earlier step is stale
         self._index: torch.Tensor | None = None  # [T] int64 on the device
+        self.rows: dict[int, torch.Tensor] | None = None  # adapter -> its rows, when gathered (not masked)
         self._masks: dict[tuple[Layout, int], torch.Tensor] = {}
         self._owners: dict[Layout, torch.Tensor] = {}
 
@@ -53,12 +60,17 @@ class LoraStep:
         self.generation += 1
         self._masks.clear()
         if adapter_of_row is None or not adapter_of_row.any():
-            self.present, self.whole, self._index = frozenset(), 0, None
+            self.present, self.whole, self._index, self.rows = frozenset(), 0, None, None
             return
         self.present = frozenset(np.unique(adapter_of_row[adapter_of_row > 0]).tolist())
         first = int(adapter_of_row[0])
         self.whole = first if len(self.present) == 1 and bool((adapter_of_row == first).all()) else 0
         self._index = torch.from_numpy(adapter_of_row).to(self.device)
+        self.rows = None
+        if len(adapter_of_row) * (len(self.present) - 1) > DENSE_LIMIT:
+            self.rows = {
+                i: torch.from_numpy(np.flatnonzero(adapter_of_row == i)).to(self.device) for i in self.present
+            }
 
     def mask(self, layout: Layout, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, R] 1 where a row's adapter owns the rank column, else 0 (rows past the step's: 0)."""
@@ -126,6 +138,14 @@ class Group:
 
 def _update(flat_x: torch.Tensor, flat: torch.Tensor, target: Target, group: Group, step: LoraStep) -> None:
     """Add the step's updates of ``target`` to ``flat`` [rows, out] in place."""
+    if step.rows is not None:  # many rows of several adapters: each adapter's rows gathered
+        for i, r in target.layout:
+            rows = step.rows.get(i)
+            if rows is not None:
+                start = target.starts[i]
+                h = flat_x.index_select(0, rows) @ target.a[start : start + r].T
+                flat.index_add_(0, rows, h @ target.bt[start : start + r])
+        return
     if group.size > 1 and group.adapters <= step.present:
         h = group.h(flat_x, step)[:, target.offset : target.offset + target.a.shape[0]]
         flat.addmm_(h, target.bt)
