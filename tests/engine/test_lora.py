@@ -73,9 +73,13 @@ def _peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) ->
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_mixed_batch_equals_peft_generate(adapter_sets, family):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_mixed_batch_equals_peft_generate(adapter_sets, family, gathered, monkeypatch):
     """Rows of three adapters and base rows in one batch, chunked prefill, preemption and a shared prefix:
-    each row's greedy tokens equal PEFT's generate with its adapter; each adapter changes the output."""
+    each row's greedy tokens equal PEFT's generate with its adapter; each adapter changes the output. Both
+    ways a step adds the updates: masked (every row against every adapter), and each adapter's rows gathered."""
+    if gathered:
+        monkeypatch.setattr("batchjob.engine.lora.layers.DENSE_LIMIT", 0)
     base, folders = adapter_sets[family]
     engine = Engine.from_pretrained(
         str(base),
