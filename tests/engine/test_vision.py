@@ -123,3 +123,17 @@ def test_other_vision_families_are_refused_by_name():
         ConfigError, match="vision-language model family 'qwen2_vl' is not supported yet; supported: llava"
     ):
         check_family(Qwen2VLConfig())
+
+
+def test_preempted_image_rows_recompute_exactly(llava):
+    """A KV pool too small for every row at once: preempted rows recompute their image tokens from the
+    features they keep (the vision tower runs once per image all the same) and still equal HF generate."""
+    folder, processor, hf = llava
+    rows = [_inputs(processor, [make_image(s) for s in seeds], text) for seeds, text in ROWS]
+    expected = [_hf_greedy(hf, inputs) for inputs in rows]
+    engine = Engine.from_pretrained(
+        folder, device="cpu", dtype="float64", num_blocks=40, block_size=4, max_num_batched_tokens=64
+    )
+    assert _run(engine, rows) == expected
+    assert engine.stats.preemptions > 0
+    assert engine.vision.encoded_images == 5
