@@ -137,3 +137,20 @@ def test_preempted_image_rows_recompute_exactly(llava):
     assert _run(engine, rows) == expected
     assert engine.stats.preemptions > 0
     assert engine.vision.encoded_images == 5
+
+
+def test_a_refused_family_is_named_before_its_weights_are_read(tmp_path):
+    """A Qwen2-VL folder (its config alone: no weights, no tokenizer) is refused by the loader and by the
+    engine's plan (what ``batchjob validate`` runs), by family, before anything else is read."""
+    from transformers import Qwen2VLConfig
+
+    from batchjob.engine.config import EngineConfig
+    from batchjob.engine.plan import plan_model
+    from batchjob.models import load_config, load_model_and_tokenizer
+
+    Qwen2VLConfig().save_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported yet; supported: llava"):
+        load_model_and_tokenizer(str(tmp_path), torch.float32, "cpu")
+    config, _ = load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported yet"):
+        plan_model(config, EngineConfig(device="cpu"))
