@@ -213,24 +213,31 @@ def load_model_and_tokenizer(
 ) -> tuple[Any, Any, str]:
     """Load an unmodified Hugging Face model and its tokenizer. Returns (model, tokenizer, resolved).
 
-    ``task``: generate and score load the causal LM, embed the model's body (``AutoModel``), classify its
-    sequence-classification head. ``trust_remote_code``: allow the Python code a model folder ships
-    (``auto_map``) to run."""
+    ``task``: generate and score load the causal LM (a vision-language model: its image-text-to-text
+    class), embed the model's body (``AutoModel``), classify its sequence-classification head.
+    ``trust_remote_code``: allow the Python code a model folder ships (``auto_map``) to run."""
     from transformers import (
         AutoModel,
         AutoModelForCausalLM,
+        AutoModelForImageTextToText,
         AutoModelForSequenceClassification,
         AutoTokenizer,
     )
+
+    from batchjob.engine.vision.family import check_family, is_vlm  # (its package imports torch)
 
     auto = {"embed": AutoModel, "classify": AutoModelForSequenceClassification}.get(
         task, AutoModelForCausalLM
     )
 
     resolved = resolve_model(name)
+    # The config first: a model that needs its own code is refused before anything else is read, and a
+    # vision-language family batchjob has not built before its weights are.
+    config = _config(name, resolved, trust_remote_code)
+    if is_vlm(config):
+        check_family(config)
+        auto = AutoModelForImageTextToText
     try:
-        # The config first: a model that needs its own code is refused before anything else is read.
-        _config(name, resolved, trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
         if not trust_remote_code:  # a hub model's tokenizer_config.json, read only now
             _refuse_own_code(resolved, tokenizer.init_kwargs.get("auto_map"), "tokenizer_config.json", None)

@@ -134,7 +134,10 @@ class BlockManager:
         root = req.adapter.to_bytes(4, "little") if req.adapter else b""
         while len(digests) < num_full:
             i = len(digests)
-            digests.append(block_digest(digests[-1] if digests else root, toks[i * bs : (i + 1) * bs]))
+            parent = digests[-1] if digests else root
+            if req.images is not None:  # a block holding image tokens is keyed by its images too
+                parent += req.images.block_bytes(i * bs, (i + 1) * bs)
+            digests.append(block_digest(parent, toks[i * bs : (i + 1) * bs]))
         return digests[:num_full]
 
     def reusable(self, req: Request) -> int:

@@ -21,6 +21,8 @@ def check_request(
         return "empty prompt: no tokens"
     if req.num_tokens >= max_model_len:
         return f"prompt of {n} tokens does not fit the model's context of {max_model_len} tokens"
+    if req.images is not None and req.images.error:
+        return req.images.error
     bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
     if bad:
         return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from batchjob.engine import cpu, offline, parallel, speculative, tasks
+from batchjob.engine import cpu, offline, parallel, speculative, tasks, vision
 from batchjob.engine import lora as lora_adapters
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.checks import check_request
@@ -75,6 +75,7 @@ class Engine:
         self.helpers = Helpers(self._requests, self.scheduler, self._check)  # features/helpers.py
         # The resident LoRA adapters, beside the layers they target (engine/lora/).
         self.lora = lora_adapters.attach_to(self, lora, tensor_parallel is not None) if lora else None
+        self.vision = vision.attach_to(self, tensor_parallel is not None)  # a VLM's images (engine/vision/)
 
     def _build(self, plan: ModelPlan, tensor_parallel) -> None:
         """The KV pool (planned, or sized by profiling), the block manager, model runner and scheduler."""
@@ -181,6 +182,7 @@ class Engine:
         continuation_ids: Sequence[int] | None = None,
         token_logprobs: bool = False,
         adapter: str | None = None,
+        images: Any = None,
     ) -> None:
         """Queue a request. ``output_ids`` resumes one that already generated tokens in an earlier run.
 
@@ -194,6 +196,7 @@ class Engine:
         ``sample_index`` when given (to resume it).
 
         ``adapter``: a LoRA adapter the engine holds, by name (None: the base model; unknown: ConfigError).
+        ``images``: a vision-language model's pixel values ``[N, C, H, W]`` for the prompt's N images.
         ``continuation_ids`` and ``token_logprobs`` are a prefill-only engine's (engine/tasks/).
         """
         if continuation_ids is not None or token_logprobs:
@@ -202,10 +205,11 @@ class Engine:
         if params.seed is None and not params.greedy:
             params = params.replace(seed=random.getrandbits(63))
         index = lora_adapters.index_of(self.lora, adapter)
+        shown = vision.admit(self.vision, images, prompt_ids)  # its images (None: a text request)
         leader = None  # the first sample computes the prompt; the others wait for it (features/samples.py)
         for s in samples(request_id, params.n, key, sample_index):
             req = self._add(
-                s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader, index
+                s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader, index, shown
             )
             leader = leader or req
 
@@ -220,14 +224,14 @@ class Engine:
         key: int | None,
         wait_for: Request | None,
         adapter: int = 0,
+        images: vision.Images | None = None,
     ) -> Request:
         if rid in self._requests:
             raise ConfigError(f"request id {rid!r} is already in the engine")
         prompt = [int(t) for t in prompt_ids]
         output = [int(t) for t in output_ids] if output_ids else []
         req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
-        req.sample_index = sample_index
-        req.adapter = adapter
+        req.sample_index, req.adapter, req.images = sample_index, adapter, images
         if key is not None:
             req.key = key
         for feature in self.features:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from batchjob.engine import attention, cpu
+from batchjob.engine import attention, cpu, vision
 from batchjob.engine.attention import AttentionBackend, AttentionMetadata, Packer, StepLayout
 from batchjob.engine.attention.layout import ramps
 from batchjob.engine.attention.registry import backend_class, choose_attention
@@ -112,12 +112,13 @@ class ModelRunner:
         if compile_model:
             # Attention stays eager (its batch layout is Python data, fresh every step); the layers between
             # attentions compile with dynamic lengths.
-            model.set_attn_implementation(attention.ATTN_NAME_UNCOMPILED)
+            model.set_attn_implementation(vision.attn_implementation(model, attention.ATTN_NAME_UNCOMPILED))
             self.forward = torch.compile(model, dynamic=True)
         else:
-            model.set_attn_implementation(attention.ATTN_NAME)
+            model.set_attn_implementation(vision.attn_implementation(model, attention.ATTN_NAME))
             self.forward = model
         self.lora: LoraStep | None = None  # with LoRA adapters (engine/lora/): the step's rows by adapter
+        self.vision: vision.VisionStep | None = None  # a vision-language model's (engine/vision/): image rows
         self.graphs: DecodeGraphs | None = None
         if scratch_block is not None:
             self.graphs = DecodeGraphs(self, scratch_block, max_graph_rows, -(-max_model_len // block_size))
@@ -171,6 +172,7 @@ class ModelRunner:
         per = drafts[sample_mask] + 1
         sample_rows = np.repeat(offsets[1:][sample_mask] - per, per) + ramps(per)
         adapters = None if self.lora is None else np.repeat([r.adapter for r in reqs], n).astype(np.int64)
+        images = None if self.vision is None else self.vision.rows(reqs, starts, ends, offsets)
         return StepLayout(
             np.array(ids, dtype=np.int64),
             positions,
@@ -185,6 +187,7 @@ class ModelRunner:
             sample_mask,
             sample_rows,
             adapters,
+            images,
         )
 
     def _prepare(self, plan: SchedulerOutput | None, lay: StepLayout | None = None):
@@ -282,7 +285,7 @@ class ModelRunner:
         logits = None
         if self.lora is not None:
             self.lora.set(lay.adapter_of_row)
-        if self.graphs is not None and lay.decode_like:
+        if self.graphs is not None and lay.decode_like and lay.images is None:
             t0 = time.perf_counter()
             logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.table[lay.req_of_row])
             if logits is not None and len(lay.sample_rows) < len(lay.ids):
@@ -290,8 +293,12 @@ class ModelRunner:
         if logits is None:
             input_ids, position_ids, meta, sample_rows = self._prepare(None, lay)
             t0 = time.perf_counter()
+            tokens = {"input_ids": input_ids}
+            if lay.images is not None:  # image tokens enter as embeddings, features in their rows (vision/)
+                assert self.vision is not None
+                tokens = {"inputs_embeds": self.vision.embed(input_ids, lay.images)}
             out = self.call_model(
-                input_ids=input_ids,
+                **tokens,
                 position_ids=position_ids,
                 use_cache=False,
                 logits_to_keep=sample_rows,

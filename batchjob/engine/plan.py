@@ -14,6 +14,7 @@ from batchjob.engine.attention.registry import AttentionChoice, choose_attention
 from batchjob.engine.config import EngineConfig, KVShape
 from batchjob.engine.parallel.shard import check_shardable
 from batchjob.engine.support import attention_features, check_supported
+from batchjob.engine.vision import family as vision
 from batchjob.errors import ConfigError
 
 
@@ -45,7 +46,11 @@ class KVPlan:
 def plan_model(model_config, config: EngineConfig, model=None, tensor_parallel: bool = False) -> ModelPlan:
     """Refuse a model our attention would answer wrongly (by name), one rank's shard outside its
     tensor-parallel engine (``tensor_parallel``: the engine is one), a tensor-parallel size the family
-    cannot split, a ``max_model_len`` beyond its context, an encoder asked to generate or score."""
+    cannot split, a ``max_model_len`` beyond its context, an encoder asked to generate or score, a
+    vision-language family not built (or with what its images are not built for: vision/family.py)."""
+    if vision.is_vlm(model_config):
+        vision.check_family(model_config)
+        vision.refuse(config, tensor_parallel or config.tensor_parallel_size > 1)
     check_supported(model_config, model)
     if getattr(model, "_batchjob_tp_shard", None) is not None and not tensor_parallel:
         raise ConfigError(

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from batchjob.engine.ngram import SpecState
     from batchjob.engine.stop_strings import StopScan
     from batchjob.engine.tasks.state import TaskState
+    from batchjob.engine.vision.state import Images
 
 
 class RequestStatus(enum.IntEnum):
@@ -108,6 +109,7 @@ class Request:
     stop: StopScan | None = None  # output.py: the incremental text its stop strings are looked for in
     task: TaskState | None = None  # tasks.py: a prefill-only request (embed, classify, score), never samples
     adapter: int = 0  # lora/: the LoRA adapter it runs under (0: the base model); roots its block digests
+    images: Images | None = None  # vision/: its images (pixels, image-token positions, features once encoded)
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

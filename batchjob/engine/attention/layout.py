@@ -8,6 +8,7 @@ sends them to the device with the runner's own arrays in a single copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ class StepLayout:
     sample_mask: np.ndarray  # [R] whether the request samples this step
     sample_rows: np.ndarray  # [S] rows whose logits are sampled
     adapter_of_row: np.ndarray | None = None  # [T] LoRA adapter of each row (0: base); None: none loaded
+    images: Any = None  # vision/: the step's image-token rows and their features; None: no image token
 
     @property
     def decode_like(self) -> bool:

@@ -1,0 +1,34 @@
+"""(leaf) Which vision-language families batchjob runs, told from a model's config alone (no torch): the
+loader picks the image-text class for them (models.py), the engine's plan refuses the others by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+SUPPORTED = ("llava",)
+
+
+def is_vlm(config: Any) -> bool:
+    """Whether a model config is a vision-language model's (it has a vision tower's config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_family(config: Any) -> None:
+    """Refuse a vision-language family batchjob has not built, naming it."""
+    if is_vlm(config) and config.model_type not in SUPPORTED:
+        raise ConfigError(
+            f"vision-language model family {config.model_type!r} is not supported yet; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
+
+
+def refuse(config: Any, sharded: bool) -> None:
+    """Refuse by name what image rows are not built with: tensor parallelism, a prefill-only task."""
+    if sharded:
+        raise ConfigError("vision-language models with tensor parallelism are not supported")
+    if config.task != "generate":
+        raise ConfigError(
+            f"vision-language models with task={config.task!r} are not supported (generate only)"
+        )

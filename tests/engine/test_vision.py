@@ -1,0 +1,156 @@
+"""Image rows through the engine (LLaVA, float64): greedy tokens equal HF ``generate`` on the processor's
+inputs, token for token, with one and two images a row, a text-only row in the same batch, chunked prefill
+cutting through an image, and the prefix cache (same image: a hit; another image: no hit, still exact).
+Other vision-language families are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchjob import Engine, SamplingParams
+from batchjob.engine.vision import check_family
+from batchjob.errors import ConfigError
+from tests.tiers import engine_fixture
+from tests.vision_models import IMAGE_TOKENS, make_image, make_llava
+
+pytestmark = pytest.mark.timeout(600)
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
+
+
+@engine_fixture(scope="module")
+def llava(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = make_llava(tmp_path_factory.mktemp("llava") / "llava")
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).eval()
+    return folder, AutoProcessor.from_pretrained(folder), hf
+
+
+def _inputs(processor, images, text):
+    messages = [
+        {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}
+    ]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return processor(images=images or None, text=rendered, return_tensors="pt")
+
+
+def _hf_greedy(hf, inputs) -> list[int]:
+    kwargs = {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask}
+    if "pixel_values" in inputs:
+        kwargs["pixel_values"] = inputs.pixel_values.double()
+    with torch.inference_mode():
+        out = hf.generate(
+            **kwargs, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, inputs.input_ids.shape[1] :].tolist()
+
+
+def _run(engine, rows) -> list[list[int]]:
+    for i, inputs in enumerate(rows):
+        pixels = inputs.get("pixel_values")
+        engine.add_request(f"r{i}", inputs.input_ids[0].tolist(), GREEDY, images=pixels)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            outs[o.request_id] = o.token_ids
+    return [outs[f"r{i}"] for i in range(len(rows))]
+
+
+ROWS = [
+    ([1], "What is it?"),
+    ([2, 3], "Compare these two."),
+    ([], "The quick brown fox"),
+    ([4], "Paris is"),
+    ([5], "What is it?"),  # the first row's text under another image
+]
+
+
+@pytest.mark.parametrize("budget", [512, 20], ids=["whole", "chunked"])
+def test_images_equal_hf_generate(llava, budget):
+    """One and two images a row, a text-only row, a chunk budget (20) smaller than an image (16 tokens)
+    after the template's tokens: every row's tokens equal HF generate's; the images change the answer."""
+    folder, processor, hf = llava
+    rows = [_inputs(processor, [make_image(s) for s in seeds], text) for seeds, text in ROWS]
+    expected = [_hf_greedy(hf, inputs) for inputs in rows]
+    engine = Engine.from_pretrained(
+        folder, device="cpu", dtype="float64", num_blocks=128, block_size=8, max_num_batched_tokens=budget
+    )
+    assert _run(engine, rows) == expected
+    assert expected[0] != expected[4], "two images under the same text should answer differently"
+    assert engine.vision.encoded_images == 5  # once per image, never again
+
+
+def test_prefix_cache_keys_on_the_image(llava):
+    """The same image and text again reuses the cached blocks holding image tokens; the same text under
+    another image reuses none of them (the prompt starts with the image's tokens at once) and is exact."""
+    folder, processor, hf = llava
+    engine = Engine.from_pretrained(
+        folder, device="cpu", dtype="float64", num_blocks=128, block_size=4, enable_prefix_caching=True
+    )
+    first = _inputs(processor, [make_image(7)], "What is it?")
+    image_start = first.input_ids[0].tolist().index(engine.vision.image_token_id)
+    _run(engine, [first])
+    before = engine.stats.cached_prompt_tokens
+    same = _inputs(processor, [make_image(7)], "What is it?")
+    assert _run(engine, [same]) == [_hf_greedy(hf, same)]
+    hit = engine.stats.cached_prompt_tokens - before
+    assert hit >= image_start + IMAGE_TOKENS, (hit, image_start)
+    other = _inputs(processor, [make_image(8)], "What is it?")
+    before = engine.stats.cached_prompt_tokens
+    assert _run(engine, [other]) == [_hf_greedy(hf, other)]
+    miss = engine.stats.cached_prompt_tokens - before
+    assert miss <= image_start, (miss, image_start)  # at most the text before the image
+
+
+def test_image_tokens_and_images_must_agree(llava):
+    """A prompt whose image tokens are not the images' finishes with an error naming both counts."""
+    folder, processor, _ = llava
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=64, block_size=8)
+    inputs = _inputs(processor, [make_image(1)], "What is it?")
+    two = torch.cat([inputs.pixel_values, inputs.pixel_values])
+    engine.add_request("bad", inputs.input_ids[0].tolist(), GREEDY, images=two)
+    (out,) = engine.step()
+    assert out.finish_reason == "error" and "16 image tokens" in out.error and "2 image(s)" in out.error
+
+
+def test_other_vision_families_are_refused_by_name():
+    from transformers import Qwen2VLConfig
+
+    with pytest.raises(
+        ConfigError, match="vision-language model family 'qwen2_vl' is not supported yet; supported: llava"
+    ):
+        check_family(Qwen2VLConfig())
+
+
+def test_preempted_image_rows_recompute_exactly(llava):
+    """A KV pool too small for every row at once: preempted rows recompute their image tokens from the
+    features they keep (the vision tower runs once per image all the same) and still equal HF generate."""
+    folder, processor, hf = llava
+    rows = [_inputs(processor, [make_image(s) for s in seeds], text) for seeds, text in ROWS]
+    expected = [_hf_greedy(hf, inputs) for inputs in rows]
+    engine = Engine.from_pretrained(
+        folder, device="cpu", dtype="float64", num_blocks=40, block_size=4, max_num_batched_tokens=64
+    )
+    assert _run(engine, rows) == expected
+    assert engine.stats.preemptions > 0
+    assert engine.vision.encoded_images == 5
+
+
+def test_a_refused_family_is_named_before_its_weights_are_read(tmp_path):
+    """A Qwen2-VL folder (its config alone: no weights, no tokenizer) is refused by the loader and by the
+    engine's plan (what ``batchjob validate`` runs), by family, before anything else is read."""
+    from transformers import Qwen2VLConfig
+
+    from batchjob.engine.config import EngineConfig
+    from batchjob.engine.plan import plan_model
+    from batchjob.models import load_config, load_model_and_tokenizer
+
+    Qwen2VLConfig().save_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported yet; supported: llava"):
+        load_model_and_tokenizer(str(tmp_path), torch.float32, "cpu")
+    config, _ = load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported yet"):
+        plan_model(config, EngineConfig(device="cpu"))
