@@ -187,3 +187,31 @@ def test_devices_with_adapters_refused(rows, tiny_model_dir, adapters, tmp_path)
     spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"qv": adapters["qv"]})
     code, text = run_here([*_args(spec), "--devices", "cpu,cpu"])
     assert code == 2 and "LoRA adapters with --devices or --ray are not supported" in text
+
+
+def test_report_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
+    """The report's adapters table: each adapter's rows, errors and generated tokens, as the results say."""
+    import re
+
+    from batchjob.job.report import build
+
+    out = tmp_path / "job"
+    assert run_job(make_spec(**_spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter"))).status
+    want: dict[str, list[int]] = {}
+    for r in read_results(out):
+        counts = want.setdefault(r["adapter"] or "(base model)", [0, 0, 0])
+        counts[0] += 1
+        counts[1] += r["error"] is not None
+        counts[2] += r["num_generated_tokens"] or 0
+    assert len(want) == 1 + len(NAMES) and all(c[2] > 0 for c in want.values())
+    page = build([out]).read_text()
+    table = page[page.index('<table id="adapters">') :]
+    table = table[: table.index("</table>")]
+    got = {
+        name: [int(n.replace(",", "")), int(e.replace(",", "")), int(g.replace(",", ""))]
+        for name, n, e, _, g, rate in re.findall(
+            r"<tr><td>([^<]+)</td><td>([\d,]+)</td><td>([\d,]+)</td><td>([\d,]+)</td><td>([\d,]+)</td><td>([\d.]+)</td></tr>",
+            table,
+        )
+    }
+    assert got == want
