@@ -114,6 +114,10 @@ def test_image_tokens_and_images_must_agree(llava):
     engine.add_request("bad", inputs.input_ids[0].tolist(), GREEDY, images=two)
     (out,) = engine.step()
     assert out.finish_reason == "error" and "16 image tokens" in out.error and "2 image(s)" in out.error
+    # image tokens and no images at all (a text row whose text holds the image token): an error, not text
+    engine.add_request("none", inputs.input_ids[0].tolist(), GREEDY)
+    (out,) = engine.step()
+    assert out.finish_reason == "error" and "16 image tokens" in out.error and "0 image(s)" in out.error
 
 
 def test_other_vision_families_are_refused_by_name():

@@ -149,9 +149,12 @@ def _features(images: Images) -> torch.Tensor:
 
 
 def admit(step: VisionStep | None, images: Any, prompt_ids: Sequence[int]) -> Images | None:
-    """A request's images for an engine that may have no vision hook (None: a text request)."""
+    """A request's images for an engine that may have no vision hook (None: a text request). A prompt with
+    image tokens but no images is that request's error (the tokens would be read as text: HF refuses too)."""
     if images is None:
-        return None
+        if step is None or step.image_token_id not in prompt_ids:
+            return None
+        images = torch.empty((0, 3, 1, 1))
     if step is None:
         raise ConfigError("this model takes no images (it is not a vision-language model)")
     return step.admit(images, prompt_ids)
