@@ -196,7 +196,8 @@ class Engine:
         ``sample_index`` when given (to resume it).
 
         ``adapter``: a LoRA adapter the engine holds, by name (None: the base model; unknown: ConfigError).
-        ``images``: a vision-language model's pixel values ``[N, C, H, W]`` for the prompt's N images.
+        ``images``: a vision-language model's pixel values ``[N, C, H, W]`` for the prompt's N images, or the
+        processor's image outputs (a mapping holding ``pixel_values``).
         ``continuation_ids`` and ``token_logprobs`` are a prefill-only engine's (engine/tasks/).
         """
         if continuation_ids is not None or token_logprobs:

@@ -17,7 +17,7 @@ by name at load (:func:`check_family`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +157,10 @@ def admit(step: VisionStep | None, images: Any, prompt_ids: Sequence[int]) -> Im
         images = torch.empty((0, 3, 1, 1))
     if step is None:
         raise ConfigError("this model takes no images (it is not a vision-language model)")
+    if isinstance(images, Mapping):  # the processor's image outputs (BatchFeature): LLaVA needs the pixels only
+        if "pixel_values" not in images:
+            raise ConfigError(f"images given as a mapping need 'pixel_values'; got {sorted(images)}")
+        images = images["pixel_values"]
     return step.admit(images, prompt_ids)
 
 
