@@ -294,9 +294,9 @@ class ModelRunner:
             input_ids, position_ids, meta, sample_rows = self._prepare(None, lay)
             t0 = time.perf_counter()
             tokens = {"input_ids": input_ids}
-            if lay.images is not None:  # image tokens enter as embeddings, features in their rows (vision/)
+            if lay.images is not None:  # image features in their rows, a family's positions (vision/)
                 assert self.vision is not None
-                tokens = {"inputs_embeds": self.vision.embed(input_ids, lay.images)}
+                tokens, position_ids = self.vision.inputs(input_ids, position_ids, lay.images)
             out = self.call_model(
                 **tokens,
                 position_ids=position_ids,

@@ -1,22 +1,23 @@
 """Image rows: a vision-language model's images encoded once per request and laid into the language
 model's input embeddings, chunk by chunk.
 
-A request carries its images (``Request.images``, state.py: pixel values, the positions of its image
-tokens). The runner's step layout names the packed rows that hold image tokens (:meth:`VisionStep.rows`);
-for a step with any, the runner embeds the step's token ids with the language model's own embedding and
-overwrites those rows with the request's image features (:meth:`VisionStep.embed`), then runs the model
-on ``inputs_embeds``. The vision tower runs when a request's first image token is scheduled, batched over
-the step's requests, and its projected features stay on the request: a chunk may cut through an image,
-a preempted request recomputes from the same features, and decode (text tokens only) is unchanged. The
-images' digests root the prefix-cache digests of the blocks holding their tokens (block_manager.py).
+A request carries its images (``Request.images``, state.py: the processor's image outputs, the positions of
+its image tokens). The runner's step layout names the packed rows that hold image tokens
+(:meth:`VisionStep.rows`); for a step with any, the runner embeds the step's token ids with the language
+model's own embedding and overwrites those rows with the request's image features, then runs the model on
+``inputs_embeds`` (:meth:`VisionStep.inputs`). The vision tower runs when a request's first image token is
+scheduled, batched over the step's requests, and its projected features stay on the request: a chunk may cut
+through an image, a preempted request recomputes from the same features, and decode (text tokens only) is
+unchanged. The images' digests root the prefix-cache digests of the blocks holding their tokens
+(block_manager.py). A family with its own rotary positions (Qwen2-VL's M-RoPE) gives them for a step that
+holds one of its image requests; any other step runs as a text model's.
 
-Family rules live here, by ``model_type``: only LLaVA is built; another vision-language family is refused
-by name at load (:func:`check_family`).
+Family rules live in a module each (llava.py), chosen by ``model_type``; another
+vision-language family is refused by name at load (family.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchjob.engine.vision.base import Family, Inputs
 from batchjob.engine.vision.family import SUPPORTED, check_family, is_vlm, refuse
+from batchjob.engine.vision.llava import Llava
 from batchjob.engine.vision.state import Images
 from batchjob.errors import ConfigError
 
 __all__ = [
+    "FAMILIES",
     "SUPPORTED",
     "Images",
     "VisionStep",
@@ -40,6 +44,8 @@ __all__ = [
     "refuse",
 ]
 
+FAMILIES: dict[str, type[Family]] = {"llava": Llava}
+
 
 def attn_implementation(model: Any, name: str) -> str | dict[str, str]:
     """What ``set_attn_implementation`` takes to put our attention on the language model alone: the vision
@@ -47,25 +53,32 @@ def attn_implementation(model: Any, name: str) -> str | dict[str, str]:
     return {"text_config": name} if is_vlm(model.config) else name
 
 
-def _tokens_per_image(config: Any) -> int:
-    """LLaVA: one token a patch, the CLS token too when the features keep it ("full")."""
-    vision = config.vision_config
-    patches = (vision.image_size // vision.patch_size) ** 2
-    return patches + (config.vision_feature_select_strategy == "full")
-
-
-def digest(pixels: torch.Tensor) -> bytes:
-    """An image's digest: its pixel values' bytes."""
-    data = pixels.detach().to("cpu").contiguous().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
 @dataclass
 class ImageRows:
-    """One step's rows that hold image tokens."""
+    """One step's rows that hold image tokens, and its position ids where a family has its own."""
 
     rows: np.ndarray  # [M] packed rows of the step, ascending
     parts: list[tuple[Images, int, int]]  # per request in step order: its images, feature rows [a, b)
+    rope: np.ndarray | None = None  # [3, T] int64: the step's position ids (M-RoPE); None: plain
+
+
+def _rope_rows(reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+    """The step's 3-D position ids when one of its requests has its own (None: every row plain)."""
+    if not any(r.images is not None and r.images.rope is not None for r in reqs):
+        return None
+    cols = []
+    for r, s, e in zip(reqs, starts.tolist(), ends.tolist(), strict=True):
+        t = np.arange(s, e, dtype=np.int64)
+        rope = None if r.images is None else r.images.rope
+        if rope is None:
+            cols.append(np.broadcast_to(t, (3, e - s)))
+            continue
+        inside = t < rope.shape[1]
+        p = np.empty((3, e - s), dtype=np.int64)
+        p[:, inside] = rope[:, t[inside]]
+        p[:, ~inside] = t[~inside] + r.images.rope_delta
+        cols.append(p)
+    return np.concatenate(cols, axis=1)
 
 
 class VisionStep:
@@ -76,34 +89,33 @@ class VisionStep:
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.image_token_id = int(model.config.image_token_id)
-        self.tokens_per_image = _tokens_per_image(model.config)
+        self.family = FAMILIES[model.config.model_type](model)
+        self.image_token_id = self.family.image_token_id
         self.encoded_images = 0  # images through the vision tower (counts re-encodings: none expected)
 
-    def admit(self, pixel_values: torch.Tensor | Sequence[torch.Tensor], prompt_ids: Sequence[int]) -> Images:
-        """A request's images (``[N, C, H, W]``, or N tensors ``[C, H, W]``) against its prompt ids; a
-        count of image tokens that is not N times an image's is the request's error, not an exception."""
-        if not isinstance(pixel_values, torch.Tensor):
-            pixel_values = torch.stack(list(pixel_values))
-        if pixel_values.dim() == 3:
-            pixel_values = pixel_values[None]
-        if pixel_values.dim() != 4:
-            raise ConfigError(
-                f"images must be pixel values [N, C, H, W], got shape {tuple(pixel_values.shape)}"
-            )
+    def admit(self, inputs: Inputs, prompt_ids: Sequence[int]) -> Images:
+        """A request's images against its prompt ids; image tokens that are not the images' count is the
+        request's error, not an exception."""
+        counts, digests = self.family.units(inputs)
         ids = np.asarray(prompt_ids, dtype=np.int64)
         positions = np.flatnonzero(ids == self.image_token_id).astype(np.int64)
-        n, k = len(pixel_values), self.tokens_per_image
-        error = None
-        if len(positions) != n * k:
-            error = (
-                f"the prompt has {len(positions)} image tokens (id {self.image_token_id}) for {n} image(s) "
-                f"of {k} tokens each: it needs {n * k}"
+        images = Images(inputs, positions, np.cumsum([0, *counts]).astype(np.int64), digests)
+        if len(positions) != sum(counts):
+            each = f"{counts[0]} tokens each" if len(set(counts)) == 1 else f"{counts} tokens"
+            images.error = (
+                f"the prompt has {len(positions)} image tokens (id {self.image_token_id}) for "
+                f"{len(counts)} image(s) of {each if counts else '0 tokens'}: it needs {sum(counts)}"
             )
-        return Images(pixel_values, positions, k, [digest(p) for p in pixel_values], error)
+        else:
+            rope = self.family.positions(ids, inputs)
+            if rope is not None:
+                images.rope, images.rope_delta = rope
+        return images
 
-    def rows(self, reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray):
-        """The step's image rows (None when the step has none: the runner then passes token ids)."""
+    def rows(
+        self, reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray
+    ) -> ImageRows | None:
+        """The step's image rows (None when it has none and plain positions: the runner passes token ids)."""
         rows, parts = [], []
         for i, req in enumerate(reqs):
             images = req.images
@@ -114,9 +126,21 @@ class VisionStep:
                 continue
             rows.append(images.positions[a:b] - starts[i] + offsets[i])
             parts.append((images, int(a), int(b)))
-        if not parts:
+        rope = _rope_rows(reqs, starts, ends)
+        if not parts and rope is None:
             return None
-        return ImageRows(np.concatenate(rows), parts)
+        return ImageRows(np.concatenate(rows) if rows else np.zeros(0, np.int64), parts, rope)
+
+    def inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: ImageRows
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The step's model inputs (token ids, or embeddings with image rows overwritten by their features)
+        and position ids (``[1, T]``, or a family's ``[3, 1, T]``)."""
+        if step.rope is not None:
+            position_ids = torch.from_numpy(step.rope)[:, None].to(self.device)
+        if not step.parts:
+            return {"input_ids": input_ids}, position_ids
+        return {"inputs_embeds": self.embed(input_ids, step)}, position_ids
 
     def embed(self, input_ids: torch.Tensor, step: ImageRows) -> torch.Tensor:
         """The step's input embeddings ``[1, T, hidden]``: its token ids embedded, image rows overwritten
@@ -131,16 +155,11 @@ class VisionStep:
     def _encode(self, pending: list[Images]) -> None:
         if not pending:
             return
-        pixels = torch.cat([images.pixel_values for images in pending]).to(self.device, self.dtype)
-        out = self.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-        per_image = list(out)
-        self.encoded_images += len(per_image)
-        at = 0
-        for images in pending:
-            n = len(images.pixel_values)
-            images.features = torch.cat(per_image[at : at + n])
-            at += n
-            assert images.features.shape[0] == len(images.positions), "features and image tokens disagree"
+        features = self.family.encode([images.inputs for images in pending], self.device, self.dtype)
+        for images, rows in zip(pending, features, strict=True):
+            assert rows.shape[0] == len(images.positions), "features and image tokens disagree"
+            images.features = rows
+            self.encoded_images += images.count
 
 
 def _features(images: Images) -> torch.Tensor:
@@ -148,20 +167,27 @@ def _features(images: Images) -> torch.Tensor:
     return images.features
 
 
+def _as_inputs(images: Any) -> Inputs:
+    """The processor's image outputs as a plain dict (a bare tensor or N tensors: the pixel values); a
+    mapping without ``pixel_values`` (a text row's processor outputs) holds no image."""
+    if isinstance(images, Mapping):
+        return {str(k): v for k, v in images.items()} if "pixel_values" in images else {}
+    if not isinstance(images, torch.Tensor):
+        images = torch.stack(list(images))
+    return {"pixel_values": images[None] if images.dim() == 3 else images}
+
+
 def admit(step: VisionStep | None, images: Any, prompt_ids: Sequence[int]) -> Images | None:
     """A request's images for an engine that may have no vision hook (None: a text request). A prompt with
     image tokens but no images is that request's error (the tokens would be read as text: HF refuses too)."""
-    if images is None:
+    inputs = {} if images is None else _as_inputs(images)
+    if not inputs:
         if step is None or step.image_token_id not in prompt_ids:
             return None
-        images = torch.empty((0, 3, 1, 1))
+        return step.admit({}, prompt_ids)
     if step is None:
         raise ConfigError("this model takes no images (it is not a vision-language model)")
-    if isinstance(images, Mapping):  # the processor's image outputs (BatchFeature): LLaVA needs the pixels only
-        if "pixel_values" not in images:
-            raise ConfigError(f"images given as a mapping need 'pixel_values'; got {sorted(images)}")
-        images = images["pixel_values"]
-    return step.admit(images, prompt_ids)
+    return step.admit(inputs, prompt_ids)
 
 
 def attach_to(engine: Any, sharded: bool) -> VisionStep | None:
