@@ -100,3 +100,115 @@ def png_bytes(seed: int, size: tuple[int, int] = (24, 20)) -> bytes:
     buf = io.BytesIO()
     make_image(seed, size).save(buf, format="PNG")
     return buf.getvalue()
+
+
+# Qwen2-VL's chat template renders an image as its start, pad and end tokens; the processor repeats the pad
+# token once per merged patch of that image.
+QWEN_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+QWEN_PATCH, QWEN_MERGE = 4, 2  # an image of h x w pixels takes (h / 4) * (w / 4) / 4 tokens
+QWEN_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen_configs(variant: str, ids: dict[str, int], vocab: int, tokenizer):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    text = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        # head_dim 16: 8 rotary frequencies split among time, height and width
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    vision = {
+        "depth": 2,
+        "num_heads": 4,
+        "patch_size": QWEN_PATCH,
+        "spatial_merge_size": QWEN_MERGE,
+        "temporal_patch_size": 2,
+    }
+    if variant == "qwen2_vl":
+        vision |= {"embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+        return Qwen2VLConfig(vision_config=vision, text_config=text, **ids)
+    # Qwen2.5-VL: windowed attention in block 0 (windows of 2x2 merged patches), full in block 1
+    vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "window_size": 16}
+    vision["fullatt_block_indexes"] = [1]
+    return Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
+
+
+def make_qwen2_vl(folder: Path, variant: str = "qwen2_vl", seed: int = 0) -> Path:
+    """Build a tiny random Qwen2-VL (or ``variant="qwen2_5_vl"``: Qwen2.5-VL) and its processor, save both."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL})
+    start, end, image, video = tokenizer.convert_tokens_to_ids(QWEN_SPECIAL)
+    ids = {
+        "image_token_id": image,
+        "video_token_id": video,
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
+    }
+    config = _qwen_configs(variant, ids, len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # make the image features loud enough to move the answer
+        model.model.visual.merger.mlp[-1].weight.mul_(4.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(folder))
+    _qwen_image_processor().save_pretrained(str(folder))
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def _qwen_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        size={"shortest_edge": 16 * 16, "longest_edge": 48 * 48},  # pixels an image keeps, at least / most
+    )
+
+
+class QwenProcessor:
+    """What ``Qwen2VLProcessor`` makes of a chat with images: its image processor's patches and grids, the
+    rendered prompt with each image's pad token repeated once per merged patch, ``mm_token_type_ids``.
+    (``Qwen2VLProcessor`` itself needs torchvision for its video half, and torchvision is not installed.)"""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.image_processor = _qwen_image_processor()
+
+    def __call__(self, images: list, text: str):
+        from transformers import BatchFeature
+
+        messages = [
+            {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}
+        ]
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        data = {}
+        if images:
+            data = dict(self.image_processor(images=images, return_tensors="pt"))
+            pieces = rendered.split("<|image_pad|>")
+            counts = (data["image_grid_thw"].prod(-1) // QWEN_MERGE**2).tolist()
+            rendered = pieces[0] + "".join(
+                "<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:], strict=True)
+            )
+        ids = self.tokenizer(rendered, return_tensors="pt")
+        image_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        kinds = (ids.input_ids == image_id).to(torch.int64)
+        return BatchFeature({**ids, **data, "mm_token_type_ids": kinds})

@@ -196,8 +196,8 @@ class Engine:
         ``sample_index`` when given (to resume it).
 
         ``adapter``: a LoRA adapter the engine holds, by name (None: the base model; unknown: ConfigError).
-        ``images``: a vision-language model's pixel values ``[N, C, H, W]`` for the prompt's N images, or the
-        processor's image outputs (a mapping holding ``pixel_values``).
+        ``images``: a vision-language model's image outputs of its processor (a mapping: ``pixel_values`` and
+        the family's extras, e.g. ``image_grid_thw``), or LLaVA's pixel values ``[N, C, H, W]``.
         ``continuation_ids`` and ``token_logprobs`` are a prefill-only engine's (engine/tasks/).
         """
         if continuation_ids is not None or token_logprobs:

@@ -122,12 +122,20 @@ def test_image_tokens_and_images_must_agree(llava):
 
 
 def test_other_vision_families_are_refused_by_name():
-    from transformers import Qwen2VLConfig
+    from transformers import LlavaNextConfig
 
     with pytest.raises(
-        ConfigError, match="vision-language model family 'qwen2_vl' is not supported yet; supported: llava"
+        ConfigError,
+        match="vision-language model family 'llava_next' is not supported yet; supported: llava, qwen2_vl",
     ):
-        check_family(Qwen2VLConfig())
+        check_family(LlavaNextConfig())
+
+
+def test_every_supported_family_has_its_rules():
+    """The loader's list (family.py, no torch) and the families the hook builds are the same."""
+    from batchjob.engine.vision import FAMILIES, SUPPORTED
+
+    assert set(SUPPORTED) == set(FAMILIES)
 
 
 def test_preempted_image_rows_recompute_exactly(llava):
@@ -145,17 +153,17 @@ def test_preempted_image_rows_recompute_exactly(llava):
 
 
 def test_a_refused_family_is_named_before_its_weights_are_read(tmp_path):
-    """A Qwen2-VL folder (its config alone: no weights, no tokenizer) is refused by the loader and by the
+    """A LLaVA-NeXT folder (its config alone: no weights, no tokenizer) is refused by the loader and by the
     engine's plan (what ``batchjob validate`` runs), by family, before anything else is read."""
-    from transformers import Qwen2VLConfig
+    from transformers import LlavaNextConfig
 
     from batchjob.engine.config import EngineConfig
     from batchjob.engine.plan import plan_model
     from batchjob.models import load_config, load_model_and_tokenizer
 
-    Qwen2VLConfig().save_pretrained(str(tmp_path))
-    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported yet; supported: llava"):
+    LlavaNextConfig().save_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match="family 'llava_next' is not supported yet; supported: llava"):
         load_model_and_tokenizer(str(tmp_path), torch.float32, "cpu")
     config, _ = load_config(str(tmp_path))
-    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported yet"):
+    with pytest.raises(ConfigError, match="family 'llava_next' is not supported yet"):
         plan_model(config, EngineConfig(device="cpu"))

@@ -7,7 +7,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 
-SUPPORTED = ("llava",)
+SUPPORTED = ("llava", "qwen2_vl", "qwen2_5_vl")  # the model_types vision/__init__.py FAMILIES builds
 
 
 def is_vlm(config: Any) -> bool:

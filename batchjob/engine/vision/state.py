@@ -21,7 +21,7 @@ class Images:
 
     inputs: dict[str, torch.Tensor]  # the processor's image outputs for this request (host memory)
     positions: np.ndarray  # [M] int64: the prompt positions of the image tokens, ascending
-    offsets: np.ndarray  # [N + 1] int64: image i's tokens (and feature rows) are positions[offsets[i]:offsets[i+1]]
+    offsets: np.ndarray  # [N + 1] int64: image i's tokens are positions[offsets[i] : offsets[i + 1]]
     digests: list[bytes]  # per image: a digest of its inputs (the prefix cache's key)
     error: str | None = None  # why the request cannot run (its image tokens and images disagree)
     features: torch.Tensor | None = None  # [M, hidden] on the device, once encoded
