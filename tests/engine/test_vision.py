@@ -167,3 +167,17 @@ def test_a_refused_family_is_named_before_its_weights_are_read(tmp_path):
     config, _ = load_config(str(tmp_path))
     with pytest.raises(ConfigError, match="family 'llava_next' is not supported yet"):
         plan_model(config, EngineConfig(device="cpu"))
+
+
+def test_tensor_parallelism_is_refused_by_name_before_any_rank_starts(llava):
+    """A vision-language model with tensor_parallel_size 2: a ConfigError naming it, before a rank starts
+    or a weight is read (the folder's weights are taken away first: reading them would fail otherwise)."""
+    import shutil
+
+    folder, _, _ = llava
+    configs = folder.parent / "config_only"
+    configs.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, configs / name)
+    with pytest.raises(ConfigError, match="vision-language models run without tensor parallelism"):
+        Engine.from_pretrained(str(configs), device="cpu", dtype="float64", tensor_parallel_size=2)

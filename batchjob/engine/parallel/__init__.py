@@ -20,6 +20,7 @@ from typing import Any
 from batchjob.engine.parallel.group import Group
 from batchjob.engine.parallel.load import load_shard
 from batchjob.engine.parallel.shard import check_shardable, plan_of, shard_model
+from batchjob.engine.vision import family as vision
 from batchjob.models import load_config, load_model_and_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ def load_model(model: str | None, config, trust_remote_code: bool, group) -> tup
 def load_engine(engine_cls, model: str | None, config, options: dict[str, Any], trust_remote_code: bool):
     """Rank 0's engine over ``config.tensor_parallel_size`` ranks (the others started here)."""
     model_config, _ = load_config(model, trust_remote_code)
+    if vision.is_vlm(model_config):  # refused by name before any rank starts or reads a weight
+        vision.check_family(model_config)
+        vision.refuse(config, sharded=True)
     check_shardable(model_config, config.tensor_parallel_size)
     spec = {"model": model, "options": _plain(options), "trust_remote_code": trust_remote_code}
     group = Group.start(config.tensor_parallel_size, config.device, spec)

@@ -27,7 +27,10 @@ def check_family(config: Any) -> None:
 def refuse(config: Any, sharded: bool) -> None:
     """Refuse by name what image rows are not built with: tensor parallelism, a prefill-only task."""
     if sharded:
-        raise ConfigError("vision-language models with tensor parallelism are not supported")
+        raise ConfigError(
+            f"vision-language models run without tensor parallelism (tensor_parallel_size="
+            f"{config.tensor_parallel_size}, --tensor-parallel-size): the vision tower is not sharded; use 1"
+        )
     if config.task != "generate":
         raise ConfigError(
             f"vision-language models with task={config.task!r} are not supported (generate only)"
