@@ -212,3 +212,74 @@ class QwenProcessor:
         image_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         kinds = (ids.input_ids == image_id).to(torch.int64)
         return BatchFeature({**ids, **data, "mm_token_type_ids": kinds})
+
+
+IDEFICS_CROP, IDEFICS_PATCH = 16, 4  # a crop of 16 x 16 pixels: 16 patches, 4 tokens after pixel shuffle
+IDEFICS_SEQ = (IDEFICS_CROP // IDEFICS_PATCH) ** 2 // 4
+
+
+def make_idefics3(folder: Path, variant: str = "idefics3", seed: int = 0) -> Path:
+    """Build a tiny random Idefics3 (SigLIP-like tower, pixel shuffle by 2, Llama language model), or with
+    ``variant="smolvlm"`` a SmolVLM (the same shape), and an Idefics3 processor (images split into crops of
+    16 pixels a side plus the whole image), save both. (SmolVLM's own processor needs torchvision for its
+    video half, not installed here; its image inputs are the same kind.)"""
+    from transformers import (
+        AutoModelForImageTextToText,
+        Idefics3Config,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        SmolVLMConfig,
+    )
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(folder)
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    special = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *grid]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": IDEFICS_CROP,
+        "patch_size": IDEFICS_PATCH,
+    }
+    text = {
+        "model_type": "llama",
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = {"idefics3": Idefics3Config, "smolvlm": SmolVLMConfig}[variant](
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # make the image features loud enough to move the answer
+        model.model.connector.modality_projection.proj.weight.mul_(4.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(folder))
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * IDEFICS_CROP}, max_image_size={"longest_edge": IDEFICS_CROP}
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=IDEFICS_SEQ,
+        chat_template=VISION_CHAT_TEMPLATE.replace("<image>\n", "<image>"),
+    )
+    processor.save_pretrained(str(folder))
+    return folder

@@ -7,7 +7,8 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 
-SUPPORTED = ("llava", "qwen2_vl", "qwen2_5_vl")  # the model_types vision/__init__.py FAMILIES builds
+# the model_types vision/__init__.py FAMILIES builds
+SUPPORTED = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
 
 
 def is_vlm(config: Any) -> bool:
