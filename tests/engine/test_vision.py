@@ -1,7 +1,8 @@
 """Image rows through the engine (LLaVA, float64): greedy tokens equal HF ``generate`` on the processor's
 inputs, token for token, with one and two images a row, a text-only row in the same batch, chunked prefill
 cutting through an image, and the prefix cache (same image: a hit; another image: no hit, still exact).
-Other vision-language families are refused by name."""
+Other vision-language families are refused by name (Gemma 3 and LLaVA-NeXT with the reason), and so is
+tensor parallelism with any of them."""
 
 from __future__ import annotations
 
@@ -122,12 +123,17 @@ def test_image_tokens_and_images_must_agree(llava):
 
 
 def test_other_vision_families_are_refused_by_name():
-    from transformers import LlavaNextConfig
+    from transformers import Gemma3Config, LlavaNextConfig, PaliGemmaConfig
 
+    supported = "supported: llava, qwen2_vl, qwen2_5_vl, idefics3, smolvlm"
+    with pytest.raises(ConfigError, match=f"family 'paligemma' is not supported yet; {supported}"):
+        check_family(PaliGemmaConfig())
+    # Gemma 3's image tokens attend both ways within an image: our causal attention would answer wrongly
     with pytest.raises(
-        ConfigError,
-        match="vision-language model family 'llava_next' is not supported yet; supported: llava, qwen2_vl",
+        ConfigError, match="family 'gemma3' is not supported: its image tokens attend both ways"
     ):
+        check_family(Gemma3Config())
+    with pytest.raises(ConfigError, match="family 'llava_next' is not supported: its images are tiled"):
         check_family(LlavaNextConfig())
 
 
@@ -162,10 +168,10 @@ def test_a_refused_family_is_named_before_its_weights_are_read(tmp_path):
     from batchjob.models import load_config, load_model_and_tokenizer
 
     LlavaNextConfig().save_pretrained(str(tmp_path))
-    with pytest.raises(ConfigError, match="family 'llava_next' is not supported yet; supported: llava"):
+    with pytest.raises(ConfigError, match="family 'llava_next' is not supported: its images are tiled"):
         load_model_and_tokenizer(str(tmp_path), torch.float32, "cpu")
     config, _ = load_config(str(tmp_path))
-    with pytest.raises(ConfigError, match="family 'llava_next' is not supported yet"):
+    with pytest.raises(ConfigError, match="family 'llava_next' is not supported: its images are tiled"):
         plan_model(config, EngineConfig(device="cpu"))
 
 

@@ -16,12 +16,22 @@ def is_vlm(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+# Families refused for a reason worth saying (the rest: not built yet).
+WHY_NOT = {
+    "gemma3": "its image tokens attend both ways within an image (token_type_ids), and batchjob's paged "
+    "attention is causal: a chunk that cuts an image could not see the image's later tokens",
+    "llava_next": "its images are tiled into a variable grid (anyres) with newline features, not built",
+}
+
+
 def check_family(config: Any) -> None:
-    """Refuse a vision-language family batchjob has not built, naming it."""
+    """Refuse a vision-language family batchjob has not built, naming it (and why, where it is known)."""
     if is_vlm(config) and config.model_type not in SUPPORTED:
+        why = WHY_NOT.get(config.model_type)
         raise ConfigError(
-            f"vision-language model family {config.model_type!r} is not supported yet; "
-            f"supported: {', '.join(SUPPORTED)}"
+            f"vision-language model family {config.model_type!r} is not supported"
+            + (f": {why}" if why else " yet")
+            + f"; supported: {', '.join(SUPPORTED)}"
         )
 
 
