@@ -108,8 +108,14 @@ def test_preempted_image_rows_recompute_exactly(qwen):
     folder, processor, hf = qwen
     rows = _rows(processor)
     expected = [_hf_greedy(hf, inputs) for inputs in rows]
-    engine = Engine.from_pretrained(
-        folder, device="cpu", dtype="float64", num_blocks=24, block_size=4, max_num_batched_tokens=64
+    engine = Engine.from_pretrained(  # with decode graphs: steps holding an M-RoPE request stay eager
+        folder,
+        device="cpu",
+        dtype="float64",
+        num_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=64,
+        cuda_graphs=True,
     )
     _same(_run(engine, rows), expected)
     assert engine.stats.preemptions > 0
@@ -154,3 +160,37 @@ def test_image_tokens_and_grids_must_agree(qwen):
     wrong = {"pixel_values": one["pixel_values"], "image_grid_thw": torch.tensor([[1, 4, 4]])}
     with pytest.raises(ConfigError, match="image_grid_thw"):
         engine.add_request("grid", one["input_ids"][0].tolist(), GREEDY, images=wrong)
+
+
+def test_text_rows_alone_are_the_text_path(qwen):
+    """Rows without images on a Qwen2-VL model take plain positions (the model repeats them 3x) and the
+    text path, decode graphs included, and equal HF generate; a video is refused by name, not read as text."""
+    from batchjob.errors import ConfigError
+
+    folder, processor, hf = qwen
+    rows = [processor([], text) for text in ("The quick brown fox", "Paris is the capital of")]
+    expected = [_hf_greedy(hf, inputs) for inputs in rows]
+    engine = Engine.from_pretrained(
+        folder, device="cpu", dtype="float64", num_blocks=64, block_size=8, cuda_graphs=True
+    )
+    assert engine.runner.graphs is not None  # decode steps through the graphs' padded buffers (eager on CPU)
+    _same(_run(engine, rows), expected)
+    assert engine.vision.encoded_images == 0
+    video = {"pixel_values_videos": torch.zeros(8, 96), "video_grid_thw": torch.tensor([[2, 2, 2]])}
+    with pytest.raises(ConfigError, match="videos .pixel_values_videos. are not supported"):
+        engine.add_request("video", rows[0]["input_ids"][0].tolist(), GREEDY, images=video)
+
+
+def test_block_bytes_follow_images_of_different_sizes():
+    """A block's image bytes are the digests of exactly the images with a token in it (6 and 10 tokens)."""
+    import numpy as np
+
+    from batchjob.engine.vision import Images
+
+    positions = np.concatenate([np.arange(3, 9), np.arange(12, 22)])
+    images = Images({}, positions, np.array([0, 6, 16]), [b"a", b"b"])
+    assert images.block_bytes(0, 4) == b"a"
+    assert images.block_bytes(8, 13) == b"ab"
+    assert images.block_bytes(9, 12) == b""
+    assert images.block_bytes(14, 22) == b"b"
+    assert images.block_bytes(22, 30) == b""

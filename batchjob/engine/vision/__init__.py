@@ -179,6 +179,8 @@ def _as_inputs(images: Any) -> Inputs:
     """The processor's image outputs as a plain dict (a bare tensor or N tensors: the pixel values); a
     mapping without ``pixel_values`` (a text row's processor outputs) holds no image."""
     if isinstance(images, Mapping):
+        if "pixel_values_videos" in images:  # its tokens would be read as text: a wrong answer, not an error
+            raise ConfigError("videos (pixel_values_videos) are not supported; images only")
         return {str(k): v for k, v in images.items()} if "pixel_values" in images else {}
     if not isinstance(images, torch.Tensor):
         images = torch.stack(list(images))
