@@ -194,3 +194,18 @@ def test_block_bytes_follow_images_of_different_sizes():
     assert images.block_bytes(9, 12) == b""
     assert images.block_bytes(14, 22) == b"b"
     assert images.block_bytes(22, 30) == b""
+
+
+def test_a_resumed_image_row_continues_exactly(qwen):
+    """A row resumed with the tokens it had generated (``output_ids``, as after a restart) recomputes its
+    prompt's M-RoPE positions and continues at index + delta: the rest equals the uninterrupted run."""
+    folder, processor, hf = qwen
+    inputs = processor([make_image(2, (40, 16)), make_image(3, (16, 32))], "Compare these two.")
+    expected = _hf_greedy(hf, inputs)
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=64, block_size=8)
+    images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    done = [t for t, _ in expected[:3]]
+    engine.add_request("r", inputs["input_ids"][0].tolist(), GREEDY, output_ids=done, images=images)
+    outs = [o for _ in range(20) if engine.has_unfinished() for o in engine.step()]
+    (out,) = outs
+    assert out.token_ids == [t for t, _ in expected], (out.token_ids, expected)

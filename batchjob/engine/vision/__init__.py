@@ -153,7 +153,8 @@ class VisionStep:
     def embed(self, input_ids: torch.Tensor, step: ImageRows) -> torch.Tensor:
         """The step's input embeddings ``[1, T, hidden]``: its token ids embedded, image rows overwritten
         by their features (the requests not encoded yet go through the vision tower first, together)."""
-        self._encode([images for images, _, _ in step.parts if images.features is None])
+        pending = {id(images): images for images, _, _ in step.parts if images.features is None}
+        self._encode(list(pending.values()))  # (a prompt's n samples share one Images)
         embeds = self.model.get_input_embeddings()(input_ids)
         features = torch.cat([_features(images)[a:b] for images, a, b in step.parts])
         rows = torch.from_numpy(step.rows).to(self.device)
