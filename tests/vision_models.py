@@ -283,3 +283,75 @@ def make_idefics3(folder: Path, variant: str = "idefics3", seed: int = 0) -> Pat
     )
     processor.save_pretrained(str(folder))
     return folder
+
+
+NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32]]  # the tiling grids (pixels), tiles of 16 x 16
+
+
+def make_llava_next(folder: Path, seed: int = 0) -> Path:
+    """Build a tiny random LLaVA-NeXT (CLIP tower on 16-pixel tiles, anyres grids up to 2 x 2 tiles, Llama
+    language model) and its processor, save both."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=NEXT_PINPOINTS,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():  # make the image features loud enough to move the answer
+        model.model.multi_modal_projector.linear_2.weight.mul_(4.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(folder))
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=NEXT_PINPOINTS,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        chat_template=VISION_CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(str(folder))
+    return folder

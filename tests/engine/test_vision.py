@@ -1,7 +1,7 @@
 """Image rows through the engine (LLaVA, float64): greedy tokens equal HF ``generate`` on the processor's
 inputs, token for token, with one and two images a row, a text-only row in the same batch, chunked prefill
 cutting through an image, and the prefix cache (same image: a hit; another image: no hit, still exact).
-Other vision-language families are refused by name (Gemma 3 and LLaVA-NeXT with the reason), and so is
+Other vision-language families are refused by name (Gemma 3 with the reason), and so is
 tensor parallelism with any of them."""
 
 from __future__ import annotations
@@ -123,9 +123,9 @@ def test_image_tokens_and_images_must_agree(llava):
 
 
 def test_other_vision_families_are_refused_by_name():
-    from transformers import Gemma3Config, LlavaNextConfig, PaliGemmaConfig
+    from transformers import Gemma3Config, PaliGemmaConfig
 
-    supported = "supported: llava, qwen2_vl, qwen2_5_vl, idefics3, smolvlm"
+    supported = "supported: llava, llava_next, qwen2_vl, qwen2_5_vl, idefics3, smolvlm"
     with pytest.raises(ConfigError, match=f"family 'paligemma' is not supported yet; {supported}"):
         check_family(PaliGemmaConfig())
     # Gemma 3's image tokens attend both ways within an image: our causal attention would answer wrongly
@@ -133,8 +133,6 @@ def test_other_vision_families_are_refused_by_name():
         ConfigError, match="family 'gemma3' is not supported: its image tokens attend both ways"
     ):
         check_family(Gemma3Config())
-    with pytest.raises(ConfigError, match="family 'llava_next' is not supported: its images are tiled"):
-        check_family(LlavaNextConfig())
 
 
 def test_every_supported_family_has_its_rules():
@@ -159,19 +157,19 @@ def test_preempted_image_rows_recompute_exactly(llava):
 
 
 def test_a_refused_family_is_named_before_its_weights_are_read(tmp_path):
-    """A LLaVA-NeXT folder (its config alone: no weights, no tokenizer) is refused by the loader and by the
+    """A PaliGemma folder (its config alone: no weights, no tokenizer) is refused by the loader and by the
     engine's plan (what ``batchjob validate`` runs), by family, before anything else is read."""
-    from transformers import LlavaNextConfig
+    from transformers import PaliGemmaConfig
 
     from batchjob.engine.config import EngineConfig
     from batchjob.engine.plan import plan_model
     from batchjob.models import load_config, load_model_and_tokenizer
 
-    LlavaNextConfig().save_pretrained(str(tmp_path))
-    with pytest.raises(ConfigError, match="family 'llava_next' is not supported: its images are tiled"):
+    PaliGemmaConfig().save_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match="family 'paligemma' is not supported yet"):
         load_model_and_tokenizer(str(tmp_path), torch.float32, "cpu")
     config, _ = load_config(str(tmp_path))
-    with pytest.raises(ConfigError, match="family 'llava_next' is not supported: its images are tiled"):
+    with pytest.raises(ConfigError, match="family 'paligemma' is not supported yet"):
         plan_model(config, EngineConfig(device="cpu"))
 
 

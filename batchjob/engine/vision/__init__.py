@@ -12,7 +12,7 @@ unchanged. The images' digests root the prefix-cache digests of the blocks holdi
 (block_manager.py). A family with its own rotary positions (Qwen2-VL's M-RoPE) gives them for a step that
 holds one of its image requests; any other step runs as a text model's.
 
-Family rules live in a module each (llava.py, qwen2_vl.py, idefics3.py), chosen by ``model_type``; another
+Family rules live in a module each (llava.py, llava_next.py, qwen2_vl.py, idefics3.py), chosen by ``model_type``; another
 vision-language family is refused by name at load (family.py).
 """
 
@@ -29,6 +29,7 @@ from batchjob.engine.vision.base import Family, Inputs
 from batchjob.engine.vision.family import SUPPORTED, check_family, is_vlm, refuse
 from batchjob.engine.vision.idefics3 import Idefics3
 from batchjob.engine.vision.llava import Llava
+from batchjob.engine.vision.llava_next import LlavaNext
 from batchjob.engine.vision.qwen2_vl import Qwen2VL
 from batchjob.engine.vision.state import Images
 from batchjob.errors import ConfigError
@@ -48,6 +49,7 @@ __all__ = [
 
 FAMILIES: dict[str, type[Family]] = {
     "llava": Llava,
+    "llava_next": LlavaNext,
     "qwen2_vl": Qwen2VL,
     "qwen2_5_vl": Qwen2VL,
     "idefics3": Idefics3,

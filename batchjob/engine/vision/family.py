@@ -8,7 +8,7 @@ from typing import Any
 from batchjob.errors import ConfigError
 
 # the model_types vision/__init__.py FAMILIES builds
-SUPPORTED = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
+SUPPORTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
 
 
 def is_vlm(config: Any) -> bool:
@@ -20,7 +20,6 @@ def is_vlm(config: Any) -> bool:
 WHY_NOT = {
     "gemma3": "its image tokens attend both ways within an image (token_type_ids), and batchjob's paged "
     "attention is causal: a chunk that cuts an image could not see the image's later tokens",
-    "llava_next": "its images are tiled into a variable grid (anyres) with newline features, not built",
 }
 
 
