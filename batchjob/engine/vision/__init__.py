@@ -12,8 +12,9 @@ unchanged. The images' digests root the prefix-cache digests of the blocks holdi
 (block_manager.py). A family with its own rotary positions (Qwen2-VL's M-RoPE) gives them for a step that
 holds one of its image requests; any other step runs as a text model's.
 
-Family rules live in a module each (llava.py, llava_next.py, qwen2_vl.py, idefics3.py), chosen by ``model_type``; another
-vision-language family is refused by name at load (family.py).
+Family rules live in a module each (llava.py, llava_next.py, qwen2_vl.py, idefics3.py; what the hook asks of
+them: base.py), chosen by ``model_type``; another vision-language family is refused by name at load
+(family.py).
 """
 
 from __future__ import annotations
