@@ -1,0 +1,248 @@
+"""Jobs with an image column (--image-column) over the tiny LLaVA, float64: each row's greedy tokens equal HF
+``generate`` on the processor's inputs (binary cells, datasets Image structs, paths, lists, text-only rows);
+bad images are error rows naming the row and the image; a text model is refused; a changed image file refuses
+the resume; validate lists the images it can't open; a kill -9 then resume equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.faultproc import wait_for_points
+from tests.jobproc import read_results, run_here
+from tests.tiers import engine_fixture
+from tests.vision_models import make_image, make_llava, png_bytes
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_NEW = 8
+
+
+@engine_fixture(scope="module")
+def llava(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = make_llava(tmp_path_factory.mktemp("llava") / "llava")
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).eval()
+    return folder, AutoProcessor.from_pretrained(folder), hf
+
+
+def _hf_tokens(processor, hf, images, text) -> list[int]:
+    """HF generate on the processor's own inputs (its apply_chat_template, tokenized, images in the content)."""
+    content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    if images:
+        kwargs["pixel_values"] = inputs["pixel_values"].double()
+    with torch.inference_mode():
+        out = hf.generate(**kwargs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _args(inp, out, folder, *extra) -> list[str]:
+    args = [
+        "--input",
+        inp,
+        "--output",
+        out,
+        "--model",
+        folder,
+        "--image-column",
+        "image",
+        "--id-column",
+        "rid",
+    ]
+    args += ["--max-new-tokens", MAX_NEW, "--device", "cpu", "--dtype", "float64", "--logprobs", "0"]
+    return [str(a) for a in [*args, *extra]]
+
+
+def _tokens(row) -> list[int]:
+    return [t["token_id"] for t in row["logprobs"]]
+
+
+def _write_inputs(root):
+    """Three inputs of one job's rows, one per way of holding an image, and the images they name."""
+    (root / "imgs").mkdir()
+    make_image(7).save(root / "imgs" / "a.png")
+    make_image(8, (30, 18)).save(root / "imgs" / "b.png")
+    binary = pa.table(
+        {
+            "rid": ["b0", "b1", "b2", "b3"],
+            "prompt": ["What is it?", "What is it?", "The quick brown fox", "Paris is"],
+            "image": pa.array([png_bytes(1), png_bytes(5), None, png_bytes(3)], pa.binary()),
+        }
+    )
+    pq.write_table(binary, root / "binary.parquet")
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    structs = pa.table(
+        {
+            "rid": ["s0", "s1", "s2"],
+            "prompt": ["Describe.", "Compare these two.", "No image here"],
+            "image": pa.array(
+                [
+                    [{"bytes": png_bytes(2), "path": "ignored.png"}],
+                    [{"bytes": None, "path": "imgs/a.png"}, {"bytes": png_bytes(4), "path": None}],
+                    [],
+                ],
+                pa.list_(struct),
+            ),
+        }
+    )
+    pq.write_table(structs, root / "structs.parquet")
+    lines = [("p0", "imgs/a.png"), ("p1", ["imgs/b.png", str(root / "imgs" / "a.png")]), ("p2", None)]
+    with open(root / "paths.jsonl", "w") as f:
+        for rid, image in lines:
+            f.write(json.dumps({"rid": rid, "prompt": f"Look at {rid}", "image": image}) + "\n")
+
+
+def _expected_images(root, rid):
+    """The Pillow images each row holds, as the test wrote them."""
+    from PIL import Image
+
+    a, b = (
+        Image.open(root / "imgs" / "a.png").convert("RGB"),
+        Image.open(root / "imgs" / "b.png").convert("RGB"),
+    )
+    return {
+        "b0": [make_image(1)],
+        "b1": [make_image(5)],
+        "b2": [],
+        "b3": [make_image(3)],
+        "s0": [make_image(2)],
+        "s1": [a, make_image(4)],
+        "s2": [],
+        "p0": [a],
+        "p1": [b, a],
+        "p2": [],
+    }[rid]
+
+
+@pytest.mark.parametrize("name", ["binary.parquet", "structs.parquet", "paths.jsonl"])
+def test_image_rows_equal_hf_generate(llava, tmp_path, name):
+    """Every row's tokens equal HF generate's on the processor's inputs; two images under one text differ."""
+    folder, processor, hf = llava
+    _write_inputs(tmp_path)
+    code, output = run_here(_args(tmp_path / name, tmp_path / "out", folder))
+    assert code == 0, output
+    got = read_results(tmp_path / "out")
+    assert got and all(r["error"] is None for r in got), [r["error"] for r in got]
+    for r in got:
+        images = _expected_images(tmp_path, r["rid"])
+        assert _tokens(r) == _hf_tokens(processor, hf, images, r["prompt"]), r["rid"]
+        assert len(_tokens(r)) == MAX_NEW
+    if name == "binary.parquet":
+        by = {r["rid"]: r for r in got}
+        assert _tokens(by["b0"]) != _tokens(by["b1"])  # the same text under another image: another answer
+
+
+def test_bad_images_are_error_rows(llava, tmp_path):
+    folder, _, _ = llava
+    (tmp_path / "imgs").mkdir()
+    make_image(1).save(tmp_path / "imgs" / "ok.png")
+    make_image(2, (64, 64)).save(tmp_path / "imgs" / "big.png")
+    (tmp_path / "imgs" / "corrupt.png").write_bytes(png_bytes(3)[:40])
+    cells = {
+        "ok": "imgs/ok.png",
+        "missing": "imgs/nope.png",
+        "corrupt": ["imgs/ok.png", "imgs/corrupt.png"],
+        "remote": "https://example.com/cat.png",
+        "number": 5,
+        "big": "imgs/big.png",
+    }
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for rid, image in cells.items():
+            f.write(json.dumps({"rid": rid, "prompt": "What is it?", "image": image}) + "\n")
+    args = _args(tmp_path / "in.jsonl", tmp_path / "out", folder, "--max-image-pixels", 1000)
+    code, output = run_here(args)
+    assert code == 0, output
+    errors = {r["rid"]: r["error"] for r in read_results(tmp_path / "out")}
+    assert errors["ok"] is None
+    assert (
+        errors["missing"].startswith("in.jsonl line 2: ")
+        and "image 0 (imgs/nope.png): cannot be read" in errors["missing"]
+    )
+    assert "line 3" in errors["corrupt"] and "image 1 (imgs/corrupt.png)" in errors["corrupt"]
+    assert "remote images are not fetched" in errors["remote"]
+    assert "line 5" in errors["number"] and "image 0 is int" in errors["number"]
+    assert "64 x 64 = 4096 pixels is over --max-image-pixels 1000" in errors["big"]
+
+
+def test_text_model_refused(tiny_model_dir, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"rid": "a", "prompt": "hi", "image": None}) + "\n")
+    code, output = run_here(_args(tmp_path / "in.jsonl", tmp_path / "out", tiny_model_dir))
+    assert code == 2, output
+    assert "--image-column 'image'" in output and "is not a vision-language model" in output
+    assert not (tmp_path / "out" / "_batchjob" / "manifest.jsonl").exists()
+
+
+def test_changed_image_file_refuses_resume(llava, tmp_path):
+    folder, _, _ = llava
+    _write_inputs(tmp_path)
+    args = _args(tmp_path / "paths.jsonl", tmp_path / "out", folder)
+    code, output = run_here(args)
+    assert code == 0, output
+    code, output = run_here(args)
+    assert code == 0 and "already complete" in output
+    make_image(9).save(tmp_path / "imgs" / "b.png")
+    code, output = run_here(args)
+    assert code == 2, output
+    assert "image files changed" in output and "paths.jsonl: imgs/b.png: its bytes changed" in output
+
+
+def test_validate_names_images_it_cannot_open(llava, tmp_path):
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    folder, _, _ = llava
+    (tmp_path / "ok.png").write_bytes(png_bytes(1))
+    rows = [("a", "ok.png"), ("b", "gone.png"), ("c", None)]
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"rid": r, "prompt": "x", "image": i}) + "\n" for r, i in rows)
+    )
+    args = ["validate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--model", folder]
+    result = CliRunner().invoke(main, [str(a) for a in [*args, "--image-column", "image"]])
+    assert result.exit_code == 0, result.output
+    assert "images: 1 of 2 can't be opened" in result.output
+    assert "in.jsonl line 2: image column 'image': image 0 (gone.png): cannot be read" in result.output
+
+
+def test_sigkill_then_resume_equals_uninterrupted(launch, llava, tmp_path):
+    """Killed (kill -9) at its first committed part, its in-flight rows checkpointed at every step before:
+    the resume writes what an uninterrupted run writes."""
+    folder, _, _ = llava
+    rows = [
+        {"rid": f"r{i:02d}", "prompt": f"Item {i} is", "image": png_bytes(i % 4) if i % 3 else None}
+        for i in range(12)
+    ]
+    table = pa.table(
+        {k: pa.array([r[k] for r in rows], pa.binary() if k == "image" else None) for k in rows[0]}
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    extra = ["--max-num-seqs", 2, "--temperature", 0.9, "--seed", 5]
+    code, output = run_here(_args(tmp_path / "in.parquet", tmp_path / "ref", folder, *extra))
+    assert code == 0, output
+    expected = read_results(tmp_path / "ref")
+    out = tmp_path / "out"
+    args = _args(tmp_path / "in.parquet", out, folder, *extra, "--checkpoint-interval", 1e-6)
+    proc = launch(args, BATCHJOB_FAULT_PAUSE="part_committed", OMP_NUM_THREADS="1")
+    wait_for_points(proc)
+    assert (out / "_batchjob" / "inflight.json").exists()  # rows in the engine were checkpointed
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    code, output = run_here(args)
+    assert code == 0, output
+    got = read_results(out)
+    assert [r["rid"] for r in got] == [r["rid"] for r in expected]
+    assert got == expected
