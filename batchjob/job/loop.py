@@ -292,7 +292,7 @@ class JobLoop:
         del self.pending[work.row_id]
         for request_id in work.request_ids:
             self.routes.pop(request_id, None)
-        self._finish_samples(work.row, work.num_prompt_tokens, work.results())
+        self._finish_samples(work.row, work.num_prompt_tokens, work.results(), work.num_images)
 
     # -- committing and checkpointing ------------------------------------------------------------
 
@@ -301,13 +301,16 @@ class JobLoop:
         sample = {"generated_text": None, "finish_reason": "error", "num_generated_tokens": 0, "error": error}
         self._finish_samples(row, 0, [sample | {"sample_index": 0}])
 
-    def _finish_samples(self, row: Row, n_prompt: int, samples: list[dict[str, Any]]) -> None:
+    def _finish_samples(
+        self, row: Row, n_prompt: int, samples: list[dict[str, Any]], images: int = 0
+    ) -> None:
         """Buffer an input row's result rows, one per sample (``generated_text``, ``finish_reason``,
         ``num_generated_tokens``, ``error`` and the feature columns each), and count it: one input row, its
         prompt once, however many samples (--n) it has; an error in any sample makes it a failed row."""
         self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples)
         failed = any(s["error"] is not None for s in samples)
-        self.stats.row(n_prompt, sum(s["num_generated_tokens"] for s in samples), failed, len(samples))
+        tokens = sum(s["num_generated_tokens"] for s in samples)
+        self.stats.row(n_prompt, tokens, failed, len(samples), images)
         self.bar.row(failed)
 
     def commit(self) -> None:

@@ -144,6 +144,13 @@ def test_image_rows_equal_hf_generate(llava, tmp_path, name):
     if name == "binary.parquet":
         by = {r["rid"]: r for r in got}
         assert _tokens(by["b0"]) != _tokens(by["b1"])  # the same text under another image: another answer
+        from batchjob.job.status import job_status
+
+        lines = job_status(tmp_path / "out").lines("out")
+        assert any("3 images, " in line for line in lines), lines  # three rows held one image each
+        from batchjob.job.report import build
+
+        assert "images/s (workers' last runs, summed): " in build([tmp_path / "out"]).read_text()
 
 
 def test_bad_images_are_error_rows(llava, tmp_path):
@@ -246,3 +253,35 @@ def test_sigkill_then_resume_equals_uninterrupted(launch, llava, tmp_path):
     got = read_results(out)
     assert [r["rid"] for r in got] == [r["rid"] for r in expected]
     assert got == expected
+
+
+def test_example_job_runs_with_a_vlm(llava, tmp_path):
+    """jobs/images.toml over examples/images.jsonl, the model given by --model: every row answered."""
+    from pathlib import Path
+
+    folder, _, _ = llava
+    job = Path(__file__).parents[2] / "jobs" / "images.toml"
+    code, output = run_here([job, "--model", folder, "--output", tmp_path / "out", "--max-new-tokens", 4])
+    assert code == 0, output
+    import pyarrow.dataset as ds
+
+    rows = {r["id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
+    assert len(rows) == 6 and all(
+        r["error"] is None and r["num_generated_tokens"] == 4 for r in rows.values()
+    )
+    assert rows["q5"]["num_prompt_tokens"] > rows["q1"]["num_prompt_tokens"] > rows["q6"]["num_prompt_tokens"]
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    args = ["validate", str(job), "--model", str(folder), "--output", str(tmp_path / "new")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "images: all 6 open" in result.output, result.output
+
+
+def test_example_job_without_a_vlm_is_refused(tiny_model_dir, tmp_path):
+    from pathlib import Path
+
+    job = Path(__file__).parents[2] / "jobs" / "images.toml"
+    code, output = run_here([job, "--model", tiny_model_dir, "--output", tmp_path / "out"])
+    assert code == 2 and "is not a vision-language model" in output, output
