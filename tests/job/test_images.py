@@ -285,3 +285,19 @@ def test_example_job_without_a_vlm_is_refused(tiny_model_dir, tmp_path):
     job = Path(__file__).parents[2] / "jobs" / "images.toml"
     code, output = run_here([job, "--model", tiny_model_dir, "--output", tmp_path / "out"])
     assert code == 2 and "is not a vision-language model" in output, output
+
+
+def test_image_file_changed_while_running_stops_the_job(llava, tmp_path, monkeypatch):
+    """The job recorded imgs/a.png, which is cut short (a fault point) before its row is read: the job stops
+    naming the file, and does not write that row from other bytes."""
+    folder, _, _ = llava
+    _write_inputs(tmp_path)
+    target = tmp_path / "imgs" / "a.png"
+    from batchjob import faults
+
+    monkeypatch.setattr(faults, "_truncated", set())  # the point cuts once per process: this test's cut
+    monkeypatch.setenv("BATCHJOB_FAULT_TRUNCATE", f"loop_started:100:{target}")
+    code, output = run_here(_args(tmp_path / "paths.jsonl", tmp_path / "out", folder))
+    assert code == 2, output
+    assert "image file paths.jsonl: imgs/a.png changed while the job ran" in output
+    assert target.stat().st_size == 100
