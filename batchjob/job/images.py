@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from batchjob.io.sources import Source
 
+Seen = Callable[[str, bytes], None]  # told each image file read: (path as written, its bytes)
 REMOTE = ("http://", "https://", "s3://", "gs://", "hf://")
 REMOTE_NOTE = "remote images are not fetched; give the bytes or a local path"
 
@@ -148,27 +149,31 @@ def decode(data: bytes, ref: ImageRef, max_pixels: int) -> tuple[PILImage.Image 
 
 
 def load(
-    value: Any,
-    column: str,
-    folder: Path | None,
-    max_pixels: int,
-    seen: Callable[[str, bytes], None] | None = None,
+    value: Any, column: str, folder: Path | None, max_pixels: int, seen: Seen | None = None
 ) -> tuple[list[PILImage.Image] | None, str | None]:
     """A cell's images decoded (``folder``: where relative paths start), or why the row has none;
     ``seen(path, data)`` is told each file read by its path."""
     found, error = refs(value, column)
     if found is None:
         return None, error
+    images, error = load_refs(found, folder, max_pixels, seen)
+    return (images, None) if images is not None else (None, f"image column {column!r}: {error}")
+
+
+def load_refs(
+    found: list[ImageRef], folder: Path | None, max_pixels: int, seen: Seen | None = None
+) -> tuple[list[PILImage.Image] | None, str | None]:
+    """The images read and decoded, in order, or why the first that can't be is not."""
     out = []
     for ref in found:
         data, error = read_bytes(ref, folder)
         if data is None:
-            return None, f"image column {column!r}: {error}"
+            return None, error
         if ref.data is None and ref.path is not None and seen is not None:
             seen(ref.path, data)
         image, error = decode(data, ref, max_pixels)
         if image is None:
-            return None, f"image column {column!r}: {error}"
+            return None, error
         out.append(image)
     return out, None
 

@@ -301,3 +301,81 @@ def test_image_file_changed_while_running_stops_the_job(llava, tmp_path, monkeyp
     assert code == 2, output
     assert "image file paths.jsonl: imgs/a.png changed while the job ran" in output
     assert target.stat().st_size == 100
+
+
+def _hf_parts(processor, hf, content) -> list[int]:
+    """HF generate on the processor's inputs for one user message of content parts (images as Pillow)."""
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    if "pixel_values" in inputs:
+        kwargs["pixel_values"] = inputs["pixel_values"].double()
+    with torch.inference_mode():
+        out = hf.generate(**kwargs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_openai_image_parts(llava, tmp_path):
+    """--format openai on a VLM: image_url parts (data: URLs, file:// URLs, paths) in place among the text
+    parts, exact against HF generate; a remote URL or bad base64 is that request's error."""
+    import base64
+
+    folder, processor, hf = llava
+    make_image(6).save(tmp_path / "six.png")
+    data = "data:image/png;base64," + base64.b64encode(png_bytes(2)).decode()
+
+    def image(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    def text(t):
+        return {"type": "text", "text": t}
+
+    contents = {
+        "c0": [text("What is it?"), image(data)],
+        "c1": [image(f"file://{tmp_path / 'six.png'}"), text("And this?"), image("six.png")],
+        "c2": "Plain text only",
+        "c3": [image("https://example.com/x.png"), text("remote")],
+        "c4": [image("data:image/png;base64,###"), text("bad")],
+    }
+    with open(tmp_path / "requests.jsonl", "w") as f:
+        for cid, content in contents.items():
+            body = {
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": MAX_NEW,
+                "temperature": 0,
+            }
+            f.write(
+                json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+            )
+            f.write("\n")
+    args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--model", folder]
+    code, output = run_here([*args, "--format", "openai", "--dtype", "float64", "--logprobs", "0"])
+    assert code == 0, output
+    import pyarrow.dataset as ds
+
+    got = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
+    pictures = {
+        data: make_image(2),
+        "six.png": make_image(6),
+        f"file://{tmp_path / 'six.png'}": make_image(6),
+    }
+    for cid in ("c0", "c1", "c2"):
+        content = contents[cid]
+        if isinstance(content, str):
+            content = [text(content)]
+        parts = [
+            {"type": "image", "image": pictures[p["image_url"]["url"]]} if "image_url" in p else p
+            for p in content
+        ]
+        assert got[cid]["error"] is None, got[cid]["error"]
+        assert _tokens(got[cid]) == _hf_parts(processor, hf, parts), cid
+    assert (
+        "requests.jsonl line 4: image 0 (https://example.com/x.png): remote images are not fetched"
+        in got["c3"]["error"]
+    )
+    assert "line 5: body.messages[0].content[0]: the data: URL is not valid base64" in got["c4"]["error"]

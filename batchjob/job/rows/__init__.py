@@ -84,15 +84,21 @@ class RowMaker:
         return work, None
 
     def _image_row(self, row: Row, row_id: str, images: ImagePrompts) -> Made:
-        """A generate row with images (--image-column): its parameters, then its prompt from the processor."""
+        """A generate row with images (--image-column, or OpenAI image parts): its parameters, then its
+        prompt from the processor."""
         assert row.values is not None
         params: SamplingParams | None = self.params
-        if self.spec.params_column is not None:
-            column = self.spec.params_column
-            params, error = params_from_column(row.values.get(column), column, self.params)
-            if params is None:
-                return None, f"{row.place}: {error}"
-        prompt, error = images.build(row)
+        if self.spec.format == "openai":
+            self._saw_model(row)
+            check = self.model_names if self.spec.check_model_name else None
+            params, prompt, error = images.build_openai(row, self.params, check)
+        else:
+            if self.spec.params_column is not None:
+                column = self.spec.params_column
+                params, error = params_from_column(row.values.get(column), column, self.params)
+                if params is None:
+                    return None, f"{row.place}: {error}"
+            prompt, error = images.build(row)
         if prompt is None or params is None:
             return None, error
         adapter, error = row_adapter(self.spec, row)

@@ -12,6 +12,8 @@ it stops the job (``ImageChangedError``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 from batchjob.errors import ConfigError
 from batchjob.job import images as img
 from batchjob.job.prompts import PromptBuilder
+from batchjob.job.rows.image_parts import image_parts, text_only, with_images
 
 if TYPE_CHECKING:
     from batchjob.io.readers import Row
     from batchjob.io.sources import Source
     from batchjob.job.prompts import PromptPlan
     from batchjob.job.spec import JobSpec
+    from batchjob.sampling import SamplingParams
 
 NOT_IMAGE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
@@ -57,10 +61,9 @@ class ImagePrompts:
         processor: Any,
         max_model_len: int | None,
         sources: list[Source],
-        recorded: dict[str, str | None],
+        recorded: dict[str, str | None] | None,
     ) -> None:
-        assert spec.image_column is not None
-        self.column = spec.image_column
+        self.column = spec.image_column  # None: --format openai's image parts
         self.max_pixels = int(spec.max_image_pixels)
         self.processor = processor
         self.text = PromptBuilder(replace(plan, chat=False, system=None), processor.tokenizer, None)
@@ -68,38 +71,73 @@ class ImagePrompts:
         self.kwargs = spec.template_kwargs
         self.max_model_len = max_model_len
         self.sources = {s.name: s for s in sources}
-        self.recorded = recorded  # the referenced files' digests the job recorded (images.json)
-        self.images_read = 0
+        self.recorded = recorded or {}  # the referenced files' digests the job recorded (images.json)
 
     def build(self, row: Row) -> tuple[ImagePrompt | None, str | None]:
-        """The row's prompt, or its error (``row.place: what``)."""
-        assert row.values is not None
+        """The row's prompt (its cell's images, then its text), or its error (``row.place: what``)."""
+        assert row.values is not None and self.column is not None
         text, error = self.text.text(row.values)
         pictures = None
-        if text is not None:
-            pictures, error = self._images(row)
+        if text is not None and self.column not in row.values:
+            error = f"image column {self.column!r} is missing in this row"
+        elif text is not None:
+            found, error = img.refs(row.values[self.column], self.column)
+            if found is not None:
+                pictures, error = self._load(found, row)
+                error = None if pictures is not None else f"image column {self.column!r}: {error}"
         if text is None or pictures is None:
             return None, f"{row.place}: {error}"
-        try:
-            return self._prompt(text, pictures, row)
-        except img.ImageChangedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a processor or template failure is this row's
-            return None, f"{row.place}: the processor cannot build this row ({type(e).__name__}: {e})"[:2000]
+        content = [{"type": "image"}] * len(pictures) + [{"type": "text", "text": text}]
+        return self._guarded(row, pictures, [{"role": "user", "content": content}] if self.chat else text)
 
-    def _images(self, row: Row) -> tuple[list[Any] | None, str | None]:
+    def build_openai(
+        self, row: Row, base: SamplingParams, model_names: set[str] | None
+    ) -> tuple[SamplingParams | None, ImagePrompt | None, str | None]:
+        """An OpenAI Batch request line whose messages may hold image parts: its parameters and prompt, or
+        its error."""
+        from batchjob.job.requests import CHAT_URL, parse_request
+
         assert row.values is not None
-        if self.column not in row.values:
-            return None, f"image column {self.column!r} is missing in this row"
+        values, where = row.values, f"{row.place}: "
+        body = values.get("body")
+        if isinstance(body, str):
+            with contextlib.suppress(ValueError):  # (else parse_request says so)
+                body = json.loads(body)
+        contents: list[Any] | None = None
+        found: list[img.ImageRef] = []
+        if isinstance(body, dict) and values.get("url") == CHAT_URL:
+            contents, found, error = image_parts(body.get("messages"), "body.")
+            if contents is None:
+                return None, None, where + str(error)
+            values = {**values, "body": {**body, "messages": text_only(body.get("messages"))}}
+        request, params, error = parse_request(values, base, model_names)
+        if request is None or params is None:
+            return None, None, where + str(error)
+        if "prompt" in request:  # /v1/completions: the text as it is (no --system, as for a text model)
+            prompt, error = self._guarded(row, [], request["prompt"], system=False)
+            return params, prompt, error
+        if not self.chat:
+            return (
+                None,
+                None,
+                where + "a chat request needs a processor with a chat template; this one has none",
+            )
+        pictures, error = self._load(found, row)
+        if pictures is None:
+            return None, None, where + str(error)
+        assert contents is not None
+        prompt, error = self._guarded(row, pictures, with_images(request["messages"], contents))
+        return params, prompt, error
+
+    def _load(self, found: list[img.ImageRef], row: Row) -> tuple[list[Any] | None, str | None]:
         source = self.sources.get(row.source)
         if source is None:
-            return img.load(row.values[self.column], self.column, None, self.max_pixels)
+            return img.load_refs(found, None, self.max_pixels)
 
         def seen(path: str, data: bytes) -> None:
             self._check_recorded(source, path, data)
 
-        folder = img.source_folder(source)
-        return img.load(row.values[self.column], self.column, folder, self.max_pixels, seen)
+        return img.load_refs(found, img.source_folder(source), self.max_pixels, seen)
 
     def _check_recorded(self, source: Source, path: str, data: bytes) -> None:
         name = img.key(source, path)
@@ -110,11 +148,23 @@ class ImagePrompts:
                 "run the job again to be told what differs"
             )
 
-    def _prompt(self, text: str, pictures: list[Any], row: Row) -> tuple[ImagePrompt | None, str | None]:
-        rendered = self._render(text, len(pictures))
-        tokenizer = self.processor.tokenizer
-        bos = getattr(tokenizer, "bos_token", None)
-        special = not (self.chat and bos is not None and rendered.startswith(bos))  # the processor's rule
+    def _guarded(
+        self, row: Row, pictures: list[Any], prompt: Any, system: bool = True
+    ) -> tuple[ImagePrompt | None, str | None]:
+        """The processor's prompt (``system``: with --system); whatever it raises is this row's error."""
+        try:
+            return self._prompt(prompt, pictures, row, system)
+        except Exception as e:  # noqa: BLE001 - a processor or template failure is this row's
+            return None, f"{row.place}: the processor cannot build this row ({type(e).__name__}: {e})"[:2000]
+
+    def _prompt(
+        self, prompt: Any, pictures: list[Any], row: Row, system: bool
+    ) -> tuple[ImagePrompt | None, str | None]:
+        """``prompt``: the messages (content parts, images in place) or, without a chat template, the text."""
+        rendered = self._render(prompt, self.system if system else None)
+        chat = not isinstance(prompt, str)
+        bos = getattr(self.processor.tokenizer, "bos_token", None)
+        special = not (chat and bos is not None and rendered.startswith(bos))  # the processor's rule
         inputs = self.processor(
             images=pictures or None, text=rendered, return_tensors="pt", add_special_tokens=special
         )
@@ -125,16 +175,14 @@ class ImagePrompts:
                 f"{self.max_model_len} tokens (the model's, or --max-model-len)"
             )
         images = {k: v for k, v in inputs.items() if k not in NOT_IMAGE_INPUTS} if pictures else None
-        self.images_read += len(pictures)
         return ImagePrompt(ids, images or None, len(pictures)), None
 
-    def _render(self, text: str, count: int) -> str:
-        if not self.chat:
-            return text if self.system is None else f"{self.system}\n\n{text}"
-        content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
-        messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
-        if self.system is not None:
-            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": self.system}]})
+    def _render(self, prompt: Any, system: str | None) -> str:
+        if isinstance(prompt, str):
+            return prompt if system is None else f"{system}\n\n{prompt}"
+        messages: list[dict[str, Any]] = list(prompt)
+        if system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
         rendered = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **self.kwargs
         )
@@ -174,11 +222,14 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
 
 
 def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> ImagePrompts | None:
-    """The job's image prompt builder (None without ``--image-column``): the loaded model's processor, whose
-    chat template renders each row unless ``--no-chat``."""
-    if spec.image_column is None:
-        return None
+    """The job's image prompt builder (None without ``--image-column``, or ``--format openai`` on a
+    vision-language model): the loaded model's processor, whose chat template renders each row unless
+    ``--no-chat``."""
+    from batchjob.engine.vision import is_vlm
     from batchjob.models import resolve_model
+
+    if spec.image_column is None and not (spec.format == "openai" and is_vlm(engine.model.config)):
+        return None
 
     processor = load_processor(engine.model_id or resolve_model(spec.model), spec.trust_remote_code)
     has_template = bool(getattr(processor, "chat_template", None))
