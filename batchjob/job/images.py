@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -221,34 +221,37 @@ def key(source: Source, path: str) -> str:
     return path if Path(path).expanduser().is_absolute() else f"{source.name}: {path}"
 
 
-def paths(values: Iterator[tuple[Source, Any]], column: str) -> Iterator[tuple[Source, str]]:
-    """The paths each cell reads its images from (its bytes, when it has them, are the input's already)."""
-    for source, value in values:
-        found, _ = refs(value, column)
-        for ref in found or ():
-            if ref.data is None and ref.path is not None and not ref.path.startswith(REMOTE):
-                yield source, ref.path
+CellRefs = Callable[[dict[str, Any]], list[ImageRef]]  # a row's values -> the images it names
 
 
-def scan(sources: list[Source], column: str) -> dict[str, str | None]:
-    """``{key: sha256 of the file's bytes, or None when it can't be read now}`` for every file the
-    ``column`` cells reference (a file that can't be read makes its row an error row, not the job's stop)."""
+def column_refs(column: str) -> CellRefs:
+    """The images of a row's ``column`` cell (none when the cell holds no images: that row's error)."""
+    return lambda values: refs(values.get(column), column)[0] or []
+
+
+def scan(sources: list[Source], cell_refs: CellRefs) -> dict[str, str | None]:
+    """``{key: sha256 of the file's bytes, or None when it can't be read now}`` for every local file the
+    rows name (``cell_refs``: a row's images; bytes in a row are the input's already). A file that can't
+    be read makes its row an error row, not the job's stop."""
     from batchjob.io.readers import iter_rows
 
     by_name = {s.name: s for s in sources}
-    cells = (
-        (by_name[row.source], row.values.get(column)) for row in iter_rows(sources) if row.values is not None
-    )
     out: dict[str, str | None] = {}
-    for source, path in paths(cells, column):
-        name = key(source, path)
-        if name in out:
+    for row in iter_rows(sources):
+        if row.values is None:
             continue
-        where, _ = local_path(path, source_folder(source))
-        try:
-            out[name] = digest(where.read_bytes()) if where is not None else None
-        except OSError:
-            out[name] = None
+        source = by_name[row.source]
+        for ref in cell_refs(row.values):
+            if ref.data is not None or ref.path is None or ref.path.startswith(REMOTE):
+                continue
+            name = key(source, ref.path)
+            if name in out:
+                continue
+            where, _ = local_path(ref.path, source_folder(source))
+            try:
+                out[name] = digest(where.read_bytes()) if where is not None else None
+            except OSError:
+                out[name] = None
     return out
 
 

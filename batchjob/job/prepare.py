@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -29,6 +29,9 @@ from batchjob.job.lora import lora_identity
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.rows.images import check_plan
+
+if TYPE_CHECKING:
+    from batchjob.job.images import CellRefs
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import (
@@ -167,16 +170,28 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
 
 
 def _with_images(prep: Prepared) -> Prepared:
-    """--image-column: the files its cells reference, by content, against those the job recorded (a
-    changed one refuses the resume, naming it, as a changed input does)."""
+    """--image-column: the files its cells reference, by content (``record_images``); and those of the
+    OpenAI image parts of a job that recorded some (the first run records them once the model is known)."""
     column = prep.spec.image_column
     if column is None:
+        if prep.spec.format == "openai" and prep.resumed and prep.state.images_file.exists():
+            from batchjob.job.rows.image_parts import request_refs
+
+            return record_images(prep, request_refs)
         return prep
+    from batchjob.job.images import column_refs
+
+    check_plan(prep.spec, prep.plan)
+    return record_images(prep, column_refs(column))
+
+
+def record_images(prep: Prepared, cell_refs: CellRefs) -> Prepared:
+    """``prep`` with the digests of the image files its rows name (``cell_refs``), checked against those
+    the job recorded: a changed one refuses the resume, naming it, as a changed input does."""
     from batchjob.io.atomic import read_json
     from batchjob.job import images
 
-    check_plan(prep.spec, prep.plan)
-    now = images.scan(prep.sources, column)
+    now = images.scan(prep.sources, cell_refs)
     saved: dict[str, str | None] = {}
     if prep.resumed and prep.state.images_file.exists():
         saved = read_json(prep.state.images_file)["images"]

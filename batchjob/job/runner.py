@@ -131,10 +131,17 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
 
 
 def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts | None:
-    """--image-column: the processor builds those rows; the digests of the files they name are recorded."""
-    if prep.images is not None:
-        write_json(prep.state.images_file, {"images": prep.images})
-    return image_prompts(prep.spec, plan, engine, prep)
+    """Image rows (--image-column, or OpenAI image parts on a vision-language model): the processor builds
+    them; the digests of the files they name are recorded (the image parts' now: the model is known)."""
+    prompts = image_prompts(prep.spec, plan, engine, prep)
+    if prompts is not None and prep.images is None:
+        from batchjob.job.prepare import record_images
+        from batchjob.job.rows.image_parts import request_refs
+
+        prompts.recorded = record_images(prep, request_refs).images or {}
+    if prompts is not None:
+        write_json(prep.state.images_file, {"images": prompts.recorded})
+    return prompts
 
 
 def _say_renamed(writer: PartWriter) -> None:

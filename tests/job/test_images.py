@@ -379,3 +379,8 @@ def test_openai_image_parts(llava, tmp_path):
         in got["c3"]["error"]
     )
     assert "line 5: body.messages[0].content[0]: the data: URL is not valid base64" in got["c4"]["error"]
+    # the files the parts name are the job's inputs: changed, the resume is refused naming both references
+    make_image(1).save(tmp_path / "six.png")
+    code, output = run_here([*args, "--format", "openai", "--dtype", "float64", "--logprobs", "0"])
+    assert code == 2 and "image files changed" in output, output
+    assert "requests.jsonl: six.png: its bytes changed" in output and f"{tmp_path / 'six.png'}: its" in output

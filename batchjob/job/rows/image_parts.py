@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Any
 
 from batchjob.job.images import ImageRef
@@ -78,3 +79,17 @@ def with_images(parsed: list[dict[str, str]], contents: list[Any]) -> list[dict[
         else:
             out.append({"role": m["role"], "content": [{"type": "text", "text": m["content"]}]})
     return out
+
+
+def request_refs(values: dict[str, Any]) -> list[ImageRef]:
+    """The images an OpenAI request line's messages name (none when it has none, or is no chat request)."""
+    body = values.get("body")
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return []
+    if not isinstance(body, dict):
+        return []
+    _, found, _ = image_parts(body.get("messages"), "")
+    return found
