@@ -174,10 +174,10 @@ def _with_images(prep: Prepared) -> Prepared:
     OpenAI image parts of a job that recorded some (the first run records them once the model is known)."""
     column = prep.spec.image_column
     if column is None:
-        if prep.spec.format == "openai" and prep.resumed and prep.state.images_file.exists():
-            from batchjob.job.rows.image_parts import request_refs
+        if prep.resumed and prep.state.images_file.exists():  # image parts, recorded by the first run
+            from batchjob.job.rows.image_parts import refs_of
 
-            return record_images(prep, request_refs)
+            return record_images(prep, refs_of(prep.spec, prep.plan))
         return prep
     from batchjob.job.images import column_refs
 

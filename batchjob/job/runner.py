@@ -136,9 +136,9 @@ def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts
     prompts = image_prompts(prep.spec, plan, engine, prep)
     if prompts is not None and prep.images is None:
         from batchjob.job.prepare import record_images
-        from batchjob.job.rows.image_parts import request_refs
+        from batchjob.job.rows.image_parts import refs_of
 
-        prompts.recorded = record_images(prep, request_refs).images or {}
+        prompts.recorded = record_images(prep, refs_of(prep.spec, plan)).images or {}
     if prompts is not None:
         write_json(prep.state.images_file, {"images": prompts.recorded})
     return prompts

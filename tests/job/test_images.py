@@ -304,9 +304,11 @@ def test_image_file_changed_while_running_stops_the_job(llava, tmp_path, monkeyp
 
 
 def _hf_parts(processor, hf, content) -> list[int]:
-    """HF generate on the processor's inputs for one user message of content parts (images as Pillow)."""
+    """HF generate on the processor's inputs for one user message of content parts (images as Pillow), or
+    for a conversation (a list of messages)."""
+    messages = content if content and "role" in content[0] else [{"role": "user", "content": content}]
     inputs = processor.apply_chat_template(
-        [{"role": "user", "content": content}],
+        messages,
         add_generation_prompt=True,
         tokenize=True,
         return_dict=True,
@@ -384,3 +386,42 @@ def test_openai_image_parts(llava, tmp_path):
     code, output = run_here([*args, "--format", "openai", "--dtype", "float64", "--logprobs", "0"])
     assert code == 2 and "image files changed" in output, output
     assert "requests.jsonl: six.png: its bytes changed" in output and f"{tmp_path / 'six.png'}: its" in output
+
+
+def test_messages_column_with_image_parts(llava, tmp_path):
+    """--messages-column on a VLM: OpenAI image parts in the messages, exact against HF generate."""
+    folder, processor, hf = llava
+    make_image(3).save(tmp_path / "three.png")
+    image = {"type": "image_url", "image_url": {"url": "three.png"}}
+    conversations = {
+        "m0": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image]}],
+        "m1": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+        ],
+        "m2": [{"role": "user", "content": "Only text"}],
+        "m3": [{"role": "user", "content": 7}],
+    }
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for rid, messages in conversations.items():
+            f.write(json.dumps({"rid": rid, "messages": messages}) + "\n")
+    args = ["--input", tmp_path / "chats.jsonl", "--output", tmp_path / "out", "--model", folder]
+    args += ["--id-column", "rid", "--max-new-tokens", MAX_NEW, "--dtype", "float64", "--logprobs", "0"]
+    code, output = run_here([*args, "--messages-column", "messages"])
+    assert code == 0, output
+    got = {r["rid"]: r for r in read_results(tmp_path / "out")}
+    for rid in ("m0", "m1", "m2"):
+        messages = [
+            {
+                "role": m["role"],
+                "content": [{"type": "text", "text": m["content"]}]
+                if isinstance(m["content"], str)
+                else [
+                    {"type": "image", "image": make_image(3)} if "image_url" in p else p for p in m["content"]
+                ],
+            }
+            for m in conversations[rid]
+        ]
+        assert got[rid]["error"] is None, got[rid]["error"]
+        assert _tokens(got[rid]) == _hf_parts(processor, hf, messages), rid
+    assert "chats.jsonl line 4: column 'messages': message 0 needs a role and a content" in got["m3"]["error"]

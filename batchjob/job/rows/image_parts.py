@@ -1,6 +1,6 @@
-"""OpenAI content parts with images (``--format openai`` on a vision-language model): a message's
-``{"type": "image_url", "image_url": {"url": ...}}`` parts as the processor's ``{"type": "image"}`` parts, in
-place, and the images they name, in order. A url is a ``data:`` URL (base64), a ``file://`` URL or a local
+"""OpenAI content parts with images (``--format openai`` or ``--messages-column`` on a vision-language
+model): a message's ``{"type": "image_url", "image_url": {"url": ...}}`` parts as the processor's
+``{"type": "image"}`` parts, in place, and the images they name, in order. A url is a ``data:`` URL (base64), a ``file://`` URL or a local
 path (relative to the input file's folder); ``http(s)://`` is never fetched (that row's error, when read).
 """
 
@@ -93,3 +93,53 @@ def request_refs(values: dict[str, Any]) -> list[ImageRef]:
         return []
     _, found, _ = image_parts(body.get("messages"), "")
     return found
+
+
+def parse_messages(value: Any, column: str) -> tuple[list[dict[str, Any]] | None, list[ImageRef], str | None]:
+    """A messages column's cell (a list, or its JSON text) whose contents are text or lists of OpenAI parts
+    (text and image_url): the processor's messages (images in place) and the images, or the error."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None, [], f"column {column!r} is not a list of messages (text that is not JSON)"
+    if not isinstance(value, list) or not value:
+        return None, [], f"column {column!r} is not a non-empty list of {{role, content}} messages"
+    contents, found, error = image_parts(value, f"column {column!r}: ")
+    if contents is None:
+        return None, [], error
+    parsed = []
+    for i, m in enumerate(text_only(value)):
+        role = m.get("role") if isinstance(m, dict) else None
+        text = _joined(m.get("content") if isinstance(m, dict) else None)
+        if not isinstance(role, str) or text is None:
+            return (
+                None,
+                [],
+                (
+                    f"column {column!r}: message {i} needs a role and a content that is text or a list of text "
+                    "and image_url parts"
+                ),
+            )
+        parsed.append({"role": role, "content": text})
+    return with_images(parsed, contents), found, None
+
+
+def _joined(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def messages_refs(column: str) -> Any:
+    """The images a row's messages column names (none when the cell is not such a list)."""
+    return lambda values: parse_messages(values.get(column), column)[1]
+
+
+def refs_of(spec: Any, plan: Any) -> Any:
+    """What names a job's images, for the files' record: OpenAI request lines, or a messages column."""
+    return request_refs if spec.format == "openai" else messages_refs(plan.column)

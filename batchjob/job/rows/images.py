@@ -5,7 +5,9 @@ ids and the image outputs the engine takes (``pixel_values`` and whatever else t
 gives). With ``--no-chat`` the text is the prompt as it is: it holds the model's image token (``<image>``)
 once per image, where each image goes.
 
-A row with no images (null, an empty list) is a text-only row through the same processor. Everything that
+Messages (``--format openai`` request lines, ``--messages-column``) on a vision-language model take OpenAI's
+image parts (``image_parts.py``), rendered the same way. A row with no images (null, an empty list) is a
+text-only row through the same processor. Everything that
 goes wrong with a row is its error, naming the row and the image; a file that changed since the job recorded
 it stops the job (``ImageChangedError``).
 """
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from batchjob.errors import ConfigError
 from batchjob.job import images as img
 from batchjob.job.prompts import PromptBuilder
-from batchjob.job.rows.image_parts import image_parts, text_only, with_images
+from batchjob.job.rows.image_parts import image_parts, parse_messages, text_only, with_images
 
 if TYPE_CHECKING:
     from batchjob.io.readers import Row
@@ -63,7 +65,8 @@ class ImagePrompts:
         sources: list[Source],
         recorded: dict[str, str | None] | None,
     ) -> None:
-        self.column = spec.image_column  # None: --format openai's image parts
+        self.column = spec.image_column  # None: image parts in --format openai lines or a messages column
+        self.messages_column = plan.column if plan.kind == "messages" else None
         self.max_pixels = int(spec.max_image_pixels)
         self.processor = processor
         self.text = PromptBuilder(replace(plan, chat=False, system=None), processor.tokenizer, None)
@@ -74,8 +77,11 @@ class ImagePrompts:
         self.recorded = recorded or {}  # the referenced files' digests the job recorded (images.json)
 
     def build(self, row: Row) -> tuple[ImagePrompt | None, str | None]:
-        """The row's prompt (its cell's images, then its text), or its error (``row.place: what``)."""
-        assert row.values is not None and self.column is not None
+        """The row's prompt (its cell's images, then its text; or its messages with image parts), or its
+        error (``row.place: what``)."""
+        assert row.values is not None
+        if self.column is None:
+            return self._messages(row)
         text, error = self.text.text(row.values)
         pictures = None
         if text is not None and self.column not in row.values:
@@ -128,6 +134,22 @@ class ImagePrompts:
         assert contents is not None
         prompt, error = self._guarded(row, pictures, with_images(request["messages"], contents))
         return params, prompt, error
+
+    def _messages(self, row: Row) -> tuple[ImagePrompt | None, str | None]:
+        """A messages column whose contents may hold OpenAI image parts."""
+        assert row.values is not None and self.messages_column is not None
+        if not self.chat:
+            return (
+                None,
+                f"{row.place}: a messages column needs a processor with a chat template; this one has none",
+            )
+        messages, found, error = parse_messages(row.values.get(self.messages_column), self.messages_column)
+        pictures = None
+        if messages is not None:
+            pictures, error = self._load(found, row)
+        if messages is None or pictures is None:
+            return None, f"{row.place}: {error}"
+        return self._guarded(row, pictures, messages)
 
     def _load(self, found: list[img.ImageRef], row: Row) -> tuple[list[Any] | None, str | None]:
         source = self.sources.get(row.source)
@@ -228,7 +250,8 @@ def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> Im
     from batchjob.engine.vision import is_vlm
     from batchjob.models import resolve_model
 
-    if spec.image_column is None and not (spec.format == "openai" and is_vlm(engine.model.config)):
+    parts = spec.format == "openai" or plan.kind == "messages"  # OpenAI content parts may hold images
+    if spec.image_column is None and not (parts and is_vlm(engine.model.config)):
         return None
 
     processor = load_processor(engine.model_id or resolve_model(spec.model), spec.trust_remote_code)
