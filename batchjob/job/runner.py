@@ -7,6 +7,7 @@ loop (``loop.py``) under the job's own signal handling; checkpoints and parts ar
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -139,8 +140,9 @@ def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts
         from batchjob.job.rows.image_parts import refs_of
 
         prompts.recorded = record_images(prep, refs_of(prep.spec, plan)).images or {}
-    if prompts is not None:
-        write_json(prep.state.images_file, {"images": prompts.recorded})
+    if prompts is not None:  # (shared by a job's workers: one writes it at a time)
+        with prep.state.job_lock() if not prep.shard.single else contextlib.nullcontext():
+            write_json(prep.state.images_file, {"images": prompts.recorded})
     return prompts
 
 

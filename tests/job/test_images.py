@@ -425,3 +425,25 @@ def test_messages_column_with_image_parts(llava, tmp_path):
         assert got[rid]["error"] is None, got[rid]["error"]
         assert _tokens(got[rid]) == _hf_parts(processor, hf, messages), rid
     assert "chats.jsonl line 4: column 'messages': message 0 needs a role and a content" in got["m3"]["error"]
+
+
+def test_two_workers_share_the_image_records(llava, tmp_path):
+    """A job split over two workers (--num-shards): each records the image files, together they write
+    what one worker writes."""
+    folder, _, _ = llava
+    _write_inputs(tmp_path)
+    code, output = run_here(_args(tmp_path / "paths.jsonl", tmp_path / "one", folder))
+    assert code == 0, output
+    for k in (0, 1):
+        code, output = run_here(
+            [
+                *_args(tmp_path / "paths.jsonl", tmp_path / "two", folder),
+                "--num-shards",
+                2,
+                "--shard-index",
+                k,
+            ]
+        )
+        assert code == 0, output
+    assert read_results(tmp_path / "two") == read_results(tmp_path / "one")
+    assert (tmp_path / "two" / "_batchjob" / "images.json").exists()
