@@ -325,6 +325,8 @@ def validate(
         f"prompt from {prep.plan.kind} {prep.plan.column or prep.plan.template!r}; {engine}; "
         f"{state} {prep.out_dir}"
     )
+    if spec.image_column is not None:
+        _check_images(prep)
     if estimate and prep.info.complete:
         click.echo("estimated time: 0 s (the job is complete: nothing is left to run)")
     elif estimate:
@@ -332,6 +334,20 @@ def validate(
 
         for line in run_estimate(prep, max_rows=estimate_rows).lines():
             click.echo(line)
+
+
+def _check_images(prep: Any) -> None:
+    """--image-column: every image read and decoded; the ones that can't be, named (their rows' errors)."""
+    from batchjob.job.images import unreadable
+
+    spec = prep.spec
+    total, bad, lines = unreadable(prep.sources, spec.image_column, spec.max_image_pixels)
+    some = f"{bad} of {total} can't be opened (their rows will be error rows)"
+    click.echo(f"images: {some}" if bad else f"images: all {total} open")
+    for line in lines:
+        click.echo(f"  {line}")
+    if bad > len(lines):
+        click.echo(f"  ... and {bad - len(lines)} more")
 
 
 def _check_tokenizer(prep: Any) -> None:

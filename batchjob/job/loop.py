@@ -48,6 +48,7 @@ from batchjob.job.unchanged import check_inputs_unchanged
 if TYPE_CHECKING:
     from batchjob.engine.output import RequestOutput
     from batchjob.engine.request import RequestState
+    from batchjob.job.rows.images import ImagePrompts
 
 # the runner's and the estimate's names for what moved to rows/
 __all__ = [
@@ -95,9 +96,10 @@ class JobLoop:
         builder: PromptBuilder,
         writer: PartWriter,
         tags: ReasoningTags | None,
+        images: ImagePrompts | None = None,
     ) -> None:
         """``writer``: the run's part writer (``part_writer``); ``tags``: the model's think tags
-        (``think_tags``), which give a reasoning column and two-phase rows."""
+        (``think_tags``), which give a reasoning column and two-phase rows; ``images``: image rows' prompts."""
         self.prep = prep
         self.spec = prep.spec
         self.engine = engine
@@ -105,7 +107,7 @@ class JobLoop:
         self.manifest = Manifest(self.state.manifest_file)
         params = self.spec.sampling_params(prep.info.job_seed)  # what rows leave out, with per-row params
         width = writer.result[0].type.list_size if self.spec.engine.task == "embed" else 0  # body.dimensions' value
-        self.rows = RowMaker(self.spec, engine, builder, params, tags, width)  # what each row becomes
+        self.rows = RowMaker(self.spec, engine, builder, params, tags, width, images)  # what each row becomes
         self.parts = Parts(prep.out_dir, self.manifest, writer)
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.window = max(8, 2 * self.max_num_seqs)
@@ -253,7 +255,9 @@ class JobLoop:
 
     def _ask(self, work: RowWork, asks: list[Ask]) -> None:
         """Give the engine a row's requests, each routed back to the row with its part."""
-        lora = {"adapter": work.adapter} if work.adapter is not None else {}  # (engines without: never set)
+        extra: dict[str, Any] = {"adapter": work.adapter} if work.adapter is not None else {}  # (never set
+        if work.images is not None:  # for engines without adapters or images)
+            extra["images"] = work.images
         for a in asks:
             self.routes[a.request_id] = (work, a.part)
             work.request_ids.append(a.request_id)
@@ -265,7 +269,7 @@ class JobLoop:
                 sample_index=a.sample_index,
                 continuation_ids=a.continuation_ids,
                 token_logprobs=a.token_logprobs,
-                **lora,
+                **extra,
             )
 
     def _step(self) -> None:
@@ -288,7 +292,7 @@ class JobLoop:
         del self.pending[work.row_id]
         for request_id in work.request_ids:
             self.routes.pop(request_id, None)
-        self._finish_samples(work.row, work.num_prompt_tokens, work.results())
+        self._finish_samples(work.row, work.num_prompt_tokens, work.results(), work.num_images)
 
     # -- committing and checkpointing ------------------------------------------------------------
 
@@ -297,13 +301,16 @@ class JobLoop:
         sample = {"generated_text": None, "finish_reason": "error", "num_generated_tokens": 0, "error": error}
         self._finish_samples(row, 0, [sample | {"sample_index": 0}])
 
-    def _finish_samples(self, row: Row, n_prompt: int, samples: list[dict[str, Any]]) -> None:
+    def _finish_samples(
+        self, row: Row, n_prompt: int, samples: list[dict[str, Any]], images: int = 0
+    ) -> None:
         """Buffer an input row's result rows, one per sample (``generated_text``, ``finish_reason``,
         ``num_generated_tokens``, ``error`` and the feature columns each), and count it: one input row, its
         prompt once, however many samples (--n) it has; an error in any sample makes it a failed row."""
         self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples)
         failed = any(s["error"] is not None for s in samples)
-        self.stats.row(n_prompt, sum(s["num_generated_tokens"] for s in samples), failed, len(samples))
+        tokens = sum(s["num_generated_tokens"] for s in samples)
+        self.stats.row(n_prompt, tokens, failed, len(samples), images)
         self.bar.row(failed)
 
     def commit(self) -> None:

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -28,6 +28,10 @@ from batchjob.job.inputs import InputChangedError, new_records, ordered_sources,
 from batchjob.job.lora import lora_identity
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
+from batchjob.job.rows.images import check_plan
+
+if TYPE_CHECKING:
+    from batchjob.job.images import CellRefs
 from batchjob.job.shard import Shard, choose_chunk_rows
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import (
@@ -59,6 +63,7 @@ class Prepared:
     fingerprint: dict[str, Any] = field(default_factory=dict)  # this start's identity, as computed
     skipped: list[Skipped] = field(default_factory=list)  # what the --input folders and globs left out
     redo: list[int] = field(default_factory=list)  # --append: ordinals of torn last rows finished since
+    images: dict[str, str | None] | None = None  # --image-column: each referenced file's digest (images.py)
 
 
 def model_fingerprint(model: str | None) -> dict[str, Any]:
@@ -136,7 +141,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     if spec.format == "openai":
         check_unique(found, "custom_id", "custom_id")  # OpenAI rejects such a file: so do we, before work
     if state.exists():
-        return replace(_resume(spec, state, found, shard, identity), skipped=skipped)
+        return _with_images(replace(_resume(spec, state, found, shard, identity), skipped=skipped))
     schema = input_schema(found)
     records = new_records(found)
     sources = ordered_sources(found, records)
@@ -147,19 +152,58 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     if not shard.single:
         info.chunk_rows = choose_chunk_rows(info.total_rows, shard.count)
         shard = replace(shard, chunk_rows=info.chunk_rows)
-    return Prepared(
-        spec,
-        out_dir,
-        state,
-        sources,
-        info,
-        False,
-        plan,
-        shard,
-        found=found,
-        fingerprint=fingerprint,
-        skipped=skipped,
+    return _with_images(
+        Prepared(
+            spec,
+            out_dir,
+            state,
+            sources,
+            info,
+            False,
+            plan,
+            shard,
+            found=found,
+            fingerprint=fingerprint,
+            skipped=skipped,
+        )
     )
+
+
+def _with_images(prep: Prepared) -> Prepared:
+    """--image-column: the files its cells reference, by content (``record_images``); and those of the
+    OpenAI image parts of a job that recorded some (the first run records them once the model is known)."""
+    column = prep.spec.image_column
+    if column is None:
+        if prep.resumed and prep.state.images_file.exists():  # image parts, recorded by the first run
+            from batchjob.job.rows.image_parts import refs_of
+
+            return record_images(prep, refs_of(prep.spec, prep.plan))
+        return prep
+    from batchjob.job.images import column_refs
+
+    check_plan(prep.spec, prep.plan)
+    return record_images(prep, column_refs(column))
+
+
+def record_images(prep: Prepared, cell_refs: CellRefs) -> Prepared:
+    """``prep`` with the digests of the image files its rows name (``cell_refs``), checked against those
+    the job recorded: a changed one refuses the resume, naming it, as a changed input does."""
+    from batchjob.io.atomic import read_json
+    from batchjob.job import images
+
+    now = images.scan(prep.sources, cell_refs)
+    saved: dict[str, str | None] = {}
+    if prep.resumed and prep.state.images_file.exists():
+        saved = read_json(prep.state.images_file)["images"]
+        changed = images.changes(saved, now)
+        if changed:
+            raise images.ImageChangedError(
+                f"--output {prep.out_dir} holds a job whose image files changed:\n  "
+                + "\n  ".join(changed[:20])
+                + (f"\n  ... and {len(changed) - 20} more" if len(changed) > 20 else "")
+                + "\nRestore them to resume, or use a new --output folder"
+            )
+    return replace(prep, images=now | {k: v for k, v in saved.items() if v is not None})
 
 
 def reload(prep: Prepared) -> Prepared:

@@ -187,6 +187,8 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
         need(spec.params_column, "--params-column")
     if spec.score_column is not None:
         need(spec.score_column, "--score-column")
+    if spec.image_column is not None:
+        need(spec.image_column, "--image-column")
     resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)

@@ -372,6 +372,8 @@ def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
         f"errors: {st.total('errors'):,}; tokens: {st.total('prompt_tokens'):,} in, {st.total('generated_tokens'):,} out",
         f"generated tokens/s (workers' last runs, summed): {rate:.1f}; workers: {len(st.workers)}",
     ]
+    if st.rate("images_per_s"):  # an image job (--image-column): images/s beside tokens/s
+        lines.append(f"images/s (workers' last runs, summed): {st.rate('images_per_s'):.2f}")
     return "<p>" + "<br>".join(lines) + "</p>"
 
 

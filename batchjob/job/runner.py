@@ -7,17 +7,20 @@ loop (``loop.py``) under the job's own signal handling; checkpoints and parts ar
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
 from batchjob import faults, signals
 from batchjob.errors import StateError
+from batchjob.io.atomic import write_json
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared, prepare, reload
 from batchjob.job.prompts import PromptBuilder
+from batchjob.job.rows.images import ImagePrompts, check_image_model, image_prompts
 from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
@@ -43,6 +46,7 @@ def check_engine(spec: JobSpec) -> str:
     from batchjob.models import load_config
 
     model_config, resolved = load_config(spec.model, spec.trust_remote_code)
+    check_image_model(spec, model_config)
     config = EngineConfig(**spec.engine.as_keywords())
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
     if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses
@@ -87,6 +91,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     state.lock()
     loaded = engine is None  # the job's own engine is closed with it (a tensor-parallel one's ranks stop)
     try:
+        check_image_model(spec, engine.model.config if engine is not None else None)  # before the weights
         if engine is None:
             faults.point("before_model_load")
             with signals.phase("loading the model"):  # what a start-up signal's message says
@@ -114,7 +119,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
             prep.state.save_job(prep.info)  # a progress.json: status sees this worker has started
         writer.remove_orphans(manifest.names)
         builder = prompt_builder(spec, plan, engine)
-        loop = JobLoop(prep, engine, builder, writer, tags)
+        loop = JobLoop(prep, engine, builder, writer, tags, _image_prompts(prep, plan, engine))
         # While it runs, SIGTERM/SIGINT ask the loop to checkpoint and stop. Before, the command's own
         # handlers apply (signals.py): during start-up a signal exits 75 at once, with nothing to save.
         with signals.handling(loop.on_signal):
@@ -124,6 +129,21 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
         if loaded and engine is not None:
             engine.close()
         state.unlock()
+
+
+def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts | None:
+    """Image rows (--image-column, or OpenAI image parts on a vision-language model): the processor builds
+    them; the digests of the files they name are recorded (the image parts' now: the model is known)."""
+    prompts = image_prompts(prep.spec, plan, engine, prep)
+    if prompts is not None and prep.images is None:
+        from batchjob.job.prepare import record_images
+        from batchjob.job.rows.image_parts import refs_of
+
+        prompts.recorded = record_images(prep, refs_of(prep.spec, plan)).images or {}
+    if prompts is not None:  # (shared by a job's workers: one writes it at a time)
+        with prep.state.job_lock() if not prep.shard.single else contextlib.nullcontext():
+            write_json(prep.state.images_file, {"images": prompts.recorded})
+    return prompts
 
 
 def _say_renamed(writer: PartWriter) -> None:

@@ -9,7 +9,7 @@ imports no torch. Of a prefill-only engine's task runner the job reads one thing
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -75,6 +75,7 @@ class JobEngine(Protocol):
         continuation_ids: Sequence[int] | None = None,
         token_logprobs: bool = False,
         adapter: str | None = None,
+        images: Any = None,
     ) -> None: ...
 
     def has_unfinished(self) -> bool: ...

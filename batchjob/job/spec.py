@@ -33,6 +33,7 @@ from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
 
 FORMAT_CHOICES = ("rows", "openai")
+PILLOW_MAX_PIXELS = 89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS, its decompression-bomb warning (not imported)
 
 
 @dataclass
@@ -73,6 +74,18 @@ class JobSpec:
         None,
         "System message put before each prompt (\\n and \\t read as for --template).",
         metavar="TEXT",
+    )
+    image_column: str | None = job_option(
+        None,
+        "Column of each row's images (a vision-language model): one or a list, each bytes, a {bytes, path} "
+        "struct or a path (relative to the input file's folder); they come before the row's text.",
+        metavar="COL",
+    )
+    max_image_pixels: int = job_option(
+        PILLOW_MAX_PIXELS,
+        "An image with more pixels than this is its row's error (a decompression bomb)",
+        check=at_least(1, " pixels"),
+        metavar="N",
     )
     chat: bool | None = job_option(
         None,
@@ -239,6 +252,8 @@ class JobSpec:
             parse_tags(self.reasoning_tags)
         if self.format == "openai":
             self._check_openai()
+        if self.image_column is not None and (self.format != "rows" or self.engine.task != "generate"):
+            raise ConfigError("--image-column is for generation over rows (not --format openai, not --task)")
         check_task(self.values(), _DEFAULTS)
         self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
@@ -339,6 +354,8 @@ class JobSpec:
             out["chat_template_kwargs"] = self.template_kwargs
         if self.reasoning_tags is not None:
             out["reasoning_tags"] = self.reasoning_tags
+        if self.image_column is not None:  # named only when given, so a text job keeps its identity
+            out |= {"image_column": self.image_column, "max_image_pixels": self.max_image_pixels}
         return out
 
     def task_fingerprint(self) -> dict[str, Any]:

@@ -170,6 +170,7 @@ class StateDir:
     stats_file = property(lambda self: self.work / "stats.json")
     progress_file = property(lambda self: self.work / "progress.json")
     lock_file = property(lambda self: self.work / "lock")
+    images_file = property(lambda self: self.path / "images.json")  # --image-column's files (images.py)
 
     def exists(self) -> bool:
         return self.job_file.exists()

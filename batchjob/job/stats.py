@@ -68,6 +68,7 @@ class RunStats:
         self.errors = 0  # input rows with an error
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.images = 0  # the finished rows' images (--image-column)
         self.queue_wait = Reservoir(seed=1)
         self.ttft = Reservoir(seed=2)
         self.latency = Reservoir(seed=3)
@@ -84,9 +85,12 @@ class RunStats:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def row(self, prompt_tokens: int, generated_tokens: int, error: bool, samples: int = 1) -> None:
-        """An input row finished: its prompt once, all its samples' tokens."""
+    def row(
+        self, prompt_tokens: int, generated_tokens: int, error: bool, samples: int = 1, images: int = 0
+    ) -> None:
+        """An input row finished: its prompt once (and its images), all its samples' tokens."""
         self.rows += 1
+        self.images += images
         self.samples += samples
         self.errors += int(error)
         self.prompt_tokens += prompt_tokens
@@ -134,7 +138,8 @@ class RunStats:
     def to_json(self, engine_stats: dict[str, Any] | None = None) -> dict[str, Any]:
         elapsed = max(self.elapsed, 1e-9)
         occ = [o for _, o in self.occupancy]
-        return {
+        images = {"images": self.images, "images_per_s": round(self.images / elapsed, 3)}
+        return (images if self.images else {}) | {
             "elapsed_s": round(elapsed, 3),
             "rows": self.rows,
             "samples": self.samples,

@@ -163,7 +163,8 @@ class JobStatus:
             lines.append(
                 f"last run: {w.stats.get('rows', 0)} rows{extra} in {w.stats.get('elapsed_s', 0):.1f} s, "
                 f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
-                f"{w.stats.get('preemptions', 0)} preemptions"
+                + (f"{w.stats['images']} images, {w.stats['images_per_s']:.2f}/s, " if "images" in w.stats else "")
+                + f"{w.stats.get('preemptions', 0)} preemptions"
             )
         return [*lines, f"parts: {w.parts}; stats: {w.stats_file}"]
 

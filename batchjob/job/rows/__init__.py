@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchjob.job.requests import parse_embeddings_request
+from batchjob.job.requests import params_from_column, parse_embeddings_request
 from batchjob.job.rows.adapter import row_adapter
 from batchjob.job.rows.base import RowWork
 from batchjob.job.rows.embeddings import EmbeddingInputs
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from batchjob.io.readers import Row
     from batchjob.job.prompts import PromptBuilder
     from batchjob.job.reasoning import ReasoningTags
+    from batchjob.job.rows.images import ImagePrompts
     from batchjob.job.seam import JobEngine
     from batchjob.job.spec import JobSpec
     from batchjob.sampling import SamplingParams
@@ -42,14 +43,17 @@ class RowMaker:
         params: SamplingParams,
         tags: ReasoningTags | None,
         width: int,
+        images: ImagePrompts | None = None,
     ) -> None:
-        """``params``: what rows leave out; ``width``: --task embed's only ``body.dimensions`` value."""
+        """``params``: what rows leave out; ``width``: --task embed's only ``body.dimensions`` value;
+        ``images``: --image-column's prompts (rows/images.py)."""
         self.spec = spec
         self.engine = engine
         self.builder = builder
         self.params = params
         self.tags = tags
         self.width = width
+        self.images = images
         self.task = spec.engine.task  # generate, or a prefill-only task: which kinds the rows are
         # --format openai: what body.model may say (the model's names, or a --lora adapter's)
         self.model_names = model_names(spec.model) | set(spec.lora_paths)
@@ -67,6 +71,8 @@ class RowMaker:
         """The row (readable, with its id) as its kind, or the reason it is an error row."""
         if self.task != "generate":
             return self._task_row(row, row_id)
+        if self.images is not None:
+            return self._image_row(row, row_id, self.images)
         params, ids, error = self._request(row)
         if ids is None or params is None:
             return None, error
@@ -75,6 +81,31 @@ class RowMaker:
             return None, error
         work = self._generate_row(row, row_id, ids, params)
         work.adapter = adapter
+        return work, None
+
+    def _image_row(self, row: Row, row_id: str, images: ImagePrompts) -> Made:
+        """A generate row with images (--image-column, or OpenAI image parts): its parameters, then its
+        prompt from the processor."""
+        assert row.values is not None
+        params: SamplingParams | None = self.params
+        if self.spec.format == "openai":
+            self._saw_model(row)
+            check = self.model_names if self.spec.check_model_name else None
+            params, prompt, error = images.build_openai(row, self.params, check)
+        else:
+            if self.spec.params_column is not None:
+                column = self.spec.params_column
+                params, error = params_from_column(row.values.get(column), column, self.params)
+                if params is None:
+                    return None, f"{row.place}: {error}"
+            prompt, error = images.build(row)
+        if prompt is None or params is None:
+            return None, error
+        adapter, error = row_adapter(self.spec, row)
+        if error is not None:
+            return None, error
+        work = self._generate_row(row, row_id, prompt.ids, params)
+        work.adapter, work.images, work.num_images = adapter, prompt.images, prompt.count
         return work, None
 
     def _generate_row(self, row: Row, row_id: str, ids: list[int], params: SamplingParams) -> Samples:

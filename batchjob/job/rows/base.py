@@ -58,6 +58,8 @@ class RowWork:
     outputs: dict[int, RequestOutput] = field(default_factory=dict)  # finished results by sample or input
     request_ids: list[str] = field(default_factory=list)  # every engine id it was given (the loop's routes)
     adapter: str | None = None  # the LoRA adapter its requests run under (None: the base model; adapter.py)
+    images: Any = None  # the processor's image outputs its requests carry (None: text only; images.py)
+    num_images: int = 0
 
     def asks(self) -> list[Ask]:
         """The requests the row makes when it enters the engine."""

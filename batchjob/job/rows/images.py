@@ -1,0 +1,264 @@
+"""An image row's prompt (``--image-column``): the row's images (``job/images.py``: read, decoded) then its
+text (``--prompt-column`` or ``--template``) as one user message, rendered by the model's processor's chat
+template (``[{"type": "image"}, ..., {"type": "text", "text": prompt}]``); then the processor makes the token
+ids and the image outputs the engine takes (``pixel_values`` and whatever else the family's processor
+gives). With ``--no-chat`` the text is the prompt as it is: it holds the model's image token (``<image>``)
+once per image, where each image goes.
+
+Messages (``--format openai`` request lines, ``--messages-column``) on a vision-language model take OpenAI's
+image parts (``image_parts.py``), rendered the same way. A row with no images (null, an empty list) is a
+text-only row through the same processor. Everything that
+goes wrong with a row is its error, naming the row and the image; a file that changed since the job recorded
+it stops the job (``ImageChangedError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchjob.errors import ConfigError
+from batchjob.job import images as img
+from batchjob.job.prompts import PromptBuilder
+from batchjob.job.rows.image_parts import image_parts, parse_messages, text_only, with_images
+
+if TYPE_CHECKING:
+    from batchjob.io.readers import Row
+    from batchjob.io.sources import Source
+    from batchjob.job.prompts import PromptPlan
+    from batchjob.job.spec import JobSpec
+    from batchjob.sampling import SamplingParams
+
+NOT_IMAGE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def check_plan(spec: JobSpec, plan: PromptPlan) -> None:
+    """Before any work: an image column takes the prompt from a text column or a template."""
+    if spec.image_column is not None and plan.kind not in ("column", "template"):
+        raise ConfigError(
+            f"--image-column {spec.image_column!r} takes each row's text from --prompt-column or --template; "
+            f"this job's prompts come from {'--messages-column' if plan.kind == 'messages' else '--format openai'}"
+        )
+
+
+@dataclass
+class ImagePrompt:
+    """What an image row gives the engine."""
+
+    ids: list[int]
+    images: dict[str, Any] | None  # the processor's image outputs (None: a text-only row)
+    count: int  # images in the row
+
+
+class ImagePrompts:
+    """Builds each row's image prompt: the job's options, the model's processor, the recorded files."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        plan: PromptPlan,
+        processor: Any,
+        max_model_len: int | None,
+        sources: list[Source],
+        recorded: dict[str, str | None] | None,
+    ) -> None:
+        self.column = spec.image_column  # None: image parts in --format openai lines or a messages column
+        self.messages_column = plan.column if plan.kind == "messages" else None
+        self.max_pixels = int(spec.max_image_pixels)
+        self.processor = processor
+        self.text = PromptBuilder(replace(plan, chat=False, system=None), processor.tokenizer, None)
+        self.chat, self.system = plan.chat, plan.system
+        self.kwargs = spec.template_kwargs
+        self.max_model_len = max_model_len
+        self.sources = {s.name: s for s in sources}
+        self.recorded = recorded or {}  # the referenced files' digests the job recorded (images.json)
+
+    def build(self, row: Row) -> tuple[ImagePrompt | None, str | None]:
+        """The row's prompt (its cell's images, then its text; or its messages with image parts), or its
+        error (``row.place: what``)."""
+        assert row.values is not None
+        if self.column is None:
+            return self._messages(row)
+        text, error = self.text.text(row.values)
+        pictures = None
+        if text is not None and self.column not in row.values:
+            error = f"image column {self.column!r} is missing in this row"
+        elif text is not None:
+            found, error = img.refs(row.values[self.column], self.column)
+            if found is not None:
+                pictures, error = self._load(found, row)
+                error = None if pictures is not None else f"image column {self.column!r}: {error}"
+        if text is None or pictures is None:
+            return None, f"{row.place}: {error}"
+        content = [{"type": "image"}] * len(pictures) + [{"type": "text", "text": text}]
+        return self._guarded(row, pictures, [{"role": "user", "content": content}] if self.chat else text)
+
+    def build_openai(
+        self, row: Row, base: SamplingParams, model_names: set[str] | None
+    ) -> tuple[SamplingParams | None, ImagePrompt | None, str | None]:
+        """An OpenAI Batch request line whose messages may hold image parts: its parameters and prompt, or
+        its error."""
+        from batchjob.job.requests import CHAT_URL, parse_request
+
+        assert row.values is not None
+        values, where = row.values, f"{row.place}: "
+        body = values.get("body")
+        if isinstance(body, str):
+            with contextlib.suppress(ValueError):  # (else parse_request says so)
+                body = json.loads(body)
+        contents: list[Any] | None = None
+        found: list[img.ImageRef] = []
+        if isinstance(body, dict) and values.get("url") == CHAT_URL:
+            contents, found, error = image_parts(body.get("messages"), "body.")
+            if contents is None:
+                return None, None, where + str(error)
+            values = {**values, "body": {**body, "messages": text_only(body.get("messages"))}}
+        request, params, error = parse_request(values, base, model_names)
+        if request is None or params is None:
+            return None, None, where + str(error)
+        if "prompt" in request:  # /v1/completions: the text as it is (no --system, as for a text model)
+            prompt, error = self._guarded(row, [], request["prompt"], system=False)
+            return params, prompt, error
+        if not self.chat:
+            return (
+                None,
+                None,
+                where + "a chat request needs a processor with a chat template; this one has none",
+            )
+        pictures, error = self._load(found, row)
+        if pictures is None:
+            return None, None, where + str(error)
+        assert contents is not None
+        prompt, error = self._guarded(row, pictures, with_images(request["messages"], contents))
+        return params, prompt, error
+
+    def _messages(self, row: Row) -> tuple[ImagePrompt | None, str | None]:
+        """A messages column whose contents may hold OpenAI image parts."""
+        assert row.values is not None and self.messages_column is not None
+        if not self.chat:
+            return (
+                None,
+                f"{row.place}: a messages column needs a processor with a chat template; this one has none",
+            )
+        messages, found, error = parse_messages(row.values.get(self.messages_column), self.messages_column)
+        pictures = None
+        if messages is not None:
+            pictures, error = self._load(found, row)
+        if messages is None or pictures is None:
+            return None, f"{row.place}: {error}"
+        return self._guarded(row, pictures, messages)
+
+    def _load(self, found: list[img.ImageRef], row: Row) -> tuple[list[Any] | None, str | None]:
+        source = self.sources.get(row.source)
+        if source is None:
+            return img.load_refs(found, None, self.max_pixels)
+
+        def seen(path: str, data: bytes) -> None:
+            self._check_recorded(source, path, data)
+
+        return img.load_refs(found, img.source_folder(source), self.max_pixels, seen)
+
+    def _check_recorded(self, source: Source, path: str, data: bytes) -> None:
+        name = img.key(source, path)
+        was = self.recorded.get(name)
+        if was is not None and img.digest(data) != was:
+            raise img.ImageChangedError(
+                f"image file {name} changed while the job ran (the rows committed so far are kept); "
+                "run the job again to be told what differs"
+            )
+
+    def _guarded(
+        self, row: Row, pictures: list[Any], prompt: Any, system: bool = True
+    ) -> tuple[ImagePrompt | None, str | None]:
+        """The processor's prompt (``system``: with --system); whatever it raises is this row's error."""
+        try:
+            return self._prompt(prompt, pictures, row, system)
+        except Exception as e:  # noqa: BLE001 - a processor or template failure is this row's
+            return None, f"{row.place}: the processor cannot build this row ({type(e).__name__}: {e})"[:2000]
+
+    def _prompt(
+        self, prompt: Any, pictures: list[Any], row: Row, system: bool
+    ) -> tuple[ImagePrompt | None, str | None]:
+        """``prompt``: the messages (content parts, images in place) or, without a chat template, the text."""
+        rendered = self._render(prompt, self.system if system else None)
+        chat = not isinstance(prompt, str)
+        bos = getattr(self.processor.tokenizer, "bos_token", None)
+        special = not (chat and bos is not None and rendered.startswith(bos))  # the processor's rule
+        inputs = self.processor(
+            images=pictures or None, text=rendered, return_tensors="pt", add_special_tokens=special
+        )
+        ids = [int(t) for t in inputs["input_ids"][0]]
+        if self.max_model_len is not None and len(ids) >= self.max_model_len:
+            return None, (
+                f"{row.place}: prompt of {len(ids)} tokens (its images' included) does not fit the context of "
+                f"{self.max_model_len} tokens (the model's, or --max-model-len)"
+            )
+        images = {k: v for k, v in inputs.items() if k not in NOT_IMAGE_INPUTS} if pictures else None
+        return ImagePrompt(ids, images or None, len(pictures)), None
+
+    def _render(self, prompt: Any, system: str | None) -> str:
+        if isinstance(prompt, str):
+            return prompt if system is None else f"{system}\n\n{prompt}"
+        messages: list[dict[str, Any]] = list(prompt)
+        if system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
+        rendered = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.kwargs
+        )
+        assert isinstance(rendered, str)
+        return rendered
+
+
+def load_processor(model_folder: str | Path, trust_remote_code: bool) -> Any:
+    """The model's processor (its chat template, its image preprocessing), from the loaded model's folder."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(model_folder), trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a folder without a processor is a setup error, named
+        raise ConfigError(
+            f"--image-column needs the model's processor; none could be loaded from {model_folder} "
+            f"({type(e).__name__}: {e})"
+        ) from e
+
+
+def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
+    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config)."""
+    if spec.image_column is None:
+        return
+    from batchjob.engine.vision import is_vlm
+    from batchjob.job.model_identity import display_name
+
+    if model_config is None:
+        from batchjob.models import load_config
+
+        model_config, _ = load_config(spec.model, spec.trust_remote_code)
+    if not is_vlm(model_config):
+        raise ConfigError(
+            f"--image-column {spec.image_column!r}: model {display_name(spec.model)!r} "
+            f"({getattr(model_config, 'model_type', '?')}) is not a vision-language model; it takes no images"
+        )
+
+
+def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> ImagePrompts | None:
+    """The job's image prompt builder (None without ``--image-column``, or ``--format openai`` on a
+    vision-language model): the loaded model's processor, whose chat template renders each row unless
+    ``--no-chat``."""
+    from batchjob.engine.vision import is_vlm
+    from batchjob.models import resolve_model
+
+    parts = spec.format == "openai" or plan.kind == "messages"  # OpenAI content parts may hold images
+    if spec.image_column is None and not (parts and is_vlm(engine.model.config)):
+        return None
+
+    processor = load_processor(engine.model_id or resolve_model(spec.model), spec.trust_remote_code)
+    has_template = bool(getattr(processor, "chat_template", None))
+    if spec.chat and not has_template:
+        raise ConfigError("--chat asked for, but the model's processor has no chat template; use --no-chat")
+    chat = has_template if spec.chat is None else spec.chat
+    return ImagePrompts(
+        spec, replace(plan, chat=chat), processor, engine.max_model_len, prep.sources, prep.images
+    )

@@ -1,0 +1,449 @@
+"""Jobs with an image column (--image-column) over the tiny LLaVA, float64: each row's greedy tokens equal HF
+``generate`` on the processor's inputs (binary cells, datasets Image structs, paths, lists, text-only rows);
+bad images are error rows naming the row and the image; a text model is refused; a changed image file refuses
+the resume; validate lists the images it can't open; a kill -9 then resume equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.faultproc import wait_for_points
+from tests.jobproc import read_results, run_here
+from tests.tiers import engine_fixture
+from tests.vision_models import make_image, make_llava, png_bytes
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_NEW = 8
+
+
+@engine_fixture(scope="module")
+def llava(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = make_llava(tmp_path_factory.mktemp("llava") / "llava")
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).eval()
+    return folder, AutoProcessor.from_pretrained(folder), hf
+
+
+def _hf_tokens(processor, hf, images, text) -> list[int]:
+    """HF generate on the processor's own inputs (its apply_chat_template, tokenized, images in the content)."""
+    content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    if images:
+        kwargs["pixel_values"] = inputs["pixel_values"].double()
+    with torch.inference_mode():
+        out = hf.generate(**kwargs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _args(inp, out, folder, *extra) -> list[str]:
+    args = [
+        "--input",
+        inp,
+        "--output",
+        out,
+        "--model",
+        folder,
+        "--image-column",
+        "image",
+        "--id-column",
+        "rid",
+    ]
+    args += ["--max-new-tokens", MAX_NEW, "--device", "cpu", "--dtype", "float64", "--logprobs", "0"]
+    return [str(a) for a in [*args, *extra]]
+
+
+def _tokens(row) -> list[int]:
+    return [t["token_id"] for t in row["logprobs"]]
+
+
+def _write_inputs(root):
+    """Three inputs of one job's rows, one per way of holding an image, and the images they name."""
+    (root / "imgs").mkdir()
+    make_image(7).save(root / "imgs" / "a.png")
+    make_image(8, (30, 18)).save(root / "imgs" / "b.png")
+    binary = pa.table(
+        {
+            "rid": ["b0", "b1", "b2", "b3"],
+            "prompt": ["What is it?", "What is it?", "The quick brown fox", "Paris is"],
+            "image": pa.array([png_bytes(1), png_bytes(5), None, png_bytes(3)], pa.binary()),
+        }
+    )
+    pq.write_table(binary, root / "binary.parquet")
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    structs = pa.table(
+        {
+            "rid": ["s0", "s1", "s2"],
+            "prompt": ["Describe.", "Compare these two.", "No image here"],
+            "image": pa.array(
+                [
+                    [{"bytes": png_bytes(2), "path": "ignored.png"}],
+                    [{"bytes": None, "path": "imgs/a.png"}, {"bytes": png_bytes(4), "path": None}],
+                    [],
+                ],
+                pa.list_(struct),
+            ),
+        }
+    )
+    pq.write_table(structs, root / "structs.parquet")
+    lines = [("p0", "imgs/a.png"), ("p1", ["imgs/b.png", str(root / "imgs" / "a.png")]), ("p2", None)]
+    with open(root / "paths.jsonl", "w") as f:
+        for rid, image in lines:
+            f.write(json.dumps({"rid": rid, "prompt": f"Look at {rid}", "image": image}) + "\n")
+
+
+def _expected_images(root, rid):
+    """The Pillow images each row holds, as the test wrote them."""
+    from PIL import Image
+
+    a, b = (
+        Image.open(root / "imgs" / "a.png").convert("RGB"),
+        Image.open(root / "imgs" / "b.png").convert("RGB"),
+    )
+    return {
+        "b0": [make_image(1)],
+        "b1": [make_image(5)],
+        "b2": [],
+        "b3": [make_image(3)],
+        "s0": [make_image(2)],
+        "s1": [a, make_image(4)],
+        "s2": [],
+        "p0": [a],
+        "p1": [b, a],
+        "p2": [],
+    }[rid]
+
+
+@pytest.mark.parametrize("name", ["binary.parquet", "structs.parquet", "paths.jsonl"])
+def test_image_rows_equal_hf_generate(llava, tmp_path, name):
+    """Every row's tokens equal HF generate's on the processor's inputs; two images under one text differ."""
+    folder, processor, hf = llava
+    _write_inputs(tmp_path)
+    code, output = run_here(_args(tmp_path / name, tmp_path / "out", folder))
+    assert code == 0, output
+    got = read_results(tmp_path / "out")
+    assert got and all(r["error"] is None for r in got), [r["error"] for r in got]
+    for r in got:
+        images = _expected_images(tmp_path, r["rid"])
+        assert _tokens(r) == _hf_tokens(processor, hf, images, r["prompt"]), r["rid"]
+        assert len(_tokens(r)) == MAX_NEW
+    if name == "binary.parquet":
+        by = {r["rid"]: r for r in got}
+        assert _tokens(by["b0"]) != _tokens(by["b1"])  # the same text under another image: another answer
+        from batchjob.job.status import job_status
+
+        lines = job_status(tmp_path / "out").lines("out")
+        assert any("3 images, " in line for line in lines), lines  # three rows held one image each
+        from batchjob.job.report import build
+
+        assert "images/s (workers' last runs, summed): " in build([tmp_path / "out"]).read_text()
+
+
+def test_bad_images_are_error_rows(llava, tmp_path):
+    folder, _, _ = llava
+    (tmp_path / "imgs").mkdir()
+    make_image(1).save(tmp_path / "imgs" / "ok.png")
+    make_image(2, (64, 64)).save(tmp_path / "imgs" / "big.png")
+    (tmp_path / "imgs" / "corrupt.png").write_bytes(png_bytes(3)[:40])
+    cells = {
+        "ok": "imgs/ok.png",
+        "missing": "imgs/nope.png",
+        "corrupt": ["imgs/ok.png", "imgs/corrupt.png"],
+        "remote": "https://example.com/cat.png",
+        "number": 5,
+        "big": "imgs/big.png",
+    }
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for rid, image in cells.items():
+            f.write(json.dumps({"rid": rid, "prompt": "What is it?", "image": image}) + "\n")
+    args = _args(tmp_path / "in.jsonl", tmp_path / "out", folder, "--max-image-pixels", 1000)
+    code, output = run_here(args)
+    assert code == 0, output
+    errors = {r["rid"]: r["error"] for r in read_results(tmp_path / "out")}
+    assert errors["ok"] is None
+    assert (
+        errors["missing"].startswith("in.jsonl line 2: ")
+        and "image 0 (imgs/nope.png): cannot be read" in errors["missing"]
+    )
+    assert "line 3" in errors["corrupt"] and "image 1 (imgs/corrupt.png)" in errors["corrupt"]
+    assert "remote images are not fetched" in errors["remote"]
+    assert "line 5" in errors["number"] and "image 0 is int" in errors["number"]
+    assert "64 x 64 = 4096 pixels is over --max-image-pixels 1000" in errors["big"]
+
+
+def test_text_model_refused(tiny_model_dir, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"rid": "a", "prompt": "hi", "image": None}) + "\n")
+    code, output = run_here(_args(tmp_path / "in.jsonl", tmp_path / "out", tiny_model_dir))
+    assert code == 2, output
+    assert "--image-column 'image'" in output and "is not a vision-language model" in output
+    assert not (tmp_path / "out" / "_batchjob" / "manifest.jsonl").exists()
+
+
+def test_changed_image_file_refuses_resume(llava, tmp_path):
+    folder, _, _ = llava
+    _write_inputs(tmp_path)
+    args = _args(tmp_path / "paths.jsonl", tmp_path / "out", folder)
+    code, output = run_here(args)
+    assert code == 0, output
+    code, output = run_here(args)
+    assert code == 0 and "already complete" in output
+    make_image(9).save(tmp_path / "imgs" / "b.png")
+    code, output = run_here(args)
+    assert code == 2, output
+    assert "image files changed" in output and "paths.jsonl: imgs/b.png: its bytes changed" in output
+
+
+def test_validate_names_images_it_cannot_open(llava, tmp_path):
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    folder, _, _ = llava
+    (tmp_path / "ok.png").write_bytes(png_bytes(1))
+    rows = [("a", "ok.png"), ("b", "gone.png"), ("c", None)]
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"rid": r, "prompt": "x", "image": i}) + "\n" for r, i in rows)
+    )
+    args = ["validate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--model", folder]
+    result = CliRunner().invoke(main, [str(a) for a in [*args, "--image-column", "image"]])
+    assert result.exit_code == 0, result.output
+    assert "images: 1 of 2 can't be opened" in result.output
+    assert "in.jsonl line 2: image column 'image': image 0 (gone.png): cannot be read" in result.output
+
+
+def test_sigkill_then_resume_equals_uninterrupted(launch, llava, tmp_path):
+    """Killed (kill -9) at its first committed part, its in-flight rows checkpointed at every step before:
+    the resume writes what an uninterrupted run writes."""
+    folder, _, _ = llava
+    rows = [
+        {"rid": f"r{i:02d}", "prompt": f"Item {i} is", "image": png_bytes(i % 4) if i % 3 else None}
+        for i in range(12)
+    ]
+    table = pa.table(
+        {k: pa.array([r[k] for r in rows], pa.binary() if k == "image" else None) for k in rows[0]}
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    extra = ["--max-num-seqs", 2, "--temperature", 0.9, "--seed", 5]
+    code, output = run_here(_args(tmp_path / "in.parquet", tmp_path / "ref", folder, *extra))
+    assert code == 0, output
+    expected = read_results(tmp_path / "ref")
+    out = tmp_path / "out"
+    args = _args(tmp_path / "in.parquet", out, folder, *extra, "--checkpoint-interval", 1e-6)
+    proc = launch(args, BATCHJOB_FAULT_PAUSE="part_committed", OMP_NUM_THREADS="1")
+    wait_for_points(proc)
+    assert (out / "_batchjob" / "inflight.json").exists()  # rows in the engine were checkpointed
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    code, output = run_here(args)
+    assert code == 0, output
+    got = read_results(out)
+    assert [r["rid"] for r in got] == [r["rid"] for r in expected]
+    assert got == expected
+
+
+def test_example_job_runs_with_a_vlm(llava, tmp_path):
+    """jobs/images.toml over examples/images.jsonl, the model given by --model: every row answered."""
+    from pathlib import Path
+
+    folder, _, _ = llava
+    job = Path(__file__).parents[2] / "jobs" / "images.toml"
+    code, output = run_here([job, "--model", folder, "--output", tmp_path / "out", "--max-new-tokens", 4])
+    assert code == 0, output
+    import pyarrow.dataset as ds
+
+    rows = {r["id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
+    assert len(rows) == 6 and all(
+        r["error"] is None and r["num_generated_tokens"] == 4 for r in rows.values()
+    )
+    assert rows["q5"]["num_prompt_tokens"] > rows["q1"]["num_prompt_tokens"] > rows["q6"]["num_prompt_tokens"]
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    args = ["validate", str(job), "--model", str(folder), "--output", str(tmp_path / "new")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "images: all 6 open" in result.output, result.output
+
+
+def test_example_job_without_a_vlm_is_refused(tiny_model_dir, tmp_path):
+    from pathlib import Path
+
+    job = Path(__file__).parents[2] / "jobs" / "images.toml"
+    code, output = run_here([job, "--model", tiny_model_dir, "--output", tmp_path / "out"])
+    assert code == 2 and "is not a vision-language model" in output, output
+
+
+def test_image_file_changed_while_running_stops_the_job(llava, tmp_path, monkeypatch):
+    """The job recorded imgs/a.png, which is cut short (a fault point) before its row is read: the job stops
+    naming the file, and does not write that row from other bytes."""
+    folder, _, _ = llava
+    _write_inputs(tmp_path)
+    target = tmp_path / "imgs" / "a.png"
+    from batchjob import faults
+
+    monkeypatch.setattr(faults, "_truncated", set())  # the point cuts once per process: this test's cut
+    monkeypatch.setenv("BATCHJOB_FAULT_TRUNCATE", f"loop_started:100:{target}")
+    code, output = run_here(_args(tmp_path / "paths.jsonl", tmp_path / "out", folder))
+    assert code == 2, output
+    assert "image file paths.jsonl: imgs/a.png changed while the job ran" in output
+    assert target.stat().st_size == 100
+
+
+def _hf_parts(processor, hf, content) -> list[int]:
+    """HF generate on the processor's inputs for one user message of content parts (images as Pillow), or
+    for a conversation (a list of messages)."""
+    messages = content if content and "role" in content[0] else [{"role": "user", "content": content}]
+    inputs = processor.apply_chat_template(
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    if "pixel_values" in inputs:
+        kwargs["pixel_values"] = inputs["pixel_values"].double()
+    with torch.inference_mode():
+        out = hf.generate(**kwargs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_openai_image_parts(llava, tmp_path):
+    """--format openai on a VLM: image_url parts (data: URLs, file:// URLs, paths) in place among the text
+    parts, exact against HF generate; a remote URL or bad base64 is that request's error."""
+    import base64
+
+    folder, processor, hf = llava
+    make_image(6).save(tmp_path / "six.png")
+    data = "data:image/png;base64," + base64.b64encode(png_bytes(2)).decode()
+
+    def image(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    def text(t):
+        return {"type": "text", "text": t}
+
+    contents = {
+        "c0": [text("What is it?"), image(data)],
+        "c1": [image(f"file://{tmp_path / 'six.png'}"), text("And this?"), image("six.png")],
+        "c2": "Plain text only",
+        "c3": [image("https://example.com/x.png"), text("remote")],
+        "c4": [image("data:image/png;base64,###"), text("bad")],
+    }
+    with open(tmp_path / "requests.jsonl", "w") as f:
+        for cid, content in contents.items():
+            body = {
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": MAX_NEW,
+                "temperature": 0,
+            }
+            f.write(
+                json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+            )
+            f.write("\n")
+    args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--model", folder]
+    code, output = run_here([*args, "--format", "openai", "--dtype", "float64", "--logprobs", "0"])
+    assert code == 0, output
+    import pyarrow.dataset as ds
+
+    got = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
+    pictures = {
+        data: make_image(2),
+        "six.png": make_image(6),
+        f"file://{tmp_path / 'six.png'}": make_image(6),
+    }
+    for cid in ("c0", "c1", "c2"):
+        content = contents[cid]
+        if isinstance(content, str):
+            content = [text(content)]
+        parts = [
+            {"type": "image", "image": pictures[p["image_url"]["url"]]} if "image_url" in p else p
+            for p in content
+        ]
+        assert got[cid]["error"] is None, got[cid]["error"]
+        assert _tokens(got[cid]) == _hf_parts(processor, hf, parts), cid
+    assert (
+        "requests.jsonl line 4: image 0 (https://example.com/x.png): remote images are not fetched"
+        in got["c3"]["error"]
+    )
+    assert "line 5: body.messages[0].content[0]: the data: URL is not valid base64" in got["c4"]["error"]
+    # the files the parts name are the job's inputs: changed, the resume is refused naming both references
+    make_image(1).save(tmp_path / "six.png")
+    code, output = run_here([*args, "--format", "openai", "--dtype", "float64", "--logprobs", "0"])
+    assert code == 2 and "image files changed" in output, output
+    assert "requests.jsonl: six.png: its bytes changed" in output and f"{tmp_path / 'six.png'}: its" in output
+
+
+def test_messages_column_with_image_parts(llava, tmp_path):
+    """--messages-column on a VLM: OpenAI image parts in the messages, exact against HF generate."""
+    folder, processor, hf = llava
+    make_image(3).save(tmp_path / "three.png")
+    image = {"type": "image_url", "image_url": {"url": "three.png"}}
+    conversations = {
+        "m0": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image]}],
+        "m1": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+        ],
+        "m2": [{"role": "user", "content": "Only text"}],
+        "m3": [{"role": "user", "content": 7}],
+    }
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for rid, messages in conversations.items():
+            f.write(json.dumps({"rid": rid, "messages": messages}) + "\n")
+    args = ["--input", tmp_path / "chats.jsonl", "--output", tmp_path / "out", "--model", folder]
+    args += ["--id-column", "rid", "--max-new-tokens", MAX_NEW, "--dtype", "float64", "--logprobs", "0"]
+    code, output = run_here([*args, "--messages-column", "messages"])
+    assert code == 0, output
+    got = {r["rid"]: r for r in read_results(tmp_path / "out")}
+    for rid in ("m0", "m1", "m2"):
+        messages = [
+            {
+                "role": m["role"],
+                "content": [{"type": "text", "text": m["content"]}]
+                if isinstance(m["content"], str)
+                else [
+                    {"type": "image", "image": make_image(3)} if "image_url" in p else p for p in m["content"]
+                ],
+            }
+            for m in conversations[rid]
+        ]
+        assert got[rid]["error"] is None, got[rid]["error"]
+        assert _tokens(got[rid]) == _hf_parts(processor, hf, messages), rid
+    assert "chats.jsonl line 4: column 'messages': message 0 needs a role and a content" in got["m3"]["error"]
+
+
+def test_two_workers_share_the_image_records(llava, tmp_path):
+    """A job split over two workers (--num-shards): each records the image files, together they write
+    what one worker writes."""
+    folder, _, _ = llava
+    _write_inputs(tmp_path)
+    code, output = run_here(_args(tmp_path / "paths.jsonl", tmp_path / "one", folder))
+    assert code == 0, output
+    for k in (0, 1):
+        code, output = run_here(
+            [
+                *_args(tmp_path / "paths.jsonl", tmp_path / "two", folder),
+                "--num-shards",
+                2,
+                "--shard-index",
+                k,
+            ]
+        )
+        assert code == 0, output
+    assert read_results(tmp_path / "two") == read_results(tmp_path / "one")
+    assert (tmp_path / "two" / "_batchjob" / "images.json").exists()
