@@ -42,9 +42,8 @@ def _hf_tokens(processor, hf, images, text) -> list[int]:
         return_dict=True,
         return_tensors="pt",
     )
-    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-    if images:
-        kwargs["pixel_values"] = inputs["pixel_values"].double()
+    # every output of the processor (a family's extras: image_sizes, pixel_attention_mask), pixels in float64
+    kwargs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.inference_mode():
         out = hf.generate(**kwargs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -151,6 +150,28 @@ def test_image_rows_equal_hf_generate(llava, tmp_path, name):
         from batchjob.job.report import build
 
         assert "images/s (workers' last runs, summed): " in build([tmp_path / "out"]).read_text()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", ["idefics3", "llava_next"])
+def test_other_families_through_the_job(tmp_path, family):
+    """Image rows of the families whose image token counts vary (crops, tiles) go through the job as LLaVA's
+    do: each row's tokens equal HF generate's on that family's processor inputs."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tests import vision_models
+
+    folder = getattr(vision_models, f"make_{family}")(tmp_path / family)
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    _write_inputs(tmp_path)
+    code, output = run_here(_args(tmp_path / "binary.parquet", tmp_path / "out", folder))
+    assert code == 0, output
+    got = read_results(tmp_path / "out")
+    assert len(got) == 4 and all(r["error"] is None for r in got), [r["error"] for r in got]
+    for r in got:
+        images = _expected_images(tmp_path, r["rid"])
+        assert _tokens(r) == _hf_tokens(processor, hf, images, r["prompt"]), r["rid"]
 
 
 def test_bad_images_are_error_rows(llava, tmp_path):
