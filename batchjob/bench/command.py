@@ -224,6 +224,11 @@ def bench(**params: Any) -> None:
 
     if opts.json_path is not None:
         check_target(opts.json_path, "--json")  # before any work: never over a job's files
+    if opts.image_sizes is not None:  # image rows: their own runs and report (bench/images.py)
+        from batchjob.bench.images import image_bench
+
+        image_bench(opts, _run_rounds, by_engine_name(opts.engine_options))
+        return
     _bench_generate(opts)
 
 

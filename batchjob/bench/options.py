@@ -87,6 +87,18 @@ def _num_blocks(ctx: click.Context, param: click.Parameter, value: str) -> int |
     return n
 
 
+def _sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        sizes = [int(p) for p in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected S[,S...] integers, got {value!r}") from None
+    if any(s < 8 for s in sizes):
+        raise click.BadParameter(f"sizes must be >= 8 pixels, got {value!r}")
+    return sizes
+
+
 def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise click.BadParameter(f"must be >= 1, got {value}")
@@ -148,6 +160,15 @@ BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
         help="Which engines to run, of " + ",".join(BASELINES) + ". llama.cpp (its llama-server on the workload, "
         "and llama-batched-bench too when every request has the same lengths) needs `bash "
         "examples/peers/llama_cpp.sh` once; it runs the model converted to GGUF at --dtype, KV cache the same.",
+    ),
+    click.option(
+        "--image-sizes",
+        callback=_sizes,
+        metavar="S[,S...]",
+        help="Image rows instead of text (bench/images.py), for a vision-language --model: --num-requests rows, "
+        "one Pillow-drawn picture each, S x S pixels (the sizes in turn, e.g. 224,448), prompt 'Describe the "
+        "image.', --output-len tokens (default 16 here). Ours against static generate only (transformers' "
+        "continuous batching takes no images); walls count preprocessing.",
     ),
     click.option(
         "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
@@ -220,6 +241,7 @@ class BenchOptions:
     hf_cb_num_blocks: int | str | None  # "workload", None (its own sizing) or a number
     baselines: list[str]  # in BASELINES' order
     json_path: Path | None
+    image_sizes: list[int] | None  # pixels a side; None: the text workload
     threads: int | None
     repeat: int
     worker_thread: bool
