@@ -215,3 +215,52 @@ def test_report_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
         )
     }
     assert got == want
+
+
+def _status_adapters(out) -> dict[str, list[int]]:
+    """``batchjob status``'s adapter lines: name -> [rows, errors, tokens out]."""
+    import re
+
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    result = CliRunner().invoke(main, ["status", str(out)])
+    assert result.exit_code in (0, 1), result.output
+    lines = result.output.splitlines()
+    start = lines.index("adapters:")
+    got = {}
+    for line in lines[start + 1 :]:
+        m = re.fullmatch(r"  (\S.*?)\s+(\d+) rows, (\d+) errors, (\d+) tokens out", line)
+        if m is None:
+            break
+        got[m[1]] = [int(m[2]), int(m[3]), int(m[4])]
+    return got
+
+
+def _counts(results) -> dict[str, list[int]]:
+    want = {name: [0, 0, 0] for name in ("(base model)", *NAMES)}
+    for r in results:
+        counts = want[r["adapter"] or "(base model)"]
+        counts[0] += 1
+        counts[1] += r["error"] is not None
+        counts[2] += r["num_generated_tokens"] or 0
+    return want
+
+
+def test_status_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
+    """``batchjob status``: each adapter's committed rows, errors and generated tokens, as the results say;
+    a deleted part's rows are not counted (under any adapter)."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "job"
+    spec = _spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter", checkpoint_interval=0.05)
+    assert run_job(make_spec(**spec)).status == "complete"
+    want = _counts(read_results(out))
+    assert all(c[0] > 0 for c in want.values()) and want["(base model)"][1] == 1  # r007's unknown adapter
+    assert _status_adapters(out) == want
+    parts = sorted(p for p in out.glob("*.parquet"))
+    gone, kept = parts[0], parts[1:]
+    gone.unlink()
+    left = [r for p in kept for r in pq.read_table(p).to_pylist()]
+    assert _status_adapters(out) == _counts(left)
