@@ -250,8 +250,6 @@ def _launch(
     from batchjob.job.prepare import prepare
     from batchjob.job.shard import detect_shard
 
-    if spec.lora_paths:  # not built or tested with adapters yet
-        raise ConfigError("LoRA adapters with --devices or --ray are not supported")
     if devices is not None and ray_address is not None:
         raise ConfigError("give --devices or --ray, not both")
     if ctx.get_parameter_source("device") not in (None, ParameterSource.DEFAULT):

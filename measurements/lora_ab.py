@@ -5,7 +5,7 @@ the ratios are measured under the same load.
 
     python measurements/lora_ab.py [--grid 1x16,4x16,16x16] [--rounds 2]
 
-Random adapters (examples/make_lora_adapters.py's writer) on all seven projections of the embedded
+Random adapters (the writer of batchjob/bench/lora.py) on all seven projections of the embedded
 default model, float32 on the CPU. Run it from two checkouts back to back to compare commits.
 """
 

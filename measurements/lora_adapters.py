@@ -4,7 +4,7 @@ batch) against plain static ``generate`` of the base model.
 
     python measurements/lora_adapters.py [--requests 16] [--prompt-len 64] [--new-tokens 32]
 
-Random adapters (examples/make_lora_adapters.py's writer) on every attention and MLP projection of the
+Random adapters (the writer of batchjob/bench/lora.py) on every attention and MLP projection of the
 embedded default model, float32 on the CPU. Prints one line per configuration: seconds and output tokens/s.
 """
 
@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def adapters(folder: Path, count: int, rank: int, base: str, config) -> dict[str, str]:
-    sys.path.insert(0, str(ROOT / "examples"))
-    from make_lora_adapters import write_adapter  # the example's writer (examples/ is not a package)
+    from batchjob.bench.lora import meta_model, target_shapes, write_adapter
 
+    shapes = target_shapes(meta_model(config), TARGETS)
     out = {}
     for i in range(count):
         path = folder / f"r{rank}-{i}"
         if not path.exists():
-            write_adapter(path, base, config, rank, 2 * rank, TARGETS, seed=1000 * rank + i)
+            write_adapter(path, base, shapes, rank, 2 * rank, seed=1000 * rank + i)
         out[f"a{i}"] = str(path)
     return out
 

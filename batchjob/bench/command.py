@@ -203,6 +203,8 @@ def bench(**params: Any) -> None:
     goes, and how many greedy outputs agree token for token.
     """
     opts = BenchOptions.from_params(params)
+    if opts.adapters and opts.task != "generate":
+        raise click.UsageError(f"--adapters runs generation; it does not go with --task {opts.task}")
     if opts.task != "generate":  # the prefill-only tasks have their own runs and report
         from batchjob.bench.tasks import task_bench
 
@@ -250,6 +252,11 @@ def _bench_generate(opts: BenchOptions) -> None:
     transformers.logging.set_verbosity_error()
     try:
         engine, work = _load(opts)
+        if opts.adapters:
+            from batchjob.bench.lora import lora_bench  # peft and the adapters' runs: only for this workload
+
+            lora_bench(opts, engine, work, used_threads)
+            return
         notes: list[str] = []
         runs = _runs(opts, engine, work, used_threads, notes)
         limits = _limits(engine, work) if opts.roofline and "ours" in opts.baselines else None

@@ -56,18 +56,19 @@ def _warmup_workload(vocab_size: int) -> Workload:
     return Workload(prompts, [_WARMUP_OUTPUT_LEN] * 2, "warmup")
 
 
-def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
+def run_ours(engine: Any, work: Workload, vocab_size: int, adapters: list[str] | None = None) -> Result:
+    """Our engine on ``work``; ``adapters``: each request's LoRA adapter (the warm-up runs under the first)."""
     from batchjob.sampling import SamplingParams
 
     def params(w: Workload) -> list[SamplingParams]:
         return [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in w.max_new_tokens]
 
     warm = _warmup_workload(vocab_size)
-    engine.generate(warm.prompts, params(warm))
+    engine.generate(warm.prompts, params(warm), adapters=None if adapters is None else adapters[:1] * 2)
     engine.reset_prefix_cache()  # a repeated run must compute its prompts again
     before = engine.stats.as_dict()
     start = time.perf_counter()
-    outs = engine.generate(work.prompts, params(work))
+    outs = engine.generate(work.prompts, params(work), adapters=adapters)
     wall = time.perf_counter() - start
     after = engine.stats.as_dict()
     counted = (
@@ -98,14 +99,17 @@ def run_ours(engine: Any, work: Workload, vocab_size: int) -> Result:
     return Result("ours", settings, wall, work.prompt_tokens, work.output_tokens, outputs, diff, error)
 
 
-def run_static(model: Any, work: Workload, batch_size: int, pad_id: int, vocab_size: int) -> Result:
-    """Plain ``generate`` on left-padded batches in workload order; each batch runs to its longest output."""
+def run_static(
+    model: Any, work: Workload, batch_size: int, pad_id: int, vocab_size: int, adapters: list[str] | None = None
+) -> Result:
+    """Plain ``generate`` on left-padded batches in workload order; each batch runs to its longest output.
+    ``adapters``: each request's adapter, for a PEFT model's mixed batch (``adapter_names``)."""
     import torch
     from transformers import GenerationConfig
 
     device = model.device
 
-    def run(w: Workload) -> tuple[list[list[int]], int]:
+    def run(w: Workload, names: list[str] | None) -> tuple[list[list[int]], int]:
         outputs: list[list[int]] = []
         generated = 0
         for lo in range(0, len(w.prompts), batch_size):
@@ -117,16 +121,17 @@ def run_static(model: Any, work: Workload, batch_size: int, pad_id: int, vocab_s
             config = GenerationConfig(
                 do_sample=False, max_new_tokens=max(wants), eos_token_id=[], pad_token_id=pad_id
             )
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            kw = {} if names is None else {"adapter_names": names[lo : lo + batch_size]}
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kw)
             new = out[:, width:].tolist()
             generated += len(prompts) * max(wants)
             outputs.extend(row[:n] for row, n in zip(new, wants, strict=True))
         return outputs, generated
 
     warm = _warmup_workload(vocab_size)
-    run(warm)
+    run(warm, None if adapters is None else adapters[:1] * 2)
     start = time.perf_counter()
-    outputs, generated = run(work)
+    outputs, generated = run(work, adapters)
     wall = time.perf_counter() - start
     return Result(
         "static",

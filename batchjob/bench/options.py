@@ -75,6 +75,23 @@ class Baselines(click.ParamType):
         return [n for n in BASELINES if n in names]
 
 
+class Counts(click.ParamType):
+    """A comma list of positive integers, each once, in the order given."""
+
+    name = "N[,N...]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        try:
+            nums = [int(p) for p in str(value).split(",")]
+        except ValueError:
+            self.fail(f"expected integers separated by commas, got {value!r}", param, ctx)
+        if not nums or min(nums) < 1:
+            self.fail(f"expected integers >= 1, got {value!r}", param, ctx)
+        return list(dict.fromkeys(nums))
+
+
 def _num_blocks(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
     if value in ("workload", "auto"):
         return None if value == "auto" else value
@@ -223,6 +240,22 @@ BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option(
         "--hf-batch-size", type=int, default=32, show_default=True, help="--task: HF forward batch size."
     ),
+    click.option(
+        "--adapters",
+        type=Counts(),
+        default=None,
+        help="LoRA adapters per row: for each count N (e.g. 1,4,16) and each --lora-ranks, N random adapters "
+        "on every attention and MLP projection, the rows dealt round-robin over them; ours against PEFT's "
+        "mixed batch and merged adapters one after another, in static batches of --static-batch-size "
+        "(bench/lora.py). --baselines does not apply.",
+    ),
+    click.option(
+        "--lora-ranks",
+        type=Counts(),
+        default="16",
+        show_default=True,
+        help="--adapters: the adapters' ranks, e.g. 8,16,64.",
+    ),
 ]
 
 
@@ -250,6 +283,8 @@ class BenchOptions:
     text_tokens: tuple[int, int]  # tokens, MIN and MAX
     st_batch_sizes: list[int | None]
     hf_batch_size: int
+    adapters: list[int] | None  # --adapters: adapter counts; None: no adapters workload
+    lora_ranks: list[int]
     engine_options: dict[str, Any] = field(default_factory=dict)  # by job name, as `batchjob run` takes them
 
     @classmethod

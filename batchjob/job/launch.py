@@ -140,11 +140,13 @@ def _absolute(spec: JobSpec) -> JobSpec:
     def local(p: str) -> str:
         return p if "://" in p else os.path.abspath(p)
 
-    model = spec.model
-    if model and Path(model).exists():
-        model = os.path.abspath(model)
+    def folder(p: str) -> str:  # a model or adapter folder here (else a hub id, left as it is)
+        return os.path.abspath(p) if Path(p).exists() else p
+
+    model = folder(spec.model) if spec.model else spec.model
+    lora = [f"{name}={folder(path)}" for name, path in spec.lora_paths.items()]  # by content: same identity
     return dataclasses.replace(
-        spec, input=[local(p) for p in spec.input], output=local(spec.output or ""), model=model
+        spec, input=[local(p) for p in spec.input], output=local(spec.output or ""), model=model, lora=lora
     )
 
 

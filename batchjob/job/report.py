@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from batchjob.errors import ConfigError
 from batchjob.io.writers import input_column
+from batchjob.job.adapter_counts import adapter_label
 from batchjob.job.manifest import Manifest
 from batchjob.job.owned import check_target
 from batchjob.job.state import STATE_DIR, StateDir
@@ -48,8 +49,6 @@ class Outputs:
     errors: Counter = field(default_factory=Counter)
     error_examples: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     labels: Counter = field(default_factory=Counter)
-    # a LoRA job's adapters (the base model as ""): rows, errors, prompt tokens, generated tokens
-    adapters: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _bucket(edges: list[int], x: int) -> int:
@@ -94,13 +93,12 @@ def read_outputs(
             columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error", "label"]
             names = set(schema.names)
             id_col = input_column(schema, id_column) if id_column else None  # renamed when it clashed
-            columns += [c for c in (id_col, "generated_text" if choices else None, "adapter") if c]
+            columns += [c for c in (id_col, "generated_text" if choices else None) if c]
             columns = [c for c in columns if c in names]
             generated = "finish_reason" in names
             for batch in read_batches(out_dir, record.name, batch_size=4096, columns=columns):
                 for r in batch.to_pylist():
                     out.rows += 1
-                    _count_adapter(out, r)
                     if generated:
                         out.finish_reasons[r["finish_reason"] or "unknown"] += 1
                     if r["error"] is not None:
@@ -118,16 +116,6 @@ def read_outputs(
                     elif r.get("label") is not None and not generated:  # --task classify
                         out.labels[r["label"]] += 1
     return out
-
-
-def _count_adapter(out: Outputs, r: dict[str, Any]) -> None:
-    if "adapter" not in r:
-        return
-    counts = out.adapters.setdefault(r["adapter"] or "", [0, 0, 0, 0])
-    counts[0] += 1
-    counts[1] += r["error"] is not None
-    counts[2] += r.get("num_prompt_tokens") or 0
-    counts[3] += r.get("num_generated_tokens") or 0
 
 
 # -- figures ----------------------------------------------------------------------------------------------
@@ -377,15 +365,16 @@ def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
     return "<p>" + "<br>".join(lines) + "</p>"
 
 
-def _adapters_table(st: JobStatus, outputs: Outputs) -> str:
-    """Per adapter: rows, errors, tokens, and its share of the job's generated tokens/s (the adapters run
-    in the same batches, so an adapter's rate is the job's times its share of the generated tokens)."""
-    total = sum(c[3] for c in outputs.adapters.values()) or 1
+def _adapters_table(st: JobStatus) -> str:
+    """Per adapter (``batchjob status``'s counts): rows, errors, tokens, and its share of the job's generated
+    tokens/s (the adapters run in the same batches, so an adapter's rate is the job's times its share of the
+    generated tokens)."""
+    total = sum(c.generated_tokens for c in st.adapters.values()) or 1
     rate = st.rate("generated_tokens_per_s")
     rows = [
-        f"<tr><td>{html.escape(name or '(base model)')}</td><td>{n:,}</td><td>{err:,}</td><td>{p:,}</td>"
-        f"<td>{g:,}</td><td>{rate * g / total:.1f}</td></tr>"
-        for name, (n, err, p, g) in sorted(outputs.adapters.items())
+        f"<tr><td>{html.escape(adapter_label(name))}</td><td>{c.rows:,}</td><td>{c.errors:,}</td>"
+        f"<td>{c.prompt_tokens:,}</td><td>{c.generated_tokens:,}</td><td>{rate * c.generated_tokens / total:.1f}</td></tr>"
+        for name, c in st.adapters.items()
     ]
     return (
         '<table id="adapters"><tr><th>adapter</th><th>rows</th><th>errors</th><th>prompt tokens</th>'
@@ -476,8 +465,8 @@ def _job_section(out_dir: Path, st: JobStatus, outputs: Outputs) -> list[str]:
         parts.append("<p>No run statistics yet (stats.json is written at the first checkpoint).</p>")
     parts += [_img(f) for f in job_figures(st, outputs)]
     parts.append("<h3>Errors by kind</h3>" + _errors_table(outputs))
-    if outputs.adapters:
-        parts.append("<h3>LoRA adapters</h3>" + _adapters_table(st, outputs))
+    if st.adapters:
+        parts.append("<h3>LoRA adapters</h3>" + _adapters_table(st))
     if len(st.workers) > 1:
         parts.append(
             "<h3>Workers</h3><table><tr><th>worker</th><th>state</th><th>rows</th><th>errors</th></tr>"

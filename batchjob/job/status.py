@@ -19,6 +19,7 @@ from typing import Any
 
 from batchjob.errors import InputError, StateError
 from batchjob.io.atomic import CorruptStateError, read_json
+from batchjob.job.adapter_counts import AdapterCounts, adapter_counts, adapter_label
 from batchjob.job.inputs import changes_now
 from batchjob.job.manifest import Manifest
 from batchjob.job.shard import Shard
@@ -62,6 +63,8 @@ class JobStatus:
     rows_total: int | None  # all rows of the job's input, once known
     input_changes: list[str] = field(default_factory=list)  # the inputs now differ from what the job read
     task: str = "generate"  # the job's --task (a prefill-only task reads tokens, generates none)
+    # a LoRA job's committed rows by adapter (adapter_counts.BASE: the base model), in the job's order
+    adapters: dict[str, AdapterCounts] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -85,7 +88,7 @@ class JobStatus:
         """The report, a line each: the state, what changed or is damaged, the counts, then the worker (one)
         or the workers' totals and a line per worker. ``shown_as`` names the folder as the user typed it."""
         lines = [self._state_line(shown_as), *self._trouble_lines()]
-        lines += self._count_lines()
+        lines += self._count_lines() + self._adapter_lines()
         if len(self.workers) == 1:
             return lines + self._worker_lines(self.workers[0])
         return lines + self._workers_lines()
@@ -147,6 +150,16 @@ class JobStatus:
         else:
             lines.append(f"tokens: {self.total('prompt_tokens')} in, {self.total('generated_tokens')} out")
         return lines
+
+    def _adapter_lines(self) -> list[str]:
+        """A LoRA job: each adapter's committed rows, errors and generated tokens."""
+        if not self.adapters:
+            return []
+        width = max(len(adapter_label(name)) for name in self.adapters)
+        return ["adapters:"] + [
+            f"  {adapter_label(name):<{width}}  {c.rows} rows, {c.errors} errors, {c.generated_tokens} tokens out"
+            for name, c in self.adapters.items()
+        ]
 
     def _worker_lines(self, w: WorkerStatus) -> list[str]:
         """A job of one worker: its last run's throughput, and where its parts and stats are."""
@@ -230,6 +243,7 @@ def job_status(out_dir: Path) -> JobStatus:
     count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
     chunk_rows = info.chunk_rows or 1
     workers = []
+    parts: list[str] = []  # the committed parts status vouches for, every worker's
     for i in range(count):
         shard = Shard(i, count, "the saved job", chunk_rows)
         state = StateDir(out_dir, shard)
@@ -249,6 +263,7 @@ def job_status(out_dir: Path) -> JobStatus:
             run_state = "running" if state.locked_by_other() else "stopped"
         holder = state.lock_holder() if run_state == "running" else {}
         lost = [p.record for p in problems]
+        parts += [r.name for r in manifest.parts if r not in lost]
         workers.append(
             WorkerStatus(
                 shard,
@@ -271,4 +286,6 @@ def job_status(out_dir: Path) -> JobStatus:
         w.rows_total = w.shard.share_of(info.row_counts)
     task = str((info.fingerprint.get("task") or {}).get("task", "generate"))
     changes = changes_now(info.inputs, info.input_paths, out_dir)
-    return JobStatus(out_dir, workers, info.total_rows, changes, task)
+    lora = info.fingerprint.get("lora") or {}  # the job's adapters by name (none: not a LoRA job)
+    adapters = adapter_counts(out_dir, parts, lora) if lora else {}
+    return JobStatus(out_dir, workers, info.total_rows, changes, task, adapters)

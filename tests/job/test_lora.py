@@ -183,10 +183,118 @@ def test_sigkill_then_resume_equals_uninterrupted(launch, rows, tiny_model_dir, 
     assert read_results(out) == expected
 
 
-def test_devices_with_adapters_refused(rows, tiny_model_dir, adapters, tmp_path):
+@pytest.fixture(scope="module")
+def mixed_expected(rows, tiny_model_dir, adapters, tmp_path_factory):
+    """One worker's uninterrupted results of the mixed job (every adapter and the base model)."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    assert run_job(make_spec(**_spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter"))).status
+    return read_results(out)
+
+
+@pytest.mark.process  # its launcher runs here, its workers are processes
+def test_devices_with_adapters(rows, tiny_model_dir, adapters, tmp_path, mixed_expected, monkeypatch):
+    """``--devices cpu,cpu``: each worker loads the same adapters; the combined results (the adapter column
+    too) equal one worker's, status adds the adapters up over the workers, and a lost part is redone."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers inherit it
+    out = tmp_path / "out"
+    args = [
+        "run",
+        "--devices",
+        "cpu,cpu",
+        *_args(_spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter")),
+    ]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "worker shard 1 of 2 on cpu: exit 0" in result.output
+    assert read_results(out) == mixed_expected
+    assert {p.name.split("-of-")[0] for p in out.glob("*.parquet")} == {"part-00000", "part-00001"}
+    assert _status_adapters(out) == _counts(mixed_expected)
+    next(iter(sorted(out.glob("part-00001*.parquet")))).unlink()  # a worker's part lost: rerun redoes it
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert read_results(out) == mixed_expected
+
+
+def test_slurm_array_with_adapters_killed_and_resumed(
+    launch, rows, tiny_model_dir, adapters, tmp_path, mixed_expected
+):
+    """Two Slurm array tasks with the adapters; one is killed (SIGKILL) after its first part, rerun, and
+    the job's results equal one uninterrupted worker's."""
+    from tests.faultproc import wait_for_points
+
+    out = tmp_path / "out"
+    args = _args(
+        _spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter", checkpoint_interval=0.2)
+    )
+
+    def array_task(i, **extra):
+        env = {"SLURM_ARRAY_TASK_ID": str(i), "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0"}
+        return launch(args, SLURM_ARRAY_JOB_ID="9", OMP_NUM_THREADS="1", **env, **extra)
+
+    victim = array_task(1, BATCHJOB_FAULT_PAUSE="part_committed")
+    other = array_task(0)
+    wait_for_points(victim)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    text = other.communicate(timeout=300)[0]
+    assert other.returncode == 0, text
+    rerun = array_task(1)
+    text = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, text
+    assert "shard 1 of 2 (from SLURM_ARRAY_TASK_ID" in text
+    assert read_results(out) == mixed_expected
+    assert _status_adapters(out) == _counts(mixed_expected)
+
+
+def test_ray_worker_paths_absolute(rows, tiny_model_dir, adapters, tmp_path, monkeypatch):
+    """A Ray task may start in another folder: the spec it gets names the adapters by absolute path, and the
+    job's identity (the adapters by content) is the same."""
+    from batchjob.job.launch import _absolute
+
+    monkeypatch.chdir(adapters["qv"].parent)
+    spec = make_spec(
+        **_spec(
+            rows,
+            tmp_path / "o",
+            tiny_model_dir,
+            {"qv": "qv", "hub": "someone/adapter"},
+            adapter_column="adapter",
+        )
+    )
+    moved = _absolute(spec)
+    assert moved.lora_paths == {"qv": str(adapters["qv"]), "hub": "someone/adapter"}
+    from batchjob.job.lora import lora_identity
+
+    assert lora_identity(moved.lora_paths) == lora_identity(spec.lora_paths)
+
+
+@pytest.mark.ray
+def test_ray_tasks_with_adapters(launch, rows, tiny_model_dir, adapters, tmp_path, mixed_expected):
+    """``--ray --num-shards 2`` on a local instance: each task loads the adapters; the results equal one
+    worker's, adapter column included."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    args = _args(_spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter"))
+    proc = launch(["--ray", "--num-shards", "2", *args], RAY_ADDRESS="", OMP_NUM_THREADS="1")
+    text = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, text
+    assert "2 workers as Ray tasks" in text and "shard 1 of 2: complete" in text
+    assert read_results(out) == mixed_expected
+
+
+def test_refused_with_adapters_by_name(rows, tiny_model_dir, adapters, tmp_path):
+    """Tensor parallelism and the prefill-only tasks with --lora: refused before any work, by name."""
     spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"qv": adapters["qv"]})
-    code, text = run_here([*_args(spec), "--devices", "cpu,cpu"])
-    assert code == 2 and "LoRA adapters with --devices or --ray are not supported" in text
+    for task in ("score", "classify", "embed"):
+        with pytest.raises(ConfigError, match=f"LoRA adapters with task='{task}' are not supported"):
+            make_spec(**spec, task=task)
+    code, text = run_here([*_args(spec), "--tensor-parallel-size", "2", "--device", "cpu"])
+    assert code == 2 and "LoRA adapters with tensor parallelism are not supported" in text, text
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.parquet"))
 
 
 def test_report_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
@@ -215,3 +323,52 @@ def test_report_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
         )
     }
     assert got == want
+
+
+def _status_adapters(out) -> dict[str, list[int]]:
+    """``batchjob status``'s adapter lines: name -> [rows, errors, tokens out]."""
+    import re
+
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    result = CliRunner().invoke(main, ["status", str(out)])
+    assert result.exit_code in (0, 1), result.output
+    lines = result.output.splitlines()
+    start = lines.index("adapters:")
+    got = {}
+    for line in lines[start + 1 :]:
+        m = re.fullmatch(r"  (\S.*?)\s+(\d+) rows, (\d+) errors, (\d+) tokens out", line)
+        if m is None:
+            break
+        got[m[1]] = [int(m[2]), int(m[3]), int(m[4])]
+    return got
+
+
+def _counts(results) -> dict[str, list[int]]:
+    want = {name: [0, 0, 0] for name in ("(base model)", *NAMES)}
+    for r in results:
+        counts = want[r["adapter"] or "(base model)"]
+        counts[0] += 1
+        counts[1] += r["error"] is not None
+        counts[2] += r["num_generated_tokens"] or 0
+    return want
+
+
+def test_status_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
+    """``batchjob status``: each adapter's committed rows, errors and generated tokens, as the results say;
+    a deleted part's rows are not counted (under any adapter)."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "job"
+    spec = _spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter", checkpoint_interval=0.05)
+    assert run_job(make_spec(**spec)).status == "complete"
+    want = _counts(read_results(out))
+    assert all(c[0] > 0 for c in want.values()) and want["(base model)"][1] == 1  # r007's unknown adapter
+    assert _status_adapters(out) == want
+    parts = sorted(p for p in out.glob("*.parquet"))
+    gone, kept = parts[0], parts[1:]
+    gone.unlink()
+    left = [r for p in kept for r in pq.read_table(p).to_pylist()]
+    assert _status_adapters(out) == _counts(left)
