@@ -26,22 +26,10 @@ VISION_CHAT_TEMPLATE = (
 )
 
 
-def make_llava(folder: Path, seed: int = 0) -> Path:
-    """Build a tiny random LLaVA and its processor, save both to ``folder``."""
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+def _clip_llama(tokenizer, **text_extra):
+    """The tiny CLIP vision tower and Llama language model the LLaVA builders share."""
+    from transformers import CLIPVisionConfig, LlamaConfig
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -62,8 +50,26 @@ def make_llava(folder: Path, seed: int = 0) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        **text_extra,
     )
+    return vision, text
+
+
+def make_llava(folder: Path, seed: int = 0) -> Path:
+    """Build a tiny random LLaVA and its processor, save both to ``folder``."""
+    from transformers import (
+        CLIPImageProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    vision, text = _clip_llama(tokenizer, tie_word_embeddings=False)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_id)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
@@ -292,8 +298,6 @@ def make_llava_next(folder: Path, seed: int = 0) -> Path:
     """Build a tiny random LLaVA-NeXT (CLIP tower on 16-pixel tiles, anyres grids up to 2 x 2 tiles, Llama
     language model) and its processor, save both."""
     from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
         LlavaNextConfig,
         LlavaNextForConditionalGeneration,
         LlavaNextImageProcessorPil,
@@ -304,27 +308,7 @@ def make_llava_next(folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        projection_dim=32,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    vision, text = _clip_llama(tokenizer)
     config = LlavaNextConfig(
         vision_config=vision,
         text_config=text,
