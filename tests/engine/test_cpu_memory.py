@@ -87,6 +87,11 @@ def faults():
     for _ in range(20):
         layer()
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+# glibc's own thresholds move with what was freed before, so whether a buffer goes back to the OS depends on
+# the heap's history; small fixed ones make every 5 MiB buffer an mmap of its own, as at a cold start.
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+assert libc.mallopt(-3, 128 << 10) and libc.mallopt(-1, 128 << 10)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 plain = faults()
 assert heap.keep_freed_memory()
 print(plain, faults())
