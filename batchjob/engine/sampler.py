@@ -90,6 +90,17 @@ def top_logprobs(
     return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``: the first index of each row's largest value (a NaN counts as the largest). On the
+    CPU ``max(dim)`` returns the same indices (torch documents both as the first maximal one; checked on ties,
+    NaNs and infinities in tests/engine/test_sampler.py) several times faster: over 16 rows of a 151,936-token
+    vocabulary in bf16, 2.3 against 9.2 ms (argmax's reduction is not vectorised there), ~5% of a decode step
+    at the Qwen2.5-0.5B shape."""
+    if x.device.type == "cpu":
+        return x.max(dim=-1).indices
+    return x.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,  # [R, V], any float dtype
     params: list[SamplingParams],
@@ -98,10 +109,10 @@ def sample(
 ) -> list[int]:
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()
 
     device = logits.device
-    out = logits.argmax(dim=-1)
+    out = argmax_rows(logits)
     rows = torch.tensor([i for i, g in enumerate(greedy) if not g], device=device)
     sp = [params[i] for i in rows.tolist()]
     x = logits.index_select(0, rows).float()
@@ -130,5 +141,5 @@ def sample(
     pos = torch.tensor([positions[i] for i in rows.tolist()], dtype=torch.int64, device=device)
     u = uniform_noise(seeds, k, pos, x.shape[-1])
     gumbel = -torch.log(-torch.log(u))
-    out[rows] = (x + gumbel).argmax(dim=-1)
+    out[rows] = argmax_rows(x + gumbel)
     return out.tolist()

@@ -72,3 +72,40 @@ def test_packing_gives_what_stays_unpacked_its_own_memory():
     assert embed.weight.data_ptr() not in span and own.bias.data_ptr() not in span
     assert head.weight is embed.weight and torch.equal(embed.weight, keep)
     torch.testing.assert_close(head(own(x)), want, atol=1e-5, rtol=1e-5)
+
+
+_FAULTS_OF_A_LAYER = """
+import resource, sys, torch
+from batchjob.engine.cpu import heap
+def layer():  # a prompt chunk's MLP buffers: four of 5 MiB live at once, then freed
+    bufs = [torch.empty(5 << 20, dtype=torch.uint8).fill_(1) for _ in range(4)]
+    del bufs
+def faults():
+    for _ in range(3):  # the first rounds grow the heap to its size: not counted
+        layer()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        layer()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+# glibc's own thresholds move with what was freed before, so whether a buffer goes back to the OS depends on
+# the heap's history; small fixed ones make every 5 MiB buffer an mmap of its own, as at a cold start.
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+assert libc.mallopt(-3, 128 << 10) and libc.mallopt(-1, 128 << 10)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+plain = faults()
+assert heap.keep_freed_memory()
+print(plain, faults())
+"""
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, faults from getrusage")
+def test_freed_buffers_stay_in_the_heap_without_page_faults():
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_OF_A_LAYER], capture_output=True, text=True, check=True, timeout=50
+    ).stdout.split()
+    plain, kept = int(out[0]), int(out[1])
+    assert plain > 20 * 4 * 1000, plain  # each layer's buffers fault in again (1,280 pages of 4 KiB each)
+    assert kept < plain // 50, (plain, kept)

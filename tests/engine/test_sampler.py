@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchjob.engine.sampler import sample, uniform_noise
+from batchjob.engine.sampler import argmax_rows, sample, uniform_noise
 from batchjob.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,6 +19,21 @@ def test_noise_is_a_function_of_seed_key_position():
     assert abs(u.mean().item() - 0.5) < 0.03
     alone = uniform_noise(torch.tensor([2]), torch.tensor([5]), torch.tensor([0]), 1000)
     assert torch.equal(alone[0], u[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_argmax_rows_is_argmax_on_ties_nans_and_infinities(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        rows, vocab = 1 + trial % 17, int(torch.randint(1, 160_000, (), generator=gen))
+        x = torch.randint(-3, 4, (rows, vocab), generator=gen).to(dtype)  # ties everywhere
+        if trial % 3 == 0:
+            x[0, torch.randint(0, vocab, (3,), generator=gen)] = float("nan")
+        if trial % 4 == 0:
+            x[-1] = float("-inf")
+        if trial % 5 == 0:
+            x[-1, torch.randint(0, vocab, (2,), generator=gen)] = float("inf")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), (trial, rows, vocab)
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():

@@ -12,6 +12,8 @@
 - :mod:`~batchjob.engine.cpu.spin`: short OpenMP spins while other programs share our CPUs
   (``BATCHJOB_CPU_SPIN_GUARD=0`` turns it off). It stays on by default: on a shared machine, ``batchjob
   bench`` ran 4.5x slower without it (BENCHMARKS.md); on a quiet one it never comes on.
+- :mod:`~batchjob.engine.cpu.heap`: freed forward buffers kept in the heap, not handed back to the OS layer by
+  layer (``BATCHJOB_CPU_HEAP=0`` turns it off).
 - the KV pool on huge pages (:func:`~.platform.huge_page_zeros`).
 """
 

@@ -2,8 +2,8 @@
 
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
 it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
-:mod:`.bf16`), allocates the KV pool on huge pages, and checks between steps whether other programs share our
-cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
+:mod:`.bf16`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool on huge
+pages, and checks between steps whether other programs share our cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from batchjob import env
-from batchjob.engine.cpu import bf16, linear
+from batchjob.engine.cpu import bf16, heap, linear
 from batchjob.engine.cpu.spin import SpinGuard
 
 SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
@@ -100,11 +100,14 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: torch.nn.Module, dtype: torch.dtype, compiled: bool) -> int:
         """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16
         (not under torch.compile: inductor lowers the packed call only for weights it froze itself). bf16 on
-        a CPU without it is slower than float32: one warning line says so."""
+        a CPU without it is slower than float32: one warning line says so. Then, the load done, the heap keeps
+        what the forwards free (:mod:`.heap`)."""
         bf16.warn_if_slow(self.device, dtype)
-        if compiled or not linear.available(dtype, self.device):
-            return 0
-        return linear.prepack_linears(model)
+        packed = 0
+        if not compiled and linear.available(dtype, self.device):
+            packed = linear.prepack_linears(model)
+        heap.keep_freed_memory()
+        return packed
 
     def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
         """One zeroed pool on huge pages, every layer's K and V a view of it, its pages taken as blocks are

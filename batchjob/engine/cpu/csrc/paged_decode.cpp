@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,12 +80,25 @@ inline void for_each_key(const T* cache, const int64_t* blocks, int64_t start, i
   }
 }
 
+// One key's [kv_heads, D] entries in the compute type: bf16 ones widened once into ``wide`` (every query head
+// of a group reads them: 7 heads per KV head at Qwen2.5-0.5B's shape), float and double ones as they are.
+template <typename S, typename T>
+inline const T* widen_row(const S* row, int64_t n, T* __restrict wide) {
+  if constexpr (std::is_same_v<S, T>) {
+    return row;
+  } else {
+#pragma omp simd
+    for (int64_t x = 0; x < n; ++x) wide[x] = widen(row[x]);
+    return wide;
+  }
+}
+
 template <typename S, int DC, typename T = typename Compute<S>::type>
 void attend_one(const S* __restrict q_in, const S* __restrict k_cache, const S* __restrict v_cache,
                 const int64_t* __restrict blocks, int64_t start, int64_t len, int64_t heads,
                 int64_t kv_heads, int64_t dim_rt, int64_t block_size, T scale, S* __restrict out,
                 T* __restrict q, T* __restrict scores, T* __restrict acc, T* __restrict row_max,
-                T* __restrict row_sum) {
+                T* __restrict row_sum, T* __restrict wide) {
   const int64_t D = DC > 0 ? DC : dim_rt;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * D;
@@ -92,14 +106,15 @@ void attend_one(const S* __restrict q_in, const S* __restrict k_cache, const S* 
 
   for (int64_t x = 0; x < heads * D; ++x) q[x] = widen(q_in[x]);
   for (int64_t h = 0; h < heads; ++h) row_max[h] = -INFINITY;
-  for_each_key(k_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const S* kt) {
+  for_each_key(k_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const S* kt_in) {
+    const T* kt = widen_row(kt_in, token_stride, wide);
     T* st = scores + i * heads;
     for (int64_t h = 0; h < heads; ++h) {
       const T* qh = q + h * D;
-      const S* kh = kt + (h / group) * D;
+      const T* kh = kt + (h / group) * D;
       T dot = 0;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * widen(kh[d]);
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
       dot *= scale;
       st[h] = dot;
       row_max[h] = std::max(row_max[h], dot);
@@ -116,14 +131,15 @@ void attend_one(const S* __restrict q_in, const S* __restrict k_cache, const S* 
   }
 
   for (int64_t x = 0; x < heads * D; ++x) acc[x] = 0;
-  for_each_key(v_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const S* vt) {
+  for_each_key(v_cache, blocks, start, len, block_size, token_stride, [&](int64_t i, const S* vt_in) {
+    const T* vt = widen_row(vt_in, token_stride, wide);
     const T* st = scores + i * heads;
     for (int64_t h = 0; h < heads; ++h) {
       const T p = st[h];
-      const S* vh = vt + (h / group) * D;
+      const T* vh = vt + (h / group) * D;
       T* ah = acc + h * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ah[d] += p * widen(vh[d]);
+      for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
     }
   });
 
@@ -146,13 +162,15 @@ void attend_all(const S* q, const S* k_cache, const S* v_cache, const int64_t* b
     std::vector<T> scores(static_cast<size_t>(heads * max_len));
     std::vector<T> acc(static_cast<size_t>(heads * dim));
     std::vector<T> row_max(static_cast<size_t>(heads)), row_sum(static_cast<size_t>(heads));
+    std::vector<T> wide(static_cast<size_t>(kv_heads * dim));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < num_seqs; ++g) {
       const int64_t len = ctx_lens[g];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       attend_one<S, DC>(q + g * heads * dim, k_cache, v_cache, block_table + g * table_stride, start, len,
                         heads, kv_heads, dim, block_size, static_cast<T>(scale), out + g * heads * dim,
-                        qf.data(), scores.data(), acc.data(), row_max.data(), row_sum.data());
+                        qf.data(), scores.data(), acc.data(), row_max.data(), row_sum.data(),
+                        wide.data());
     }
   }
 }

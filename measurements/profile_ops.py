@@ -1,0 +1,112 @@
+"""Where a generation run's time goes, by kind of op: GEMMs of prompt chunks and of decode steps, the output
+head, attention, elementwise ops (norms, rotary, activations, residual adds), sampling; and page faults.
+
+    python measurements/profile_ops.py [--model DIR] [--dtype bfloat16] [--threads 2] [--num-requests 16]
+                                       [--prompt-len 128] [--output-len 32]
+
+Our engine only, greedy, drafts off, the bench's synthetic prompts (seed 0): one timed run (wall time, prompt
+and decode steps, page faults and kernel time from getrusage), then the same workload with fresh prompts
+(seed 1, so no prefix is cached) under torch.profiler: the self time of each op, summed by kind, and the
+ten largest ops by shape. A step of more than 16 rows counts as a prompt step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import resource
+import time
+
+import torch
+
+
+def _run(engine, work) -> list[tuple[int, float]]:
+    from batchjob import SamplingParams
+
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.max_new_tokens, strict=True)):
+        params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=n)
+        engine.add_request(f"{time.monotonic_ns()}-{i}", prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        t, before = time.perf_counter(), engine.stats.batched_tokens
+        engine.step()
+        steps.append((engine.stats.batched_tokens - before, time.perf_counter() - t))
+    return steps
+
+
+def _label_decode_kernel() -> None:
+    """The C++ decode kernel is no torch op: label its calls, or its time would be missing from the table."""
+    from batchjob.engine.cpu import kernel
+
+    plain = kernel.paged_decode
+
+    def labelled(*a, **k):
+        with torch.profiler.record_function("batchjob::paged_decode"):
+            return plain(*a, **k)
+
+    kernel.paged_decode = labelled
+
+
+def _kind(name: str, shapes: str, vocab: int) -> str:
+    if name == "mkldnn::_linear_pointwise" or name in ("aten::mm", "aten::addmm", "aten::linear"):
+        if str(vocab) in shapes:
+            return "output head"
+        rows = int(shapes.split(",")[1]) if shapes.startswith("[[1, ") else 0
+        return "GEMM, prompt steps" if rows > 16 else "GEMM, decode steps"
+    if "attention" in name or name in ("aten::index_copy_", "aten::_index_put_impl_", "batchjob::paged_decode"):
+        return "attention (incl. KV writes)"
+    if name in ("aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::softmax"):
+        return "sampling"
+    if name in ("aten::mul", "aten::silu", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt", "aten::neg"):
+        return "elementwise (norms, rotary, SiLU*up, residuals)"
+    if name in ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::index_select", "aten::clone"):
+        return "copies, casts, gathers"
+    return "the rest (views, allocations, small ops)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from torch.profiler import ProfilerActivity, profile
+
+    from batchjob import Engine, SamplingParams
+    from batchjob.bench.workload import synthetic_workload
+
+    _label_decode_kernel()
+    engine = Engine.from_pretrained(args.model, device="cpu", dtype=args.dtype, num_speculative_tokens=0)
+    lens = (args.prompt_len, args.prompt_len), (args.output_len, args.output_len)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))  # warm-up
+    r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    steps = _run(engine, synthetic_workload(engine.vocab_size, args.num_requests, *lens, seed=0))
+    wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    prompt = [s for s in steps if s[0] > 16]
+    print(
+        f"wall {wall:.2f} s: {len(prompt)} prompt steps {sum(s[1] for s in prompt):.2f} s, "
+        f"{len(steps) - len(prompt)} decode steps {sum(s[1] for s in steps if s[0] <= 16):.2f} s; "
+        f"{r1.ru_minflt - r0.ru_minflt} page faults, kernel {r1.ru_stime - r0.ru_stime:.2f} s, "
+        f"user {r1.ru_utime - r0.ru_utime:.2f} s"
+    )
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _run(engine, synthetic_workload(engine.vocab_size, args.num_requests, *lens, seed=1))
+    events = prof.key_averages(group_by_input_shape=True)
+    kinds: collections.Counter[str] = collections.Counter()
+    for e in events:
+        kinds[_kind(e.key, str(e.input_shapes), engine.vocab_size)] += e.self_cpu_time_total / 1e6
+    total = sum(kinds.values())
+    print(f"profiled op time {total:.2f} s, by kind:")
+    for kind, seconds in kinds.most_common():
+        print(f"  {kind:50s} {seconds:7.2f} s {100 * seconds / total:5.1f}%")
+    print("largest ops:")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"  {e.key:40s} {e.self_cpu_time_total / 1e6:6.2f} s {e.count:6d} calls  {e.input_shapes}")
+
+
+if __name__ == "__main__":
+    main()
