@@ -229,6 +229,12 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
     """Before the weights are read: ``--image-column`` needs a vision-language model (by its config)."""
     if spec.image_column is None:
         return
+    import importlib.util
+
+    if importlib.util.find_spec("PIL") is None:
+        raise ConfigError(
+            f"--image-column {spec.image_column!r} needs Pillow to read images: pip install 'batchjob[images]'"
+        )
     from batchjob.engine.vision import is_vlm
     from batchjob.job.model_identity import display_name
 
