@@ -37,7 +37,10 @@ from batchjob.job.loop import row_request
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import _duration as duration
+from batchjob.job.rows.images import image_prompts, image_request
 from batchjob.job.runner import load_engine, prompt_builder
+
+Prompt = tuple[list[int], Any, Any]  # a calibration prompt: its ids, sampling parameters, images (or None)
 
 _LENGTH_EDGES = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 10**9]
 
@@ -197,16 +200,17 @@ def _fit(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
     return 0.0, per, per
 
 
-def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float) -> Calibration:
-    """Run ``prompts`` (ids, params) through ``engine`` until they finish or ``seconds`` pass, timing every
+def _calibrate(engine: Any, prompts: list[Prompt], seconds: float) -> Calibration:
+    """Run ``prompts`` (ids, params, images) through ``engine`` until they finish or ``seconds`` pass, timing every
     step with its token count (the first, which warms caches up, is left out of the fit)."""
     cfg = engine.config
     settings = f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}"
     limits = {}
-    for i, (ids, params) in enumerate(prompts):
+    for i, (ids, params, images) in enumerate(prompts):
         # a row's samples share its prompt: a few of them (at most a batch) time a step as well as all
         params = params.replace(n=min(params.n, cfg.max_num_seqs))
-        engine.add_request(f"calibrate-{i}", ids, params)
+        extra = {} if images is None else {"images": images}  # (an engine without images takes none)
+        engine.add_request(f"calibrate-{i}", ids, params, **extra)
         limits[f"calibrate-{i}"] = params.max_new_tokens
     start = time.monotonic()
     rows: float = 0
@@ -215,7 +219,7 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
     steps: list[tuple[int, int, float]] = []  # (prompt tokens, other tokens, seconds) of each step
     stats = engine.stats
     computed0 = stats.computed_prompt_tokens
-    lengths = {f"calibrate-{i}": len(ids) for i, (ids, _) in enumerate(prompts)}
+    lengths = {f"calibrate-{i}": len(ids) for i, (ids, _, _) in enumerate(prompts)}
     done: set[str] = set()  # the rows whose prompts were computed
     while engine.has_unfinished() and time.monotonic() - start < seconds:
         batched, prompt, t0 = stats.batched_tokens, stats.computed_prompt_tokens, time.perf_counter()
@@ -259,7 +263,7 @@ def _calibrate(engine: Any, prompts: list[tuple[list[int], Any]], seconds: float
 
 
 def _warm_then_time(
-    engine: Any, prompts: list[tuple[list[int], Any]], warm: float, timed: float
+    engine: Any, prompts: list[Prompt], warm: float, timed: float
 ) -> Calibration:
     """A first pass over a few prompts warms the kernels up (new batch shapes are slow the first time) and is
     not timed; the prefix cache is emptied after it, so the timed pass computes its prompts."""
@@ -282,10 +286,11 @@ def estimate(
     tokenizer = engine.tokenizer
     plan = prep.plan.for_tokenizer(spec, bool(getattr(tokenizer, "chat_template", None)))
     builder = prompt_builder(spec, plan, engine)
+    images = image_prompts(spec, plan, engine, prep)  # image rows: the processor's ids, image tokens counted
     prefill = spec.engine.task != "generate"  # a prefill-only task: no output; longer than the engine's limit fails
     context = engine.prefill_limit if prefill else engine.max_model_len
     seen = _Sample(prefill=prefill, context=context)
-    seen.read(prep, builder, max_rows, calibration_rows)
+    seen.read(prep, builder, max_rows, calibration_rows, images)
     # each pass may end a step over its share, at most
     main = _warm_then_time(engine, seen.prompts, 0.15 * seconds, 0.65 * seconds)
     alternatives = _alternatives(main, engine.config) if seen.prompts else []
@@ -318,9 +323,11 @@ class _Sample:
     samples: int = 0
     budget: int = 0
     done: int = 0  # rows of a resumed job committed already (not looked at, not counted)
-    prompts: list[tuple[list[int], Any]] = dataclasses.field(default_factory=list)
+    prompts: list[Prompt] = dataclasses.field(default_factory=list)
 
-    def read(self, prep: Prepared, builder: Any, max_rows: int, calibration_rows: int) -> None:
+    def read(
+        self, prep: Prepared, builder: Any, max_rows: int, calibration_rows: int, images: Any = None
+    ) -> None:
         """The first ``max_rows`` rows of this worker's share through the job's own prompt builder."""
         spec = prep.spec
         base = spec.sampling_params(prep.info.job_seed)
@@ -344,13 +351,20 @@ class _Sample:
             if row.values is None:
                 self.no_prompt += 1
                 continue
-            params, ids, error = row_request(spec, builder, base, row)
-            self._count(params, ids, error, calibration_rows)
+            pictures = None
+            if images is None:
+                params, ids, error = row_request(spec, builder, base, row)
+            else:
+                params, prompt, error = image_request(spec, images, base, row)
+                ids, pictures = (None, None) if prompt is None else (prompt.ids, prompt.images)
+            self._count(params, ids, error, calibration_rows, pictures)
         bar.close()
         if total is None and self.sampled < max_rows:
             self.total = self.sampled  # the whole stream was read
 
-    def _count(self, params: Any, ids: list[int] | None, error: str | None, calibration_rows: int) -> None:
+    def _count(
+        self, params: Any, ids: list[int] | None, error: str | None, calibration_rows: int, images: Any = None
+    ) -> None:
         if ids is None or params is None:
             if error and "does not fit the context" in error:
                 self.too_long += 1
@@ -364,7 +378,7 @@ class _Sample:
         self.samples += params.n
         self.budget += 0 if self.prefill else params.n * params.max_new_tokens
         if len(self.prompts) < calibration_rows:
-            self.prompts.append((ids, params))
+            self.prompts.append((ids, params, images))
 
 
 def _alternatives(main: Calibration, cfg: Any) -> list[tuple[str, Calibration]]:

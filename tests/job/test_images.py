@@ -246,6 +246,24 @@ def test_validate_names_images_it_cannot_open(llava, tmp_path):
     assert "in.jsonl line 2: image column 'image': image 0 (gone.png): cannot be read" in result.output
 
 
+def test_estimate_counts_image_tokens(llava, tmp_path):
+    """validate --estimate reads image rows as a run does: their prompt lengths hold the image tokens (one
+    image here: 38 tokens, its text alone 21), and the calibration runs them with their images."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    folder, _, _ = llava
+    _write_inputs(tmp_path)  # binary.parquet: three rows of one image, one of text alone
+    args = ["validate", "--input", tmp_path / "binary.parquet", "--output", tmp_path / "out", "--model", folder]
+    args += ["--image-column", "image", "--estimate", "--max-new-tokens", 4]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    lengths = {line.split()[0]: int(line.split()[-1]) for line in result.output.splitlines() if "#" in line}
+    assert lengths == {"16-31": 1, "32-63": 3}, result.output
+    assert "4.0 tokens out a sample" in result.output, result.output  # the image rows ran, not errors
+
+
 def test_sigkill_then_resume_equals_uninterrupted(launch, llava, tmp_path):
     """Killed (kill -9) at its first committed part, its in-flight rows checkpointed at every step before:
     the resume writes what an uninterrupted run writes."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchjob.job.requests import params_from_column, parse_embeddings_request
+from batchjob.job.requests import parse_embeddings_request
 from batchjob.job.rows.adapter import row_adapter
 from batchjob.job.rows.base import RowWork
 from batchjob.job.rows.embeddings import EmbeddingInputs
 from batchjob.job.rows.generate import Samples
+from batchjob.job.rows.images import image_request
 from batchjob.job.rows.prompt import model_names, row_request
 from batchjob.job.rows.reasoning import Reasoning, thinking_params
 from batchjob.job.rows.task import TaskRow
@@ -87,18 +88,11 @@ class RowMaker:
         """A generate row with images (--image-column, or OpenAI image parts): its parameters, then its
         prompt from the processor."""
         assert row.values is not None
-        params: SamplingParams | None = self.params
+        check = None
         if self.spec.format == "openai":
             self._saw_model(row)
             check = self.model_names if self.spec.check_model_name else None
-            params, prompt, error = images.build_openai(row, self.params, check)
-        else:
-            if self.spec.params_column is not None:
-                column = self.spec.params_column
-                params, error = params_from_column(row.values.get(column), column, self.params)
-                if params is None:
-                    return None, f"{row.place}: {error}"
-            prompt, error = images.build(row)
+        params, prompt, error = image_request(self.spec, images, self.params, row, check)
         if prompt is None or params is None:
             return None, error
         adapter, error = row_adapter(self.spec, row)

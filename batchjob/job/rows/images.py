@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from batchjob.errors import ConfigError
 from batchjob.job import images as img
 from batchjob.job.prompts import PromptBuilder
+from batchjob.job.requests import params_from_column
 from batchjob.job.rows.image_parts import image_parts, parse_messages, text_only, with_images
 
 if TYPE_CHECKING:
@@ -268,3 +269,21 @@ def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> Im
     return ImagePrompts(
         spec, replace(plan, chat=chat), processor, engine.max_model_len, prep.sources, prep.images
     )
+
+
+def image_request(
+    spec: JobSpec, images: ImagePrompts, base: SamplingParams, row: Row, model_names: set[str] | None = None
+) -> tuple[SamplingParams | None, ImagePrompt | None, str | None]:
+    """An image row's sampling parameters and prompt (an OpenAI line's, or ``--params-column`` and its
+    cell's images), or the reason it has none: what a run makes of the row, and ``validate --estimate`` too."""
+    assert row.values is not None
+    if spec.format == "openai":
+        return images.build_openai(row, base, model_names)
+    params: SamplingParams | None = base
+    if spec.params_column is not None:
+        column = spec.params_column
+        params, error = params_from_column(row.values.get(column), column, base)
+        if params is None:
+            return None, None, f"{row.place}: {error}"
+    prompt, error = images.build(row)
+    return params, prompt, error
