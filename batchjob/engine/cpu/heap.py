@@ -15,7 +15,6 @@ glibc on Linux only (elsewhere, or under another malloc, it does nothing); ``BAT
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 
@@ -40,7 +39,7 @@ def keep_freed_memory() -> bool:
     if not env.flag(DISABLE_ENV) or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols: libc's (find_library would run ldconfig)
         libc.gnu_get_libc_version  # noqa: B018 - present in glibc only: another malloc's mallopt differs
         mallopt = libc.mallopt
     except (OSError, AttributeError):
