@@ -167,12 +167,17 @@ class JobLoop:
     # -- reading and admitting -------------------------------------------------------------------
 
     def _read(self, reader: Iterator[Row], inflight: dict[int, InFlight]) -> None:
-        """Admit rows in input order until the read-ahead is full or the input ends; then read on, so
-        that ``ahead`` (``ahead.py``: image rows built on worker threads) holds its depth."""
-        while len(self.ready) < self._read_ahead() and (self.ahead or self._read_row(reader)):
+        """Admit rows in input order until the read-ahead is full or the input ends; meanwhile and after,
+        ``ahead`` (``ahead.py``: image rows built on worker threads) holds its depth beyond the next row."""
+        while len(self.ready) < self._read_ahead() and self._fill(reader, self.ahead.depth + 1):
             self._admit(self.ahead.pop(), inflight)
-        while len(self.ahead) < self.ahead.depth and self._read_row(reader):
+        self._fill(reader, self.ahead.depth)
+
+    def _fill(self, reader: Iterator[Row], rows: int) -> bool:
+        """Read rows into ``ahead`` until it holds ``rows`` or the input ends; whether it holds any."""
+        while len(self.ahead) < rows and self._read_row(reader):
             pass
+        return bool(self.ahead)
 
     def _read_row(self, reader: Iterator[Row]) -> bool:
         """Read the next row into ``ahead``, its id checked; False at the end of the input (then the row
