@@ -1,9 +1,12 @@
 """What an image row costs the job layer before the engine sees it: each image decoded by Pillow, then
 LLaVA-1.5's preprocessing (CLIP at 336 px: resize, crop, normalise; 576 image tokens) and the chat template,
 through the job's own row builder (``batchjob/job/rows/images.py``), one row at a time as the job's
-read-ahead does, on one thread. Prints images/s for decoding alone and for the whole row.
+read-ahead does, on one thread. Prints images/s for decoding alone and for the whole row; with ``--workers``,
+the rows also go through the job's read-ahead (``batchjob/job/ahead.py``: rows read in order, built on that
+many threads, taken back in order, as ``--image-workers`` does; 0: on the main thread), a run per count,
+as if the engine took each row at once (the most the read-ahead can give it).
 
-    python measurements/image_rows.py [--images 64] [--size 640x480] [--format jpeg]
+    python measurements/image_rows.py [--images 64] [--size 640x480] [--format jpeg] [--workers 0,1,2]
 
 The pictures are random-textured (a smooth gradient and noise) at the given size, encoded in memory; the
 processor is built here (the default model's tokenizer with an ``<image>`` token, CLIP's image processor at
@@ -62,6 +65,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--size", default="640x480", help="WIDTHxHEIGHT of each picture")
     parser.add_argument("--format", default="jpeg", choices=["jpeg", "png"])
+    parser.add_argument("--workers", default="", help="comma-separated --image-workers counts, e.g. 0,1,2")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each --workers count (best kept)")
     args = parser.parse_args()
     import torch
 
@@ -94,6 +99,37 @@ def main() -> None:
         f"whole row (decode, CLIP 336 preprocessing, template, tokens; {len(prompt.ids)} prompt tokens): "
         f"{args.images / row_s:8.1f} images/s"
     )
+    for workers in [int(w) for w in args.workers.split(",") if w]:
+        rate, cores = max(_through_ahead(spec, prompts, rows, workers) for _ in range(args.repeat))
+        print(
+            f"through the job's read-ahead, --image-workers {workers}: {rate:8.1f} images/s "
+            f"(the process's CPU time / wall time: {cores:.2f})"
+        )
+
+
+def _through_ahead(spec, prompts, rows, workers: int) -> tuple[float, float]:
+    """images/s of ``rows`` through the job's read-ahead as the loop drives it (each row taken back in input
+    order and made into its row's work, ``depth`` rows read beyond it), as if the engine took each row at
+    once; and the cores the process kept busy meanwhile (its CPU time over the wall time: above 1 only when
+    threads ran at once, the GIL let go)."""
+    from batchjob.job.ahead import Ahead
+    from batchjob.job.rows import RowMaker
+
+    maker = RowMaker(spec, None, None, spec.sampling_params(0), None, 0, prompts)  # type: ignore[arg-type]
+    ahead = Ahead(maker, workers)
+    todo = iter(rows)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    try:
+        for _ in rows:
+            while len(ahead) < ahead.depth + 1 and (row := next(todo, None)) is not None:
+                ahead.add(row, row.derived_id, None)
+            read = ahead.pop()
+            work, error = maker.make(read.row, str(read.row_id), read.built)
+            assert work is not None, error
+    finally:
+        ahead.close()
+    wall = time.perf_counter() - t0
+    return len(rows) / wall, (time.process_time() - cpu0) / wall
 
 
 if __name__ == "__main__":

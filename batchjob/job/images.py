@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import io
-import warnings
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,14 +122,43 @@ def read_bytes(ref: ImageRef, folder: Path | None) -> tuple[bytes | None, str | 
         return None, f"{ref.name}: cannot be read ({e.strerror or e})"
 
 
+class _PillowLimit:
+    """Pillow's own pixel limit (a process-wide setting) off while any decode runs, ``--max-image-pixels``
+    on the header being the check: counted, not saved and restored by each decode, so that decodes on
+    several threads at once (``job/ahead.py``) each meet the same checks and leave the setting as found."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0  # decodes in progress
+        self.saved: int | None = None  # Pillow's limit before the first of them
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        from PIL import Image
+
+        with self.lock:
+            if self.running == 0:
+                self.saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running -= 1
+                if self.running == 0:
+                    Image.MAX_IMAGE_PIXELS = self.saved
+
+
+_PILLOW_LIMIT = _PillowLimit()
+
+
 def decode(data: bytes, ref: ImageRef, max_pixels: int) -> tuple[PILImage.Image | None, str | None]:
     """The image as RGB, or why not: not an image, corrupt, or over ``max_pixels`` (checked on its header,
     before its pixels are decoded)."""
     from PIL import Image
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with _PILLOW_LIMIT.off():
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > max_pixels:
@@ -136,11 +166,7 @@ def decode(data: bytes, ref: ImageRef, max_pixels: int) -> tuple[PILImage.Image 
                     f"{ref.name}: {width} x {height} = {width * height} pixels is over --max-image-pixels "
                     f"{max_pixels}"
                 )
-            limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # ours is the check, above
-            try:
-                image.load()
-            finally:
-                Image.MAX_IMAGE_PIXELS = limit
+            image.load()
             return image.convert("RGB"), None
     except Image.UnidentifiedImageError:
         return None, f"{ref.name}: not an image Pillow can read (corrupt, or a format it does not know)"

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import BatchjobError
 from batchjob.io.atomic import write_json
-from batchjob.io.readers import Row, iter_rows
+from batchjob.io.readers import Row
 from batchjob.io.sources import ORDINAL_BITS, count_rows
 from batchjob.io.writers import PartWriter
 from batchjob.job import admission, model_identity
+from batchjob.job.ahead import Ahead, Taken, read_rows
 from batchjob.job.checkpoint import InFlight, Parts
 from batchjob.job.ids import IdIndex
 from batchjob.job.inputs import split_ordinal
@@ -108,6 +109,7 @@ class JobLoop:
         params = self.spec.sampling_params(prep.info.job_seed)  # what rows leave out, with per-row params
         width = writer.result[0].type.list_size if self.spec.engine.task == "embed" else 0  # body.dimensions' value
         self.rows = RowMaker(self.spec, engine, builder, params, tags, width, images)  # what each row becomes
+        self.ahead = Ahead(self.rows, self.spec.image_workers)  # rows read, being built
         self.parts = Parts(prep.out_dir, self.manifest, writer)
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.window = max(8, 2 * self.max_num_seqs)
@@ -143,14 +145,14 @@ class JobLoop:
     def run(self) -> JobResult:
         """Run to the end of this worker's rows, or until a signal or --max-errors stops it."""
         try:
-            reader = self._reader()
+            reader = read_rows(self.prep, self.manifest.done, self.ids)
             inflight = self.state.load_inflight()  # the last checkpoint's unfinished rows, by ordinal
             while True:
                 self._read(reader, inflight)
                 self._feed()
                 if self.engine.has_unfinished():
                     self._step()
-                elif self.reader_done:
+                elif self.reader_done and not self.ahead:
                     break
                 if self.stop_signal is not None:
                     self.checkpoint()
@@ -164,55 +166,47 @@ class JobLoop:
 
     # -- reading and admitting -------------------------------------------------------------------
 
-    def _reader(self) -> Iterator[Row]:
-        """This worker's rows not yet done, in input order (with --id-column, the rows it skips still
-        record their ids, so a duplicate is found whichever worker holds its first use)."""
-        skip, covered = self.prep.shard.filters(self.manifest.done)
-        on_skipped = None
-        if self.ids is not None:
-            ids = self.ids
-            seen_to = ids.seen_to
-
-            def on_skipped(ordinal: int, value: Any) -> None:  # rows of other workers, or done already
-                if ordinal >= seen_to and value is not None:
-                    ids.first(str(value), ordinal)
-                ids.seen(ordinal + 1)
-
-        return iter_rows(
-            self.prep.sources,
-            skip=skip,
-            covered=covered,
-            on_skipped=on_skipped,
-            id_column=self.spec.id_column,
-        )
-
     def _read(self, reader: Iterator[Row], inflight: dict[int, InFlight]) -> None:
-        """Read rows and prepare them until the read-ahead is full or the input ends (then the row counts
-        are known: the progress gets its total)."""
-        while not self.reader_done and len(self.ready) < self._read_ahead():
-            try:
-                row = next(reader)
-            except StopIteration as stop:
-                self.reader_done = True
-                info = self.prep.info
-                info.set_counts(
-                    {s.base >> ORDINAL_BITS: n for s, n in zip(self.prep.sources, stop.value, strict=True)}
-                )
-                self.total_hint = self.prep.shard.share_of(info.row_counts)
-                self.stream_hint = info.total_rows
-                self.bar.set_total(self.total_hint)
-            else:
-                self._admit(row, inflight)
-                if self.ids is not None:
-                    self.ids.seen(row.ordinal + 1)
+        """Admit rows in input order until the read-ahead is full or the input ends; meanwhile and after,
+        ``ahead`` (``ahead.py``: image rows built on worker threads) holds its depth beyond the next row."""
+        while len(self.ready) < self._read_ahead() and self._fill(reader, self.ahead.depth + 1):
+            self._admit(self.ahead.pop(), inflight)
+        self._fill(reader, self.ahead.depth)
 
-    def _admit(self, row: Row, inflight: dict[int, InFlight]) -> None:
+    def _fill(self, reader: Iterator[Row], rows: int) -> bool:
+        """Read rows into ``ahead`` until it holds ``rows`` or the input ends; whether it holds any."""
+        while len(self.ahead) < rows and self._read_row(reader):
+            pass
+        return bool(self.ahead)
+
+    def _read_row(self, reader: Iterator[Row]) -> bool:
+        """Read the next row into ``ahead``, its id checked; False at the end of the input (then the row
+        counts are known: the progress gets its total)."""
+        if self.reader_done:
+            return False
+        try:
+            row = next(reader)
+        except StopIteration as stop:
+            self.reader_done = True
+            info = self.prep.info
+            info.set_counts(
+                {s.base >> ORDINAL_BITS: n for s, n in zip(self.prep.sources, stop.value, strict=True)}
+            )
+            self.total_hint = self.prep.shard.share_of(info.row_counts)
+            self.stream_hint = info.total_rows
+            self.bar.set_total(self.total_hint)
+            return False
+        self.ahead.add(row, *self._row_id(row))  # ids are checked in input order, as rows are read
+        if self.ids is not None:
+            self.ids.seen(row.ordinal + 1)
+        return True
+
+    def _admit(self, read: Taken, inflight: dict[int, InFlight]) -> None:
         """Prepare a row as its kind (``rows/``), with the last checkpoint's work on it; else its error row."""
-        row_id, error = self._row_id(row)
-        work = None
+        row, row_id, error, work = read.row, read.row_id, read.error, None
         if row_id is not None:
             assert row_id not in self.pending, row_id
-            work, error = self.rows.make(row, row_id)
+            work, error = self.rows.make(row, row_id, read.built)
         if work is None:
             self._error_row(row, error)
             return
@@ -343,7 +337,7 @@ class JobLoop:
             "updated": time.time(),
             "finished_uncommitted": finished,  # input rows finished, not yet in a committed part
             "in_engine": len(self.pending) - len(self.ready),  # input rows being generated
-            "read_ahead": len(self.ready),  # input rows prepared, waiting for room in the engine
+            "read_ahead": len(self.ready) + len(self.ahead),  # input rows read, not yet in the engine
         }
         stream_total = self.prep.info.total_rows or self.stream_hint
         body["job"] = {
@@ -398,6 +392,7 @@ class JobLoop:
         """However the run ends: close the progress and the id index; say which body.model names were
         ignored."""
         self.bar.close()
+        self.ahead.close()
         if self.ids is not None:
             self.ids.close()
         other = sorted(self.rows.models_seen - self.rows.model_names)

@@ -87,6 +87,13 @@ class JobSpec:
         check=at_least(1, " pixels"),
         metavar="N",
     )
+    image_workers: int | None = job_option(
+        None,
+        "Threads that decode and preprocess image rows ahead of the engine (0: on the job's main thread)",
+        default_help="one a CPU, at most 4",
+        check=at_least(0),
+        metavar="N",
+    )
     chat: bool | None = job_option(
         None,
         "Wrap each prompt as a user message in the chat template",

@@ -24,12 +24,14 @@ if TYPE_CHECKING:
     from batchjob.io.readers import Row
     from batchjob.job.prompts import PromptBuilder
     from batchjob.job.reasoning import ReasoningTags
-    from batchjob.job.rows.images import ImagePrompts
+    from batchjob.job.rows.images import ImagePrompt, ImagePrompts
     from batchjob.job.seam import JobEngine
     from batchjob.job.spec import JobSpec
     from batchjob.sampling import SamplingParams
 
 Made = tuple[RowWork | None, str | None]  # the row's kind, or None and the row's error
+# an image row's parameters and prompt, or None and its error (``RowMaker.image_prompt``)
+Built = tuple["SamplingParams | None", "ImagePrompt | None", str | None]
 
 
 class RowMaker:
@@ -68,12 +70,14 @@ class RowMaker:
             self._texts[token_id] = decoded
         return self._texts[token_id]
 
-    def make(self, row: Row, row_id: str) -> Made:
-        """The row (readable, with its id) as its kind, or the reason it is an error row."""
+    def make(self, row: Row, row_id: str, built: Built | None = None) -> Made:
+        """The row (readable, with its id) as its kind, or the reason it is an error row; ``built``: an
+        image row's ``image_prompt``, made ahead on a worker thread (``job/ahead.py``)."""
         if self.task != "generate":
             return self._task_row(row, row_id)
         if self.images is not None:
-            return self._image_row(row, row_id, self.images)
+            built = built if built is not None else self.image_prompt(row, self.images)
+            return self._image_row(row, row_id, built)
         params, ids, error = self._request(row)
         if ids is None or params is None:
             return None, error
@@ -84,15 +88,19 @@ class RowMaker:
         work.adapter = adapter
         return work, None
 
-    def _image_row(self, row: Row, row_id: str, images: ImagePrompts) -> Made:
-        """A generate row with images (--image-column, or OpenAI image parts): its parameters, then its
-        prompt from the processor."""
+    def image_prompt(self, row: Row, images: ImagePrompts) -> Built:
+        """An image row's parameters (a params column's, an OpenAI request's) and its prompt from the
+        processor, its images decoded; or its error: a function of the row alone, safe on a worker thread
+        with its own ``images`` (``ImagePrompts.copy``)."""
         assert row.values is not None
-        check = None
+        check = self.model_names if self.spec.format == "openai" and self.spec.check_model_name else None
+        return image_request(self.spec, images, self.params, row, check)
+
+    def _image_row(self, row: Row, row_id: str, built: Built) -> Made:
+        """A generate row with images (--image-column, or OpenAI image parts): its ``image_prompt``."""
         if self.spec.format == "openai":
             self._saw_model(row)
-            check = self.model_names if self.spec.check_model_name else None
-        params, prompt, error = image_request(self.spec, images, self.params, row, check)
+        params, prompt, error = built
         if prompt is None or params is None:
             return None, error
         adapter, error = row_adapter(self.spec, row)

@@ -15,6 +15,7 @@ it stops the job (``ImageChangedError``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -76,6 +77,14 @@ class ImagePrompts:
         self.max_model_len = max_model_len
         self.sources = {s.name: s for s in sources}
         self.recorded = recorded or {}  # the referenced files' digests the job recorded (images.json)
+
+    def copy(self) -> ImagePrompts:
+        """The same builder with its own processor (its tokenizer and image processor), for a worker thread
+        (``job/ahead.py``): neither is made to be called from two threads at once."""
+        other = copy.copy(self)
+        other.processor = copy.deepcopy(self.processor)
+        other.text = PromptBuilder(self.text.plan, other.processor.tokenizer, None)
+        return other
 
     def build(self, row: Row) -> tuple[ImagePrompt | None, str | None]:
         """The row's prompt (its cell's images, then its text; or its messages with image parts), or its
