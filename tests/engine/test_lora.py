@@ -4,6 +4,7 @@ preemption and the prefix cache on; the CPU fast path's update beside the packed
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 from pathlib import Path
@@ -180,6 +181,31 @@ def test_cpu_fast_path_update_beside_the_packed_gemm(adapter_sets):
         with torch.inference_mode():
             ref = model(torch.tensor([p])).logits[0, -1]
         torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_siblings_compute_x_at_a_once(adapter_sets, monkeypatch):
+    """q/k/v (and gate/up) read one input: a step computes their stacked ``x @ A.T`` once, not per member
+    (the model hands each the same 3-d tensor; the rows each member flattens from it are fresh views)."""
+    from batchjob.engine.lora import layers
+
+    base, folders = adapter_sets["llama"]
+    lora = {k: str(v) for k, v in folders.items()}
+    engine = Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora=lora)
+    computed: list[int] = []
+    original = layers.Group.h
+
+    def counted(self, x, flat_x, step):
+        before = self._h
+        h = original(self, x, flat_x, step)
+        if h is not before:
+            computed.append(id(self))
+        return h
+
+    monkeypatch.setattr(layers.Group, "h", counted)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=0), adapters=["qv", "all", "rs"])
+    steps = engine.stats.steps
+    assert steps >= 2 and set(collections.Counter(computed).values()) == {steps}  # once a group and step
 
 
 def _edited(folder: Path, tmp_path: Path, name: str, **changes) -> Path:

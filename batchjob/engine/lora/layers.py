@@ -125,19 +125,21 @@ class Group:
         self._x: torch.Tensor | None = None  # held so that its id is not reused while cached
         self._h: torch.Tensor | None = None
 
-    def h(self, x: torch.Tensor, step: LoraStep) -> torch.Tensor:
-        """``x @ a.T`` masked to each row's adapter, computed once for the members that read ``x``."""
+    def h(self, x: torch.Tensor, flat_x: torch.Tensor, step: LoraStep) -> torch.Tensor:
+        """``flat_x @ a.T`` masked to each row's adapter, computed once for the members that read ``x`` (the
+        layer's input as the model passed it: ``flat_x``, its rows, is a fresh view in every member)."""
         key = (step.generation, id(x), x.data_ptr())
         if self._key != key or self._h is None:
-            h = x @ self.a.T
+            h = flat_x @ self.a.T
             if not step.whole:
-                h.mul_(step.mask(self.layout, x.shape[0], h.dtype))
+                h.mul_(step.mask(self.layout, flat_x.shape[0], h.dtype))
             self._key, self._x, self._h = key, x, h
         return self._h
 
 
-def _update(flat_x: torch.Tensor, flat: torch.Tensor, target: Target, group: Group, step: LoraStep) -> None:
-    """Add the step's updates of ``target`` to ``flat`` [rows, out] in place."""
+def _update(x: torch.Tensor, flat: torch.Tensor, target: Target, group: Group, step: LoraStep) -> None:
+    """Add the step's updates of ``target`` on its input ``x`` to ``flat`` [rows, out] in place."""
+    flat_x = x.reshape(-1, x.shape[-1])
     if step.rows is not None:  # many rows of several adapters: each adapter's rows gathered
         for i, r in target.layout:
             rows = step.rows.get(i)
@@ -147,7 +149,7 @@ def _update(flat_x: torch.Tensor, flat: torch.Tensor, target: Target, group: Gro
                 flat.index_add_(0, rows, h @ target.bt[start : start + r])
         return
     if group.size > 1 and group.adapters <= step.present:
-        h = group.h(flat_x, step)[:, target.offset : target.offset + target.a.shape[0]]
+        h = group.h(x, flat_x, step)[:, target.offset : target.offset + target.a.shape[0]]
         flat.addmm_(h, target.bt)
         return
     start, end, layout = target.span(step.present)
@@ -168,7 +170,7 @@ def _lora_forward(
         if not step.present or mine.isdisjoint(step.present):
             return out
         out = out if out.is_contiguous() else out.contiguous()
-        _update(x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1]), target, group, step)
+        _update(x, out.view(-1, out.shape[-1]), target, group, step)
         return out
 
     return forward
