@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,7 +13,16 @@ from typing import Any
 import click
 
 from batchjob.bench import roofline
-from batchjob.bench.engines import Result, agreement, run_hf_cb, run_ours, run_static, workload_num_blocks
+from batchjob.bench.engines import (
+    Result,
+    agreement,
+    load_average,
+    run_hf_cb,
+    run_ours,
+    run_static,
+    workload_num_blocks,
+)
+from batchjob.bench.engines import header as bench_header
 from batchjob.bench.options import BASELINES, BENCH_FLAGS, BenchOptions
 from batchjob.bench.workload import Workload, dataset_workload, synthetic_workload
 from batchjob.engine.options import by_engine_name, job_options
@@ -56,14 +64,6 @@ def _fastest(tries: list[Result]) -> Result:
     best = failed[0] if failed else min(tries, key=lambda r: r.wall_s)
     best.walls = [r.wall_s for r in tries]
     return best
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average (None where the OS has none): other work on the machine skews timings."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 # -- the report ------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def _bench_generate(opts: BenchOptions) -> None:
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     used_threads = torch.get_num_threads()
-    load_before = _load_average()
+    load_before = load_average()
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
@@ -267,14 +267,10 @@ def _bench_generate(opts: BenchOptions) -> None:
         torch.set_num_threads(default_threads)  # a process-wide setting: leave it as found (tests share it)
 
     summary = summarize(results) | {"roofline": figures}
-    header = (
-        f"batchjob bench: model {Path(engine.model_id).name}, device {engine.device}, "
-        f"dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {used_threads}, "
-        f"load average {load_before} before, {_load_average()} after (a busy machine makes timings noisy)"
-    )
+    header = bench_header("batchjob bench", engine, used_threads, load_before)
     click.echo(format_report(work, results, summary, header, notes))
     if opts.json_path is not None:
-        context = {"torch_threads": used_threads, "load_average_before_after": [load_before, _load_average()]}
+        context = {"torch_threads": used_threads, "load_average_before_after": [load_before, load_average()]}
         _write_json(opts, opts.json_path, engine, work, results, summary, context)
 
 

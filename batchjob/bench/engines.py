@@ -7,9 +7,11 @@ engine does the same work; a runner returns the generated ids so the report can 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from batchjob.bench.workload import Workload
@@ -100,7 +102,12 @@ def run_ours(engine: Any, work: Workload, vocab_size: int, adapters: list[str] |
 
 
 def run_static(
-    model: Any, work: Workload, batch_size: int, pad_id: int, vocab_size: int, adapters: list[str] | None = None
+    model: Any,
+    work: Workload,
+    batch_size: int,
+    pad_id: int,
+    vocab_size: int,
+    adapters: list[str] | None = None,
 ) -> Result:
     """Plain ``generate`` on left-padded batches in workload order; each batch runs to its longest output.
     ``adapters``: each request's adapter, for a PEFT model's mixed batch (``adapter_names``)."""
@@ -213,3 +220,20 @@ def run_hf_cb(
 def agreement(ours: Result, other: Result) -> dict[str, int]:
     equal = sum(a == b for a, b in zip(ours.outputs, other.outputs, strict=True))
     return {"equal": equal, "total": len(ours.outputs)}
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): other work on the machine skews timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def header(title: str, engine: Any, threads: int, load_before: float | None, extra: str = "") -> str:
+    """A bench report's first line: what ran where, and the machine's load before and after."""
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return (
+        f"{title}: model {Path(engine.model_id).name}, device {engine.device}, dtype {dtype}{extra}, torch threads "
+        f"{threads}, load average {load_before} before, {load_average()} after (a busy machine makes timings noisy)"
+    )

@@ -13,17 +13,16 @@ images, so it is not run (the report says so).
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 
-from batchjob.bench.engines import Result, agreement
+from batchjob.bench.engines import Result, agreement, load_average
+from batchjob.bench.engines import header as bench_header
 from batchjob.bench.options import BenchOptions
 from batchjob.errors import ConfigError
 
@@ -337,7 +336,7 @@ def image_bench(opts: BenchOptions, rounds: Rounds, engine_options: dict[str, An
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     used = torch.get_num_threads()
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
@@ -346,11 +345,8 @@ def image_bench(opts: BenchOptions, rounds: Rounds, engine_options: dict[str, An
     finally:
         transformers.logging.set_verbosity(verbosity)
         torch.set_num_threads(default_threads)
-    header = (
-        f"batchjob bench --image-sizes {','.join(map(str, opts.image_sizes))}: model {Path(engine.model_id).name}, "
-        f"device {engine.device}, dtype {str(engine.dtype).removeprefix('torch.')}, torch threads {used}, load "
-        f"average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (a busy machine makes timings noisy)"
-    )
+    title = f"batchjob bench --image-sizes {','.join(map(str, opts.image_sizes))}"
+    header = bench_header(title, engine, used, load_before)
     click.echo(format_image_report(work, results, header))
     if opts.json_path is not None:
         body = {
@@ -359,7 +355,7 @@ def image_bench(opts: BenchOptions, rounds: Rounds, engine_options: dict[str, An
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "torch_threads": used,
-            "load_average_before_after": [load_before, os.getloadavg()[0]],
+            "load_average_before_after": [load_before, load_average()],
             "results": [r.as_dict() | {"images_per_s": images_per_s(r)} for r in results],
             "not_run": {"hf-cb": NO_HF_CB},
             **summarize_images(results),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +30,8 @@ from typing import Any
 import click
 import torch
 
-from batchjob.bench.engines import Result, agreement, run_ours, run_static
+from batchjob.bench.engines import Result, agreement, load_average, run_ours, run_static
+from batchjob.bench.engines import header as bench_header
 from batchjob.bench.options import BenchOptions
 from batchjob.bench.workload import Workload
 from batchjob.engine.options import by_engine_name
@@ -220,17 +220,10 @@ def _progress(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _load_average() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
-
-
 def lora_bench(opts: BenchOptions, engine: Any, work: Workload, threads: int) -> None:
     """The adapters workload: the base runs once, then every (count, rank) cell; print, write JSON."""
     assert opts.adapters
-    load_before = _load_average()
+    load_before = load_average()
     hf = _hf_model(engine)
     _progress("running ours, the base model alone ...")
     vocab = int(engine.vocab_size)
@@ -243,18 +236,14 @@ def lora_bench(opts: BenchOptions, engine: Any, work: Workload, threads: int) ->
         for rank in opts.lora_ranks:
             for count in opts.adapters:
                 cells.append(_cell(opts, engine, hf, work, count, rank, Path(tmp), base_ours))
-    header = (
-        f"batchjob bench --adapters: model {Path(engine.model_id).name}, device {engine.device}, dtype "
-        f"{str(engine.dtype).removeprefix('torch.')}, torch threads {threads}, load average {load_before} "
-        f"before, {_load_average()} after (a busy machine makes timings noisy)"
-    )
+    header = bench_header("batchjob bench --adapters", engine, threads, load_before)
     click.echo(format_lora_report(header, work, base_ours, base_static, cells))
     if opts.json_path is not None:
         body = {
             "model": engine.model_id,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "torch_threads": threads,
-            "load_average_before_after": [load_before, _load_average()],
+            "load_average_before_after": [load_before, load_average()],
             "workload": work.describe() | {"seed": opts.seed},
             "base": {"ours": base_ours.as_dict(), "static": base_static.as_dict()},
             "cells": [c.as_dict() for c in cells],

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from batchjob.bench.engines import header as bench_header
+from batchjob.bench.engines import load_average
+
 # Packages whose docstrings make the texts: installed with batchjob, prose of every length.
 _PACKAGES = (
     "json",
@@ -229,7 +232,6 @@ def task_bench(
 ) -> None:
     """The ``--task`` runs of ``batchjob bench``: load ours, draw the texts, time, print (and write JSON)."""
     import json
-    import os
 
     import click
 
@@ -241,7 +243,7 @@ def task_bench(
     default_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     try:
         progress(f"loading our engine (task {task}) ...")
         engine = Engine.from_pretrained(model, task=task, **engine_options)
@@ -251,12 +253,8 @@ def task_bench(
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(default_threads)
-    header = (
-        f"batchjob bench --task {task}: model {engine.model_id}, device {engine.device}, dtype "
-        f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.runner.attention.name}, torch threads "
-        f"{used}, load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (a busy machine makes "
-        "timings noisy)"
-    )
+    attention = f", attention {engine.runner.attention.name}"
+    header = bench_header(f"batchjob bench --task {task}", engine, used, load_before, attention)
     click.echo(format_task_report(task, header, results))
     if json_path is not None:
         body = {
@@ -265,7 +263,7 @@ def task_bench(
             "texts": len(texts),
             "text_tokens": list(text_tokens),
             "torch_threads": used,
-            "load_average_before_after": [load_before, os.getloadavg()[0]],
+            "load_average_before_after": [load_before, load_average()],
             "results": [r.as_dict() for r in results],
         }
         json_path.parent.mkdir(parents=True, exist_ok=True)
