@@ -27,6 +27,16 @@ def digest(*tensors: torch.Tensor) -> bytes:
     return h.digest()
 
 
+def per_request(per_image: Sequence[torch.Tensor], counts: Sequence[int]) -> list[torch.Tensor]:
+    """A batch's per-image features regrouped per request (``counts``: each request's images, in order), each
+    request's rows concatenated."""
+    out, at = [], 0
+    for n in counts:
+        out.append(torch.cat(list(per_image[at : at + n])))
+        at += n
+    return out
+
+
 def need(inputs: Inputs, key: str, dims: int, family: str) -> torch.Tensor:
     """``inputs[key]``, a tensor of ``dims`` dimensions, or a ConfigError naming the key and the shape."""
     value = inputs.get(key)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchjob.engine.vision.base import Family, Inputs, digest, need
+from batchjob.engine.vision.base import Family, Inputs, digest, need, per_request
 
 
 class Llava(Family):
@@ -29,9 +29,4 @@ class Llava(Family):
     def encode(self, batch: Sequence[Inputs], device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         pixels = torch.cat([inputs["pixel_values"] for inputs in batch]).to(device, dtype)
         per_image = list(self.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output)
-        out, at = [], 0
-        for inputs in batch:
-            n = len(inputs["pixel_values"])
-            out.append(torch.cat(per_image[at : at + n]))
-            at += n
-        return out
+        return per_request(per_image, [len(inputs["pixel_values"]) for inputs in batch])

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from batchjob.engine.vision.base import Family, Inputs, digest, need
+from batchjob.engine.vision.base import Family, Inputs, digest, need, per_request
 from batchjob.errors import ConfigError
 
 
@@ -44,12 +44,7 @@ class Qwen2VL(Family):
         grid = torch.cat([inputs["image_grid_thw"] for inputs in batch]).to(device, torch.int64)
         out = self.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
         per_image = list(out.pooler_output)
-        features, at = [], 0
-        for inputs in batch:
-            n = len(inputs["image_grid_thw"])
-            features.append(torch.cat(per_image[at : at + n]))
-            at += n
-        return features
+        return per_request(per_image, [len(inputs["image_grid_thw"]) for inputs in batch])
 
     def positions(self, ids: np.ndarray, inputs: Inputs) -> tuple[np.ndarray, int] | None:
         if not inputs:
