@@ -288,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run(args.out.resolve(), Path(tempfile.mkdtemp(prefix="batchjob-gpu-check-")), args.rehearse)
+    with tempfile.TemporaryDirectory(prefix="batchjob-gpu-check-") as work:  # removed when the steps end
+        return _run_steps(Run(args.out.resolve(), Path(work), args.rehearse))
+
+
+def _run_steps(run: Run) -> int:
     env = environment(run, _unpack_wheels(run.work))
     started, probe = time.monotonic(), dict[str, Any]()
     for step in steps(run):
