@@ -159,7 +159,7 @@ class Engine:
         hf_model, tokenizer, resolved = load_model_and_tokenizer(
             model, config.dtype, config.device, trust_remote_code=trust_remote_code, task=config.task
         )
-        extra = {"lora": lora} if lora else {}  # (a prefill-only engine takes none: refused above)
+        extra = {"lora": lora} if lora else {}
         return engine_cls(hf_model, tokenizer, config, model_id=resolved, **extra)
 
     @classmethod

@@ -12,9 +12,10 @@ from batchjob.io.identity import combine, folder_digest
 from batchjob.job.model_identity import local_folder
 
 
-def lora_paths(entries: list[str], column: str | None, fmt: str, task: str) -> dict[str, str]:
+def lora_paths(entries: list[str], column: str | None, fmt: str) -> dict[str, str]:
     """``{name: path}`` of ``--lora`` entries, in the order given; refuses a malformed or repeated entry, an
-    adapter column without adapters, several adapters with nothing to pick them by, a prefill-only task."""
+    adapter column without adapters, several adapters with nothing to pick them by. Any task takes them
+    (generate, and embed, classify and score: engine/tasks/adapters.py)."""
     paths: dict[str, str] = {}
     for entry in entries:
         name, eq, path = entry.partition("=")
@@ -26,8 +27,6 @@ def lora_paths(entries: list[str], column: str | None, fmt: str, task: str) -> d
         paths[name] = path
     if column is not None and not paths:
         raise ConfigError("--adapter-column needs adapters: give --lora NAME=PATH")
-    if paths and task != "generate":
-        raise ConfigError(f"LoRA adapters with task={task!r} are not supported")
     if len(paths) > 1 and column is None and fmt != "openai":
         raise ConfigError(
             f"{len(paths)} --lora adapters ({', '.join(paths)}): give --adapter-column to pick each row's"

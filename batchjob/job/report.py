@@ -368,17 +368,19 @@ def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
 def _adapters_table(st: JobStatus) -> str:
     """Per adapter (``batchjob status``'s counts): rows, errors, tokens, and its share of the job's generated
     tokens/s (the adapters run in the same batches, so an adapter's rate is the job's times its share of the
-    generated tokens)."""
-    total = sum(c.generated_tokens for c in st.adapters.values()) or 1
-    rate = st.rate("generated_tokens_per_s")
+    generated tokens); a prefill-only task's: of the tokens read."""
+    generate = st.task == "generate"
+    key, what = ("generated_tokens", "generated tokens/s") if generate else ("prompt_tokens", "tokens read/s")
+    total = sum(getattr(c, key) for c in st.adapters.values()) or 1
+    rate = st.rate("generated_tokens_per_s" if generate else "total_tokens_per_s")
     rows = [
         f"<tr><td>{html.escape(adapter_label(name))}</td><td>{c.rows:,}</td><td>{c.errors:,}</td>"
-        f"<td>{c.prompt_tokens:,}</td><td>{c.generated_tokens:,}</td><td>{rate * c.generated_tokens / total:.1f}</td></tr>"
+        f"<td>{c.prompt_tokens:,}</td><td>{c.generated_tokens:,}</td><td>{rate * getattr(c, key) / total:.1f}</td></tr>"
         for name, c in st.adapters.items()
     ]
     return (
         '<table id="adapters"><tr><th>adapter</th><th>rows</th><th>errors</th><th>prompt tokens</th>'
-        "<th>generated tokens</th><th>generated tokens/s</th></tr>" + "".join(rows) + "</table>"
+        f"<th>generated tokens</th><th>{what}</th></tr>" + "".join(rows) + "</table>"
     )
 
 

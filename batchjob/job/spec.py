@@ -252,7 +252,7 @@ class JobSpec:
             self.engine, static_batching=self.admission == "static", check_kv_pool=True
         )
         self.template_kwargs = self._template_kwargs()
-        self.lora_paths = lora_paths(self.lora, self.adapter_column, self.format, self.engine.task)
+        self.lora_paths = lora_paths(self.lora, self.adapter_column, self.format)
         if self.reasoning_tags is not None:
             from batchjob.job.reasoning import parse_tags
 

@@ -152,12 +152,15 @@ class JobStatus:
         return lines
 
     def _adapter_lines(self) -> list[str]:
-        """A LoRA job: each adapter's committed rows, errors and generated tokens."""
+        """A LoRA job: each adapter's committed rows, errors and generated tokens (a prefill-only task's: the
+        tokens it read)."""
         if not self.adapters:
             return []
         width = max(len(adapter_label(name)) for name in self.adapters)
+        generate = self.task == "generate"
         return ["adapters:"] + [
-            f"  {adapter_label(name):<{width}}  {c.rows} rows, {c.errors} errors, {c.generated_tokens} tokens out"
+            f"  {adapter_label(name):<{width}}  {c.rows} rows, {c.errors} errors, "
+            + (f"{c.generated_tokens} tokens out" if generate else f"{c.prompt_tokens} tokens read")
             for name, c in self.adapters.items()
         ]
 

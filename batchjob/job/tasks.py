@@ -76,8 +76,9 @@ def head_fingerprint(spec: JobSpec) -> dict[str, Any]:
 
 def task_extra(spec: JobSpec) -> tuple[Any, ...]:
     """The feature columns of a prefill-only task's job: ``sample_index`` (which of an embeddings request's
-    inputs) with --format openai, else none."""
-    return (EXTRA_FIELDS["sample_index"],) if spec.format == "openai" else ()
+    inputs) with --format openai, and ``adapter`` with --lora."""
+    extra = (EXTRA_FIELDS["sample_index"],) if spec.format == "openai" else ()
+    return extra + ((EXTRA_FIELDS["adapter"],) if spec.lora_paths else ())
 
 
 def task_columns(task: str, out: Any) -> dict[str, Any]:

@@ -71,12 +71,8 @@ class Adapters:
 
 def refuse(config, sharded: bool) -> None:
     """Refuse by name what adapters are not built with: an ``EngineConfig`` (or options) of a
-    tensor-parallel engine, a prefill-only task, or a compiled model."""
-    for refused, what in (
-        (sharded, "tensor parallelism"),
-        (config.task != "generate", f"task={config.task!r}"),
-        (config.compile, "compile"),
-    ):
+    tensor-parallel engine or a compiled model."""
+    for refused, what in ((sharded, "tensor parallelism"), (config.compile, "compile")):
         if refused:
             raise ConfigError(f"LoRA adapters with {what} are not supported")
 
@@ -87,13 +83,15 @@ def attach(
     model_id: str,
     dtype: torch.dtype,
     device: torch.device,
+    heads: tuple[str, ...] = (),
 ) -> Adapters:
-    """Load every adapter of ``paths`` (name -> PEFT folder or hub id) and wrap the layers they target."""
+    """Load every adapter of ``paths`` (name -> PEFT folder or hub id) and wrap the layers they target;
+    ``heads``: the task head modules an adapter's ``modules_to_save`` may replace (peft_folder.py)."""
     adapters = []
     for name, path in paths.items():
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a LoRA adapter needs a name, got {name!r}")
-        adapters.append(load_adapter(name, path, model, model_id, dtype, device))
+        adapters.append(load_adapter(name, path, model, model_id, dtype, device, heads))
     per_module: dict[str, dict[int, LoraWeights]] = {}
     for i, adapter in enumerate(adapters):
         for module_name, weights in adapter.layers.items():
@@ -110,10 +108,15 @@ def attach(
     return loaded
 
 
-def attach_to(engine: Any, paths: Paths, sharded: bool) -> Adapters:
-    """Load ``paths`` into a new engine (its model, runner and config), or refuse what is not built."""
+def attach_to(
+    engine: Any, paths: Paths, sharded: bool, *, heads: tuple[str, ...] = (), gathered: bool = False
+) -> Adapters:
+    """Load ``paths`` into a new engine (its model, runner and config), or refuse what is not built.
+    ``heads``: the engine's task head modules (a classifier's); ``gathered``: every step's rows gathered by
+    adapter (``LoraStep.gathered``: a row's floats independent of its batch mates)."""
     refuse(engine.config, sharded)
-    adapters = attach(engine.model, paths, engine.model_id, engine.dtype, engine.device)
+    adapters = attach(engine.model, paths, engine.model_id, engine.dtype, engine.device, heads)
+    adapters.step.gathered = gathered
     engine.runner.lora = adapters.step
     if engine.device.type == "cuda":
         engine.runner.graphs = None  # a captured graph would freeze one step's grouping of rows

@@ -50,6 +50,9 @@ class LoraStep:
         self.present: frozenset[int] = frozenset()  # adapters with a row in the step (empty: base only)
         self.whole = 0  # the adapter that has every row of the step (0: none does)
         self.generation = 0  # bumped by every set(): what a layer computed for an earlier step is stale
+        # Every step gathered (a prefill-only engine sets it): a row's update is then computed from its own
+        # adapter's weights alone, so its floats do not depend on the step's mix of adapters.
+        self.gathered = False
         self._index: torch.Tensor | None = None  # [T] int64 on the device
         self.rows: dict[int, torch.Tensor] | None = None  # adapter -> its rows, when gathered (not masked)
         self._masks: dict[tuple[Layout, int], torch.Tensor] = {}
@@ -67,7 +70,7 @@ class LoraStep:
         self.whole = first if len(self.present) == 1 and bool((adapter_of_row == first).all()) else 0
         self._index = torch.from_numpy(adapter_of_row).to(self.device)
         self.rows = None
-        if len(adapter_of_row) * (len(self.present) - 1) > DENSE_LIMIT:
+        if self.gathered or len(adapter_of_row) * (len(self.present) - 1) > DENSE_LIMIT:
             self.rows = {
                 i: torch.from_numpy(np.flatnonzero(adapter_of_row == i)).to(self.device) for i in self.present
             }

@@ -6,8 +6,11 @@ wrote exactly its ``target_modules`` after ``exclude_modules``, ``layers_to_tran
 is its tensors' shape, checked against ``r``/``rank_pattern``; its scale is ``alpha / r`` (``alpha / sqrt(r)``
 with rsLoRA), ``alpha`` from ``lora_alpha``/``alpha_pattern``. ``fan_in_fan_out`` only says how PEFT would
 merge into a GPT-2 ``Conv1D`` weight: the update beside the layer is the same either way. Whatever changes
-the forward in a way not built here (DoRA, LoRA biases, modules to save, trainable tokens, embedding or
-output-head targets, another base's shapes or name) raises ``ConfigError`` naming it.
+the forward in a way not built here (DoRA, LoRA biases, trainable tokens, embedding or output-head
+targets, another base's shapes or name) raises ``ConfigError`` naming it. ``modules_to_save`` is taken only
+where the engine names its task head (``heads``: a classifier's ``score`` or ``classifier``): the folder's
+full tensors of those modules are the adapter's own head (``Adapter.head``); any other saved module is
+refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,6 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _NOT_BUILT = (
     ("use_dora", "DoRA (use_dora)"),
     ("lora_bias", "LoRA biases (lora_bias)"),
-    ("modules_to_save", "modules_to_save"),
     ("trainable_token_indices", "trainable_token_indices"),
     ("target_parameters", "target_parameters (LoRA on parameters)"),
     ("layer_replication", "layer_replication"),
@@ -63,6 +65,7 @@ class Adapter:
     name: str
     path: Path
     layers: dict[str, LoraWeights]  # module name in the model -> its update
+    head: dict[str, torch.Tensor] = field(default_factory=dict)  # modules_to_save: "score.weight" -> tensor
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +93,9 @@ def resolve_folder(name: str, path: str | Path) -> Path:
         ) from e
 
 
-def read_config(name: str, folder: Path) -> dict[str, Any]:
-    """The adapter's config, refused when it is not a LoRA this engine computes."""
+def read_config(name: str, folder: Path, heads: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The adapter's config, refused when it is not a LoRA this engine computes (``modules_to_save``
+    only where the engine has a task head, ``heads``)."""
     file = folder / CONFIG_FILE
     if not file.is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise ConfigError(
@@ -106,6 +110,11 @@ def read_config(name: str, folder: Path) -> dict[str, Any]:
     for key, what in _NOT_BUILT:
         if config.get(key):
             raise ConfigError(f"LoRA adapter {name!r}: {what} is not supported")
+    if config.get("modules_to_save") and not heads:
+        raise ConfigError(
+            f"LoRA adapter {name!r}: modules_to_save is not supported here (only a classify engine takes "
+            "the adapter's own classification head)"
+        )
     if config.get("bias", "none") != "none":
         raise ConfigError(
             f"LoRA adapter {name!r}: trained base biases (bias={config['bias']!r}) are not supported"
@@ -132,19 +141,30 @@ def check_base(name: str, config: dict[str, Any], model_id: str) -> None:
         raise ConfigError(f"LoRA adapter {name!r} was made for base model {base!r}, not {model_id!r}")
 
 
-def read_tensors(name: str, folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """module name -> {"A": tensor, "B": tensor}; a tensor that is not a LoRA A or B is refused by name."""
+def read_tensors(
+    name: str, folder: Path, heads: tuple[str, ...] = ()
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """module name -> {"A": tensor, "B": tensor}, and the full tensors of the modules ``heads`` names
+    (``modules_to_save``: "score.weight" -> tensor); any other tensor is refused by name."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
+    head: dict[str, torch.Tensor] = {}
     for key, tensor in load_file(str(folder / WEIGHTS_FILE)).items():
         m = _TENSOR.match(key)
-        if m is None:
-            raise ConfigError(
-                f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B weight (not supported)"
-            )
-        modules.setdefault(m["module"], {})[m["ab"]] = tensor
+        if m is not None:
+            modules.setdefault(m["module"], {})[m["ab"]] = tensor
+            continue
+        own = key.removeprefix("base_model.model.")
+        if own.split(".")[0] in heads:
+            head[own] = tensor
+            continue
+        what = f"a saved module ({own.rpartition('.')[0]}) that is not the task head ({', '.join(heads)})"
+        raise ConfigError(
+            f"LoRA adapter {name!r}: tensor {key!r} is "
+            f"{what if heads else 'not a LoRA A or B weight'} (not supported)"
+        )
     if not modules:
         raise ConfigError(f"LoRA adapter {name!r}: {folder / WEIGHTS_FILE} holds no LoRA weights")
-    return modules
+    return modules, head
 
 
 def module_shape(name: str, module_name: str, model: PreTrainedModel) -> tuple[int, int]:
@@ -200,17 +220,20 @@ def load_adapter(
     model_id: str,
     dtype: torch.dtype,
     device: torch.device,
+    heads: tuple[str, ...] = (),
 ) -> Adapter:
     """Adapter ``name`` from the PEFT folder (or hub id) ``path``, checked against ``model``, resident on
-    ``device`` in ``dtype``."""
+    ``device`` in ``dtype``; ``heads``: the engine's task head modules, which its ``modules_to_save`` may
+    replace."""
     folder = resolve_folder(name, path)
-    config = read_config(name, folder)
+    config = read_config(name, folder, heads)
     check_base(name, config, model_id)
     check_targets(name, config, model)
     r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     layers: dict[str, LoraWeights] = {}
-    for module_name, pair in read_tensors(name, folder).items():
+    modules, head = read_tensors(name, folder, heads)
+    for module_name, pair in modules.items():
         if set(pair) != {"A", "B"}:
             raise ConfigError(
                 f"LoRA adapter {name!r}: {module_name} lacks its lora_{'AB'[('A' in pair)]} weight"
@@ -227,4 +250,4 @@ def load_adapter(
         a_pat = float(pattern_value(alphas, module_name, alpha))
         scale = a_pat / math.sqrt(rank) if config.get("use_rslora") else a_pat / rank
         layers[module_name] = LoraWeights(a.to(device, dtype), b.to(device, dtype), scale)
-    return Adapter(name, folder, layers)
+    return Adapter(name, folder, layers, {k: t.to(device, dtype) for k, t in head.items()})

@@ -4,7 +4,8 @@ a prompt with no decode.
 A request is scheduled and packed like any prompt (an encoder's row whole in one step, a causal row on the
 chunk grid: policy.py), its result is made from that forward's hidden states (runner.py), and it finishes
 in the step that computes its last token, which frees its KV blocks at once. Attention takes no separate
-path for one-token rows and no decode graphs run, so a row's floats never depend on what shares its step.
+path for one-token rows and no decode graphs run, so a row's floats never depend on what shares its step
+(LoRA adapters too: each adapter's rows gathered, a classifier adapter with its own head: adapters.py).
 ``Engine.from_pretrained(model, task=...)`` builds one (the factory in ``tasks/__init__.py``).
 """
 
@@ -15,12 +16,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from batchjob.engine import lora as lora_adapters
 from batchjob.engine import offline
 from batchjob.engine.engine import Engine
 from batchjob.engine.output import RequestOutput
 from batchjob.engine.plan import ModelPlan
 from batchjob.engine.request import Request, RequestState, RequestStatus
 from batchjob.engine.scheduler import ChunkPolicy, Scheduler, SchedulerOutput
+from batchjob.engine.tasks import adapters as task_adapters
 from batchjob.engine.tasks.policy import ChunkGrid, WholeRows
 from batchjob.engine.tasks.runner import (
     TaskRunner,
@@ -42,10 +45,14 @@ class TaskEngine(Engine):
     tasks: TaskRunner
     decode_graphs = False  # a decode graph's padded rows would attend a one-token row another way
 
-    def __init__(self, model, tokenizer, config, model_id: str = "", *, tensor_parallel=None) -> None:
+    def __init__(
+        self, model, tokenizer, config, model_id: str = "", *, tensor_parallel=None, lora=None
+    ) -> None:
         super().__init__(model, tokenizer, config, model_id, tensor_parallel=tensor_parallel)
         self.runner.rows_alike()
         self.runner.position_offset = position_offset(model.config)  # RoBERTa counts from padding_idx + 1
+        if lora:  # every step gathered by adapter; a classifier adapter's own head (adapters.py)
+            self.lora = task_adapters.attach_to(self, lora, tensor_parallel is not None)
 
     # -- the core's hooks ------------------------------------------------------------------------------
 
@@ -93,7 +100,8 @@ class TaskEngine(Engine):
         return finished
 
     def _state_of(self, req: Request) -> RequestState:
-        return request_state(req)
+        adapter = None if self.lora is None else self.lora.name(req.adapter)
+        return replace(request_state(req), adapter=adapter)
 
     # -- requests ----------------------------------------------------------------------------------------
 
@@ -108,14 +116,16 @@ class TaskEngine(Engine):
         sample_index: int | None = None,
         continuation_ids: Sequence[int] | None = None,
         token_logprobs: bool = False,
+        adapter: str | None = None,
     ) -> None:
         """Queue a prefill-only request (``params`` and ``output_ids`` are not used). ``score`` takes
         ``continuation_ids`` (only they are scored, given the prompt) and ``token_logprobs`` (keep the
         per-token list). Longer than ``prefill_limit`` tokens: cut to it with the option ``truncate``, else
-        an error output."""
+        an error output. ``adapter``: a LoRA adapter the engine holds, by name (None: the base model)."""
         if params is not None and params.n != 1:
             raise ConfigError(f"task {self.task} takes one sample per request, got n={params.n}")
         rid = request_id
+        index = lora_adapters.index_of(self.lora, adapter)
         if rid in self._requests:
             raise ConfigError(f"request id {rid!r} is already in the engine")
         if (continuation_ids is not None or token_logprobs) and self.task != "score":
@@ -126,6 +136,7 @@ class TaskEngine(Engine):
         if self.config.truncate and len(tokens) > self.prefill_limit:
             tokens = tokens[: self.prefill_limit]
         req = Request(rid, tokens, min(len(prompt), len(tokens)), SamplingParams(), time.monotonic())
+        req.adapter = index  # (before the scheduler: it roots the request's prefix digests)
         req.task = self.tasks.new_state(
             req.num_prompt_tokens, len(tokens), continuation_ids is not None, token_logprobs
         )
@@ -165,27 +176,34 @@ class TaskEngine(Engine):
         )
 
     def embed(
-        self, inputs: Sequence[str] | Sequence[Sequence[int]], *, prompt_name: str | None = None
+        self,
+        inputs: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        prompt_name: str | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Embed texts (or token id lists, taken as the whole input); outputs in input order, each with
         ``embedding`` (or ``error``). ``prompt_name``: which of the folder's sentence-transformers prompts
         goes before each text for this call ("" for none), as ``encode(prompt_name=...)``; None: the engine's
-        (the option ``prompt_name``, else the folder's default)."""
+        (the option ``prompt_name``, else the folder's default). ``adapters``: each input's LoRA adapter name
+        (None: the base model), as for ``score`` and ``classify``."""
         items = [(x, None) for x in inputs]
         if prompt_name is None or self.task != "embed":
-            return self._run_task("embed", items, False)
+            return self._run_task("embed", items, False, adapters)
         kept = self.tasks.pooling, self.tasks.skip
         assert kept[0] is not None
         self.tasks.pooling = replace(kept[0], prompt=prompt_text(self.model_id, prompt_name))
         self.tasks.skip = prompt_length(self.tokenizer, self.tasks.pooling)
         try:
-            return self._run_task("embed", items, False)
+            return self._run_task("embed", items, False, adapters)
         finally:
             self.tasks.pooling, self.tasks.skip = kept
 
-    def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[RequestOutput]:
+    def classify(
+        self, inputs: Sequence[str] | Sequence[Sequence[int]], *, adapters: Sequence[str | None] | None = None
+    ) -> list[RequestOutput]:
         """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""
-        return self._run_task("classify", [(x, None) for x in inputs], False)
+        return self._run_task("classify", [(x, None) for x in inputs], False, adapters)
 
     def score(
         self,
@@ -193,6 +211,7 @@ class TaskEngine(Engine):
         continuations: Sequence[str] | Sequence[Sequence[int]] | None = None,
         *,
         token_logprobs: bool = False,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """The log-likelihood of each prompt (every token but the first scored), or with ``continuations``
         of each continuation given its prompt (a text continuation is tokenized without special tokens):
@@ -200,9 +219,11 @@ class TaskEngine(Engine):
         if continuations is not None and len(continuations) != len(prompts):
             raise ConfigError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
         conts = list(continuations) if continuations is not None else [None] * len(prompts)
-        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs)
+        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs, adapters)
 
-    def _run_task(self, task: str, items: list, token_logprobs: bool) -> list[RequestOutput]:
+    def _run_task(
+        self, task: str, items: list, token_logprobs: bool, adapters: Sequence[str | None] | None
+    ) -> list[RequestOutput]:
         if self.task != task:
             raise ConfigError(
                 f"{task}() needs an engine built with task={task!r} (Engine.from_pretrained(..., task="
@@ -211,13 +232,15 @@ class TaskEngine(Engine):
         if self.has_unfinished():
             raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
 
+        names = lora_adapters.per_prompt(adapters, len(items))
+
         def ids(x, special: bool) -> list[int]:
             return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)
 
         for i, (prompt, cont) in enumerate(items):
             c = None if cont is None else ids(cont, False)
             kw = {"continuation_ids": c, "token_logprobs": token_logprobs} if task == "score" else {}
-            self.add_request(f"{task}-{i}", ids(prompt, True), **kw)
+            self.add_request(f"{task}-{i}", ids(prompt, True), adapter=names[i], **kw)
         results: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

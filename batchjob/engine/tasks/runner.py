@@ -59,12 +59,17 @@ def position_offset(config) -> int:
     return 0
 
 
-def _classifier(model, encoder: bool):
+def classifier(model, encoder: bool, own: dict[str, torch.nn.Module] | None = None):
     """(pooled position "cls" | "last" | "mean", head: pooled rows [R, H] -> logits [R, L]) of a
-    sequence-classification model, as its own forward applies it."""
+    sequence-classification model, as its own forward applies it; ``own``: modules (by their name in the
+    model: ``score``, ``classifier``, ModernBERT's ``head``) that replace the model's (a LoRA adapter's)."""
     name = type(model).__name__
-    score = getattr(model, "score", None)
-    head = getattr(model, "classifier", None)
+
+    def module(key: str):
+        return (own or {}).get(key, getattr(model, key, None))
+
+    score = module("score")
+    head = module("classifier")
     if not encoder and isinstance(score, torch.nn.Linear):
         return "last", score
     if encoder and isinstance(head, torch.nn.Linear) and model.config.model_type == "modernbert":
@@ -72,9 +77,10 @@ def _classifier(model, encoder: bool):
         # (its config's classifier_pooling); the mean is divided out when the request finishes
         pooling = getattr(model.config, "classifier_pooling", "cls")
         if pooling in ("cls", "mean"):
-            return pooling, lambda h: head(model.head(h))
+            dense = module("head")
+            return pooling, lambda h: head(dense(h))
     if encoder and head is not None:
-        pooler = getattr(model.base_model, "pooler", None)
+        pooler = (own or {}).get("pooler", getattr(model.base_model, "pooler", None))
         if isinstance(head, torch.nn.Linear) and pooler is not None:  # BERT: classifier(pooler(h[:, 0]))
             return "cls", lambda h: head(pooler(h[:, None, :]))
         if not isinstance(head, torch.nn.Linear):  # RoBERTa-style heads read features[:, 0] themselves
@@ -116,17 +122,19 @@ class TaskRunner:
     ) -> None:
         assert task in PREFILL_TASKS
         self.task = task
+        self.encoder = encoder
         self.pooling = pooling
         self.skip = skip  # embed: leading tokens (a prompt) the pooling leaves out
         self.id2label: dict[int, str] = {}
         self.head_kind = "single"  # classify: how the head's outputs are read (state.HEADS)
         self.position = "cls"
+        self.heads: dict[int, Any] = {}  # classify: a LoRA adapter's own head by adapter index (adapters.py)
         if task == "embed":
             assert pooling is not None
             self.position = pooling.mode
         elif task == "classify":
             self.head_kind = head_kind(model.config)
-            self.position, self.head = _classifier(model, encoder)
+            self.position, self.head = classifier(model, encoder)
             self.id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
         else:
             self.head = _score_head(model)
@@ -174,9 +182,25 @@ class TaskRunner:
             return
         rows = hidden.index_select(0, torch.tensor(picks, device=hidden.device))
         if self.task == "classify":
-            rows = self.head(rows)
+            rows = self._apply_heads(rows, owners)
         for req, row in zip(owners, rows, strict=True):
             req.task.pooled = row
+
+    def _apply_heads(self, rows: torch.Tensor, owners: list[Request]) -> torch.Tensor:
+        """Each row through its request's head: its adapter's own (modules_to_save), else the model's."""
+        if not self.heads:
+            return self.head(rows)
+        groups: dict[int, list[int]] = {}
+        for k, req in enumerate(owners):
+            groups.setdefault(req.adapter if req.adapter in self.heads else 0, []).append(k)
+        out: torch.Tensor | None = None
+        for adapter, ks in groups.items():
+            index = torch.tensor(ks, device=rows.device)
+            logits = self.heads.get(adapter, self.head)(rows.index_select(0, index))
+            out = logits.new_empty(len(owners), logits.shape[1]) if out is None else out
+            out.index_copy_(0, index, logits)
+        assert out is not None
+        return out
 
     def _score(self, plan: SchedulerOutput, lay: StepLayout, hidden: torch.Tensor) -> None:
         rows: list[int] = []
@@ -237,7 +261,7 @@ class TaskRunner:
             st.result = {"embedding": _array(vec)}
             return
         if self.position == "mean":  # classify: the head takes the mean of the row's states
-            vec = self.head((vec / req.num_tokens)[None, :])[0]
+            vec = self.heads.get(req.adapter, self.head)((vec / req.num_tokens)[None, :])[0]
         st.result = self._classified(vec)
 
     def _classified(self, vec: torch.Tensor) -> dict[str, Any]:

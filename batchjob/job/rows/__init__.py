@@ -157,6 +157,9 @@ class RowMaker:
             params, ids, error = self._request(row)
         if ids is None or params is None:
             return None, error
+        adapter, error = row_adapter(self.spec, row)
+        if error is not None:
+            return None, error
         n_prompt = len(ids) if inputs is None else sum(len(x) for x in inputs)
         continuation = None
         if self.spec.score_column is not None:
@@ -167,7 +170,13 @@ class RowMaker:
         task = self.task
         if inputs is not None:
             return EmbeddingInputs(
-                row=row, row_id=row_id, prompt_ids=ids, num_prompt_tokens=n_prompt, task=task, inputs=inputs
+                row=row,
+                row_id=row_id,
+                prompt_ids=ids,
+                num_prompt_tokens=n_prompt,
+                task=task,
+                inputs=inputs,
+                adapter=adapter,
             ), None
         token_logprobs = self.spec.logprobs is not None
         return TaskRow(
@@ -178,6 +187,7 @@ class RowMaker:
             task=task,
             continuation=continuation,
             token_logprobs=token_logprobs,
+            adapter=adapter,
         ), None
 
     def _request(self, row: Row) -> tuple[SamplingParams | None, list[int] | None, str | None]:

@@ -33,4 +33,5 @@ class EmbeddingInputs(RowWork):
 
     def result(self, k: int, out: RequestOutput) -> dict[str, Any]:
         error = request_error(out)
-        return task_result(self.task, k, out, None if error is None else f"body.input[{k}]: {error}")
+        where = None if error is None else f"body.input[{k}]: {error}"
+        return task_result(self.task, k, out, where, self.adapter)

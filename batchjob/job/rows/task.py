@@ -14,10 +14,14 @@ if TYPE_CHECKING:
     from batchjob.engine.output import RequestOutput
 
 
-def task_result(task: str, k: int, out: RequestOutput, error: str | None) -> dict[str, Any]:
-    """A prefill-only request's result row (``k``: which of the row's inputs; ``error``: the request's)."""
+def task_result(
+    task: str, k: int, out: RequestOutput, error: str | None, adapter: str | None
+) -> dict[str, Any]:
+    """A prefill-only request's result row (``k``: which of the row's inputs; ``error``: the request's;
+    ``adapter``: the LoRA adapter it ran under)."""
     result = {"finish_reason": out.finish_reason, "num_generated_tokens": 0, "error": error}
-    return result | {"sample_index": k} | (task_columns(task, out) if error is None else {})
+    result |= {"sample_index": k, "adapter": adapter}
+    return result | (task_columns(task, out) if error is None else {})
 
 
 @dataclass(eq=False, kw_only=True)
@@ -42,4 +46,5 @@ class TaskRow(RowWork):
 
     def result(self, k: int, out: RequestOutput) -> dict[str, Any]:
         error = request_error(out)  # the engine's words (a text beyond the model's limit): whose row it is
-        return task_result(self.task, k, out, None if error is None else f"{self.row.place}: {error}")
+        where = None if error is None else f"{self.row.place}: {error}"
+        return task_result(self.task, k, out, where, self.adapter)
