@@ -339,7 +339,8 @@ def _check_images(prep: Any) -> None:
     from batchjob.job.images import unreadable
 
     spec = prep.spec
-    total, bad, lines = unreadable(prep.sources, spec.image_column, spec.max_image_pixels)
+    fetch = None if prep.remote is None else prep.remote.get
+    total, bad, lines = unreadable(prep.sources, spec.image_column, spec.max_image_pixels, fetch=fetch)
     some = f"{bad} of {total} can't be opened (their rows will be error rows)"
     click.echo(f"images: {some}" if bad else f"images: all {total} open")
     for line in lines:

@@ -77,6 +77,7 @@ class ImagePrompts:
         self.max_model_len = max_model_len
         self.sources = {s.name: s for s in sources}
         self.recorded = recorded or {}  # the referenced files' digests the job recorded (images.json)
+        self.remote: Any = None  # --allow-remote-images: the run's RemoteImages (None: URLs are row errors)
 
     def copy(self) -> ImagePrompts:
         """The same builder with its own processor (its tokenizer and image processor), for a worker thread
@@ -163,13 +164,14 @@ class ImagePrompts:
 
     def _load(self, found: list[img.ImageRef], row: Row) -> tuple[list[Any] | None, str | None]:
         source = self.sources.get(row.source)
+        fetch = None if self.remote is None else self.remote.get
         if source is None:
-            return img.load_refs(found, None, self.max_pixels)
+            return img.load_refs(found, None, self.max_pixels, fetch=fetch)
 
         def seen(path: str, data: bytes) -> None:
             self._check_recorded(source, path, data)
 
-        return img.load_refs(found, img.source_folder(source), self.max_pixels, seen)
+        return img.load_refs(found, img.source_folder(source), self.max_pixels, seen, fetch)
 
     def _check_recorded(self, source: Source, path: str, data: bytes) -> None:
         name = img.key(source, path)
@@ -275,9 +277,15 @@ def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> Im
     if spec.chat and not has_template:
         raise ConfigError("--chat asked for, but the model's processor has no chat template; use --no-chat")
     chat = has_template if spec.chat is None else spec.chat
-    return ImagePrompts(
+    prompts = ImagePrompts(
         spec, replace(plan, chat=chat), processor, engine.max_model_len, prep.sources, prep.images
     )
+    prompts.remote = prep.remote
+    if prompts.remote is None and spec.allow_remote_images:  # (image parts not recorded: fetched as read)
+        from batchjob.job.remote_images import RemoteImages
+
+        prompts.remote = RemoteImages(spec.max_image_pixels)
+    return prompts
 
 
 def image_request(
