@@ -238,12 +238,14 @@ def load_processor(model_folder: str | Path, trust_remote_code: bool) -> Any:
 
 
 def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
-    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config)."""
-    if spec.image_column is None:
+    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config), and a
+    prefill-only task (``--task``) a text model: on a vision-language model it is refused by name."""
+    task = spec.engine.task
+    if spec.image_column is None and task == "generate":
         return
     import importlib.util
 
-    if importlib.util.find_spec("PIL") is None:
+    if spec.image_column is not None and importlib.util.find_spec("PIL") is None:
         raise ConfigError(
             f"--image-column {spec.image_column!r} needs Pillow to read images: pip install 'batchjob[images]'"
         )
@@ -254,10 +256,15 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
         from batchjob.models import load_config
 
         model_config, _ = load_config(spec.model, spec.trust_remote_code)
-    if not is_vlm(model_config):
+    kind = f"model {display_name(spec.model)!r} ({getattr(model_config, 'model_type', '?')})"
+    if task != "generate" and is_vlm(model_config):
         raise ConfigError(
-            f"--image-column {spec.image_column!r}: model {display_name(spec.model)!r} "
-            f"({getattr(model_config, 'model_type', '?')}) is not a vision-language model; it takes no images"
+            f"--task {task}: {kind} is a vision-language model; the prefill-only tasks (embed, classify, "
+            "score) run on text models only, with or without images: use a text model, or --task generate"
+        )
+    if spec.image_column is not None and not is_vlm(model_config):
+        raise ConfigError(
+            f"--image-column {spec.image_column!r}: {kind} is not a vision-language model; it takes no images"
         )
 
 
