@@ -347,6 +347,11 @@ def _check_images(prep: Any) -> None:
         click.echo(f"  {line}")
     if bad > len(lines):
         click.echo(f"  ... and {bad - len(lines)} more")
+    from batchjob.job.image_memory import memory_lines
+    from batchjob.models import load_config
+
+    for line in memory_lines(prep, load_config(spec.model, spec.trust_remote_code)[0]):
+        click.echo(line)
 
 
 def _check_tokenizer(prep: Any) -> None:
