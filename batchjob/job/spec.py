@@ -90,7 +90,7 @@ class JobSpec:
     allow_remote_images: bool = job_option(  # not part of the job's identity (its images' bytes are)
         False,
         "Fetch images named by a URL (http(s)://, or s3://, gs://, hf://... with fsspec's package for it), "
-        "once a run, with a timeout",
+        "once a run (30 s timeout), recorded by content as a path is",
         default_help="off: such an image is its row's error",
         switch=True,
     )
