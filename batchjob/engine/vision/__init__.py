@@ -183,7 +183,8 @@ class VisionStep:
         calls: list[list[Images]] = []
         size = 0
         for images in pending:
-            n = memory.patches(images.inputs["pixel_values"], self.tower)
+            pixels = images.inputs.get("pixel_values")
+            n = 0 if pixels is None else memory.patches(pixels, self.tower)
             if not calls or size + n > self.max_patches:
                 calls.append([])
                 size = 0
