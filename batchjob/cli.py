@@ -339,13 +339,19 @@ def _check_images(prep: Any) -> None:
     from batchjob.job.images import unreadable
 
     spec = prep.spec
-    total, bad, lines = unreadable(prep.sources, spec.image_column, spec.max_image_pixels)
+    fetch = None if prep.remote is None else prep.remote.get
+    total, bad, lines = unreadable(prep.sources, spec.image_column, spec.max_image_pixels, fetch=fetch)
     some = f"{bad} of {total} can't be opened (their rows will be error rows)"
     click.echo(f"images: {some}" if bad else f"images: all {total} open")
     for line in lines:
         click.echo(f"  {line}")
     if bad > len(lines):
         click.echo(f"  ... and {bad - len(lines)} more")
+    from batchjob.job.image_memory import memory_lines
+    from batchjob.models import load_config
+
+    for line in memory_lines(prep, load_config(spec.model, spec.trust_remote_code)[0]):
+        click.echo(line)
 
 
 def _check_tokenizer(prep: Any) -> None:

@@ -19,6 +19,8 @@ from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.plan import plan_kv
 from batchjob.engine.request import Request
 from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.vision import memory as vision_memory
+from batchjob.engine.vision.family import is_vlm
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
@@ -75,13 +77,18 @@ def size_kv_pool(model, config: EngineConfig, shape: KVShape, max_model_len: int
 
 def _cuda_reserve(model, config: EngineConfig, peak: int) -> int:
     """Memory the warm-up forward does not show (an estimate): logits of every row that may sample in one
-    step (with drafts, several per request; the sampler makes float32 copies), and with CUDA graphs their
-    pool, about the activations of a forward of the largest bucket."""
+    step (with drafts, several per request; the sampler makes float32 copies), a vision-language model's
+    tower call (``vision/memory.py``), and with CUDA graphs their pool, about the activations of a forward
+    of the largest bucket."""
     assert config.max_num_batched_tokens is not None and config.max_num_seqs is not None
     assert config.num_speculative_tokens is not None
     vocab = model.get_input_embeddings().weight.shape[0]
     rows = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens))
     reserve = 3 * rows * vocab * 4
+    if is_vlm(model.config):  # the vision tower's call over a step's images, which the warm-up does not run
+        reserve += vision_memory.reserve_bytes(
+            model.config, config.max_num_batched_tokens, config.dtype.itemsize
+        )
     if config.cuda_graphs:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         graph_rows = min(ROW_BUCKETS[-1], config.max_num_batched_tokens)

@@ -3,14 +3,15 @@ digests of the files the cells reference.
 
 A cell is one image or a list of them (null or an empty list: a text-only row). An image is Parquet/Arrow
 binary, a Hugging Face ``datasets`` Image struct ``{bytes, path}`` (the bytes win; the path is read when they
-are null) or a path as text: relative to the input file's folder, absolute, or ``file://``. ``http(s)://``
-is never fetched. Each image is decoded with Pillow, refused over ``--max-image-pixels`` before its pixels
+are null) or a path as text: relative to the input file's folder, absolute, or ``file://``; a URL (``http(s)://``, ``s3://``,
+...) is fetched only with ``--allow-remote-images`` (``remote_images.py``), else the row's error. Each image is decoded with Pillow, refused over ``--max-image-pixels`` before its pixels
 are read, and converted to RGB. Whatever goes wrong is the row's error, naming the image (its index and
 path); nothing here raises for a row.
 
 The files that paths reference are part of the job's inputs: ``scan`` digests each one (its bytes, whole)
 before any work, the job keeps the digests in its state folder (``images.json``), a resume whose images
-differ is refused naming the file, and a row whose file changed while the job ran stops the job.
+differ is refused naming the file, and a row whose file changed while the job ran stops the job. A
+remote image is recorded the same way, by the bytes fetched when the job starts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import InputError
+from batchjob.job.remote_images import NOT_ALLOWED, RemoteImages, check_protocols, scheme
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -32,8 +34,7 @@ if TYPE_CHECKING:
     from batchjob.io.sources import Source
 
 Seen = Callable[[str, bytes], None]  # told each image file read: (path as written, its bytes)
-REMOTE = ("http://", "https://", "s3://", "gs://", "hf://")
-REMOTE_NOTE = "remote images are not fetched; give the bytes or a local path"
+Fetch = Callable[[str], tuple[bytes | None, str | None]]  # a remote image's bytes, or why not
 
 
 class ImageChangedError(InputError):
@@ -92,8 +93,8 @@ def _ref(item: Any, k: int) -> ImageRef | None:
 
 def local_path(path: str, folder: Path | None) -> tuple[Path | None, str | None]:
     """Where a cell's path points (``folder``: the input file's, None when it is remote), or why not read."""
-    if path.startswith(REMOTE):
-        return None, REMOTE_NOTE
+    if scheme(path) is not None:
+        return None, NOT_ALLOWED
     if path.startswith("file://"):
         path = path[len("file://") :]
     p = Path(path).expanduser()
@@ -108,11 +109,17 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_bytes(ref: ImageRef, folder: Path | None) -> tuple[bytes | None, str | None]:
-    """The image's bytes, or why they can't be read (naming the image)."""
+def read_bytes(
+    ref: ImageRef, folder: Path | None, fetch: Fetch | None = None
+) -> tuple[bytes | None, str | None]:
+    """The image's bytes, or why they can't be read (naming the image); ``fetch``: how a URL is read (None:
+    it is not, ``--allow-remote-images`` was not given)."""
     if ref.data is not None:
         return ref.data, None
     assert ref.path is not None
+    if fetch is not None and scheme(ref.path) is not None:
+        data, why = fetch(ref.path)
+        return data, None if data is not None else f"{ref.name}: {why}"
     path, why = local_path(ref.path, folder)
     if path is None:
         return None, f"{ref.name}: {why}"
@@ -175,24 +182,33 @@ def decode(data: bytes, ref: ImageRef, max_pixels: int) -> tuple[PILImage.Image 
 
 
 def load(
-    value: Any, column: str, folder: Path | None, max_pixels: int, seen: Seen | None = None
+    value: Any,
+    column: str,
+    folder: Path | None,
+    max_pixels: int,
+    seen: Seen | None = None,
+    fetch: Fetch | None = None,
 ) -> tuple[list[PILImage.Image] | None, str | None]:
     """A cell's images decoded (``folder``: where relative paths start), or why the row has none;
     ``seen(path, data)`` is told each file read by its path."""
     found, error = refs(value, column)
     if found is None:
         return None, error
-    images, error = load_refs(found, folder, max_pixels, seen)
+    images, error = load_refs(found, folder, max_pixels, seen, fetch)
     return (images, None) if images is not None else (None, f"image column {column!r}: {error}")
 
 
 def load_refs(
-    found: list[ImageRef], folder: Path | None, max_pixels: int, seen: Seen | None = None
+    found: list[ImageRef],
+    folder: Path | None,
+    max_pixels: int,
+    seen: Seen | None = None,
+    fetch: Fetch | None = None,
 ) -> tuple[list[PILImage.Image] | None, str | None]:
     """The images read and decoded, in order, or why the first that can't be is not."""
     out = []
     for ref in found:
-        data, error = read_bytes(ref, folder)
+        data, error = read_bytes(ref, folder, fetch)
         if data is None:
             return None, error
         if ref.data is None and ref.path is not None and seen is not None:
@@ -205,7 +221,7 @@ def load_refs(
 
 
 def unreadable(
-    sources: list[Source], column: str, max_pixels: int, most: int = 10
+    sources: list[Source], column: str, max_pixels: int, most: int = 10, fetch: Fetch | None = None
 ) -> tuple[int, int, list[str]]:
     """``validate``: how many images the column holds, how many can't be opened (read and decoded), and
     why for the first ``most`` of those, each naming its row and image."""
@@ -220,7 +236,7 @@ def unreadable(
         folder = source_folder(by_name[row.source])
         whys = [error] if found is None else []
         for ref in found or []:
-            data, why = read_bytes(ref, folder)
+            data, why = read_bytes(ref, folder, fetch)
             if data is not None:
                 _, why = decode(data, ref, max_pixels)
             if why is not None:
@@ -241,7 +257,10 @@ def source_folder(source: Source) -> Path | None:
 
 
 def key(source: Source, path: str) -> str:
-    """A referenced file's name in the job's records: absolute as written, else under its input's name."""
+    """A referenced file's name in the job's records: a URL or an absolute path as written, else under its
+    input's name."""
+    if scheme(path) is not None:
+        return path
     if path.startswith("file://"):
         path = path[len("file://") :]
     return path if Path(path).expanduser().is_absolute() else f"{source.name}: {path}"
@@ -255,20 +274,27 @@ def column_refs(column: str) -> CellRefs:
     return lambda values: refs(values.get(column), column)[0] or []
 
 
-def scan(sources: list[Source], cell_refs: CellRefs) -> dict[str, str | None]:
+def scan(
+    sources: list[Source], cell_refs: CellRefs, remote: RemoteImages | None = None
+) -> dict[str, str | None]:
     """``{key: sha256 of the file's bytes, or None when it can't be read now}`` for every local file the
-    rows name (``cell_refs``: a row's images; bytes in a row are the input's already). A file that can't
-    be read makes its row an error row, not the job's stop."""
+    rows name (``cell_refs``: a row's images; bytes in a row are the input's already), and with ``remote``
+    every URL (fetched now, once; a protocol without its package refused). A file that can't be read makes
+    its row an error row, not the job's stop."""
     from batchjob.io.readers import iter_rows
 
     by_name = {s.name: s for s in sources}
     out: dict[str, str | None] = {}
+    urls: list[str] = []
     for row in iter_rows(sources):
         if row.values is None:
             continue
         source = by_name[row.source]
         for ref in cell_refs(row.values):
-            if ref.data is not None or ref.path is None or ref.path.startswith(REMOTE):
+            if ref.data is not None or ref.path is None:
+                continue
+            if scheme(ref.path) is not None:
+                urls += [ref.path] if remote is not None else []
                 continue
             name = key(source, ref.path)
             if name in out:
@@ -278,6 +304,9 @@ def scan(sources: list[Source], cell_refs: CellRefs) -> dict[str, str | None]:
                 out[name] = digest(where.read_bytes()) if where is not None else None
             except OSError:
                 out[name] = None
+    if remote is not None:
+        check_protocols(scheme(url) or "" for url in urls)
+        out |= remote.prefetch(urls)
     return out
 
 

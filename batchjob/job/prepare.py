@@ -64,6 +64,7 @@ class Prepared:
     skipped: list[Skipped] = field(default_factory=list)  # what the --input folders and globs left out
     redo: list[int] = field(default_factory=list)  # --append: ordinals of torn last rows finished since
     images: dict[str, str | None] | None = None  # --image-column: each referenced file's digest (images.py)
+    remote: Any = None  # --allow-remote-images: the run's RemoteImages (remote_images.py), once recorded
 
 
 def model_fingerprint(model: str | None) -> dict[str, Any]:
@@ -190,11 +191,20 @@ def record_images(prep: Prepared, cell_refs: CellRefs) -> Prepared:
     the job recorded: a changed one refuses the resume, naming it, as a changed input does."""
     from batchjob.io.atomic import read_json
     from batchjob.job import images
+    from batchjob.job.remote_images import RemoteImages, scheme
 
-    now = images.scan(prep.sources, cell_refs)
+    remote = RemoteImages(prep.spec.max_image_pixels) if prep.spec.allow_remote_images else None
+    now = images.scan(prep.sources, cell_refs, remote)
     saved: dict[str, str | None] = {}
     if prep.resumed and prep.state.images_file.exists():
         saved = read_json(prep.state.images_file)["images"]
+        fetched = [name for name in saved if scheme(name) is not None]
+        if fetched and remote is None:
+            raise images.ImageChangedError(
+                f"--output {prep.out_dir} holds a job that fetched remote images ({fetched[0]}"
+                + (f" and {len(fetched) - 1} more" if len(fetched) > 1 else "")
+                + "): pass --allow-remote-images to resume it"
+            )
         changed = images.changes(saved, now)
         if changed:
             raise images.ImageChangedError(
@@ -203,7 +213,7 @@ def record_images(prep: Prepared, cell_refs: CellRefs) -> Prepared:
                 + (f"\n  ... and {len(changed) - 20} more" if len(changed) > 20 else "")
                 + "\nRestore them to resume, or use a new --output folder"
             )
-    return replace(prep, images=now | {k: v for k, v in saved.items() if v is not None})
+    return replace(prep, images=now | {k: v for k, v in saved.items() if v is not None}, remote=remote)
 
 
 def reload(prep: Prepared) -> Prepared:

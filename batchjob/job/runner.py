@@ -139,7 +139,8 @@ def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts
         from batchjob.job.prepare import record_images
         from batchjob.job.rows.image_parts import refs_of
 
-        prompts.recorded = record_images(prep, refs_of(prep.spec, plan)).images or {}
+        recorded = record_images(prep, refs_of(prep.spec, plan))
+        prompts.recorded, prompts.remote = recorded.images or {}, recorded.remote
     if prompts is not None:  # (shared by a job's workers: one writes it at a time)
         with prep.state.job_lock() if not prep.shard.single else contextlib.nullcontext():
             write_json(prep.state.images_file, {"images": prompts.recorded})

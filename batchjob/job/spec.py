@@ -87,6 +87,13 @@ class JobSpec:
         check=at_least(1, " pixels"),
         metavar="N",
     )
+    allow_remote_images: bool = job_option(  # not part of the job's identity (its images' bytes are)
+        False,
+        "Fetch images named by a URL (http(s)://, or s3://, gs://, hf://... with fsspec's package for it), "
+        "once a run (30 s timeout), recorded by content as a path is",
+        default_help="off: such an image is its row's error",
+        switch=True,
+    )
     image_workers: int | None = job_option(
         None,
         "Threads that decode and preprocess image rows ahead of the engine (0: on the job's main thread)",

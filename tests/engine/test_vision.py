@@ -83,6 +83,24 @@ def test_images_equal_hf_generate(llava, budget):
     assert _run(engine, rows) == expected
     assert expected[0] != expected[4], "two images under the same text should answer differently"
     assert engine.vision.encoded_images == 5  # once per image, never again
+    if budget == 512:  # every request's images in the first step: one tower call (80 patches, under 512)
+        assert engine.vision.tower_calls == 1
+
+
+def test_a_steps_images_are_encoded_in_calls_of_bounded_patches(llava):
+    """One tower call takes at most ``max_patches`` patches (the step's token budget), a request whole:
+    with a bound under two images' 32 patches, the first step's four image requests go in four calls, and
+    every row is still exact."""
+    folder, processor, hf = llava
+    rows = [_inputs(processor, [make_image(s) for s in seeds], text) for seeds, text in ROWS]
+    expected = [_hf_greedy(hf, inputs) for inputs in rows]
+    engine = Engine.from_pretrained(
+        folder, device="cpu", dtype="float64", num_blocks=128, block_size=8, max_num_batched_tokens=512
+    )
+    assert engine.vision.max_patches == 512
+    engine.vision.max_patches = 20  # one image's 16 patches fit, two do not; the two-image row goes alone
+    assert _run(engine, rows) == expected
+    assert engine.vision.tower_calls == 4 and engine.vision.encoded_images == 5
 
 
 def test_prefix_cache_keys_on_the_image(llava):

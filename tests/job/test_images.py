@@ -201,7 +201,7 @@ def test_bad_images_are_error_rows(llava, tmp_path):
         and "image 0 (imgs/nope.png): cannot be read" in errors["missing"]
     )
     assert "line 3" in errors["corrupt"] and "image 1 (imgs/corrupt.png)" in errors["corrupt"]
-    assert "remote images are not fetched" in errors["remote"]
+    assert "pass --allow-remote-images to fetch it" in errors["remote"]
     assert "line 5" in errors["number"] and "image 0 is int" in errors["number"]
     assert "64 x 64 = 4096 pixels is over --max-image-pixels 1000" in errors["big"]
 
@@ -416,7 +416,7 @@ def test_openai_image_parts(llava, tmp_path):
         assert got[cid]["error"] is None, got[cid]["error"]
         assert _tokens(got[cid]) == _hf_parts(processor, hf, parts), cid
     assert (
-        "requests.jsonl line 4: image 0 (https://example.com/x.png): remote images are not fetched"
+        "requests.jsonl line 4: image 0 (https://example.com/x.png): a remote image: pass --allow-remote-images"
         in got["c3"]["error"]
     )
     assert "line 5: body.messages[0].content[0]: the data: URL is not valid base64" in got["c4"]["error"]

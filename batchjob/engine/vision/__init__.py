@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchjob.engine.vision import memory
 from batchjob.engine.vision.base import Family, Inputs
 from batchjob.engine.vision.family import SUPPORTED, check_family, is_vlm, refuse
 from batchjob.engine.vision.idefics3 import Idefics3
@@ -96,13 +97,16 @@ class VisionStep:
     """The runner's hook for a vision-language model: admits a request's images, names a step's image
     rows, encodes and lays the features into the step's input embeddings."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, max_patches: int) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         self.family = FAMILIES[model.config.model_type](model)
         self.image_token_id = self.family.image_token_id
         self.encoded_images = 0  # images through the vision tower (counts re-encodings: none expected)
+        self.tower = memory.Tower.of(model.config)
+        self.max_patches = max_patches  # one tower call's patches at most (memory.py; a request whole)
+        self.tower_calls = 0
 
     def admit(self, inputs: Inputs, prompt_ids: Sequence[int]) -> Images:
         """A request's images against its prompt ids; image tokens that are not the images' count is the
@@ -165,13 +169,28 @@ class VisionStep:
         return embeds
 
     def _encode(self, pending: list[Images]) -> None:
-        if not pending:
-            return
-        features = self.family.encode([images.inputs for images in pending], self.device, self.dtype)
-        for images, rows in zip(pending, features, strict=True):
-            assert rows.shape[0] == len(images.positions), "features and image tokens disagree"
-            images.features = rows
-            self.encoded_images += images.count
+        for batch in self._calls(pending):
+            features = self.family.encode([images.inputs for images in batch], self.device, self.dtype)
+            self.tower_calls += 1
+            for images, rows in zip(batch, features, strict=True):
+                assert rows.shape[0] == len(images.positions), "features and image tokens disagree"
+                images.features = rows
+                self.encoded_images += images.count
+
+    def _calls(self, pending: list[Images]) -> list[list[Images]]:
+        """The requests to encode, in order, cut into tower calls of at most ``max_patches`` patches (a
+        request's images are one call's, alone when they are more)."""
+        calls: list[list[Images]] = []
+        size = 0
+        for images in pending:
+            pixels = images.inputs.get("pixel_values")
+            n = 0 if pixels is None else memory.patches(pixels, self.tower)
+            if not calls or size + n > self.max_patches:
+                calls.append([])
+                size = 0
+            calls[-1].append(images)
+            size += n
+        return calls
 
 
 def _features(images: Images) -> torch.Tensor:
@@ -209,6 +228,7 @@ def attach_to(engine: Any, sharded: bool) -> VisionStep | None:
     if not is_vlm(engine.model.config):
         return None
     refuse(engine.config, sharded)
-    step = VisionStep(engine.model, engine.device, engine.dtype)
+    budget = engine.config.max_num_batched_tokens
+    step = VisionStep(engine.model, engine.device, engine.dtype, memory.max_patches(budget))
     engine.runner.vision = step
     return step

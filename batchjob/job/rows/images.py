@@ -77,6 +77,7 @@ class ImagePrompts:
         self.max_model_len = max_model_len
         self.sources = {s.name: s for s in sources}
         self.recorded = recorded or {}  # the referenced files' digests the job recorded (images.json)
+        self.remote: Any = None  # --allow-remote-images: the run's RemoteImages (None: URLs are row errors)
 
     def copy(self) -> ImagePrompts:
         """The same builder with its own processor (its tokenizer and image processor), for a worker thread
@@ -163,13 +164,14 @@ class ImagePrompts:
 
     def _load(self, found: list[img.ImageRef], row: Row) -> tuple[list[Any] | None, str | None]:
         source = self.sources.get(row.source)
+        fetch = None if self.remote is None else self.remote.get
         if source is None:
-            return img.load_refs(found, None, self.max_pixels)
+            return img.load_refs(found, None, self.max_pixels, fetch=fetch)
 
         def seen(path: str, data: bytes) -> None:
             self._check_recorded(source, path, data)
 
-        return img.load_refs(found, img.source_folder(source), self.max_pixels, seen)
+        return img.load_refs(found, img.source_folder(source), self.max_pixels, seen, fetch)
 
     def _check_recorded(self, source: Source, path: str, data: bytes) -> None:
         name = img.key(source, path)
@@ -236,12 +238,14 @@ def load_processor(model_folder: str | Path, trust_remote_code: bool) -> Any:
 
 
 def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
-    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config)."""
-    if spec.image_column is None:
+    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config), and a
+    prefill-only task (``--task``) a text model: on a vision-language model it is refused by name."""
+    task = spec.engine.task
+    if spec.image_column is None and task == "generate":
         return
     import importlib.util
 
-    if importlib.util.find_spec("PIL") is None:
+    if spec.image_column is not None and importlib.util.find_spec("PIL") is None:
         raise ConfigError(
             f"--image-column {spec.image_column!r} needs Pillow to read images: pip install 'batchjob[images]'"
         )
@@ -252,10 +256,15 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
         from batchjob.models import load_config
 
         model_config, _ = load_config(spec.model, spec.trust_remote_code)
-    if not is_vlm(model_config):
+    kind = f"model {display_name(spec.model)!r} ({getattr(model_config, 'model_type', '?')})"
+    if task != "generate" and is_vlm(model_config):
         raise ConfigError(
-            f"--image-column {spec.image_column!r}: model {display_name(spec.model)!r} "
-            f"({getattr(model_config, 'model_type', '?')}) is not a vision-language model; it takes no images"
+            f"--task {task}: {kind} is a vision-language model; the prefill-only tasks (embed, classify, "
+            "score) run on text models only, with or without images: use a text model, or --task generate"
+        )
+    if spec.image_column is not None and not is_vlm(model_config):
+        raise ConfigError(
+            f"--image-column {spec.image_column!r}: {kind} is not a vision-language model; it takes no images"
         )
 
 
@@ -275,9 +284,15 @@ def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> Im
     if spec.chat and not has_template:
         raise ConfigError("--chat asked for, but the model's processor has no chat template; use --no-chat")
     chat = has_template if spec.chat is None else spec.chat
-    return ImagePrompts(
+    prompts = ImagePrompts(
         spec, replace(plan, chat=chat), processor, engine.max_model_len, prep.sources, prep.images
     )
+    prompts.remote = prep.remote
+    if prompts.remote is None and spec.allow_remote_images:  # (image parts not recorded: fetched as read)
+        from batchjob.job.remote_images import RemoteImages
+
+        prompts.remote = RemoteImages(spec.max_image_pixels)
+    return prompts
 
 
 def image_request(
