@@ -85,31 +85,6 @@ def test_images_equal_hf_generate(llava, budget):
     assert engine.vision.encoded_images == 5  # once per image, never again
 
 
-def test_a_tower_call_takes_the_next_rows_images_along(llava):
-    """A budget of 20 tokens a step schedules one row's image at a time, yet the first tower call encodes
-    the images of the rows admitted after it too (up to ENCODE_AHEAD), each once; every row is still exact."""
-    from batchjob.engine.vision import ENCODE_AHEAD
-
-    folder, processor, hf = llava
-    rows = [_inputs(processor, [make_image(s) for s in seeds], text) for seeds, text in ROWS]
-    expected = [_hf_greedy(hf, inputs) for inputs in rows]
-    engine = Engine.from_pretrained(
-        folder, device="cpu", dtype="float64", num_blocks=128, block_size=8, max_num_batched_tokens=20
-    )
-    assert ENCODE_AHEAD >= 5
-    for i, inputs in enumerate(rows):
-        images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")} or None
-        engine.add_request(f"r{i}", inputs.input_ids[0].tolist(), GREEDY, images=images)
-    while engine.vision.encoded_images == 0:
-        engine.step()
-    assert engine.stats.steps == 1 and engine.vision.encoded_images == 5  # one call: the five images
-    outs = {}
-    while engine.has_unfinished():
-        outs.update((o.request_id, o.token_ids) for o in engine.step())
-    assert [outs[f"r{i}"] for i in range(len(rows))] == expected
-    assert engine.vision.encoded_images == 5
-
-
 def test_prefix_cache_keys_on_the_image(llava):
     """The same image and text again reuses the cached blocks holding image tokens; the same text under
     another image reuses none of them (the prompt starts with the image's tokens at once) and is exact."""

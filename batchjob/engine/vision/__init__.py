@@ -6,9 +6,7 @@ its image tokens). The runner's step layout names the packed rows that hold imag
 (:meth:`VisionStep.rows`); for a step with any, the runner embeds the step's token ids with the language
 model's own embedding and overwrites those rows with the request's image features, then runs the model on
 ``inputs_embeds`` (:meth:`VisionStep.inputs`). The vision tower runs when a request's first image token is
-scheduled, batched over the step's requests and topped up with the next admitted requests' images (up to
-``ENCODE_AHEAD`` units a call: a tower call on 2-3 images costs about twice as much a picture as one on 8),
-and its projected features stay on the request: a chunk may cut
+scheduled, batched over the step's requests, and its projected features stay on the request: a chunk may cut
 through an image, a preempted request recomputes from the same features, and decode (text tokens only) is
 unchanged. The images' digests root the prefix-cache digests of the blocks holding their tokens
 (block_manager.py). A family with its own rotary positions (Qwen2-VL's M-RoPE) gives them for a step that
@@ -21,8 +19,6 @@ them: base.py), chosen by ``model_type``; another vision-language family is refu
 
 from __future__ import annotations
 
-import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +56,6 @@ FAMILIES: dict[str, type[Family]] = {
     "idefics3": Idefics3,
     "smolvlm": Idefics3,
 }
-
-
-# Units (images; Idefics3's crops) a vision-tower call takes at most when it runs anyway: the step's own,
-# then those of the requests admitted next, in admission order. Measured on CLIP ViT-B/16 in bf16 on 2 cores:
-# 0.33 s of CPU an image in calls of 8 against 0.68 in calls of 2 (BENCHMARKS.md, image rows). A request
-# encoded ahead whose image tokens all hit the prefix cache is encoded for nothing: the price of the batch.
-ENCODE_AHEAD = 8
 
 
 def attn_implementation(model: Any, name: str) -> str | dict[str, str]:
@@ -114,7 +103,6 @@ class VisionStep:
         self.family = FAMILIES[model.config.model_type](model)
         self.image_token_id = self.family.image_token_id
         self.encoded_images = 0  # images through the vision tower (counts re-encodings: none expected)
-        self._admitted: deque[weakref.ref[Images]] = deque()  # not yet encoded, in admission order
 
     def admit(self, inputs: Inputs, prompt_ids: Sequence[int]) -> Images:
         """A request's images against its prompt ids; image tokens that are not the images' count is the
@@ -133,8 +121,6 @@ class VisionStep:
             rope = self.family.positions(ids, inputs)
             if rope is not None:
                 images.rope, images.rope_delta = rope
-            if counts:
-                self._admitted.append(weakref.ref(images))
         return images
 
     def rows(
@@ -178,27 +164,9 @@ class VisionStep:
         embeds[0, rows] = features.to(embeds.dtype)
         return embeds
 
-    def _ahead(self, pending: list[Images]) -> list[Images]:
-        """``pending`` (the step's images not encoded yet) and, while the call holds fewer than
-        ``ENCODE_AHEAD`` units, the next admitted requests' not encoded yet (a finished or dropped request's
-        are gone with it: weak references)."""
-        batch = {id(images): images for images in pending}
-        units = sum(images.count for images in pending)
-        while self._admitted and units < ENCODE_AHEAD:
-            images = self._admitted[0]()
-            if images is None or images.features is not None:
-                self._admitted.popleft()
-                continue
-            if id(images) not in batch:
-                batch[id(images)] = images
-                units += images.count
-            self._admitted.popleft()
-        return list(batch.values())
-
     def _encode(self, pending: list[Images]) -> None:
         if not pending:
             return
-        pending = self._ahead(pending)
         features = self.family.encode([images.inputs for images in pending], self.device, self.dtype)
         for images, rows in zip(pending, features, strict=True):
             assert rows.shape[0] == len(images.positions), "features and image tokens disagree"

@@ -1,8 +1,8 @@
 """(leaf) Images: what an image request carries through the engine, and the prefix-cache bytes of a block.
 
 Imports nothing of the engine, so ``request.py`` can name it. The processor's image outputs stay where the
-caller made them (host memory) until the request's first step with image tokens encodes them, or an earlier
-step's tower call takes them along (vision/__init__.py, ``ENCODE_AHEAD``); the features are then kept on the request for its whole life, so chunked prefill and
+caller made them (host memory) until the request's first step with image tokens encodes them
+(vision/__init__.py); the features are then kept on the request for its whole life, so chunked prefill and
 a recompute after preemption slice the same rows. An image here is what its family encodes as one unit
 (an image; for Idefics3 one crop of a split image), and units may take different numbers of tokens.
 """
