@@ -1,14 +1,21 @@
-"""Write a LLaVA with random weights at a real model's shape, with its processor, for the image bench.
+"""Write a vision-language model with random weights at a real model's shape, with its processor, for the
+image bench.
 
-Nothing can be downloaded here, so the shape is a real one's and the weights are noise: a CLIP ViT-B/16
-tower at 224 pixels (196 image tokens, LLaVA's "default" features without CLS) or ViT-L/14 at 336 (576,
-LLaVA-1.5's), a two-layer projector, and a SmolLM2-135M- or Qwen2.5-0.5B-shaped language model (Llama
-architecture, the default model's tokenizer with an ``<image>`` token; ``--tokenizer trained`` a small one
-trained here). The processor resizes and centre-crops every image to the tower's size, so two sizes of
-picture differ in preprocessing, not in tokens.
+Nothing can be downloaded here, so the shape is a real one's and the weights are noise. ``--family llava``
+(the default): a CLIP ViT-B/16 tower at 224 pixels (196 image tokens, LLaVA's "default" features without
+CLS) or ViT-L/14 at 336 (576, LLaVA-1.5's), a two-layer projector, and a SmolLM2-135M- or Qwen2.5-0.5B-shaped
+language model (Llama architecture, the default model's tokenizer with an ``<image>`` token; ``--tokenizer
+trained`` a small one trained here); its processor resizes and centre-crops every image to the tower's size,
+so two sizes of picture differ in preprocessing, not in tokens. ``--family llava_next``: the same tower and
+language model under LLaVA-NeXT's anyres tiling, on LLaVA-1.6's grids counted in tiles of the tower's size
+(224 px tiles: a square picture of 224 px takes 406 tokens, of 448 px 1,008). ``--family idefics3``:
+SmolVLM-256M's shape (SigLIP-B/16 on 512 px crops, pixel shuffle by 4, SmolLM2-135M), pictures resized to
+1024 px (2 x 2 crops and the whole: 320 tokens) where SmolVLM resizes to 2048.
 
     python measurements/random_vlm.py /tmp/llava-b16-135m                        # ViT-B/16-224 + 135M
     python measurements/random_vlm.py /tmp/llava-b16-0.5b --text qwen2.5-0.5b
+    python measurements/random_vlm.py /tmp/next-b16-135m --family llava_next
+    python measurements/random_vlm.py /tmp/idefics3-256m --family idefics3
     batchjob bench --model /tmp/llava-b16-135m --image-sizes 224,448 --num-requests 64 --device cpu
 """
 
@@ -29,7 +36,15 @@ TEXT = {  # hidden, intermediate, layers, heads, KV heads, rope theta
 }
 
 
-def _tokenizer(kind: str, out: Path):
+IDEFICS3_TOKENS = [  # Idefics3's own: the crops' markers and grid positions
+    "<fake_token_around_image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)),
+]
+
+
+def _tokenizer(kind: str, out: Path, extra: list[str]):
     if kind == "trained":
         from tests.tiny_models import make_tokenizer  # the repository root on the path (PYTHONPATH)
 
@@ -40,38 +55,17 @@ def _tokenizer(kind: str, out: Path):
         from batchjob.models import resolve_model  # the default model's package
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", *extra]})
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def build(out: Path, vision: str, text: str, tokenizer_kind: str) -> None:
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+def _text_config(text: str, tokenizer):
+    from transformers import LlamaConfig
 
-    from tests.vision_models import VISION_CHAT_TEMPLATE
-
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(tokenizer_kind, out)
-    v_hidden, v_inter, v_layers, v_heads, patch, size = VISION[vision]
     hidden, inter, layers, heads, kv, theta = TEXT[text]
-    vision_config = CLIPVisionConfig(
-        hidden_size=v_hidden,
-        intermediate_size=v_inter,
-        num_hidden_layers=v_layers,
-        num_attention_heads=v_heads,
-        patch_size=patch,
-        image_size=size,
-        projection_dim=512,
-    )
-    text_config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=inter,
@@ -85,31 +79,137 @@ def build(out: Path, vision: str, text: str, tokenizer_kind: str) -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
+
+
+def _clip_config(vision: str):
+    from transformers import CLIPVisionConfig
+
+    v_hidden, v_inter, v_layers, v_heads, patch, size = VISION[vision]
+    return CLIPVisionConfig(
+        hidden_size=v_hidden,
+        intermediate_size=v_inter,
+        num_hidden_layers=v_layers,
+        num_attention_heads=v_heads,
+        patch_size=patch,
+        image_size=size,
+        projection_dim=512,
+    )
+
+
+def _pinpoints(size: int) -> list[list[int]]:
+    """LLaVA-1.6's tiling grids (1x2, 2x1, 2x2, 1x3, 3x1 tiles) in tiles of the tower's size."""
+    return [[size * h, size * w] for h, w in ((1, 2), (2, 1), (2, 2), (1, 3), (3, 1))]
+
+
+def _llava(family: str, vision: str, text: str, tokenizer):
+    """LLaVA or LLaVA-NeXT (anyres on LLaVA-1.6's grids) and its processor, both from the same tower."""
+    from transformers import (
+        CLIPImageProcessorPil,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+        LlavaProcessor,
+    )
+
+    from tests.vision_models import VISION_CHAT_TEMPLATE
+
+    patch, size = VISION[vision][4:]
     image_id = tokenizer.convert_tokens_to_ids("<image>")
-    config = LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_id=image_id)
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters ({vision} + {text}) -> {out}")
-    model.save_pretrained(str(out))
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(
-            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-        ),
+    parts = {"vision_config": _clip_config(vision), "text_config": _text_config(text, tokenizer)}
+    crop = {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size}}
+    if family == "llava":
+        config = LlavaConfig(**parts, image_token_id=image_id)
+        model = LlavaForConditionalGeneration(config)
+        images, kind = CLIPImageProcessorPil(**crop), LlavaProcessor
+    else:
+        config = LlavaNextConfig(
+            **parts, image_token_id=image_id, image_grid_pinpoints=_pinpoints(size), tie_word_embeddings=True
+        )
+        model = LlavaNextForConditionalGeneration(config)
+        images = LlavaNextImageProcessorPil(**crop, image_grid_pinpoints=_pinpoints(size))
+        kind = LlavaNextProcessor
+    processor = kind(
+        image_processor=images,
         tokenizer=tokenizer,
         patch_size=patch,
         vision_feature_select_strategy="default",
         chat_template=VISION_CHAT_TEMPLATE,
         num_additional_image_tokens=1,
     )
+    return model, processor
+
+
+def _idefics3(text: str, tokenizer):
+    """Idefics3 at SmolVLM-256M's shape (SigLIP-B/16 on 512-pixel crops, pixel shuffle by 4: 64 tokens a
+    crop), every picture resized to 1024 pixels on its longest side: 2 x 2 crops and the whole (320 tokens;
+    SmolVLM-256M itself resizes to 2048: 17 crops, too slow to bench on a small CPU)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    from tests.vision_models import VISION_CHAT_TEMPLATE
+
+    crop, patch = 512, 16
+    vision = {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "image_size": crop,
+        "patch_size": patch,
+    }
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=_text_config(text, tokenizer).to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=4,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Idefics3ForConditionalGeneration(config)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 2 * crop}, max_image_size={"longest_edge": crop})
+    processor = Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=(crop // patch) ** 2 // 16,
+        chat_template=VISION_CHAT_TEMPLATE.replace("<image>\n", "<image>"),
+    )
+    return model, processor
+
+
+def build(out: Path, family: str, vision: str, text: str, tokenizer_kind: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    extra = IDEFICS3_TOKENS if family == "idefics3" else []
+    tokenizer = _tokenizer(tokenizer_kind, out, extra)
+    torch.manual_seed(0)
+    if family == "idefics3":
+        model, processor = _idefics3(text, tokenizer)
+    else:
+        model, processor = _llava(family, vision, text, tokenizer)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    shape = f"{'SigLIP-B/16-512' if family == 'idefics3' else vision} + {text}"
+    print(f"{family}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters ({shape}) -> {out}")
+    model.save_pretrained(str(out))
     processor.save_pretrained(str(out))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path, help="the folder to write the model and its processor into")
-    ap.add_argument("--vision", choices=list(VISION), default="b16-224", help="the tower's shape")
+    ap.add_argument(
+        "--family",
+        choices=["llava", "llava_next", "idefics3"],
+        default="llava",
+        help="LLaVA; LLaVA-NeXT (anyres tiles of the tower's size on LLaVA-1.6's grids: an image's tokens "
+        "follow its size); Idefics3 at SmolVLM-256M's shape (--vision not used)",
+    )
+    ap.add_argument("--vision", choices=list(VISION), default="b16-224", help="the tower's shape (LLaVA's)")
     ap.add_argument("--text", choices=list(TEXT), default="smollm2-135m", help="the language model's shape")
     ap.add_argument(
         "--tokenizer",
@@ -118,4 +218,4 @@ if __name__ == "__main__":
         help="the default model's tokenizer, or a small one trained here (no package needed)",
     )
     args = ap.parse_args()
-    build(args.out, args.vision, args.text, args.tokenizer)
+    build(args.out, args.family, args.vision, args.text, args.tokenizer)

@@ -1,5 +1,6 @@
 """``batchjob bench --image-sizes`` on the tiny LLaVA: ours against static generate on image rows, the
-table's rows, total greedy agreement in float64, the JSON file; a text model and bad sizes refused."""
+table's rows, total greedy agreement in float64, the JSON file; on the tiny LLaVA-NeXT, whose image token
+counts follow the picture's size; a text model and bad sizes refused."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 from batchjob.bench.images import NO_HF_CB, make_picture
 from batchjob.cli import main
 from tests.tiers import engine_fixture
-from tests.vision_models import IMAGE_TOKENS, make_llava
+from tests.vision_models import IMAGE_TOKENS, make_llava, make_llava_next
 
 
 @engine_fixture(scope="module")
@@ -47,6 +48,31 @@ def test_image_rows_ours_against_static_generate(llava_dir, tmp_path):
         assert 0 < r["extra"]["preprocess_seconds"] < r["wall_s"]
     assert body["results"][0]["extra"]["encoded_images"] >= 5
     assert set(body["ratios"]) == {"ours/static"} and body["ratios"]["ours/static"] > 0
+
+
+@engine_fixture(scope="module")
+def llava_next_dir(tmp_path_factory):
+    return make_llava_next(tmp_path_factory.mktemp("llava_next") / "llava_next")
+
+
+@pytest.mark.timeout(300)
+def test_llava_next_rows_take_tokens_by_size(llava_next_dir, tmp_path):
+    """Anyres tiles: a 16 px picture takes one grid, a 40 px one another, so the rows' prompts differ in
+    length (static generate pads a batch to its longest); ours still equals static generate in float64."""
+    out = tmp_path / "next.json"
+    args = ["bench", "--model", str(llava_next_dir), "--image-sizes", "16,40", "--num-requests", "4"]
+    args += ["--output-len", "3,5", "--dtype", "float64", "--device", "cpu", "--static-batch-size", "2"]
+    args += ["--threads", "1", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "2 at 16 px (36 image tokens), 2 at 40 px (88 image tokens)" in result.output
+    assert "agreement: ours == static greedy tokens on 4/4 rows" in result.output
+    body = json.loads(out.read_text())
+    assert body["workload"]["image_tokens_per_size"] == {"16": [36], "40": [88]}
+    assert body["agreement"]["static"] == {"equal": 4, "total": 4}
+    for r in body["results"]:
+        assert r["images_per_s"] > 0 and r["output_tokens_per_s"] > 0
+    assert body["results"][0]["extra"]["encoded_images"] >= 4
 
 
 @pytest.mark.timeout(120)
