@@ -156,8 +156,13 @@ def test_decode_buffers_and_resume_keep_the_adapter(adapter_sets):
             assert out.token_ids == ref
 
 
-def test_cpu_fast_path_update_beside_the_packed_gemm(adapter_sets):
-    """float32 with packed linears: a step's logits under an adapter equal PEFT's (float32 tolerance)."""
+@pytest.mark.parametrize("gathered", [False, True])
+def test_cpu_fast_path_update_beside_the_packed_gemm(adapter_sets, gathered, monkeypatch):
+    """float32 with packed linears (q/k/v with biases): a step's logits under an adapter equal PEFT's (float32
+    tolerance), in a step of four adapters (masked, or each adapter's rows gathered), of one adapter on every
+    row, and of base rows only."""
+    if gathered:
+        monkeypatch.setattr("batchjob.engine.lora.layers.DENSE_LIMIT", 0)
     base, folders = adapter_sets["qwen2"]
     engine = Engine.from_pretrained(
         str(base), dtype="float32", device="cpu", block_size=4, lora={k: str(v) for k, v in folders.items()}
@@ -166,21 +171,26 @@ def test_cpu_fast_path_update_beside_the_packed_gemm(adapter_sets):
         pytest.skip("no oneDNN packing on this CPU")
     assert hasattr(engine.model.get_submodule("model.layers.0.self_attn.q_proj"), "_batchjob_packed")
     rng = random.Random(2)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (9, 4, 13, 6)]
-    names = [None, "qv", "all", "rs"]
-    for i, (p, name) in enumerate(zip(prompts, names, strict=True)):
-        engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, temperature=0), adapter=name)
-    reqs = list(engine.scheduler.waiting)
-    for r in reqs:
-        assert engine.block_manager.allocate(r, r.num_tokens)
-    logits, _ = engine.runner.execute(SchedulerOutput(reqs, [r.num_tokens for r in reqs]))
-    for row, (p, name) in enumerate(zip(prompts, names, strict=True)):
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (9, 4, 13, 6, 7, 5)]
+    names = [None, "qv", "all", "rs", "all", None]
+    refs = []
+    for p, name in zip(prompts, names, strict=True):
         model = _hf(base, torch.float32)
         if name is not None:
             model = peft.PeftModel.from_pretrained(model, str(folders[name])).eval()
         with torch.inference_mode():
-            ref = model(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
+            refs.append(model(torch.tensor([p])).logits[0, -1])
+    for rows in ([0, 1, 2, 3], [2, 4], [5, 0]):  # four adapters; one on every row; base rows only
+        for i in rows:
+            engine.add_request(f"{rows}{i}", prompts[i], SamplingParams(max_new_tokens=1), adapter=names[i])
+        reqs = list(engine.scheduler.waiting)[-len(rows) :]
+        for r in reqs:
+            assert engine.block_manager.allocate(r, r.num_tokens)
+        logits, _ = engine.runner.execute(SchedulerOutput(reqs, [r.num_tokens for r in reqs]))
+        for row, i in enumerate(rows):
+            torch.testing.assert_close(logits[row], refs[i], rtol=1e-4, atol=1e-4)
+        for r in reqs:
+            engine.block_manager.free(r)
 
 
 def test_siblings_compute_x_at_a_once(adapter_sets, monkeypatch):
