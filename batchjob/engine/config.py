@@ -95,7 +95,9 @@ class EngineConfig(EngineOptions):
             self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         # "The engine decides": per device, as the options declare (the KV budget stays None, its source
-        # named in messages: see planned_num_blocks).
+        # named in messages: see planned_num_blocks). ``decided``: the options left to the engine, which an
+        # engine may decide another way where it knows better (an encoder's step budget: tasks/engine.py).
+        self.decided = frozenset(f.name for f, _ in declared() if getattr(self, f.name) is None)
         for f, opt in declared():
             if getattr(self, f.name) is None and f.name != "kv_memory_gb":
                 setattr(self, f.name, opt.device_default(self.device.type))

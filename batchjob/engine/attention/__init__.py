@@ -4,7 +4,8 @@ The model runs one packed sequence of ``T`` tokens (batch dimension 1) holding c
 Each attention layer calls :func:`paged_attention` with the new tokens' query, key and value. We write the new
 K/V into the paged cache, then the step's backend lets each request's queries attend to that request's
 cached keys, with a bottom-right causal alignment (the first query of a chunk sees every earlier cached key
-of its request).
+of its request). A backend that never reads the step's keys back (``reads_cache`` false: an encoder's
+whole rows on the torch reference) is spared the writes.
 
 Everything that describes the batch travels in one private keyword argument, ``batchjob_meta``, built once
 per step by the model runner and shared by all layers. The registered name has no mask function, so the
@@ -51,13 +52,13 @@ def paged_attention(
     meta: AttentionMetadata = kwargs[META_KWARG]
     softcap, sinks, slopes = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("alibi_slopes")
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(flat_k.dtype))  # [T, KVH, D]
-    flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(flat_v.dtype))
-
     backend = meta.backend
+    if backend.reads_cache:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(flat_k.dtype))  # [T, KVH, D]
+        flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(flat_v.dtype))
     # Chosen at load so that this never fails: a backend silently ignores what it does not apply.
     for name, given in (("softcap", softcap), ("sinks", sinks), ("alibi", slopes)):
         assert given is None or name in backend.applies(), f"the {backend.name} backend does not apply {name}"

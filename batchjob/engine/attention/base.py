@@ -102,6 +102,12 @@ class AttentionBackend:
         # shares its step.
         self.decode_rows = True
 
+    @property
+    def reads_cache(self) -> bool:
+        """Whether :meth:`forward` reads the step's new keys and values from the paged cache; False: it takes
+        them from the step's own ``key``/``value``, and the hook does not write them there."""
+        return True
+
     # -- each step -------------------------------------------------------------------------------------
 
     def pack(self, lay: StepLayout, pk: Packer) -> Any:
