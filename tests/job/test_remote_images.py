@@ -15,13 +15,12 @@ import time
 
 import pytest
 
+from tests.job.test_images import MAX_NEW, _args
 from tests.jobproc import read_results, run_here
 from tests.tiers import engine_fixture
 from tests.vision_models import make_image, make_llava
 
 pytestmark = pytest.mark.timeout(600)
-
-MAX_NEW = 6
 
 
 @engine_fixture(scope="module")
@@ -59,23 +58,6 @@ def _refused_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}/a.png"
-
-
-def _args(inp, out, folder, *extra):
-    args = [
-        "--input",
-        inp,
-        "--output",
-        out,
-        "--model",
-        folder,
-        "--image-column",
-        "image",
-        "--id-column",
-        "rid",
-    ]
-    args += ["--max-new-tokens", MAX_NEW, "--device", "cpu", "--dtype", "float64", "--logprobs", "0"]
-    return [str(a) for a in [*args, *extra]]
 
 
 def _write(path, cells):
