@@ -34,10 +34,18 @@ pytestmark = pytest.mark.timeout(120)
 # Refused families and the feature names their refusal must carry. A backend that computes one of these
 # features exactly (a backend's ``computes``) must move the family out of here: the matrix then checks it
 # is exact.
-REFUSED = {
-    "bloom": {"own_attention": "computes attention inside its own layers", "alibi": "ALiBi"},
-    "falcon": {"own_attention": "computes attention inside its own layers"},
-}
+def _calls_attention_interface(model_type: str) -> bool:
+    """Whether this transformers' class for the family calls the attention interface (Falcon does from 5.25)."""
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model(model_type)
+    return support._own_attention(config, None) is None
+
+
+OWN_ATTENTION = {"own_attention": "computes attention inside its own layers"}
+REFUSED = {"bloom": {**OWN_ATTENTION, "alibi": "ALiBi"}}
+if not _calls_attention_interface("falcon"):
+    REFUSED["falcon"] = OWN_ATTENTION
 # Families whose attention only the flex backend computes (the feature it needs): the engine picks it.
 NEED_FLEX = {"gemma2": "softcap", "gpt_oss": "sinks"}
 # Families without a full-attention layer: tokens beyond the window cannot change their answers.
@@ -256,7 +264,7 @@ def _configs():
         "granite attention_multiplier": (tf.GraniteConfig(attention_multiplier=0.1), set()),
         "mistral window": (tf.MistralConfig(sliding_window=4), set()),
         "stablelm": (tf.StableLmConfig(), set()),
-        "falcon with alibi": (tf.FalconConfig(alibi=True), {"own_attention", "alibi"}),
+        "falcon with alibi": (tf.FalconConfig(alibi=True), {"alibi"} | set(REFUSED.get("falcon", ()))),
         "mpt": (tf.MptConfig(), {"own_attention", "alibi"}),
         # EmbeddingGemma: a window both ways, which the torch and cpu backends compute (test_tasks.py)
         "bidirectional gemma3": (tf.Gemma3TextConfig(use_bidirectional_attention=True), set()),
