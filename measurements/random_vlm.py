@@ -22,9 +22,13 @@ SmolVLM-256M's shape (SigLIP-B/16 on 512 px crops, pixel shuffle by 4, SmolLM2-1
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the test suite's builders (tests/), as documented: run from anywhere
 
 VISION = {  # hidden, intermediate, layers, heads, patch, image size
     "b16-224": (768, 3072, 12, 12, 16, 224),
@@ -46,7 +50,7 @@ IDEFICS3_TOKENS = [  # Idefics3's own: the crops' markers and grid positions
 
 def _tokenizer(kind: str, out: Path, extra: list[str]):
     if kind == "trained":
-        from tests.tiny_models import make_tokenizer  # the repository root on the path (PYTHONPATH)
+        from tests.tiny_models import make_tokenizer
 
         tokenizer = make_tokenizer(out, vocab_size=1024)
     else:
