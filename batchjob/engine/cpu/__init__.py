@@ -14,7 +14,7 @@
   bench`` ran 4.5x slower without it (BENCHMARKS.md); on a quiet one it never comes on.
 - :mod:`~batchjob.engine.cpu.heap`: freed forward buffers kept in the heap, not handed back to the OS layer by
   layer (``BATCHJOB_CPU_HEAP=0`` turns it off).
-- the KV pool on huge pages (:func:`~.platform.huge_page_zeros`).
+- the KV pool taken page by page as blocks are first written (:func:`~.platform.lazy_zeros`).
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
 it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
-:mod:`.bf16`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool on huge
-pages, and checks between steps whether other programs share our cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
+:mod:`.bf16`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
+the OS fills on first touch (:func:`lazy_zeros`), and checks between steps whether other programs share our cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
-import sys
 
 import torch
 
@@ -20,8 +17,6 @@ from batchjob.engine.cpu import bf16, heap, linear
 from batchjob.engine.cpu.spin import SpinGuard
 
 SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,29 +54,15 @@ class Platform:
         """Called when the engine has no request left."""
 
 
-def _madvise_huge_pages(address: int, length: int) -> None:
-    """Ask Linux for transparent huge pages on this range (a no-op elsewhere, or if it says no)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(_MADV_HUGEPAGE))
-    except (OSError, AttributeError):
-        pass
-
-
-def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed CPU memory on 2 MiB pages where the OS offers them: decode attention reads blocks scattered
-    over the whole pool, and huge pages spare it most TLB misses. An anonymous mapping, which the OS zeroes
-    page by page as each is first touched: the pool holds memory only for the blocks written so far (the
-    block manager reuses released blocks before it takes new ones), not its whole budget at load."""
+def lazy_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed CPU memory that the OS fills page by page as each is first touched: an anonymous mapping, so
+    the pool holds memory only for the blocks written so far (the block manager reuses released blocks
+    before it takes new ones), not its whole budget at load. Its pages are the kernel's ordinary ones: a
+    private mapping on transparent huge pages was measured no faster on the bench's mixed workload at the
+    Qwen2.5-0.5B shape in bf16 (BENCHMARKS.md, 2026-12-04), so nothing asks for them."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE)  # anonymous: zero-filled on first touch
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    start = (-raw.data_ptr()) % _HUGE_PAGE
-    buf = raw[start : start + nbytes]
-    _madvise_huge_pages(buf.data_ptr(), nbytes // _HUGE_PAGE * _HUGE_PAGE)
-    return buf.view(dtype)
+    region = mmap.mmap(-1, nbytes)  # anonymous: zero-filled on first touch
+    return torch.frombuffer(region, dtype=dtype)  # the tensor keeps the mapping alive
 
 
 class CpuPlatform(Platform):
@@ -110,10 +91,10 @@ class CpuPlatform(Platform):
         return packed
 
     def allocate_kv(self, dims: tuple[int, int, int, int], num_layers: int, dtype: torch.dtype) -> KVPool:
-        """One zeroed pool on huge pages, every layer's K and V a view of it, its pages taken as blocks are
+        """One zeroed pool, every layer's K and V a view of it, its pages taken as blocks are
         first written (the block manager grows it on demand: ``grows_kv``)."""
         per_tensor = dims[0] * dims[1] * dims[2] * dims[3]
-        pool = huge_page_zeros(2 * num_layers * per_tensor, dtype).view(2 * num_layers, *dims)
+        pool = lazy_zeros(2 * num_layers * per_tensor, dtype).view(2 * num_layers, *dims)
         return [(pool[2 * i], pool[2 * i + 1]) for i in range(num_layers)]
 
     def before_step(self) -> bool:
