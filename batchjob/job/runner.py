@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from batchjob import faults, signals
-from batchjob.errors import StateError
+from batchjob.errors import BatchjobError, StateError
 from batchjob.io.atomic import write_json
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
@@ -85,6 +85,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
             _restamp(prep)
             total = prep.shard.share_of(prep.info.row_counts)
             return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
+    _say_dtype_hint(prep)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
     state = prep.state
@@ -157,6 +158,24 @@ def _say_renamed(writer: PartWriter) -> None:
                 f"batchjob: input column {column!r} is written as {name!r} (it clashes with a result column)",
                 file=sys.stderr,
             )
+
+
+def _say_dtype_hint(prep: Prepared) -> None:
+    """One line where a new job left the dtype to the engine and bf16 would be much faster here (a resume
+    keeps the job's dtype: no hint to change it)."""
+    from batchjob.engine.config import resolve_device, resolve_dtype
+    from batchjob.engine.cpu.bf16 import dtype_hint
+
+    if prep.resumed:
+        return
+    spec, given = prep.spec, prep.spec.engine.dtype
+    try:
+        device = resolve_device(spec.engine.device)
+        line = dtype_hint(device, resolve_dtype(given, device), given not in (None, "auto"))
+    except BatchjobError:
+        return  # a bad device: the engine's load says so
+    if line is not None:
+        print(f"batchjob: {line}", file=sys.stderr)
 
 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:

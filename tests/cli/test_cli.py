@@ -216,6 +216,23 @@ def test_status_of_a_running_job_says_so_with_its_rows_in_flight(launch, tiny_mo
     assert "without committing" not in text, text  # a clean stop committed what it had finished
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_new_job_at_the_default_dtype_hears_of_bf16_only_where_the_cpu_has_it(
+    monkeypatch, native, data, tiny_model_dir, tmp_path
+):
+    """Left to the engine, the CPU's dtype is float32; where bf16 is native (and 2.5-2.8x faster) a new job
+    says so in one line. A dtype given (float32 too) or a CPU without native bf16: not a word."""
+    from batchjob.engine.cpu import bf16
+
+    monkeypatch.setattr(bf16, "native_bf16", lambda: native)
+    args = ["--input", data, "--model", tiny_model_dir, "--template", "{review}", "--max-new-tokens", 2]
+    code, text = invoke("run", *args, "--output", tmp_path / "default")
+    assert code == 0, text
+    assert text.count(bf16.FASTER_BF16) == int(native), text
+    code, text = invoke("run", *args, "--output", tmp_path / "given", "--dtype", "float32")
+    assert code == 0 and bf16.FASTER_BF16 not in text, text
+
+
 @pytest.mark.timeout(300)
 def test_run_in_bf16_says_its_cost_and_resume_refuses_a_changed_dtype(launch, data, tiny_model_dir, tmp_path):
     """`batchjob run --dtype bfloat16` in a real process: on a CPU without native bf16 its output carries the

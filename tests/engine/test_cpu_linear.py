@@ -120,6 +120,18 @@ def test_slow_bf16_is_said_only_for_bf16_on_a_cpu_without_it():
     assert cpu_bf16.slow_bf16(cpu, torch.float32) is None and cpu_bf16.slow_bf16(cuda, torch.bfloat16) is None
 
 
+def test_the_bf16_hint_is_for_a_default_float32_on_a_cpu_with_native_bf16(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: True)
+    assert cpu_bf16.dtype_hint(cpu, torch.float32, chosen=False) == cpu_bf16.FASTER_BF16
+    assert "--dtype bfloat16" in cpu_bf16.FASTER_BF16 and "\n" not in cpu_bf16.FASTER_BF16
+    assert cpu_bf16.dtype_hint(cpu, torch.float32, chosen=True) is None  # the user's own choice
+    assert cpu_bf16.dtype_hint(cpu, torch.bfloat16, chosen=False) is None
+    assert cpu_bf16.dtype_hint(cuda, torch.float32, chosen=False) is None
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: False)
+    assert cpu_bf16.dtype_hint(cpu, torch.float32, chosen=False) is None
+
+
 @needs_onednn
 @needs_native_bf16
 @pytest.mark.parametrize("rows", [1, 7, 300])

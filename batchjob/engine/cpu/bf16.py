@@ -61,6 +61,24 @@ def slow_bf16(device: torch.device, dtype: torch.dtype) -> str | None:
     return SLOW_BF16.format(cost=MEASURED_COST)
 
 
+# Measured with measurements/sizes_table.py on a 2-core Xeon with AMX (BENCHMARKS.md, 2026-12-04): SmolLM2-135M,
+# 40 x 160 + 40 tokens, 11.01 s in float32 against 4.34 s in bf16; the Qwen2.5-0.5B shape, 16 x 128 + 32, 10.10
+# against 3.65 s. Agreement: measurements/bf16_agreement.py, the quick start's labels 189 of 200 the same.
+FASTER_BF16 = (
+    "this CPU computes bf16 natively (AVX512-BF16 or AMX): --dtype bfloat16 ran 2.5-2.8x float32's speed on "
+    "such a CPU, with answers that differ from float32's where two tokens nearly tie (the quick start's "
+    "labels: 189 of 200 the same); float32 stays the default (docs/performance.md)"
+)
+
+
+def dtype_hint(device: torch.device, dtype: torch.dtype, chosen: bool) -> str | None:
+    """The line for a model left at the default dtype (``chosen`` False) that resolved to float32 on a CPU
+    where bf16 is native, and so much faster; None anywhere else."""
+    if chosen or device.type != "cpu" or dtype != torch.float32 or not native_bf16():
+        return None
+    return FASTER_BF16
+
+
 def warn_if_slow(device: torch.device, dtype: torch.dtype) -> None:
     """Log :func:`slow_bf16`'s line, if any (unconfigured, Python's logging prints it on stderr)."""
     line = slow_bf16(device, dtype)
