@@ -3,7 +3,8 @@
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
 it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
 :mod:`.bf16`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
-the OS fills on first touch (:func:`lazy_zeros`), and checks between steps whether other programs share our cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
+the OS fills on first touch (:func:`lazy_zeros`), and checks between steps whether other programs share our
+cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
 """
 
 from __future__ import annotations
