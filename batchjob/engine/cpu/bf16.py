@@ -63,7 +63,8 @@ def slow_bf16(device: torch.device, dtype: torch.dtype) -> str | None:
 
 # Measured with measurements/sizes_table.py on a 2-core Xeon with AMX (BENCHMARKS.md, 2026-12-04): SmolLM2-135M,
 # 40 x 160 + 40 tokens, 11.01 s in float32 against 4.34 s in bf16; the Qwen2.5-0.5B shape, 16 x 128 + 32, 10.10
-# against 3.65 s. Agreement: the quick start's labels 189 of 200 the same (measurements/bf16_agreement.py, CPU B), 187 on CPU C.
+# against 3.65 s. Agreement: the quick start's labels, 189 of 200 the same on an AVX512-BF16 EPYC
+# (measurements/bf16_agreement.py), 187 on that Xeon.
 FASTER_BF16 = (
     "this CPU computes bf16 natively (AVX512-BF16 or AMX): --dtype bfloat16 ran 2.5-2.8x float32's speed on "
     "such a CPU, with answers that differ from float32's where two tokens nearly tie (the quick start's "
