@@ -161,12 +161,12 @@ def _say_renamed(writer: PartWriter) -> None:
 
 
 def _say_dtype_hint(prep: Prepared) -> None:
-    """One line where a new job left the dtype to the engine and bf16 would be much faster here (a resume
-    keeps the job's dtype: no hint to change it)."""
+    """One line where a new generation job left the dtype to the engine and bf16 would be much faster here (a
+    resume keeps the job's dtype: no hint to change it; the figures it quotes are generation's)."""
     from batchjob.engine.config import resolve_device, resolve_dtype
     from batchjob.engine.cpu.bf16 import dtype_hint
 
-    if prep.resumed:
+    if prep.resumed or prep.spec.engine.task != "generate":
         return
     spec, given = prep.spec, prep.spec.engine.dtype
     try:
