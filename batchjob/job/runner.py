@@ -168,9 +168,9 @@ def _say_dtype_hint(prep: Prepared) -> None:
 
     if prep.resumed or prep.spec.engine.task != "generate":
         return
-    spec, given = prep.spec, prep.spec.engine.dtype
+    given = prep.spec.engine.dtype
     try:
-        device = resolve_device(spec.engine.device)
+        device = resolve_device(prep.spec.engine.device)
         line = dtype_hint(device, resolve_dtype(given, device), given not in (None, "auto"))
     except BatchjobError:
         return  # a bad device: the engine's load says so

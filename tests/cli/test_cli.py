@@ -233,6 +233,24 @@ def test_a_new_job_at_the_default_dtype_hears_of_bf16_only_where_the_cpu_has_it(
     assert code == 0 and bf16.FASTER_BF16 not in text, text
 
 
+def test_the_bf16_line_is_not_said_on_a_resume_nor_for_a_task(monkeypatch, tiny_model_dir, tmp_path):
+    """A resumed job keeps its recorded dtype (another one is refused), and a prefill-only task was not what
+    the line's figures measured: neither hears it, on a CPU with native bf16."""
+    from batchjob.engine.cpu import bf16
+
+    monkeypatch.setattr(bf16, "native_bf16", lambda: True)
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join('{"text": null}\n' if i % 2 else '{"text": "ok"}\n' for i in range(20)))
+    args = ["--input", path, "--output", tmp_path / "o", "--model", tiny_model_dir, "--max-new-tokens", 2]
+    code, text = invoke("run", *args, "--max-errors", 1)  # stops partway: the rerun resumes it
+    assert code == 1 and text.count(bf16.FASTER_BF16) == 1, text
+    code, text = invoke("run", *args, "--max-errors", 100)
+    assert code == 0 and bf16.FASTER_BF16 not in text, text
+    task = ["--input", path, "--output", tmp_path / "s", "--model", tiny_model_dir, "--task", "score"]
+    code, text = invoke("run", *task)
+    assert code == 0 and bf16.FASTER_BF16 not in text, text
+
+
 @pytest.mark.timeout(300)
 def test_run_in_bf16_says_its_cost_and_resume_refuses_a_changed_dtype(launch, data, tiny_model_dir, tmp_path):
     """`batchjob run --dtype bfloat16` in a real process: on a CPU without native bf16 its output carries the

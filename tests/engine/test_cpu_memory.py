@@ -28,7 +28,7 @@ def test_the_kv_pool_takes_memory_only_where_written():
     before = _rss_mib()
     pool = lazy_zeros(256 << 20, torch.float32)  # 1 GiB of address space
     assert _rss_mib() - before < 64  # nothing taken at allocation
-    assert pool.numel() == 256 << 20
+    assert pool.numel() == 256 << 20 and lazy_zeros(0, torch.bfloat16).numel() == 0
     assert not pool[:1024].any() and not pool[-1024:].any()  # zeroed (the OS zeroes pages on first touch)
     pool[: 8 << 20].fill_(1.0)  # 32 MiB written
     grown = _rss_mib() - before

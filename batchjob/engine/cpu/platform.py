@@ -62,6 +62,8 @@ def lazy_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     private mapping on transparent huge pages was measured no faster on the bench's mixed workload at the
     Qwen2.5-0.5B shape in bf16 (BENCHMARKS.md, 2026-12-04), so nothing asks for them."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:  # neither mmap nor frombuffer takes an empty buffer
+        return torch.zeros(0, dtype=dtype)
     region = mmap.mmap(-1, nbytes)  # anonymous: zero-filled on first touch
     return torch.frombuffer(region, dtype=dtype)  # the tensor keeps the mapping alive
 
