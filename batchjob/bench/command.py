@@ -3,7 +3,6 @@ in ``options.py``."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -12,6 +11,7 @@ from typing import Any
 
 import click
 
+import batchjob
 from batchjob.bench import roofline
 from batchjob.bench.engines import (
     Result,
@@ -399,7 +399,7 @@ def _write_json(
             k: (str(v) if isinstance(v, Path) else v) for k, v in click.get_current_context().params.items()
         },
         "versions": {
-            "batchjob": importlib.metadata.version("batchjob"),
+            "batchjob": batchjob.__version__,  # also when it runs from a checkout, not installed
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },

@@ -7,6 +7,7 @@ engine does the same work; a runner returns the generated ids so the report can 
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import time
@@ -169,9 +170,15 @@ def run_hf_cb(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(work.max_new_tokens), eos_token_id=-1)
-    cb_config = ContinuousBatchingConfig(
-        max_batch_tokens=max_batch_tokens, num_blocks=num_blocks, page_size=HF_CB_PAGE_SIZE
-    )
+    # the page size's keyword was ``block_size`` before transformers 5.2x, ``page_size`` since
+    takes = inspect.signature(ContinuousBatchingConfig).parameters
+    page = "page_size" if "page_size" in takes else "block_size"
+    sizes: dict[str, Any] = {
+        "max_batch_tokens": max_batch_tokens,
+        "num_blocks": num_blocks,
+        page: HF_CB_PAGE_SIZE,
+    }
+    cb_config = ContinuousBatchingConfig(**sizes)
     # The hints generate_batch() would give: they size the block table and the requests per batch.
     hints = WorkloadHints(
         max_prompt_length=max(len(p) for p in work.prompts),

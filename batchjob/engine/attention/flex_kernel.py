@@ -38,6 +38,7 @@ own eager path computes, without its per-element ``vmap``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -267,6 +268,15 @@ def dense(
     return out.to(q.dtype)
 
 
+def _compile(fn):
+    """``fn`` under torch.compile, whole graph, static shapes, up to 64 recompiles (one per shape of call):
+    torch.compile takes the limit itself in newer torch (2.13, not 2.11); else dynamo's global setting is raised."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, fullgraph=True, dynamic=False, recompile_limit=64)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
 class FlexState:
     """A runner's FlexAttention state: the page -> index map, the fixed-size buffers the compiled mods read,
     and whether the compiled kernel is in use (it is given up, with one warning, if it fails to compile)."""
@@ -291,7 +301,7 @@ class FlexState:
         if device.type != "cpu" and block_size % 64:
             self.kernel_options = {"BLOCK_N": math.gcd(block_size, 64)}
         # fullgraph: a compile that fails (or runs out of recompiles) raises, and never falls back to eager.
-        self._kernel = torch.compile(_paged_kernel, fullgraph=True, dynamic=False, recompile_limit=64)
+        self._kernel = _compile(_paged_kernel)
 
     def begin(self, sets: list[FlexSeqs]) -> FlexMeta:
         """Once per step, before the first layer: pad the calls (see :func:`pad_batch`), record where each

@@ -5,6 +5,7 @@ when asked for (``--attention-backend varlen``). A window of W keys is (W - 1, 0
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -26,7 +27,14 @@ class Varlen(FlashAttn):
 
     @classmethod
     def missing(cls, device, dtype) -> str | None:
-        return None if import_varlen() is not None else "this torch has no torch.nn.attention.varlen"
+        varlen = import_varlen()
+        if varlen is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+        takes = inspect.signature(varlen.varlen_attn).parameters
+        lacks = [name for name in ("block_table", "seqused_k", "enable_gqa") if name not in takes]
+        if lacks:  # torch 2.11's varlen_attn reads contiguous keys only: no paged cache
+            return f"torch {torch.__version__}'s varlen_attn takes no {', '.join(lacks)} (paged KV cache): needs a newer torch"
+        return None
 
     def forward(
         self,
