@@ -66,6 +66,12 @@ print("GPUs:", gpus, [torch.cuda.get_device_name(i) for i in range(gpus)])
 found = {}
 for name in sys.argv[1:]:
     found[name] = importlib.util.find_spec(name) is not None
+try:  # torch's own FlashAttention over a paged cache: varlen_attn with block_table (newer torch only)
+    import inspect
+    from torch.nn.attention import varlen
+    found["paged_varlen"] = "block_table" in inspect.signature(varlen.varlen_attn).parameters
+except ImportError:
+    found["paged_varlen"] = False
 print("modules:", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in found.items()))
 print("probe:", json.dumps({"gpus": gpus, "modules": found}))
 """
@@ -141,9 +147,15 @@ class Run:
     rehearse: bool
     outcomes: list[dict[str, object]] = field(default_factory=list)
 
+    only: frozenset[str] = frozenset()  # --only: these steps, the probe, and the model if they run it
+
     @property
     def model(self) -> Path:
         return self.work / ("tiny" if self.rehearse else "qwen2.5-0.5b")
+
+    @property
+    def vlm(self) -> Path:
+        return self.work / "llava"
 
 
 def _pytest(files: list[str], *args: str) -> list[str]:
@@ -166,6 +178,15 @@ def steps(run: Run) -> list[Step]:
         sizes = ["--device", "cuda", "--num-requests", "256", "--static-batch-size", "32"]
         sizes += ["--hf-cb-max-batch-tokens", "4096"]
     bench = [py, "-m", "batchjob", "bench", "--model", str(run.model), *sizes]
+    # LLaVA at ViT-B/16-224 + Qwen2.5-0.5B's shape (SmolLM2-135M's in the rehearsal), random weights
+    vlm = [py, "measurements/random_vlm.py", str(run.vlm), "--tokenizer", "trained"]
+    vlm += ["--text", "smollm2-135m" if run.rehearse else "qwen2.5-0.5b"]
+    images = [py, "-m", "batchjob", "bench", "--model", str(run.vlm), "--image-sizes", "224,448"]
+    images += (
+        ["--device", "cpu", "--num-requests", "4", "--output-len", "2,4", "--static-batch-size", "2"]
+        if (run.rehearse)
+        else ["--device", "cuda", "--num-requests", "256", "--static-batch-size", "32"]
+    )
     gpu_tests = _pytest(["tests/engine/test_gpu.py"], "-m", "gpu", *collect)
     return [
         Step("versions", 30, [py, "-c", _PROBE, *MAY_LACK]),
@@ -176,17 +197,21 @@ def steps(run: Run) -> list[Step]:
         ),
         Step("gpu-tests", 120, [*gpu_tests, "-k", "not family_matrix"], needs=("pytest", "pytest_timeout")),
         Step(
-            "family-matrix-bf16", 70, [*gpu_tests, "-k", "family_matrix"], needs=("pytest", "pytest_timeout")
+            "family-matrix-bf16", 90, [*gpu_tests, "-k", "family_matrix"], needs=("pytest", "pytest_timeout")
         ),
         Step(
             "engine-tests",  # the default model's test needs its package
-            60,
+            100,
             _pytest(
-                ["tests/engine/test_engine.py", "tests/engine/test_flex.py"], "-x", "-k", "not default_model", *collect
+                ["tests/engine/test_engine.py", "tests/engine/test_flex.py"],
+                "-x",
+                "-k",
+                "not default_model",
+                *collect,
             ),
             needs=("pytest", "pytest_timeout"),
         ),
-        Step("bench-0.5b", 100, [*bench, "--json", str(run.out / "bench-0.5b.json")]),
+        Step("bench-0.5b", 120, [*bench, "--json", str(run.out / "bench-0.5b.json")]),
         Step(
             "bench-0.5b-varlen",
             50,
@@ -199,8 +224,11 @@ def steps(run: Run) -> list[Step]:
                 "--json",
                 str(run.out / "bench-0.5b-varlen.json"),
             ],
+            needs=("paged_varlen",),
             cuda=True,
         ),
+        Step("vlm", 60, vlm),
+        Step("bench-images", 90, [*images, "--json", str(run.out / "bench-images.json")]),
         Step("tensor-parallel", 60, [py, "-c", _TENSOR_PARALLEL], cuda=True, min_gpus=2),
     ]
 
@@ -240,6 +268,8 @@ def _why_skip(step: Step, run: Run, probe: dict[str, Any], left: float) -> str |
     if step.min_gpus and probe.get("gpus", 0) < step.min_gpus:
         return f"needs {step.min_gpus} GPUs, this machine has {probe.get('gpus', 0)}"
     missing = [m for m in step.needs if not probe.get("modules", {}).get(m, False)]
+    if "paged_varlen" in missing:
+        return "this torch's varlen_attn takes no block_table (no paged KV cache): batchjob refuses it"
     if missing:
         return f"needs {', '.join(missing)}, which this machine lacks (bash measurements/gpu/wheels.sh, carry .whl/)"
     if left < 10:
@@ -284,18 +314,31 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rehearse", action="store_true", help="the same steps on the CPU, CUDA ones skipped")
     ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated steps to run (the probe always, the model if they use it), e.g. in a second call",
+    )
+    ap.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-results"), help="results folder"
     )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="batchjob-gpu-check-") as work:  # removed when the steps end
-        return _run_steps(Run(args.out.resolve(), Path(work), args.rehearse))
+        only = frozenset(filter(None, args.only.split(",")))
+        unknown = only - {s.name for s in steps(Run(args.out, Path(work), args.rehearse))}
+        if unknown:
+            ap.error(f"--only: no step named {', '.join(sorted(unknown))}")
+        return _run_steps(Run(args.out.resolve(), Path(work), args.rehearse, only=only))
 
 
 def _run_steps(run: Run) -> int:
     env = environment(run, _unpack_wheels(run.work))
     started, probe = time.monotonic(), dict[str, Any]()
-    for step in steps(run):
+    chosen = [s for s in steps(run) if not run.only or s.name in run.only | {"versions", "model"}]
+    uses_model = [s for s in chosen if s.name != "model" and str(run.model) in " ".join(s.argv)]
+    for step in chosen:
+        if step.name == "model" and run.only and not uses_model:
+            continue  # --only steps that don't run the 0.5B model: not built
         left = BUDGET_S - (time.monotonic() - started)
         path = run.out / f"{step.name}.txt"
         why = _why_skip(step, run, probe, left)
