@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -148,6 +149,7 @@ class Run:
     outcomes: list[dict[str, object]] = field(default_factory=list)
 
     only: frozenset[str] = frozenset()  # --only: these steps, the probe, and the model if they run it
+    pack: Path | None = None  # --pack: the results folder as one .tar.gz, rewritten after every step
 
     @property
     def model(self) -> Path:
@@ -319,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated steps to run (the probe always, the model if they use it), e.g. in a second call",
     )
     ap.add_argument(
+        "--pack",
+        type=Path,
+        help="also keep the results folder as this .tar.gz, rewritten after each step (for a tool that "
+        "brings back few files)",
+    )
+    ap.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-results"), help="results folder"
     )
     args = ap.parse_args(argv)
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = only - {s.name for s in steps(Run(args.out, Path(work), args.rehearse))}
         if unknown:
             ap.error(f"--only: no step named {', '.join(sorted(unknown))}")
-        return _run_steps(Run(args.out.resolve(), Path(work), args.rehearse, only=only))
+        return _run_steps(Run(args.out.resolve(), Path(work), args.rehearse, only=only, pack=args.pack))
 
 
 def _run_steps(run: Run) -> int:
@@ -350,10 +358,15 @@ def _run_steps(run: Run) -> int:
         if step.name == "versions":
             probe = _probe(path.read_text(encoding="utf-8", errors="replace"))
         print(f"{step.name}: {run.outcomes[-1]['status']}", flush=True)
-    return _summarize(run, time.monotonic() - started)
+        _summarize(run, time.monotonic() - started)  # a run cut short keeps its summary so far
+    lines = _summarize(run, time.monotonic() - started)
+    print("\n".join(lines))
+    bad = [o for o in run.outcomes if o["status"] not in ("ok", "skipped")]
+    return 1 if bad else 0
 
 
-def _summarize(run: Run, seconds: float) -> int:
+def _summarize(run: Run, seconds: float) -> list[str]:
+    """summary.txt and summary.json in the results folder, then the folder packed if asked."""
     lines = [
         f"{o['name']}: {o['status']}"
         + "".join(f"; {k}: {o[k]}" for k in ("why", "import_error", "seconds") if k in o)
@@ -370,9 +383,12 @@ def _summarize(run: Run, seconds: float) -> int:
         "steps": run.outcomes,
     }
     (run.out / "summary.json").write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-    print("\n".join(lines))
-    bad = [o for o in run.outcomes if o["status"] not in ("ok", "skipped")]
-    return 1 if bad else 0
+    if run.pack is not None:
+        partial = run.pack.with_name(run.pack.name + ".part")
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(run.out, arcname=run.out.name)
+        partial.replace(run.pack)
+    return lines
 
 
 if __name__ == "__main__":

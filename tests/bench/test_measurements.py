@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_index_names_every_script() -> None:
 def test_gpu_check_rehearsal_runs_every_step_without_an_import_error(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     result = subprocess.run(
-        ["bash", "measurements/gpu/check.sh", "--rehearse"],
+        ["bash", "measurements/gpu/check.sh", "--pack", "--rehearse"],  # --pack: as the device tool runs it
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -57,6 +58,10 @@ def test_gpu_check_rehearsal_runs_every_step_without_an_import_error(tmp_path: P
         timeout=380,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-results.tar.gz", "summary.txt"]
+    with tarfile.open(tmp_path / "gpu-results.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    tmp_path = tmp_path / "gpu-results"
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
     steps = {s["name"]: s for s in summary["steps"]}
     assert list(steps) == [
