@@ -72,6 +72,7 @@ def test_gpu_check_rehearsal_runs_every_step_without_an_import_error(tmp_path: P
         "engine-tests",
         "bench-0.5b",
         "bench-0.5b-varlen",
+        "flex-margin",
         "vlm",
         "bench-images",
         "tensor-parallel",
