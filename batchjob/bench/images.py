@@ -12,8 +12,10 @@ images, so it is not run (the report says so).
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from batchjob.bench.engines import Result, agreement, load_average
 from batchjob.bench.engines import header as bench_header
 from batchjob.bench.options import BenchOptions
 from batchjob.errors import ConfigError
+from batchjob.job.ahead import default_workers
 
 DEFAULT_OUTPUT_LEN = 16  # tokens an answer, when --output-len is not given: a short caption
 PROMPT = "Describe the image."
@@ -141,41 +144,78 @@ def image_workload(
 # -- the runs --------------------------------------------------------------------------------------------
 
 
-def _ours_pass(engine: Any, processor: Any, work: ImageWork) -> tuple[list[list[int]], float, str | None]:
-    """Every row preprocessed and added, then stepped to the end: the outputs, the preprocessing seconds."""
+def _ours_pass(
+    engine: Any, processor: Any, work: ImageWork, workers: int
+) -> tuple[list[list[int]], float, float, str | None]:
+    """Every row built and added, stepped to the end, as a job runs it (``job/ahead.py``, ``job/loop.py``):
+    rows built by the processor on ``workers`` threads (0: on this one, each as it is admitted), each with
+    its own copy, ahead of the engine; admitted in order while the engine holds fewer than the job's window
+    of unfinished requests (twice ``max_num_seqs``), waiting for a row's build if it is not done. The
+    admissions depend on the engine alone, not on the threads. Returns the outputs, the build seconds (summed
+    over the threads) and the seconds the loop waited for builds."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from batchjob.sampling import SamplingParams
 
-    pre = 0.0
-    for i, (image, n) in enumerate(zip(work.images, work.max_new_tokens, strict=True)):
+    def build(image: Any, proc: Any) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        inputs = processor(images=[image], text=work.text, return_tensors="pt")
-        pre += time.perf_counter() - t0
-        images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"image-{i}", inputs.input_ids[0].tolist(), params, images=images)
+        return proc(images=[image], text=work.text, return_tensors="pt"), time.perf_counter() - t0
+
+    pool: ThreadPoolExecutor | None = None
+    builds: list[Future[tuple[Any, float]]] = []
+    if workers > 0:
+        copies, local = [copy.deepcopy(processor) for _ in range(workers)], threading.local()
+
+        def start() -> None:
+            local.proc = copies.pop()
+
+        def build_here(image: Any) -> tuple[Any, float]:  # on a worker, with its own copy
+            return build(image, local.proc)
+
+        pool = ThreadPoolExecutor(workers, "bench-images", initializer=start)
+        builds = [pool.submit(build_here, im) for im in work.images]
+    window = max(8, 2 * engine.config.max_num_seqs)
+    pre = waited = 0.0
     done: dict[str, Any] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out
+    try:
+        for i, n in enumerate(work.max_new_tokens):
+            while engine.num_unfinished >= window:
+                for out in engine.step():
+                    done[out.request_id] = out
+            t0 = time.perf_counter()
+            inputs, seconds = builds[i].result() if pool is not None else build(work.images[i], processor)
+            waited += time.perf_counter() - t0
+            pre += seconds
+            images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+            params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            engine.add_request(f"image-{i}", inputs.input_ids[0].tolist(), params, images=images)
+        while engine.has_unfinished():
+            for out in engine.step():
+                done[out.request_id] = out
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     outs = [done[f"image-{i}"] for i in range(len(work.images))]
     failed = [o for o in outs if o.finish_reason == "error"]
     error = f"{len(failed)} row(s) failed, e.g. {failed[0].error}" if failed else None
-    return [list(o.token_ids) for o in outs], pre, error
+    return [list(o.token_ids) for o in outs], pre, waited, error
 
 
-def run_ours_images(engine: Any, processor: Any, work: ImageWork) -> Result:
-    _ours_pass(engine, processor, work.warmup())
+def run_ours_images(engine: Any, processor: Any, work: ImageWork, workers: int) -> Result:
+    _ours_pass(engine, processor, work.warmup(), workers)
     engine.reset_prefix_cache()  # a repeated run computes its prompts again
     before = engine.stats.as_dict()
     start = time.perf_counter()
-    outputs, pre, error = _ours_pass(engine, processor, work)
+    outputs, pre, waited, error = _ours_pass(engine, processor, work, workers)
     wall = time.perf_counter() - start
     after = engine.stats.as_dict()
     extra = {k: after[k] - before[k] for k in ("forward_seconds", "step_seconds", "steps", "batched_tokens")}
-    extra |= {"preprocess_seconds": pre, "encoded_images": engine.vision.encoded_images}
+    extra |= {"preprocess_seconds": pre, "build_wait_seconds": waited}
+    extra |= {"encoded_images": engine.vision.encoded_images}
     settings = {
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
+        "image_workers": workers,
     }
     return Result("ours", settings, wall, sum(work.prompt_tokens), work.output_tokens, outputs, extra, error)
 
@@ -259,7 +299,8 @@ def format_image_report(work: ImageWork, results: list[Result], header: str) -> 
         )
     lines += [
         NO_HF_CB,
-        "wall times include preprocessing (ours: the processor row by row; static: batch by batch)",
+        "wall times include preprocessing (ours: the processor row by row on --image-workers threads ahead of "
+        "the engine, as a job; static: batch by batch before each generate)",
         "",
     ]
     ours, static = _ok(results, "ours"), _ok(results, "static")
@@ -275,9 +316,10 @@ def format_image_report(work: ImageWork, results: list[Result], header: str) -> 
     if ours is not None:
         x = ours.extra
         lines.append(
-            f"our time: {ours.wall_s:.2f} s wall = preprocessing {x['preprocess_seconds']:.2f} s + forward "
-            f"{x['forward_seconds']:.2f} s (vision tower included) + other "
-            f"{ours.wall_s - x['preprocess_seconds'] - x['forward_seconds']:.2f} s; {x['steps']} steps"
+            f"our time: {ours.wall_s:.2f} s wall = waiting for row builds {x['build_wait_seconds']:.2f} s + "
+            f"forward {x['forward_seconds']:.2f} s (vision tower included) + other "
+            f"{ours.wall_s - x['build_wait_seconds'] - x['forward_seconds']:.2f} s; {x['steps']} steps; "
+            f"the builds took {x['preprocess_seconds']:.2f} s on {ours.settings['image_workers']} thread(s)"
         )
     return "\n".join(lines)
 
@@ -388,7 +430,8 @@ def _prepare(
     )
     runs: list[tuple[str, Callable[[], Result]]] = []
     if "ours" in opts.baselines:
-        runs.append(("ours", lambda: run_ours_images(engine, processor, work)))
+        workers = default_workers() if opts.image_workers is None else opts.image_workers
+        runs.append(("ours", lambda: run_ours_images(engine, processor, work, workers)))
     if "static" in opts.baselines:
         # A separate, unmodified copy: the engine's model has our paged attention plugged in.
         hf = (

@@ -124,7 +124,9 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
 
 # The bench's own flags, in the order `--help` shows them (our engine's options follow, from engine/options.py).
 BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
-    click.option("--model", default=None, help="Local model folder or hub id (default: embedded SmolLM2-135M)."),
+    click.option(
+        "--model", default=None, help="Local model folder or hub id (default: embedded SmolLM2-135M)."
+    ),
     click.option("--num-requests", type=int, default=64, show_default=True, callback=_positive),
     click.option(
         "--prompt-len",
@@ -174,7 +176,9 @@ BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
         type=Baselines(),
         default=",".join(DEFAULT_BASELINES),
         show_default=True,
-        help="Which engines to run, of " + ",".join(BASELINES) + ". llama.cpp (its llama-server on the workload, "
+        help="Which engines to run, of "
+        + ",".join(BASELINES)
+        + ". llama.cpp (its llama-server on the workload, "
         "and llama-batched-bench too when every request has the same lengths) needs `bash "
         "examples/peers/llama_cpp.sh` once; it runs the model converted to GGUF at --dtype, KV cache the same.",
     ),
@@ -186,6 +190,13 @@ BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
         "one Pillow-drawn picture each, S x S pixels (the sizes in turn, e.g. 224,448), prompt 'Describe the "
         "image.', --output-len tokens (default 16 here). Ours against static generate only (transformers' "
         "continuous batching takes no images); walls count preprocessing.",
+    ),
+    click.option(
+        "--image-workers",
+        type=click.IntRange(min=0),
+        metavar="N",
+        help="--image-sizes: threads building our rows ahead of the engine, as `batchjob run --image-workers` "
+        "(0: each row as it is admitted; default: the job's, one a CPU, at most 4).",
     ),
     click.option(
         "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here."
@@ -275,6 +286,7 @@ class BenchOptions:
     baselines: list[str]  # in BASELINES' order
     json_path: Path | None
     image_sizes: list[int] | None  # pixels a side; None: the text workload
+    image_workers: int | None  # --image-sizes: our row-building threads; None: the job's default
     threads: int | None
     repeat: int
     worker_thread: bool

@@ -21,11 +21,12 @@ def llava_dir(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_image_rows_ours_against_static_generate(llava_dir, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])  # rows built as admitted, or on two threads ahead (a job's way)
+def test_image_rows_ours_against_static_generate(llava_dir, tmp_path, workers):
     out = tmp_path / "images.json"
     args = ["bench", "--model", str(llava_dir), "--image-sizes", "16,40", "--num-requests", "5"]
     args += ["--output-len", "3,6", "--dtype", "float64", "--device", "cpu", "--static-batch-size", "2"]
-    args += ["--threads", "1", "--json", str(out)]
+    args += ["--threads", "1", "--image-workers", str(workers), "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     text = result.output
@@ -46,7 +47,10 @@ def test_image_rows_ours_against_static_generate(llava_dir, tmp_path):
         assert r["error"] is None and r["images_per_s"] > 0 and r["output_tokens_per_s"] > 0
         assert 3 * 5 <= r["output_tokens"] <= 6 * 5
         assert 0 < r["extra"]["preprocess_seconds"] < r["wall_s"]
-    assert body["results"][0]["extra"]["encoded_images"] >= 5
+    ours = body["results"][0]
+    assert ours["extra"]["encoded_images"] >= 5 and ours["settings"]["image_workers"] == workers
+    assert 0 <= ours["extra"]["build_wait_seconds"] <= ours["wall_s"]
+    assert f"the builds took {ours['extra']['preprocess_seconds']:.2f} s on {workers} thread(s)" in text
     assert set(body["ratios"]) == {"ours/static"} and body["ratios"]["ours/static"] > 0
 
 
