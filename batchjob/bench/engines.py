@@ -158,6 +158,21 @@ def workload_num_blocks(work: Workload, page_size: int = HF_CB_PAGE_SIZE) -> int
     return pages + 4
 
 
+def _cb_config(max_batch_tokens: int | None, num_blocks: int | None) -> Any:
+    """transformers' ``ContinuousBatchingConfig`` at our page size: its keyword was ``block_size`` in
+    transformers 5.17, ``page_size`` in 5.25."""
+    from transformers import ContinuousBatchingConfig
+
+    takes = inspect.signature(ContinuousBatchingConfig).parameters
+    page = "page_size" if "page_size" in takes else "block_size"
+    sizes: dict[str, Any] = {
+        "max_batch_tokens": max_batch_tokens,
+        "num_blocks": num_blocks,
+        page: HF_CB_PAGE_SIZE,
+    }
+    return ContinuousBatchingConfig(**sizes)
+
+
 def run_hf_cb(
     model: Any, work: Workload, max_batch_tokens: int | None, vocab_size: int, num_blocks: int | None
 ) -> Result:
@@ -166,19 +181,11 @@ def run_hf_cb(
     ``num_blocks=None`` lets transformers size its cache: on CPU that is ~90% of the machine's RAM, zeroed
     (seconds per manager, untimed); a workload-sized cache holds every request at once, so nothing is preempted.
     """
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(work.max_new_tokens), eos_token_id=-1)
-    # the page size's keyword was ``block_size`` before transformers 5.2x, ``page_size`` since
-    takes = inspect.signature(ContinuousBatchingConfig).parameters
-    page = "page_size" if "page_size" in takes else "block_size"
-    sizes: dict[str, Any] = {
-        "max_batch_tokens": max_batch_tokens,
-        "num_blocks": num_blocks,
-        page: HF_CB_PAGE_SIZE,
-    }
-    cb_config = ContinuousBatchingConfig(**sizes)
+    cb_config = _cb_config(max_batch_tokens, num_blocks)
     # The hints generate_batch() would give: they size the block table and the requests per batch.
     hints = WorkloadHints(
         max_prompt_length=max(len(p) for p in work.prompts),
