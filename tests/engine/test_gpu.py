@@ -210,3 +210,13 @@ def test_family_matrix_in_bf16_agreement_rate(tmp_path, capsys):
             print(f"  {family:12s} {same}/{total} tokens agree ({same / total:.0%})", flush=True)
         print(f"  all          {sum(rates.values()) / len(rates):.0%} (mean of families)")
     assert min(rates.values()) >= 0.5, rates
+
+
+def test_roofline_weight_sweep_replays_from_a_cuda_graph(tiny_model_dir):
+    """Eager, a decode-shaped sweep of every linear times kernel launches (the first H200 run's 260 GB/s)."""
+    from batchjob.bench import roofline
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    limits = roofline.measure_limits(model, torch.device(DEVICE), torch.bfloat16, gemm_tokens=256)
+    assert "weight sweep from a CUDA graph" in limits.features, limits.features
+    assert limits.bandwidth > 0 and limits.peak_flops > 0
