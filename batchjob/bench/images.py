@@ -149,7 +149,8 @@ def _ours_pass(
 ) -> tuple[list[list[int]], float, float, str | None]:
     """Every row built and added, stepped to the end, as a job runs it (``job/ahead.py``, ``job/loop.py``):
     rows built by the processor on ``workers`` threads (0: on this one, each as it is admitted), each with
-    its own copy, ahead of the engine; admitted in order while the engine holds fewer than the job's window
+    its own copy, ahead of the engine (all of them from the start: a job keeps two a worker ahead, the
+    bench's few rows need no bound); admitted in order while the engine holds fewer than the job's window
     of unfinished requests (twice ``max_num_seqs``), waiting for a row's build if it is not done. The
     admissions depend on the engine alone, not on the threads. Returns the outputs, the build seconds (summed
     over the threads) and the seconds the loop waited for builds."""
