@@ -8,6 +8,7 @@ twenty more families, each with its distinctive features turned on.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -289,3 +290,9 @@ def make_decisive_model(folder: Path, family: str = "llama", **kwargs):
     picks are nearly the greedy ones and a token's probability is far from its neighbours'. Only for tests
     that need decisive picks; the ordinary model is :func:`make_model`'s."""
     return make_model(folder, family, head_scale=DECISIVE_HEAD_SCALE, **kwargs)
+
+
+def random_prompts(n_tokens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths, ids 3.. (below are the specials), seeded."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in n_tokens]

@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ builds the tiny model
 
 from batchjob import Engine, SamplingParams  # noqa: E402
-from tests.engine.test_gpu import _prompts  # noqa: E402
 from tests.tiny_models import make_model  # noqa: E402
+from tests.tiny_models import random_prompts as _prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEW = 16

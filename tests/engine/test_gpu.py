@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -13,14 +11,10 @@ from batchjob.engine.attention import flex_kernel as flex
 from batchjob.engine.attention.flash import installed as flash_attn_available
 from batchjob.engine.attention.varlen import Varlen
 from tests.engine.test_flex import MIXED, _alibi_slopes, _flex_meta, _hf_greedy, _reference, _step
+from tests.tiny_models import random_prompts as _prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 DEVICE = "cuda"
-
-
-def _prompts(n_tokens, vocab, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in n_tokens]
 
 
 def _hf_greedy_cuda(folder, prompts, max_new_tokens):
