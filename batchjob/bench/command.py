@@ -220,6 +220,7 @@ def bench(**params: Any) -> None:
             opts.threads,
             opts.json_path,
             by_engine_name(opts.engine_options),
+            opts.repeat,
         )
         return
     from batchjob.job.owned import check_target
