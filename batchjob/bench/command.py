@@ -49,7 +49,10 @@ def _in_worker_thread(fn: Callable[[], Result]) -> Result:
         except BaseException as e:  # re-raised in the caller's thread below
             box["error"] = e
 
+    from batchjob.engine.cpu.spin import release_team
+
     thread = threading.Thread(target=target, name="batchjob-bench")
+    release_team()  # this thread waits: its idle OpenMP team would make the worker's threads spin briefly
     thread.start()
     thread.join()
     if "error" in box:

@@ -218,6 +218,9 @@ def run_hf_cb(
                 done[res.request_id] = list(res.generated_tokens)
         return done, None
 
+    from batchjob.engine.cpu.spin import release_team
+
+    release_team()  # this thread only waits while CB's computes: its idle OpenMP team would slow CB's
     manager.start()
     try:
         run(_warmup_workload(vocab_size), "warmup")

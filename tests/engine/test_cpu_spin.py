@@ -3,6 +3,7 @@ and its verdict on a real busy machine (two spinning processes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -146,3 +147,35 @@ def test_engine_checks_each_step_and_releases_when_idle(
     assert engine.stats.short_spin_steps >= 1
     assert not engine.platform.spin_guard.on  # idle again: the runtime is left as found
     assert _wait_for(lambda: not new_helpers())
+
+
+_TEAM_CHILD = """
+import json, os, time, torch
+from batchjob.engine.cpu.spin import release_team
+torch.set_num_threads(2)
+count = lambda: len(os.listdir("/proc/self/task"))
+def settled(want):
+    end = time.monotonic() + 5
+    while count() != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return count()
+before = count()
+torch.ones(1 << 20).mul_(2)  # a parallel region: this thread's team gets a worker thread
+with_team = count()
+freed = release_team()
+after = settled(with_team - 1)
+torch.ones(1 << 20).mul_(2)  # the next region makes a new team
+print(json.dumps([before, with_team, freed, after, count()]))
+"""
+
+
+@pytest.mark.process  # a fresh interpreter: the thread count is its own
+@linux_libgomp
+def test_release_team_frees_the_calling_threads_openmp_workers():
+    """The bench calls it before it waits on another thread's work (transformers CB's loop): the caller's idle
+    team must go, and the OS threads with it, or libgomp counts more threads than CPUs and spins briefly."""
+    out = subprocess.run([sys.executable, "-c", _TEAM_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, with_team, freed, after, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert with_team == before + 1 and freed
+    assert after == before and again == with_team
