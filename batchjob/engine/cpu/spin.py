@@ -17,6 +17,7 @@ OpenMP runtime is not libgomp, the guard does nothing.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -146,8 +147,6 @@ def release_team() -> bool:
     a team was freed (False off libgomp, or where the call is missing)."""
     if not _libgomp_loaded():
         return False
-    import ctypes
-
     try:
         pause = ctypes.CDLL(None).omp_pause_resource_all
     except (OSError, AttributeError):
