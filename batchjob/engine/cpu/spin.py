@@ -142,7 +142,7 @@ def release_team() -> bool:
     """Free the calling thread's OpenMP team (libgomp's ``omp_pause_resource_all``), so that while this thread
     waits on another one that computes (transformers CB's loop, a bench's worker) its idle team does not count
     against libgomp's spin: with more threads in teams than CPUs, every thread spins briefly (see above).
-    Measured at the Qwen2.5-0.5B shape in bf16 on 2 cores: transformers CB took 7.6-8.4 s with the caller's
+    Measured at the Qwen2.5-0.5B shape in bf16 on 2 cores: transformers CB took 7.6-8.6 s with the caller's
     team alive and 6.5 s without it. The next parallel region of this thread makes a new team. Returns whether
     a team was freed (False off libgomp, or where the call is missing)."""
     if not _libgomp_loaded():
