@@ -175,6 +175,18 @@ class BlockManager:
             req.block_ids.append(block)
         return len(req.block_ids) * bs
 
+    def holds(self, req: Request, position: int) -> bool:
+        """Whether the prefix cache holds, or another request is computing, the block of ``req``'s prompt with
+        ``position`` (and so, the digests being chained, every block before it) within its reusable part: a
+        request not admitted yet would take that prefix instead of computing it. A hint (the tokens are not
+        compared, as :meth:`match_prefix` does): the vision hook reads it to leave such images unencoded."""
+        bs = self.block_size
+        index = position // bs
+        if not self.enable_prefix_caching or (index + 1) * bs > self.reusable(req):
+            return False
+        digest = self._digests(req, index + 1)[index]
+        return digest in self._cached or self._in_flight.get(digest, req) is not req
+
     def prefix_in_flight(self, req: Request) -> bool:
         """True when the first prompt block ``req`` would have to compute is being computed by another one."""
         if not self.enable_prefix_caching or not self._in_flight:

@@ -80,7 +80,8 @@ def memory_lines(prep: Prepared, model_config: Any) -> list[str]:
         f"images: the row with the most, {row.place}, has {count} ({_sizes(prep, row)}): {tokens} image tokens "
         f"of its {len(prompt.ids)}, {patches} patches to the vision tower; encoding them takes about "
         f"{_mib(encode)} at once ({dtype}), their features {_mib(features)} until the row finishes",
-        f"vision tower: at most {bound} patches a call (--max-num-batched-tokens); "
+        f"vision tower: at most {bound} patches a call (--max-num-batched-tokens, at least "
+        f"{memory.TOWER_CALL_PATCHES}); "
         f"{_mib(memory.reserve_bytes(model_config, budget, width))} kept free for one call beside the KV "
         "cache where the pool is sized by profiling (CUDA)",
     ]

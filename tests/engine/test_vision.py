@@ -83,21 +83,22 @@ def test_images_equal_hf_generate(llava, budget):
     assert _run(engine, rows) == expected
     assert expected[0] != expected[4], "two images under the same text should answer differently"
     assert engine.vision.encoded_images == 5  # once per image, never again
-    if budget == 512:  # every request's images in the first step: one tower call (80 patches, under 512)
-        assert engine.vision.tower_calls == 1
+    # One tower call (80 patches, under max_patches): at 512 every request's images are in the first step;
+    # at 20 that step holds the first row's image alone and the call takes the next rows' too.
+    assert engine.vision.tower_calls == 1
 
 
 def test_a_steps_images_are_encoded_in_calls_of_bounded_patches(llava):
-    """One tower call takes at most ``max_patches`` patches (the step's token budget), a request whole:
-    with a bound under two images' 32 patches, the first step's four image requests go in four calls, and
-    every row is still exact."""
+    """One tower call takes at most ``max_patches`` patches (the step's token budget, at least 2,048), a
+    request whole: with a bound under two images' 32 patches, the first step's four image requests go in four
+    calls, and every row is still exact."""
     folder, processor, hf = llava
     rows = [_inputs(processor, [make_image(s) for s in seeds], text) for seeds, text in ROWS]
     expected = [_hf_greedy(hf, inputs) for inputs in rows]
     engine = Engine.from_pretrained(
         folder, device="cpu", dtype="float64", num_blocks=128, block_size=8, max_num_batched_tokens=512
     )
-    assert engine.vision.max_patches == 512
+    assert engine.vision.max_patches == 2048
     engine.vision.max_patches = 20  # one image's 16 patches fit, two do not; the two-image row goes alone
     assert _run(engine, rows) == expected
     assert engine.vision.tower_calls == 4 and engine.vision.encoded_images == 5
@@ -123,6 +124,28 @@ def test_prefix_cache_keys_on_the_image(llava):
     assert _run(engine, [other]) == [_hf_greedy(hf, other)]
     miss = engine.stats.cached_prompt_tokens - before
     assert miss <= image_start, (miss, image_start)  # at most the text before the image
+
+
+def test_a_call_takes_the_next_requests_images_but_not_those_the_cache_holds(llava):
+    """With one seat, each request's image has a step of its own; the first call also encodes the waiting
+    requests' new images, and not the one whose image blocks the prefix cache holds (a request run before
+    had the same image and text): that request takes the blocks, and every row is exact."""
+    folder, processor, hf = llava
+    engine = Engine.from_pretrained(
+        folder,
+        device="cpu",
+        dtype="float64",
+        num_blocks=128,
+        block_size=4,
+        enable_prefix_caching=True,
+        max_num_seqs=1,
+    )
+    _run(engine, [_inputs(processor, [make_image(7)], "What is it?")])
+    calls, encoded = engine.vision.tower_calls, engine.vision.encoded_images
+    rows = [_inputs(processor, [make_image(seed)], "What is it?") for seed in (8, 7, 9)]
+    assert _run(engine, rows) == [_hf_greedy(hf, inputs) for inputs in rows]
+    assert engine.vision.encoded_images - encoded == 2  # images 8 and 9; 7's blocks came from the cache
+    assert engine.vision.tower_calls - calls == 1
 
 
 def test_image_tokens_and_images_must_agree(llava):

@@ -20,11 +20,13 @@ def llava(tmp_path_factory):
     return make_llava(tmp_path_factory.mktemp("llava") / "llava")
 
 
-def test_validate_says_what_the_largest_image_row_needs(llava, tmp_path):
+def test_validate_says_what_the_largest_image_row_needs(llava, tmp_path, monkeypatch):
     from transformers import AutoConfig
 
     from batchjob.cli import main
     from batchjob.engine.vision import memory
+
+    monkeypatch.setattr(memory, "TOWER_CALL_PATCHES", 16)  # a call's floor under the tiny tower's 2 images
 
     make_image(1).save(tmp_path / "a.png")
     make_image(2, (60, 40)).save(tmp_path / "b.png")
@@ -45,5 +47,5 @@ def test_validate_says_what_the_largest_image_row_needs(llava, tmp_path):
     ), result.output
     encode = tower.encode_bytes(n, IMAGE_TOKENS, 4) / 2**20
     assert f"{n} patches to the vision tower; encoding them takes about {encode:.1f} MiB" in result.output
-    assert "vision tower: at most 20 patches a call (--max-num-batched-tokens)" in result.output
+    assert "vision tower: at most 20 patches a call (--max-num-batched-tokens, at least 16)" in result.output
     assert f"(that row's {n} patches are over the bound" in result.output

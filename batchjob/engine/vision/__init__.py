@@ -6,7 +6,8 @@ its image tokens). The runner's step layout names the packed rows that hold imag
 (:meth:`VisionStep.rows`); for a step with any, the runner embeds the step's token ids with the language
 model's own embedding and overwrites those rows with the request's image features, then runs the model on
 ``inputs_embeds`` (:meth:`VisionStep.inputs`). The vision tower runs when a request's first image token is
-scheduled, batched over the step's requests, and its projected features stay on the request: a chunk may cut
+scheduled, batched over the step's requests and, while the call has room, the next requests' images (the
+queues' order; not those the prefix cache will serve), and the projected features stay on each request: a chunk may cut
 through an image, a preempted request recomputes from the same features, and decode (text tokens only) is
 unchanged. The images' digests root the prefix-cache digests of the blocks holding their tokens
 (block_manager.py). A family with its own rotary positions (Qwen2-VL's M-RoPE) gives them for a step that
@@ -19,7 +20,8 @@ them: base.py), chosen by ``model_type``; another vision-language family is refu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +99,14 @@ class VisionStep:
     """The runner's hook for a vision-language model: admits a request's images, names a step's image
     rows, encodes and lays the features into the step's input embeddings."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, max_patches: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_patches: int,
+        upcoming: Callable[[], Iterable[Images]] | None = None,
+    ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -107,6 +116,9 @@ class VisionStep:
         self.tower = memory.Tower.of(model.config)
         self.max_patches = max_patches  # one tower call's patches at most (memory.py; a request whole)
         self.tower_calls = 0
+        # The images the next steps will need encoded, in about the order they come (the engine's queues):
+        # a call with room left takes them too, so the tower runs in calls of several images.
+        self.upcoming = upcoming
 
     def admit(self, inputs: Inputs, prompt_ids: Sequence[int]) -> Images:
         """A request's images against its prompt ids; image tokens that are not the images' count is the
@@ -161,7 +173,8 @@ class VisionStep:
         """The step's input embeddings ``[1, T, hidden]``: its token ids embedded, image rows overwritten
         by their features (the requests not encoded yet go through the vision tower first, together)."""
         pending = {id(images): images for images, _, _ in step.parts if images.features is None}
-        self._encode(list(pending.values()))  # (a prompt's n samples share one Images)
+        if pending:  # (a prompt's n samples share one Images)
+            self._encode(self._fill(list(pending.values())))
         embeds = self.model.get_input_embeddings()(input_ids)
         features = torch.cat([_features(images)[a:b] for images, a, b in step.parts])
         rows = torch.from_numpy(step.rows).to(self.device)
@@ -177,14 +190,34 @@ class VisionStep:
                 images.features = rows
                 self.encoded_images += images.count
 
+    def _fill(self, pending: list[Images]) -> list[Images]:
+        """The step's images to encode and, while one call has room (``max_patches``), the upcoming ones
+        that are not encoded yet, in order (the first that does not fit ends the search)."""
+        size = sum(self._patches(images) for images in pending)
+        if self.upcoming is None or size >= self.max_patches:
+            return pending
+        taken = {id(images) for images in pending}
+        for images in self.upcoming():
+            if id(images) in taken or images.features is not None:
+                continue
+            size += self._patches(images)
+            if size > self.max_patches:
+                break
+            taken.add(id(images))
+            pending.append(images)
+        return pending
+
+    def _patches(self, images: Images) -> int:
+        pixels = images.inputs.get("pixel_values")
+        return 0 if pixels is None else memory.patches(pixels, self.tower)
+
     def _calls(self, pending: list[Images]) -> list[list[Images]]:
         """The requests to encode, in order, cut into tower calls of at most ``max_patches`` patches (a
         request's images are one call's, alone when they are more)."""
         calls: list[list[Images]] = []
         size = 0
         for images in pending:
-            pixels = images.inputs.get("pixel_values")
-            n = 0 if pixels is None else memory.patches(pixels, self.tower)
+            n = self._patches(images)
             if not calls or size + n > self.max_patches:
                 calls.append([])
                 size = 0
@@ -229,6 +262,23 @@ def attach_to(engine: Any, sharded: bool) -> VisionStep | None:
         return None
     refuse(engine.config, sharded)
     budget = engine.config.max_num_batched_tokens
-    step = VisionStep(engine.model, engine.device, engine.dtype, memory.max_patches(budget))
+    bound = memory.max_patches(budget)
+    step = VisionStep(engine.model, engine.device, engine.dtype, bound, lambda: _upcoming(engine))
     engine.runner.vision = step
     return step
+
+
+def _upcoming(engine: Any) -> Iterator[Images]:
+    """The images of the engine's requests that a later step will encode: the running ones' whose prompt
+    is not computed past its last image token, then the waiting ones', in queue order, unless the prefix
+    cache holds (or a running request is computing) the block with that token: such a request takes the
+    blocks, not the features."""
+    scheduler, blocks = engine.scheduler, engine.block_manager
+    for req in itertools.chain(scheduler.running, scheduler.waiting):
+        images = req.images
+        if images is None or images.error is not None or images.features is not None or not images.count:
+            continue
+        last = int(images.positions[-1])
+        if req.num_computed_tokens > last or blocks.holds(req, last):
+            continue
+        yield images
