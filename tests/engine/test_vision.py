@@ -82,6 +82,9 @@ def test_images_equal_hf_generate(llava, budget):
     )
     assert _run(engine, rows) == expected
     assert expected[0] != expected[4], "two images under the same text should answer differently"
+    # the features are the penultimate layer's (vision_feature_layer -2): the last layer is not kept
+    layers = engine.model.model.vision_tower.encoder.layers
+    assert len(layers) == len(hf.model.vision_tower.encoder.layers) - 1 == 1
     assert engine.vision.encoded_images == 5  # once per image, never again
     # One tower call (80 patches, under max_patches): at 512 every request's images are in the first step;
     # at 20 that step holds the first row's image alone and the call takes the next rows' too.

@@ -6,10 +6,12 @@ size (``image_sizes``), computed with the model's own grid and unpadding functio
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from batchjob.engine.vision.base import Family, Inputs, digest, need
+from batchjob.engine.vision.llava import trim_tower
 from batchjob.errors import ConfigError
 
 
@@ -22,6 +24,10 @@ def _anyres():
 
 class LlavaNext(Family):
     name = "llava_next"
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.feature_layer = trim_tower(model)
 
     def _tiles(self, size: torch.Tensor) -> int:
         config = self.model.config
@@ -67,7 +73,7 @@ class LlavaNext(Family):
         out = self.model.get_image_features(
             pixel_values=pixels,
             image_sizes=sizes,
-            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_layer=self.feature_layer,
             vision_feature_select_strategy=config.vision_feature_select_strategy,
             return_dict=True,
         )
