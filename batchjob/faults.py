@@ -83,11 +83,10 @@ def point(name: str) -> None:
     for s in signals:
         signal.signal(s, on_signal)
     try:  # the handler is in place before the line: a signal sent on reading it is never missed
-        print(
-            f"batchjob: fault point {name} (pid {os.getpid()}): waiting for a signal",
-            file=sys.stderr,
-            flush=True,
-        )
+        # One write of the whole line: print() writes the text and its newline apart, and two workers
+        # announcing at once on a shared pipe made one line of two announcements.
+        sys.stderr.flush()
+        os.write(2, f"batchjob: fault point {name} (pid {os.getpid()}): waiting for a signal\n".encode())
         while not got:
             time.sleep(0.02)
     finally:

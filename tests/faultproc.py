@@ -55,11 +55,10 @@ def wait_for_points(proc, count: int = 1) -> tuple[list[int], str]:
     seen: list[str] = []
     for line in proc.stdout:
         seen.append(line)
-        match = _POINT.search(line)
-        if match:
+        for match in _POINT.finditer(line):  # (two processes' lines may share one: count each)
             pids.append(int(match.group(2)))
-            if len(pids) == count:
-                return pids, "".join(seen)
+        if len(pids) >= count:
+            return pids, "".join(seen)
     raise AssertionError(f"the process ended before its fault point:\n{''.join(seen)}")
 
 
