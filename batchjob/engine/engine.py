@@ -53,6 +53,7 @@ class Engine:
         its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it). ``lora``: LoRA adapters
         to hold resident, name -> PEFT folder or hub id (engine/lora/)."""
         plan = plan_model(model.config, config, model, tensor_parallel is not None)  # every refusal (plan.py)
+        config.decide_step_tokens(model.config)  # the CPU's step budget, where the engine decides it
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

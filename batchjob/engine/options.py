@@ -170,7 +170,12 @@ class EngineOptions:
         check=_attention_backend,
     )
     max_num_batched_tokens: int | None = option(
-        None, int, "Tokens per engine step", check=integer(1), per_device={"cuda": 8192, "cpu": 512}
+        None,
+        int,
+        "Tokens per engine step; on the CPU a generating model whose MLP activation over 2048 tokens fits "
+        "glibc's 32 MiB mmap threshold takes 2048",
+        check=integer(1),
+        per_device={"cuda": 8192, "cpu": 512},
     )
     max_num_seqs: int | None = option(
         None, int, "Requests running at once", check=integer(1), per_device={"cuda": 256, "cpu": 64}

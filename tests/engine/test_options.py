@@ -66,7 +66,11 @@ def test_from_pretrained_takes_the_options_as_one_object_a_keyword_winning(tiny_
         Engine.from_pretrained(str(tiny_model_dir), options=options, max_num_seqs=0)  # checked before loading
     assert Engine.from_pretrained(str(tiny_model_dir), options=options).config.max_num_seqs == 3
     engine = Engine.from_pretrained(str(tiny_model_dir), options=options, max_num_seqs=5)
-    assert (engine.config.max_num_seqs, engine.config.num_blocks, engine.config.dtype) == (5, 32, torch.float64)
+    assert (engine.config.max_num_seqs, engine.config.num_blocks, engine.config.dtype) == (
+        5,
+        32,
+        torch.float64,
+    )
     # A job's engine is built from its spec's object (the job sets static batching and the pool check).
     seen = {}
     monkeypatch.setattr(Engine, "from_pretrained", lambda model, **kw: seen.update(kw, model=model))
@@ -142,6 +146,30 @@ def test_per_device_defaults_are_declared_once(monkeypatch):
     # The block size is the chosen backend's, forced or not.
     assert EngineConfig(device="cuda", attention_backend="varlen").block_size == 256
     assert EngineConfig(device="cpu", attention_backend="flex").block_size == 16
+
+
+def test_the_cpu_step_budget_follows_the_models_widest_activation(tiny_model_dir):
+    """On the CPU a generating engine left to decide takes 2,048 tokens a step where the MLP's inner
+    activation over 2,048 tokens fits glibc's largest mmap threshold (32 MiB), else 512; a budget given, or a
+    prefill-only task, keeps its own."""
+    from transformers import GPT2Config, Qwen2Config
+
+    from batchjob import Engine
+    from batchjob.engine.config import cpu_step_tokens
+
+    half, large = Qwen2Config(intermediate_size=4864), Qwen2Config(intermediate_size=8960)  # 0.5B, 1.5B
+    assert cpu_step_tokens(half, torch.bfloat16) == 2048  # 19.9 MB
+    assert cpu_step_tokens(half, torch.float32) == cpu_step_tokens(large, torch.bfloat16) == 512  # 40, 37 MB
+    assert cpu_step_tokens(GPT2Config(n_embd=768), torch.float32) == 2048  # n_inner None: 4 x 768, 25 MB
+    assert cpu_step_tokens(GPT2Config(n_embd=1280), torch.float32) == 512  # 42 MB
+    decided = Engine.from_pretrained(str(tiny_model_dir), device="cpu", num_blocks=32)
+    assert decided.config.max_num_batched_tokens == decided.scheduler.max_num_batched_tokens == 2048
+    given = Engine.from_pretrained(
+        str(tiny_model_dir), device="cpu", num_blocks=32, max_num_batched_tokens=512
+    )
+    assert given.config.max_num_batched_tokens == 512
+    score = Engine.from_pretrained(str(tiny_model_dir), device="cpu", num_blocks=32, task="score")
+    assert score.config.max_num_batched_tokens == 512
 
 
 def test_a_backend_that_cannot_run_is_refused_before_work(tmp_path, tiny_model_dir):

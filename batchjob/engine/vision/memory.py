@@ -78,9 +78,10 @@ TOWER_CALL_PATCHES = 2048  # the patches one tower call may take under any small
 def max_patches(max_num_batched_tokens: int) -> int:
     """The patches one tower call encodes at most: the step's token budget, and no fewer than
     ``TOWER_CALL_PATCHES`` (the requests of a step beyond them go in further calls; a request's images are
-    never split, so one larger than this goes alone). The floor is for the CPU's budget of 512 tokens: a
-    call of one or two images (197 patches each at CLIP B/16) multiplies every weight of the tower by too
-    few rows to pay for reading it, 42-44 ms an image against 31-33 in calls of 8 (bf16, CPU C, *ad hoc*)."""
+    never split, so one larger than this goes alone). The floor is for the CPU's budget of 512 tokens (a
+    larger model's): a call of one or two images (197 patches each at CLIP B/16) multiplies every weight of
+    the tower by too few rows to pay for reading it, 42-44 ms an image against 31-33 in calls of 8 (bf16,
+    CPU C, *ad hoc*)."""
     return max(TOWER_CALL_PATCHES, int(max_num_batched_tokens))
 
 
