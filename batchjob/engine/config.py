@@ -194,7 +194,7 @@ def cpu_step_tokens(model_config: Any, dtype: torch.dtype) -> int:
     rows reads each weight once for four times the work, and the GEMMs read the weights from memory: at the
     Qwen2.5-0.5B shape in bf16 the bench's mixed workload ran 1.06x and 16 prompts of 128 tokens 1.06-1.12x
     faster than at 512 (CPU C, BENCHMARKS.md). Past the threshold every layer maps and faults its buffers
-    afresh: at 2,048 tokens the 0.5B shape in float32 (40 MB) and the 1.5B shape in bf16 (36 MB) ran 1.1-1.16x
+    afresh: at 2,048 tokens the 0.5B shape in float32 (40 MB) and the 1.5B shape in bf16 (37 MB) ran 1.1-1.16x
     slower, so they keep 512."""
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)

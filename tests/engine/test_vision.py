@@ -91,6 +91,31 @@ def test_images_equal_hf_generate(llava, budget):
     assert engine.vision.tower_calls == 1
 
 
+@pytest.mark.engine
+def test_features_from_several_tower_layers_drop_only_the_layers_after_them(tmp_path):
+    """``vision_feature_layer`` as a list (the features of several layers, concatenated): the tower keeps
+    every layer up to the last one named, and every row equals HF generate."""
+    from transformers import (
+        AutoModelForImageTextToText,
+        AutoProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    folder = make_llava(tmp_path / "llava")
+    config = LlavaConfig.from_pretrained(folder)
+    config.vision_feature_layer = [-3, -2]  # the embeddings' output and the first layer's, of 2 layers
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)  # the projector takes both: twice as wide
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    rows = [_inputs(processor, [make_image(seed)], "What is it?") for seed in (1, 2)]
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=64, block_size=8)
+    assert _run(engine, rows) == [_hf_greedy(hf, inputs) for inputs in rows]
+    assert len(engine.model.model.vision_tower.encoder.layers) == 1
+    assert engine.vision.family.feature_layer == [0, 1]
+
+
 def test_a_steps_images_are_encoded_in_calls_of_bounded_patches(llava):
     """One tower call takes at most ``max_patches`` patches (the step's token budget, at least 2,048), a
     request whole: with a bound under two images' 32 patches, the first step's four image requests go in four
