@@ -169,7 +169,9 @@ def test_cpu_fast_path_update_beside_the_packed_gemm(adapter_sets, gathered, mon
     )
     if not engine.runner.packed_linears:
         pytest.skip("no oneDNN packing on this CPU")
-    assert hasattr(engine.model.get_submodule("model.layers.0.self_attn.q_proj"), "_batchjob_packed")
+    attention = engine.model.get_submodule("model.layers.0.self_attn")
+    assert hasattr(attention.q_proj, "_batchjob_joint")  # q, k, v one GEMM (cpu/siblings.py), LoRA beside it
+    assert hasattr(attention.o_proj, "_batchjob_packed")
     rng = random.Random(2)
     prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (9, 4, 13, 6, 7, 5)]
     names = [None, "qv", "all", "rs", "all", None]

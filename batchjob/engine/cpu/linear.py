@@ -24,10 +24,12 @@ import types
 import torch
 
 from batchjob import env
+from batchjob.engine.cpu import siblings
 from batchjob.engine.cpu.bf16 import native_bf16
 from batchjob.engine.cpu.pages import FilePages
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
+JOINT_ENV = "BATCHJOB_CPU_JOINT"  # 0: q, k and v packed each on its own, not as one GEMM (siblings.py)
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -94,10 +96,16 @@ def prepack_linears(model: torch.nn.Module) -> int:
     if first is not None:
         uses[id(first)] = 0  # transformers takes the model's device from its first parameter: never meta
     count, pages = 0, FilePages()
+
+    def alone(layer: torch.nn.Module) -> bool:  # packable, its weight its own, not packed yet
+        return packs(layer.weight.dtype) and uses.get(id(layer.weight), 0) == 1 and not _packed(layer)
+
+    for layers in siblings.groups(model, alone) if env.flag(JOINT_ENV) else []:
+        _pack_joint(layers, pages)
     for module in model.modules():
         if type(module) is not torch.nn.Linear or not packs(module.weight.dtype):
             continue
-        if hasattr(module, "_batchjob_packed"):
+        if _packed(module):
             count += 1
             continue
         try:
@@ -112,6 +120,27 @@ def prepack_linears(model: torch.nn.Module) -> int:
     if count:
         _own_storage(model)
     return count
+
+
+def _packed(layer: torch.nn.Module) -> bool:
+    return hasattr(layer, "_batchjob_packed") or hasattr(layer, "_batchjob_joint")
+
+
+def _pack_joint(layers: list[torch.nn.Linear], pages: FilePages) -> None:
+    """Pack sibling layers' weights as one (siblings.py); each layer's forward then takes its columns."""
+    weights = [layer.weight.detach() for layer in layers]
+    try:
+        packed = _pack(torch.cat(weights))
+    except RuntimeError:
+        return  # each is tried on its own
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+    joint = siblings.Joint(packed, bias, [w.shape[0] for w in weights])
+    for i, layer in enumerate(layers):
+        layer._batchjob_joint = joint
+        layer.forward = siblings.member_forward(joint, i)
+        plain, layer.weight = layer.weight, _drop(layer.weight)
+        pages.release(plain.detach())
 
 
 def _own_storage(model: torch.nn.Module) -> None:

@@ -142,6 +142,9 @@ def _lora_pooler(pooler: Any, weights: LoraWeights):
     return apply
 
 
+PACKED_KEYS = ("_batchjob_packed", "_batchjob_joint")  # what cpu/linear.py gives a packed layer
+
+
 def _has(adapter: lora.Adapter, name: str) -> bool:
     return any(key.startswith(f"{name}.") for key in adapter.head)
 
@@ -157,13 +160,15 @@ def _own_module(engine: Any, adapter: lora.Adapter, name: str) -> torch.nn.Modul
             memo[id(param)] = torch.nn.Parameter(
                 torch.empty(param.shape, dtype=param.dtype, device=device), False
             )
-        packed = sub.__dict__.get("_batchjob_packed")
-        if packed is not None:
-            memo[id(packed)] = None
+        for key in PACKED_KEYS:
+            packed = sub.__dict__.get(key)
+            if packed is not None:
+                memo[id(packed)] = None
     own = copy.deepcopy(module, memo)
     for sub in own.modules():
         sub.__dict__.pop("forward", None)  # a packed layer's forward: back to its class's
-        sub.__dict__.pop("_batchjob_packed", None)
+        for key in PACKED_KEYS:
+            sub.__dict__.pop(key, None)
     state = {k[len(name) + 1 :]: t for k, t in adapter.head.items() if k.startswith(f"{name}.")}
     try:
         own.load_state_dict(state, strict=True)
