@@ -61,23 +61,37 @@ def slow_bf16(device: torch.device, dtype: torch.dtype) -> str | None:
     return SLOW_BF16.format(cost=MEASURED_COST)
 
 
-# Measured with measurements/sizes_table.py on a 2-core Xeon with AMX (BENCHMARKS.md, 2026-12-04): SmolLM2-135M,
-# 40 x 160 + 40 tokens, 11.01 s in float32 against 4.34 s in bf16; the Qwen2.5-0.5B shape, 16 x 128 + 32, 10.10
-# against 3.65 s. Agreement: the quick start's labels, 189 of 200 the same on an AVX512-BF16 EPYC
-# (measurements/bf16_agreement.py), 187 on that Xeon.
+# Measured with measurements/sizes_table.py, ours alone, float32 against bf16 (BENCHMARKS.md): on a 2-core Xeon
+# with AMX (2026-12-04), SmolLM2-135M 40 x 160 + 40 tokens 11.01 against 4.34 s, the Qwen2.5-0.5B shape
+# 16 x 128 + 32 10.10 against 3.65 s; on a 2-core Zen 4 EPYC with AVX512-BF16 and no AMX (2026-12-06), 13.02
+# against 8.29 s, 11.67 against 6.74 s, and the 1.5B shape 8 x 128 + 32 23.87 against 11.58 s. Agreement: the
+# quick start's labels, 189 of 200 the same on an AVX512-BF16 EPYC (measurements/bf16_agreement.py), 187 on
+# that Xeon.
 FASTER_BF16 = (
-    "this CPU computes bf16 natively (AVX512-BF16 or AMX): --dtype bfloat16 ran 2.5-2.8x float32's speed on "
-    "such a CPU, with answers that differ from float32's where two tokens nearly tie (the quick start's "
-    "labels: 187-189 of 200 the same); float32 stays the default (docs/performance.md)"
+    "this CPU computes bf16 natively ({kind}): --dtype bfloat16 ran {speed} float32's speed on such a CPU, "
+    "with answers that differ from float32's where two tokens nearly tie (the quick start's labels: 187-189 "
+    "of 200 the same); float32 stays the default (docs/performance.md)"
 )
+SPEED_AMX = {"kind": "AMX", "speed": "2.5-2.8x"}
+SPEED_AVX512 = {"kind": "AVX512-BF16, no AMX", "speed": "1.6-2.1x"}
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether the CPU has AMX's bf16 tiles (``amx_bf16`` among /proc/cpuinfo's flags; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def dtype_hint(device: torch.device, dtype: torch.dtype, chosen: bool) -> str | None:
     """The line for a model left at the default dtype (``chosen`` False) that resolved to float32 on a CPU
-    where bf16 is native, and so much faster; None anywhere else."""
+    where bf16 is native, and so much faster, by how much on such a CPU; None anywhere else."""
     if chosen or device.type != "cpu" or dtype != torch.float32 or not native_bf16():
         return None
-    return FASTER_BF16
+    return FASTER_BF16.format(**(SPEED_AMX if has_amx() else SPEED_AVX512))
 
 
 def warn_if_slow(device: torch.device, dtype: torch.dtype) -> None:
