@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel against torch's SDPA over gathered keys."""
+"""The compiled CPU attention kernels (decode; bf16 prompt chunks) against torch's SDPA over gathered keys."""
 
 from __future__ import annotations
 
@@ -105,6 +105,61 @@ def test_bf16_kernel_rounds_to_nearest_even_and_keeps_nan_inf():
     torch.testing.assert_close(got[0, 0], v_cache[0, 0, 0], equal_nan=True, atol=0, rtol=0)
 
 
+def _needs_prefill_kernel() -> None:
+    if not cpu_kernel.prefill_takes(torch.bfloat16, 64):
+        pytest.skip(
+            "the bf16 prefill kernel needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo) and a C++ compiler"
+        )
+
+
+@pytest.mark.engine  # runs the C++ compiler
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(14, 2, 64, 16), (12, 2, 128, 16), (6, 1, 80, 8), (4, 4, 16, 4), (9, 3, 96, 16)],
+)
+def test_bf16_prefill_kernel_equals_float64_attention_up_to_bf16_rounding(heads, kv_heads, dim, block_size):
+    """Prompt chunks of a step (a whole prompt, a chunk continuing cached keys, one row, rows of other
+    requests between them left alone) over scattered blocks, against float64 causal attention of the same
+    bf16 inputs. The kernel rounds the probabilities to bf16 before the second product, as torch's flash
+    attention does: its error is that of bf16 SDPA, element by element and on average."""
+    _needs_prefill_kernel()
+    chunks = [(37, 37), (20, 90), (1, 5), (1, 1), (64, 64), (17, 300)]  # (rows, keys)
+    gaps = [0, 3, 0, 2, 1, 0]  # rows of other requests before each chunk: left as they are
+    lens = torch.tensor([ctx for _, ctx in chunks], dtype=torch.int64)
+    _, k_cache, v_cache, table = _scattered_case(heads, kv_heads, dim, block_size, lens, torch.bfloat16, dim)
+    starts, row = [], 0
+    for (n, _), gap in zip(chunks, gaps, strict=True):
+        starts.append(row + gap)
+        row += gap + n
+    gen = torch.Generator().manual_seed(heads)
+    q = (torch.randn(row, heads, dim, generator=gen) * 2).to(torch.bfloat16).transpose(0, 1)  # [H, T, D]
+    out = torch.full((row, heads, dim), 7.0, dtype=torch.bfloat16)
+    q_lens = torch.tensor([n for n, _ in chunks], dtype=torch.int64)
+    cpu_kernel.paged_prefill(q, k_cache, v_cache, table, torch.tensor(starts), q_lens, lens, dim**-0.5, out)
+
+    rep = heads // kv_heads
+    got, want, sdpa_bf16 = [], [], []
+    for (n, ctx), start, blocks in zip(chunks, starts, table, strict=True):
+        k = k_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1).repeat_interleave(rep, 0)
+        v = v_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1).repeat_interleave(rep, 0)
+        qc = q[:, start : start + n]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # bottom-right causal
+        exact = F.scaled_dot_product_attention(
+            qc.double(), k.double(), v.double(), attn_mask=mask, scale=dim**-0.5
+        )
+        plain = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=dim**-0.5)
+        got.append(out[start : start + n].transpose(0, 1).double())
+        want.append(exact)
+        sdpa_bf16.append(plain.double())
+    got_t, want_t, sdpa_t = torch.cat(got, 1), torch.cat(want, 1), torch.cat(sdpa_bf16, 1)
+    torch.testing.assert_close(got_t, want_t, atol=2e-2, rtol=1e-2)
+    assert (got_t - want_t).abs().mean() <= 1.25 * (sdpa_t - want_t).abs().mean()
+    untouched = torch.ones(row, dtype=torch.bool)
+    for start, (n, _) in zip(starts, chunks, strict=True):
+        untouched[start : start + n] = False
+    assert untouched.sum() == sum(gaps) and (out[untouched] == 7.0).all()
+
+
 def bf16_prompts(vocab_size: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 80, (24,), generator=gen)
@@ -143,25 +198,29 @@ def assert_bf16_differs_only_at_near_ties(folder, prompts, got, want, what: str,
 
 
 @needs_kernel
+@pytest.mark.parametrize("step_tokens", [None, 24])
 def test_engine_in_bf16_decodes_with_the_kernel_and_differs_from_the_reference_only_at_near_ties(
-    decisive_model_dir, capsys
+    decisive_model_dir, capsys, step_tokens
 ):
     """The engine in bf16 chooses the kernel; its greedy tokens against the torch reference's (same bf16
-    weights and cache), which rounds attention differently (float inside the kernel, bf16 SDPA outside)."""
+    weights and cache), which rounds attention differently (float inside the kernel, bf16 SDPA outside).
+    With AVX512-BF16 the prompt chunks go to the prefill kernel too; at 24 tokens a step, chunks continue
+    over keys cached by earlier steps and share steps with decoding rows."""
     from batchjob import Engine, SamplingParams
 
-    options = dict(dtype="bfloat16", device="cpu", num_blocks=128)
+    options = dict(dtype="bfloat16", device="cpu", num_blocks=128, max_num_batched_tokens=step_tokens)
     kern = Engine.from_pretrained(str(decisive_model_dir), **options)
     assert kern.runner.attention.name == "cpu_kernel"  # auto: the kernel takes bf16
+    head_dim = kern.runner.attention.kv_caches[0][0].shape[3]
+    assert kern.runner.attention.prefill_kernel == cpu_kernel.prefill_takes(torch.bfloat16, head_dim)
     ref = Engine.from_pretrained(str(decisive_model_dir), attention_backend="torch", **options)
     prompts = bf16_prompts(kern.vocab_size)
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in kern.generate(prompts, params)]
     want = [o.token_ids for o in ref.generate(prompts, params)]
     assert all(len(t) == 32 for t in got + want)
-    assert_bf16_differs_only_at_near_ties(
-        decisive_model_dir, prompts, got, want, "kernel vs reference", capsys
-    )
+    what = f"kernel vs reference, {step_tokens or 'default'} tokens a step"
+    assert_bf16_differs_only_at_near_ties(decisive_model_dir, prompts, got, want, what, capsys)
 
 
 @pytest.mark.engine  # runs the C++ compiler
@@ -171,12 +230,12 @@ def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
     cpu_kernel.load.cache_clear()
     try:
         assert cpu_kernel.load() is not None
-        built = list((tmp_path / "kernels").glob("paged_decode-*.so"))
+        built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
         assert len(built) == 1
         mtime = built[0].stat().st_mtime_ns
         cpu_kernel.load.cache_clear()
         assert cpu_kernel.load() is not None
-        assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("paged_decode-*.so")] == [mtime]
+        assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("paged_attention-*.so")] == [mtime]
     finally:
         cpu_kernel.load.cache_clear()
 

@@ -209,9 +209,14 @@ class TorchReference(AttentionBackend):
         sinks=None,
     ):
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for group in data.decode_groups:
             out[group.rows] = self.decode(group, q, k_cache, v_cache, scale, window)
+        self.prefill(data, q, key, value, k_cache, v_cache, scale, window, out)
+        return out
+
+    def prefill(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
+        """Write the prompt chunks' rows of ``out``: one SDPA call each."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for chunk in data.prefills:
             s, e = chunk.q_start, chunk.q_start + chunk.q_len
             qp = q[:, s:e].unsqueeze(0)  # [1, H, q, D]
@@ -224,4 +229,3 @@ class TorchReference(AttentionBackend):
             mask = chunk.mask(window, q.device)
             op = sdpa(qp, kp, vp, mask, scale, is_causal=chunk.causal and mask is None and chunk.q_len > 1)
             out[s:e] = op[0].transpose(0, 1)
-        return out

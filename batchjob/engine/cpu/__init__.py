@@ -3,8 +3,9 @@
 - :mod:`~batchjob.engine.cpu.platform`: the device hooks the engine calls (:func:`platform`): a
   :class:`~.platform.Platform` that does nothing on CUDA, a :class:`~.platform.CpuPlatform` on the CPU.
 - :mod:`~batchjob.engine.cpu.attention`: the ``cpu_kernel`` attention backend (chosen with the others in
-  :mod:`batchjob.engine.attention.registry`), over the decode kernel of :mod:`~batchjob.engine.cpu.kernel`
-  (compiled on first use from ``csrc/paged_decode.cpp``; ``BATCHJOB_CPU_KERNEL=0`` turns it off).
+  :mod:`batchjob.engine.attention.registry`), over the kernels of :mod:`~batchjob.engine.cpu.kernel`
+  (compiled on first use from ``csrc/``: decode rows, and bf16 prompt chunks where the CPU has AVX512-BF16;
+  ``BATCHJOB_CPU_KERNEL=0`` turns both off, ``BATCHJOB_CPU_PREFILL=0`` the second).
 - :mod:`~batchjob.engine.cpu.linear`: linear layers with weights packed once for oneDNN, at load: float32,
   and bf16 where the CPU has native bf16 (``BATCHJOB_CPU_PREPACK=0`` turns it off).
 - :mod:`~batchjob.engine.cpu.bf16`: whether this CPU has native bf16 (:func:`~.bf16.native_bf16`), and the

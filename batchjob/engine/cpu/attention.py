@@ -2,20 +2,31 @@
 sent to the compiled decode kernel (:mod:`.kernel`), which reads the paged cache in place.
 
 The kernel takes rows of any context lengths in one call, so every one-token request and every row of a
-draft verification (each query seeing its request's keys up to its own position) goes in one group;
-prompt chunks stay the reference's (one SDPA call each). ``BATCHJOB_CPU_KERNEL=0`` turns the kernel off,
-and the engine then chooses the reference.
+draft verification (each query seeing its request's keys up to its own position) goes in one group.
+Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to the prefill kernel, all of a step's in one call;
+elsewhere (float32, other CPUs, a layer with a sliding window, an encoder's rows both ways) they stay the
+reference's, one SDPA call each. ``BATCHJOB_CPU_KERNEL=0`` turns both kernels off, and the engine then
+chooses the reference; ``BATCHJOB_CPU_PREFILL=0`` the prefill kernel alone.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from batchjob.engine.attention.base import blocks_for
 from batchjob.engine.attention.layout import Packer, StepLayout, ramps
-from batchjob.engine.attention.reference import DecodeGroup, TorchReference
+from batchjob.engine.attention.reference import DecodeGroup, SdpaMeta, TorchReference
 from batchjob.engine.cpu import kernel
+
+
+@dataclass
+class CpuMeta(SdpaMeta):
+    # The step's prompt chunks for the prefill kernel: block table, first rows, rows, keys; None: SDPA.
+    chunks: tuple[torch.Tensor, ...] | None = None
 
 
 class CpuKernel(TorchReference):
@@ -31,6 +42,12 @@ class CpuKernel(TorchReference):
                 f"its C++ kernel is turned off ({kernel.DISABLE_ENV}=0) or could not be built (see the log)"
             )
         return None
+
+    @functools.cached_property
+    def prefill_kernel(self) -> bool:
+        """Whether prompt chunks can go to the prefill kernel (causal rows; this dtype and head size)."""
+        k_cache = self.kv_caches[0][0] if self.kv_caches else None
+        return k_cache is not None and self.causal and kernel.prefill_takes(k_cache.dtype, k_cache.shape[3])
 
     def single_rows(self, lay: StepLayout) -> np.ndarray:
         return ((lay.n == 1) | (lay.drafts > 0)) & self.decode_rows
@@ -52,3 +69,31 @@ class CpuKernel(TorchReference):
         if scale is None:
             scale = q.shape[2] ** -0.5
         return kernel.paged_decode(qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, window)
+
+    def pack(self, lay: StepLayout, pk: Packer) -> tuple[list[tuple], list[tuple], tuple | None]:
+        decodes, prefills = super().pack(lay, pk)
+        chunks = None
+        if prefills and self.prefill_kernel:
+            idx = np.flatnonzero(~self.single_rows(lay))
+            width = int(blocks_for(lay.ends[idx], self.block_size).max())
+            chunks = tuple(
+                pk.add(a) for a in (lay.table[idx, :width], lay.offsets[idx], lay.n[idx], lay.ends[idx])
+            )
+        return decodes, prefills, chunks
+
+    def metadata(self, handles, buf: torch.Tensor) -> CpuMeta:
+        decodes, prefills, chunks = handles
+        meta = super().metadata((decodes, prefills), buf)
+        views = None if chunks is None else tuple(Packer.view(buf, h) for h in chunks)
+        return CpuMeta(meta.decode_groups, meta.prefills, views)
+
+    def decode_metadata(self, slots, table, lens) -> CpuMeta:
+        return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
+
+    def prefill(self, data: CpuMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
+        if data.chunks is None or window is not None:  # the kernel has no window: SDPA applies it
+            super().prefill(data, q, key, value, k_cache, v_cache, scale, window, out)
+            return
+        table, starts, lens, ends = data.chunks
+        scale = q.shape[2] ** -0.5 if scale is None else scale
+        kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ends, scale, out)

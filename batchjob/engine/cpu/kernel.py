@@ -1,9 +1,13 @@
-"""A compiled CPU kernel for decode attention, built on first use with the machine's C++ compiler.
+"""Compiled CPU kernels for attention, built on first use with the machine's C++ compiler.
 
 Decoding on the CPU is bound by memory traffic: every step reads each running request's whole K/V once
 per layer. The torch reference gathers a request's blocks into a contiguous copy and then runs SDPA over it,
 which reads the cache, writes the copy and reads it again. The kernel in ``csrc/paged_decode.cpp`` reads
 the keys and values in place through the block table, every query head of a request in one pass.
+
+Prompt chunks in bfloat16, on a CPU with AVX512-BF16: ``csrc/paged_prefill.cpp`` computes both products of
+attention as bfloat16 pairs with float sums (vdpbf16ps), where torch's CPU flash attention widens to float
+and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targets those instructions).
 
 It is plain C++ with OpenMP (no torch headers), so it compiles in about a second and is loaded with
 ``ctypes``. The shared library is cached under ``<cache>/kernels/`` by a digest of the source, the compiler,
@@ -35,9 +39,10 @@ from batchjob.models import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
+PREFILL_ENV = "BATCHJOB_CPU_PREFILL"  # 0: prompt chunks go to torch's SDPA, as on a CPU without AVX512-BF16
 # bfloat16 goes to the kernel as its 16 bits (pointers only): widened to float on load, scores, softmax and
 # sums in float, the output rounded to the nearest even bfloat16.
 _SYMBOLS = {
@@ -70,7 +75,7 @@ def _build(cxx: str, target: Path) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            [cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -93,14 +98,14 @@ def load() -> ctypes.CDLL | None:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         digest = hashlib.sha256()
         for part in (
-            SOURCE.read_bytes(),
+            *(source.read_bytes() for source in SOURCES),
             version.encode(),
             " ".join(FLAGS).encode(),
             _cpu_signature().encode(),
         ):
             digest.update(part)
             digest.update(b"\0")
-        target = cache_dir() / "kernels" / f"paged_decode-{digest.hexdigest()[:16]}.so"
+        target = cache_dir() / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
         if not target.is_file():
             _build(cxx, target)
         lib = ctypes.CDLL(str(target))
@@ -112,7 +117,37 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_double, i64, ptr]
         fn.restype = None
+    fn = lib.batchjob_paged_prefill_bf16
+    fn.argtypes = [
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_double,
+        ptr,
+    ]
+    fn.restype = ctypes.c_int
+    lib.batchjob_paged_prefill_available.restype = ctypes.c_int
     return lib
+
+
+def prefill_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`paged_prefill` runs here for this dtype and head size (and is not turned off)."""
+    if dtype != torch.bfloat16 or head_dim % 16 or head_dim > 512 or not env.flag(PREFILL_ENV):
+        return False
+    lib = load()
+    return lib is not None and bool(lib.batchjob_paged_prefill_available())
 
 
 def paged_decode(
@@ -152,3 +187,44 @@ def paged_decode(
         out.data_ptr(),
     )
     return out
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [H, T, D] bfloat16, the step's queries (any strides with D contiguous)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], the chunks' new keys already written
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [C, max_blocks] int64: each chunk's request's blocks
+    q_starts: torch.Tensor,  # [C] int64: first row of each chunk in the step
+    q_lens: torch.Tensor,  # [C] int64
+    ctx_lens: torch.Tensor,  # [C] int64: keys each chunk's last query sees (its new ones included)
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]: the chunks' rows are written, the others left as they are
+) -> None:
+    """Causal attention of prompt chunks over their requests' cached keys (check :func:`prefill_takes`)."""
+    lib = load()
+    assert lib is not None and q.dtype == torch.bfloat16 and q.stride(2) == 1 and out.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    block_table, q_starts = block_table.contiguous(), q_starts.contiguous()
+    q_lens, ctx_lens = q_lens.contiguous(), ctx_lens.contiguous()
+    heads, _, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    status = lib.batchjob_paged_prefill_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.shape[1],
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        ctx_lens.data_ptr(),
+        q_starts.shape[0],
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        float(scale),
+        out.data_ptr(),
+    )
+    assert status == 0, "paged_prefill called where the kernel was built without AVX512-BF16"

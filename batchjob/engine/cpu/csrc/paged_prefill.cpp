@@ -1,0 +1,258 @@
+// Paged prefill attention for the CPU in bfloat16, on AVX512-BF16 dot products (vdpbf16ps).
+//
+// torch's CPU flash attention widens bfloat16 to float and runs float32 GEMMs: 40-70 GFLOP/s on a Zen 4
+// core pair, where a bfloat16 GEMM runs at 400. Here the two products of attention run as bfloat16 pairs
+// with float sums, as a bfloat16 GEMM does: scores = q.k in float, softmax in float, the probabilities
+// rounded to bfloat16 (as torch's kernel rounds them for its second GEMM), out = sum p.v in float, divided
+// by the float sum of the probabilities and rounded to the nearest even bfloat16.
+//
+// A call attends every prompt chunk of a step, each a request's q_len new queries at positions
+// [ctx - q_len, ctx) over its keys [0, ctx) read through its block table (its new keys already written),
+// causal: query i sees keys up to ctx - q_len + i. Layouts as in paged_decode.cpp: k_cache, v_cache
+// [num_blocks, block_size, kv_heads, D]; out [T, heads, D]; q [heads, T, D] addressed by its strides.
+//
+// First each (chunk, KV head)'s keys and values are copied into the layouts the instruction takes: keys
+// in blocks of 16 with their D values as 32-bit pairs key by key (one zmm: one pair of 16 keys), values as
+// pairs of neighbouring keys dimension by dimension (one zmm: one key pair of 16 dimensions). Then tasks of
+// 16 query rows (a row: one position and one query head of the KV head's group) compute their scores
+// against the keys up to the last row's, the softmax of each row, and the weighted sum of values.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BATCHJOB_PREFILL 1
+#else
+#define BATCHJOB_PREFILL 0
+#endif
+
+extern "C" int batchjob_paged_prefill_available() { return BATCHJOB_PREFILL; }
+
+#if BATCHJOB_PREFILL
+namespace {
+
+constexpr int64_t KB = 16;  // keys per block of packed keys: one zmm of float scores per query row
+constexpr int R = 16;       // query rows per task (one accumulator each in the score loop)
+constexpr int PR = 4;       // query rows per pass of the value loop (4 rows x 4 zmm of dimensions)
+
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// As paged_decode.cpp's: exp(x) for x <= 0, a degree-6 polynomial after range reduction, 0 below -87.
+inline float exp_nonpositive(float x) {
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+struct Chunk {
+  int64_t q_start, q_len, ctx;
+  const int64_t* blocks;
+  int64_t packed;  // offset of its KV heads' packed keys (and values) in the scratch, in uint16 units
+};
+
+// Keys [0, ctx) of one KV head, zero past ctx up to a whole block: kp[block][pair][key] as 32-bit pairs;
+// values: vp[key pair][dim] as 32-bit pairs of the two keys' values.
+void pack(const uint16_t* k_cache, const uint16_t* v_cache, const Chunk& c, int64_t kvh, int64_t kv_heads,
+          int64_t D, int64_t block_size, uint16_t* kp, uint16_t* vp) {
+  const int64_t blocks = (c.ctx + KB - 1) / KB, pairs = D / 2;
+  uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
+  for (int64_t j = 0; j < blocks * KB; ++j) {
+    const int64_t b = j / KB, t = j % KB;
+    uint32_t* dst = k32 + b * pairs * KB + t;
+    uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
+    if (j < c.ctx) {
+      const int64_t at = (c.blocks[j / block_size] * block_size + j % block_size) * kv_heads * D + kvh * D;
+      uint32_t src[256];  // D <= 512
+      std::memcpy(src, k_cache + at, D * sizeof(uint16_t));
+      for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = src[p];
+      const uint16_t* v = v_cache + at;
+      for (int64_t d = 0; d < D; ++d) vdst[d * 2] = v[d];
+    } else {
+      for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = 0;
+      for (int64_t d = 0; d < D; ++d) vdst[d * 2] = 0;
+    }
+  }
+}
+
+// out rows[r] (D values, ND zmm of 16 from dimension d0) = sum over key pairs of p.v, for PR rows at once.
+template <int ND>
+inline void weigh_values(const uint16_t* const* prob, int rows, int64_t key_pairs, const uint16_t* vp, int64_t D,
+                         int64_t d0, float* const* acc) {
+  __m512 sum[PR][ND];
+  for (int r = 0; r < PR; ++r)
+    for (int n = 0; n < ND; ++n) sum[r][n] = _mm512_setzero_ps();
+  for (int64_t m = 0; m < key_pairs; ++m) {
+    __m512bh v[ND];
+    for (int n = 0; n < ND; ++n) v[n] = as_bh(_mm512_loadu_si512(vp + (m * D + d0 + n * 16) * 2));
+    for (int r = 0; r < PR; ++r) {
+      if (r >= rows) break;
+      uint32_t pair;
+      std::memcpy(&pair, prob[r] + 2 * m, sizeof pair);
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+      for (int n = 0; n < ND; ++n) sum[r][n] = _mm512_dpbf16_ps(sum[r][n], p, v[n]);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int n = 0; n < ND; ++n) _mm512_storeu_ps(acc[r] + d0 + n * 16, sum[r][n]);
+}
+
+struct Scratch {
+  std::vector<uint32_t> q;      // [R][D/2] the task's query rows as pairs
+  std::vector<float> scores;    // [R][keys]
+  std::vector<uint16_t> probs;  // [R][keys] rounded to bf16, zero past each row's keys
+  std::vector<float> acc;       // [R][D]
+};
+
+void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride, const Chunk& c, int64_t kvh,
+                 int64_t row0, int64_t heads, int64_t kv_heads, int64_t D, float scale, const uint16_t* kp,
+                 const uint16_t* vp, uint16_t* out, Scratch& s) {
+  const int64_t group = heads / kv_heads, pairs = D / 2;
+  const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
+  int64_t count[R];  // keys each row sees
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + std::min(r, rows - 1);  // rows past the end repeat the last one
+    const int64_t i = row / group, h = kvh * group + row % group;
+    count[r] = c.ctx - c.q_len + i + 1;
+    std::memcpy(s.q.data() + r * pairs, q + h * q_head_stride + (c.q_start + i) * q_tok_stride,
+                D * sizeof(uint16_t));
+  }
+  const int64_t keys = count[rows - 1], blocks = (keys + KB - 1) / KB, width = blocks * KB;
+
+  for (int64_t b = 0; b < blocks; ++b) {  // scores, 16 keys x 16 rows at a time
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const uint16_t* kb = kp + b * pairs * KB * 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh k = as_bh(_mm512_loadu_si512(kb + p * KB * 2));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qq = as_bh(_mm512_set1_epi32(static_cast<int>(s.q[r * pairs + p])));
+        acc[r] = _mm512_dpbf16_ps(acc[r], qq, k);
+      }
+    }
+    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(s.scores.data() + r * width + b * KB, acc[r]);
+  }
+
+  float inv_sum[R];
+  const uint16_t* prob[R];
+  for (int r = 0; r < rows; ++r) {  // softmax of each row over its own keys
+    float* sr = s.scores.data() + r * width;
+    uint16_t* pr = s.probs.data() + r * (width + 2);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < count[r]; ++j) m = std::max(m, sr[j] * scale);
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < count[r]; ++j) {
+      const float e = exp_nonpositive(sr[j] * scale - m);
+      sum += e;
+      sr[j] = e;
+    }
+    for (int64_t j = 0; j < count[r]; ++j) pr[j] = to_bf16(sr[j]);
+    std::fill(pr + count[r], pr + width + 2, uint16_t{0});
+    inv_sum[r] = 1.0f / sum;
+    prob[r] = pr;
+  }
+
+  const int64_t key_pairs = (keys + 1) / 2;
+  for (int r0 = 0; r0 < rows; r0 += PR) {  // weighted sums of values, 4 rows x 64 dimensions at a time
+    const int n = std::min(PR, rows - r0);
+    float* accs[PR];
+    for (int r = 0; r < PR; ++r) accs[r] = s.acc.data() + (r0 + std::min(r, n - 1)) * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      switch (std::min<int64_t>(4, (D - d0) / 16)) {
+        case 4: weigh_values<4>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
+        case 3: weigh_values<3>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
+        case 2: weigh_values<2>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
+        default: weigh_values<1>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r, i = row / group, h = kvh * group + row % group;
+    uint16_t* o = out + ((c.q_start + i) * heads + h) * D;
+    const float* a = s.acc.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(a[d] * inv_sum[r]);
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// q [heads, T, D] by strides; per chunk: q_starts, q_lens, ctx_lens and its row of block_table; D a multiple
+// of 16, at most 512; heads a multiple of kv_heads. Returns 0, or -1 where this build has no AVX512-BF16.
+int batchjob_paged_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
+                                const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_table,
+                                int64_t table_stride, const int64_t* q_starts, const int64_t* q_lens,
+                                const int64_t* ctx_lens, int64_t num_chunks, int64_t heads, int64_t kv_heads,
+                                int64_t dim, int64_t block_size, double scale, uint16_t* out) {
+#if BATCHJOB_PREFILL
+  const int64_t group = heads / kv_heads;
+  std::vector<Chunk> chunks(static_cast<size_t>(num_chunks));
+  std::vector<int64_t> tasks;  // (chunk, kv head, first row) triples
+  int64_t packed = 0, widest = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t width = (ctx_lens[c] + KB - 1) / KB * KB;
+    chunks[c] = Chunk{q_starts[c], q_lens[c], ctx_lens[c], block_table + c * table_stride, packed};
+    packed += kv_heads * 2 * width * dim;  // keys, then values, of each KV head
+    widest = std::max(widest, width);
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t row = 0; row < q_lens[c] * group; row += R) tasks.insert(tasks.end(), {c, g, row});
+  }
+  std::vector<uint16_t> kv(static_cast<size_t>(packed));
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size()) / 3;
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t cg = 0; cg < num_chunks * kv_heads; ++cg) {
+      const Chunk& c = chunks[cg / kv_heads];
+      const int64_t g = cg % kv_heads, width = (c.ctx + KB - 1) / KB * KB;
+      uint16_t* kp = kv.data() + c.packed + g * 2 * width * dim;
+      pack(k_cache, v_cache, c, g, kv_heads, dim, block_size, kp, kp + width * dim);
+    }
+    Scratch s;
+    s.q.resize(static_cast<size_t>(R * dim / 2));
+    s.scores.resize(static_cast<size_t>(R * widest));
+    s.probs.resize(static_cast<size_t>(R * (widest + 2)));
+    s.acc.resize(static_cast<size_t>(R * dim));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = num_tasks - 1; t >= 0; --t) {  // the last rows of a chunk see the most keys: first
+      const Chunk& c = chunks[tasks[3 * t]];
+      const int64_t g = tasks[3 * t + 1], width = (c.ctx + KB - 1) / KB * KB;
+      const uint16_t* kp = kv.data() + c.packed + g * 2 * width * dim;
+      attend_task(q, q_head_stride, q_tok_stride, c, g, tasks[3 * t + 2], heads, kv_heads, dim,
+                  static_cast<float>(scale), kp, kp + width * dim, out, s);
+    }
+  }
+  return 0;
+#else
+  (void)q, (void)q_head_stride, (void)q_tok_stride, (void)k_cache, (void)v_cache, (void)block_table;
+  (void)table_stride, (void)q_starts, (void)q_lens, (void)ctx_lens, (void)num_chunks, (void)heads;
+  (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)out;
+  return -1;
+#endif
+}
+
+}  // extern "C"

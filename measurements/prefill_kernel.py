@@ -1,0 +1,123 @@
+"""The bf16 prompt-chunk attention kernel (``engine/cpu/csrc/paged_prefill.cpp``) against torch's SDPA per
+chunk, the path it replaces: single calls at three models' head shapes, then whole runs in one engine with the
+two paths alternating round by round (``BATCHJOB_CPU_PREFILL`` read at load; here the backend's switch is
+flipped between rounds, so both see the same weights, cache and machine load).
+
+    python measurements/prefill_kernel.py --model /tmp/q05 [--rounds 2] [--threads 2]
+
+Needs a CPU with AVX512-BF16. Runs: the bench's mixed workload (64 requests, prompts of 24-600 tokens,
+8-100 output tokens, seed 0) and 16 prompts of 128 + 32 tokens; greedy, EOS ignored, drafts and the prefix
+cache off. Prints each round's wall time and the attention hook's share, and the ratio SDPA / kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+import batchjob.engine.attention as attention
+from batchjob import Engine, SamplingParams
+from batchjob.bench.workload import synthetic_workload
+from batchjob.engine.cpu import kernel
+
+HEAD_SHAPES = {"Qwen2.5-0.5B": (14, 2, 64), "Qwen2.5-1.5B": (12, 2, 128), "SmolLM2-135M": (9, 3, 64)}
+
+
+def _best_ms(fn, *args, repeat: int = 5, **kwargs) -> float:
+    fn(*args, **kwargs)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def single_calls() -> None:
+    print("one prompt of L tokens, bf16, causal (GFLOP/s counts the causal half):")
+    for name, (heads, kv_heads, dim) in HEAD_SHAPES.items():
+        for length in (128, 600, 2048):
+            blocks = -(-length // 16)
+            k_cache = torch.randn(blocks, 16, kv_heads, dim).to(torch.bfloat16)
+            v_cache = torch.randn(blocks, 16, kv_heads, dim).to(torch.bfloat16)
+            q = torch.randn(heads, length, dim).to(torch.bfloat16)
+            out = torch.empty(length, heads, dim, dtype=torch.bfloat16)
+            n = torch.tensor([length])
+            table, first = torch.arange(blocks)[None], torch.tensor([0])
+            ours = _best_ms(kernel.paged_prefill, q, k_cache, v_cache, table, first, n, n, dim**-0.5, out)
+            k = k_cache.view(-1, kv_heads, dim).transpose(0, 1)[None]
+            v = v_cache.view(-1, kv_heads, dim).transpose(0, 1)[None]
+            sdpa = _best_ms(F.scaled_dot_product_attention, q[None], k, v, is_causal=True, enable_gqa=True)
+            flops = 2 * heads * length * length * dim
+            print(
+                f"  {name:13s} L={length:5d}: kernel {ours:7.2f} ms ({flops / ours / 1e6:4.0f} GFLOP/s), "
+                f"SDPA {sdpa:7.2f} ms ({flops / sdpa / 1e6:4.0f}), {sdpa / ours:.2f}x"
+            )
+
+
+def whole_runs(model: str, rounds: int) -> None:
+    engine = Engine.from_pretrained(
+        model, device="cpu", dtype="bfloat16", num_speculative_tokens=0, enable_prefix_caching=False
+    )
+    backend = engine.runner.attention
+    assert backend.name == "cpu_kernel" and backend.prefill_kernel, "the prefill kernel does not run here"
+    hook_seconds = [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return attention.paged_attention(*args, **kwargs)
+        finally:
+            hook_seconds[0] += time.perf_counter() - start
+
+    AttentionInterface.register(attention.ATTN_NAME, timed)
+    workloads = {
+        "mixed 64 x 24-600 + 8-100": synthetic_workload(engine.vocab_size, 64, (24, 600), (8, 100), seed=0),
+        "16 x 128 + 32": synthetic_workload(engine.vocab_size, 16, (128, 128), (32, 32), seed=0),
+    }
+    engine.generate([[5] * 40], SamplingParams(max_new_tokens=2))  # warm-up: builds the kernels
+    for name, work in workloads.items():
+        walls: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            for use_kernel in (True, False):
+                backend.prefill_kernel = use_kernel
+                hook_seconds[0] = 0.0
+                params = [
+                    SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=n)
+                    for n in work.max_new_tokens
+                ]
+                start = time.perf_counter()
+                engine.generate(work.prompts, params)
+                wall = time.perf_counter() - start
+                walls[use_kernel].append(wall)
+                label = "kernel" if use_kernel else "SDPA  "
+                print(
+                    f"  {name}: {label} {wall:6.2f} s (attention hook {hook_seconds[0]:5.2f} s)", flush=True
+                )
+        best_kernel, best_sdpa = min(walls[True]), min(walls[False])
+        print(
+            f"{name}: best SDPA / best kernel = {best_sdpa:.2f} / {best_kernel:.2f} s = {best_sdpa / best_kernel:.3f}x"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--model", required=True, help="a causal LM folder (e.g. from measurements/gpu/random_model.py)"
+    )
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernel.prefill_takes(torch.bfloat16, 64):
+        raise SystemExit("the bf16 prefill kernel needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo)")
+    single_calls()
+    whole_runs(args.model, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
