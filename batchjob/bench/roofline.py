@@ -4,7 +4,9 @@ Two limits, measured here in a second or two with the model's own layers (so the
 packed oneDNN linears on the CPU, cuBLAS on CUDA), in the run's dtype on the run's device: the GEMM rate at
 a prefill step's shape (the model's largest linear over a full step's tokens), and the weight bandwidth of
 a decode step (every linear of the model over a few rows). Against them, from what the bench observes:
-prefill FLOPs / (peak x prefill time) and decode weight bytes / (bandwidth x decode time).
+prefill FLOPs / (peak x prefill time) and decode weight bytes / (bandwidth x decode time); end to end, the
+least time both limits allow the run (prefill FLOPs at the peak, decode at the binding limit) / its forward
+time.
 
 The engine has no prefill or decode phase (a step mixes both), so the split of the time is the bench's:
 prefill time is the forward time of a prefill-only pass over the same prompts (each request samples one
@@ -227,6 +229,12 @@ def shares(
     decode_bytes = float(shape.weight_bytes) * decode_steps
     decode_flops = 2.0 * (shape.body_params + shape.head_params) * decode_tokens
     timed = decode_s > 0 and decode_steps > 0
+    # The least time the limits allow the whole run: prefill at the GEMM peak, then decode at whichever of
+    # the two limits binds its totals (a step-by-step bound could only be larger: this share never flatters).
+    bound_s = flops / limits.peak_flops + max(
+        decode_bytes / limits.bandwidth, decode_flops / limits.peak_flops
+    )
+    forward_s = run["forward_seconds"]
     return {
         "peak_flops_per_s": limits.peak_flops,
         "weight_bandwidth_bytes_per_s": limits.bandwidth,
@@ -245,6 +253,8 @@ def shares(
         "decode_tokens": decode_tokens,  # rows run by decode steps: one per request, plus drafts verified
         "decode_flops": decode_flops,
         "decode_flops_share": decode_flops / (limits.peak_flops * decode_s) if timed else None,
+        "bound_seconds": bound_s,
+        "end_to_end_share": bound_s / forward_s if forward_s > 0 else None,
         "split": "prefill: forward time of a prefill-only pass over the same prompts; decode: the run's "
         "forward time less that",
     }
@@ -269,5 +279,7 @@ def format_line(figures: dict[str, Any]) -> str:
     return (
         f"roofline: prefill {pct(figures['prefill_share'])} of {_rate(figures['peak_flops_per_s'], 'FLOP/s')}, "
         f"decode {pct(figures['decode_share'])} of {_rate(figures['weight_bandwidth_bytes_per_s'], 'B/s')} "
-        f"and {pct(figures['decode_flops_share'])} of peak FLOP/s at {rows} rows a step ({figures['features']})"
+        f"and {pct(figures['decode_flops_share'])} of peak FLOP/s at {rows} rows a step; end to end "
+        f"{pct(figures['end_to_end_share'])} (the limits allow {figures['bound_seconds']:.1f} s of "
+        f"{figures['prefill_seconds'] + figures['decode_seconds']:.1f} s) ({figures['features']})"
     )

@@ -30,7 +30,7 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     assert "our time:" in text and "forward" in text
     assert "agreement: ours == static greedy tokens on" in text
     assert re.search(
-        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s and (\d+%|\?) of peak FLOP/s at \d+ rows a step \(cpu",
+        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s and (\d+%|\?) of peak FLOP/s at \d+ rows a step; end to end (\d+%|\?) \(the limits allow [\d.]+ s of [\d.]+ s\) \(cpu",
         text,
     )
 
@@ -245,9 +245,13 @@ def test_roofline_arithmetic():
     assert figures["decode_seconds"] == 3.0 and figures["decode_share"] == 8 * 4400 / (11000 * 3.0)
     assert figures["decode_tokens"] == 16 and figures["decode_flops"] == 2 * 1100 * 16
     assert figures["decode_flops_share"] == 2 * 1100 * 16 / (17488.0 * 3.0)
+    # end to end: prefill at the peak (1 s) and decode at its binding limit, here the bandwidth (3.2 s)
+    assert figures["bound_seconds"] == pytest.approx(4.2) and figures["end_to_end_share"] == pytest.approx(
+        0.84
+    )
     assert format_line(figures) == (
-        "roofline: prefill 50% of 17.5 kFLOP/s, decode 107% of 11.0 kB/s and 67% of peak FLOP/s at 2 rows a step "
-        "(cpu: avx2)"
+        "roofline: prefill 50% of 17.5 kFLOP/s, decode 107% of 11.0 kB/s and 67% of peak FLOP/s at 2 rows a step; "
+        "end to end 84% (the limits allow 4.2 s of 5.0 s) (cpu: avx2)"
     )
     # a decode time that noise sank to zero or below has no share
     again = Limits(peak_flops=1.0, bandwidth=22000.0, gemm_tokens=8, gemm_shape=(4, 8), features="cpu: avx2")
