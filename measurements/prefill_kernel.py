@@ -7,7 +7,8 @@ flipped between rounds, so both see the same weights, cache and machine load).
 
 Needs a CPU with AVX512-BF16. Runs: the bench's mixed workload (64 requests, prompts of 24-600 tokens,
 8-100 output tokens, seed 0) and 16 prompts of 128 + 32 tokens; greedy, EOS ignored, drafts and the prefix
-cache off. Prints each round's wall time and the attention hook's share, and the ratio SDPA / kernel.
+cache off. Prints each round's wall time and the attention hook's share, the ratio SDPA / kernel, and how
+many greedy outputs of the two paths agree (bf16 rounds differently in each: a near-tie can flip).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def single_calls() -> None:
             )
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def whole_runs(model: str, rounds: int) -> None:
     engine = Engine.from_pretrained(
         model, device="cpu", dtype="bfloat16", num_speculative_tokens=0, enable_prefix_caching=False
@@ -82,6 +87,7 @@ def whole_runs(model: str, rounds: int) -> None:
     engine.generate([[5] * 40], SamplingParams(max_new_tokens=2))  # warm-up: builds the kernels
     for name, work in workloads.items():
         walls: dict[bool, list[float]] = {True: [], False: []}
+        tokens: dict[bool, list[list[int]]] = {}
         for _ in range(rounds):
             for use_kernel in (True, False):
                 backend.prefill_kernel = use_kernel
@@ -91,13 +97,21 @@ def whole_runs(model: str, rounds: int) -> None:
                     for n in work.max_new_tokens
                 ]
                 start = time.perf_counter()
-                engine.generate(work.prompts, params)
+                outputs = engine.generate(work.prompts, params)
                 wall = time.perf_counter() - start
+                tokens[use_kernel] = [o.token_ids for o in outputs]
                 walls[use_kernel].append(wall)
                 label = "kernel" if use_kernel else "SDPA  "
                 print(
                     f"  {name}: {label} {wall:6.2f} s (attention hook {hook_seconds[0]:5.2f} s)", flush=True
                 )
+        same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
+        before = sum(_common_prefix(a, b) for a, b in zip(tokens[True], tokens[False], strict=True))
+        total = sum(len(b) for b in tokens[False])
+        print(
+            f"{name}: greedy tokens equal on {same}/{len(work.prompts)} requests; {before}/{total} tokens agree "
+            "before a request's first difference"
+        )
         best_kernel, best_sdpa = min(walls[True]), min(walls[False])
         print(
             f"{name}: best SDPA / best kernel = {best_sdpa:.2f} / {best_kernel:.2f} s = {best_sdpa / best_kernel:.3f}x"
