@@ -10,6 +10,7 @@ mask or with a window both ways (ModernBERT's local layers: keys closer than the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,7 +152,7 @@ class TorchReference(AttentionBackend):
             handles.append((pk.add(offsets[rows]), pk.add(table[rows, :width]), pk.add(ends[rows])))
         return handles
 
-    def pack(self, lay: StepLayout, pk: Packer) -> tuple[list[tuple], list[tuple]]:
+    def pack(self, lay: StepLayout, pk: Packer) -> Any:  # (decode handles, prefill handles)
         single = self.single_rows(lay)
         decodes = self.pack_decodes(lay, pk, single)
         prefills = []

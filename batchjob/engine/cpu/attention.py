@@ -90,10 +90,11 @@ class CpuKernel(TorchReference):
     def decode_metadata(self, slots, table, lens) -> CpuMeta:
         return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
 
-    def prefill(self, data: CpuMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
-        if data.chunks is None or window is not None:  # the kernel has no window: SDPA applies it
+    def prefill(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
+        chunks = data.chunks if isinstance(data, CpuMeta) else None
+        if chunks is None or window is not None:  # the kernel has no window: SDPA applies it
             super().prefill(data, q, key, value, k_cache, v_cache, scale, window, out)
             return
-        table, starts, lens, ends = data.chunks
+        table, starts, lens, ends = chunks
         scale = q.shape[2] ** -0.5 if scale is None else scale
         kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ends, scale, out)
