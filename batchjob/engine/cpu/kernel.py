@@ -39,7 +39,11 @@ from batchjob.models import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (
+    CSRC / "paged_decode.cpp",
+    CSRC / "paged_prefill.cpp",
+)  # compiled; with cpu_math.h, which they share
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
 PREFILL_ENV = "BATCHJOB_CPU_PREFILL"  # 0: prompt chunks go to torch's SDPA, as on a CPU without AVX512-BF16
@@ -98,7 +102,7 @@ def load() -> ctypes.CDLL | None:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         digest = hashlib.sha256()
         for part in (
-            *(source.read_bytes() for source in SOURCES),
+            *(path.read_bytes() for path in sorted(CSRC.iterdir())),
             version.encode(),
             " ".join(FLAGS).encode(),
             _cpu_signature().encode(),

@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 struct bf16 {
@@ -48,33 +50,12 @@ inline S narrow(typename Compute<S>::type x) {
 }
 template <>
 inline bf16 narrow<bf16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};  // stays a (quiet) NaN
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest, ties to even
-  return bf16{static_cast<uint16_t>(u >> 16)};
+  return bf16{batchjob::bf16_bits(x)};
 }
 
-// exp(x) for x <= 0 (a score less its row's maximum), vectorisable: x = n ln2 + r with |r| <= ln2 / 2, a
-// degree-6 Taylor polynomial for e^r (relative error below 2e-7, a few float ulps) and 2^n from the exponent
-// bits; below -87 (where e^x leaves float's normal range) it is 0. The scalar libm call it replaces kept the
-// softmax loop scalar: it was about half of a bf16 call's time at Qwen2.5-0.5B's shape (14 heads, 150 keys).
-// double keeps std::exp, so the float64 path the exactness tests run is unchanged.
-inline float exp_nonpositive(float x) {
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in two: r exact enough
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
+// float: the shared polynomial (cpu_math.h); double keeps std::exp, so the float64 path the exactness tests
+// run is unchanged.
+using batchjob::exp_nonpositive;
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
 template <typename T>

@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define BATCHJOB_PREFILL 1
@@ -39,30 +41,8 @@ constexpr int64_t KB = 16;  // keys per block of packed keys: one zmm of float s
 constexpr int R = 16;       // query rows per task (one accumulator each in the score loop)
 constexpr int PR = 4;       // query rows per pass of the value loop (4 rows x 4 zmm of dimensions)
 
-inline uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// As paged_decode.cpp's: exp(x) for x <= 0, a degree-6 polynomial after range reduction, 0 below -87.
-inline float exp_nonpositive(float x) {
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
+using batchjob::bf16_bits;
+using batchjob::exp_nonpositive;
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
@@ -168,7 +148,7 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
       sum += e;
       sr[j] = e;
     }
-    for (int64_t j = 0; j < count[r]; ++j) pr[j] = to_bf16(sr[j]);
+    for (int64_t j = 0; j < count[r]; ++j) pr[j] = bf16_bits(sr[j]);
     std::fill(pr + count[r], pr + width + 2, uint16_t{0});
     inv_sum[r] = 1.0f / sum;
     prob[r] = pr;
@@ -192,7 +172,7 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
     const int64_t row = row0 + r, i = row / group, h = kvh * group + row % group;
     uint16_t* o = out + ((c.q_start + i) * heads + h) * D;
     const float* a = s.acc.data() + r * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(a[d] * inv_sum[r]);
+    for (int64_t d = 0; d < D; ++d) o[d] = bf16_bits(a[d] * inv_sum[r]);
   }
 }
 
