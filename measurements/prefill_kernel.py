@@ -1,9 +1,11 @@
 """The bf16 prompt-chunk attention kernel (``engine/cpu/csrc/paged_prefill.cpp``) against torch's SDPA per
 chunk, the path it replaces: single calls at three models' head shapes, then whole runs in one engine with the
 two paths alternating round by round (``BATCHJOB_CPU_PREFILL`` read at load; here the backend's switch is
-flipped between rounds, so both see the same weights, cache and machine load).
+flipped between rounds, so both see the same weights, cache and machine load). Before the runs, the same
+kernel attending both ways over each sequence's own keys (``dense_prefill``: an encoder's rows, a vision
+tower's images) against SDPA over the batch of sequences, at four encoder and tower shapes.
 
-    python measurements/prefill_kernel.py --model /tmp/q05 [--rounds 2] [--threads 2]
+    python measurements/prefill_kernel.py --model /tmp/q05 [--rounds 2] [--threads 2] [--calls-only]
 
 Needs a CPU with AVX512-BF16. Runs: the bench's mixed workload (64 requests, prompts of 24-600 tokens,
 8-100 output tokens, seed 0) and 16 prompts of 128 + 32 tokens; greedy, EOS ignored, drafts and the prefix
@@ -58,6 +60,36 @@ def single_calls() -> None:
                 f"  {name:13s} L={length:5d}: kernel {ours:7.2f} ms ({flops / ours / 1e6:4.0f} GFLOP/s), "
                 f"SDPA {sdpa:7.2f} ms ({flops / sdpa / 1e6:4.0f}), {sdpa / ours:.2f}x"
             )
+
+
+# (sequences, tokens each, heads, head size): a tower call of 8 CLIP B/16 images, 2 SigLIP crops of 512 px,
+# MiniLM's rows of the bench's mean length and of its longest
+BOTH_WAYS_SHAPES = {
+    "CLIP ViT-B/16, 8 images": (8, 197, 12, 64),
+    "SigLIP-B/16-512, 2 crops": (2, 1024, 12, 64),
+    "MiniLM-L6, 16 rows": (16, 148, 12, 32),
+    "MiniLM-L6, 4 rows of 512": (4, 512, 12, 32),
+}
+
+
+def both_ways_calls() -> None:
+    print("sequences attended both ways over their own keys, bf16 (q, k, v: column views of one projection):")
+    for name, (batch, length, heads, dim) in BOTH_WAYS_SHAPES.items():
+        qkv = torch.randn(batch * length, 3 * heads * dim).to(torch.bfloat16)
+        q, k, v = (
+            qkv[:, i * heads * dim : (i + 1) * heads * dim].view(batch * length, heads, dim) for i in range(3)
+        )
+        flat = [x.transpose(0, 1) for x in (q, k, v)]  # [H, B * T, D]
+        starts, lens = torch.arange(batch) * length, torch.full((batch,), length)
+        out = torch.empty(batch * length, heads, dim, dtype=torch.bfloat16)
+        ours = _best_ms(kernel.dense_prefill, *flat, starts, lens, dim**-0.5, False, out)
+        q4, k4, v4 = (x.view(batch, length, heads, dim).transpose(1, 2) for x in (q, k, v))
+        sdpa = _best_ms(F.scaled_dot_product_attention, q4, k4, v4)
+        flops = 4 * batch * heads * length * length * dim
+        print(
+            f"  {name:25s}: kernel {ours:7.2f} ms ({flops / ours / 1e6:4.0f} GFLOP/s), "
+            f"SDPA {sdpa:7.2f} ms ({flops / sdpa / 1e6:4.0f}), {sdpa / ours:.2f}x"
+        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -125,12 +157,15 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calls-only", action="store_true", help="single calls only, no whole runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not kernel.prefill_takes(torch.bfloat16, 64):
         raise SystemExit("the bf16 prefill kernel needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo)")
     single_calls()
-    whole_runs(args.model, args.rounds)
+    both_ways_calls()
+    if not args.calls_only:
+        whole_runs(args.model, args.rounds)
 
 
 if __name__ == "__main__":

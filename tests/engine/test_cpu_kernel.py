@@ -160,6 +160,43 @@ def test_bf16_prefill_kernel_equals_float64_attention_up_to_bf16_rounding(heads,
     assert untouched.sum() == sum(gaps) and (out[untouched] == 7.0).all()
 
 
+@pytest.mark.engine  # runs the C++ compiler
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 12, 32), (12, 12, 64), (14, 2, 64), (6, 3, 80)])
+def test_bf16_dense_prefill_equals_float64_attention_up_to_bf16_rounding(heads, kv_heads, dim, causal):
+    """Sequences attended over their own keys (an encoder's rows, a vision tower's images): q, k and v as
+    the column views of one projection that transformers' attention layers pass, each sequence both ways
+    (or causal), against float64 attention of the same bf16 inputs, within bf16 SDPA's own error."""
+    _needs_prefill_kernel()
+    lens = [197, 1, 16, 60, 257]
+    total, gen = sum(lens), torch.Generator().manual_seed(dim)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = (torch.randn(total, width, generator=gen) * 2).to(torch.bfloat16)  # one product, q k v columns
+    q = qkv[:, : heads * dim].view(total, heads, dim).transpose(0, 1)  # [H, T, D], strided
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(total, kv_heads, dim).transpose(0, 1)
+    v = qkv[:, (heads + kv_heads) * dim :].view(total, kv_heads, dim).transpose(0, 1)
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+    out = torch.empty(total, heads, dim, dtype=torch.bfloat16)
+    cpu_kernel.dense_prefill(q, k, v, starts, torch.tensor(lens), dim**-0.5, causal, out)
+
+    rep = heads // kv_heads
+    got, want, sdpa_bf16 = [], [], []
+    for start, n in zip(starts.tolist(), lens, strict=True):
+        qc = q[:, start : start + n]
+        kc, vc = (x[:, start : start + n].repeat_interleave(rep, 0) for x in (k, v))
+        exact = F.scaled_dot_product_attention(
+            qc.double(), kc.double(), vc.double(), scale=dim**-0.5, is_causal=causal
+        )
+        sdpa_bf16.append(
+            F.scaled_dot_product_attention(qc, kc, vc, scale=dim**-0.5, is_causal=causal).double()
+        )
+        got.append(out[start : start + n].transpose(0, 1).double())
+        want.append(exact)
+    got_t, want_t, sdpa_t = torch.cat(got, 1), torch.cat(want, 1), torch.cat(sdpa_bf16, 1)
+    torch.testing.assert_close(got_t, want_t, atol=2e-2, rtol=1e-2)
+    assert (got_t - want_t).abs().mean() <= 1.25 * (sdpa_t - want_t).abs().mean()
+
+
 def bf16_prompts(vocab_size: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 80, (24,), generator=gen)
@@ -247,3 +284,4 @@ def test_kernel_can_be_turned_off(monkeypatch):
         assert cpu_kernel.load() is None
     finally:
         cpu_kernel.load.cache_clear()
+

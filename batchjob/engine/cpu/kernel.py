@@ -7,7 +7,9 @@ the keys and values in place through the block table, every query head of a requ
 
 Prompt chunks in bfloat16, on a CPU with AVX512-BF16: ``csrc/paged_prefill.cpp`` computes both products of
 attention as bfloat16 pairs with float sums (vdpbf16ps), where torch's CPU flash attention widens to float
-and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targets those instructions).
+and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targets those instructions). The
+same kernel attends rows both ways over their own keys (:func:`dense_prefill`): an encoder's rows, a vision
+tower's images.
 
 It is plain C++ with OpenMP (no torch headers), so it compiles in about a second and is loaded with
 ``ctypes``. The shared library is cached under ``<cache>/kernels/`` by a digest of the source, the compiler,
@@ -121,26 +123,11 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_double, i64, ptr]
         fn.restype = None
-    fn = lib.batchjob_paged_prefill_bf16
-    fn.argtypes = [
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_double,
-        ptr,
-    ]
+    fn = lib.batchjob_prefill_bf16
+    # q, k, v (each a pointer, its head and token strides); block table, its stride, block size; q_starts,
+    # q_lens, ctx_lens, chunks; heads, KV heads, head size; scale, causal; out
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
+    fn.argtypes += [i64, ctypes.c_double, i64, ptr]
     fn.restype = ctypes.c_int
     lib.batchjob_paged_prefill_available.restype = ctypes.c_int
     return lib
@@ -205,30 +192,47 @@ def paged_prefill(
     out: torch.Tensor,  # [T, H, D]: the chunks' rows are written, the others left as they are
 ) -> None:
     """Causal attention of prompt chunks over their requests' cached keys (check :func:`prefill_takes`)."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    block_size = k_cache.shape[1]
+    k, v = k_cache.flatten(0, 1).transpose(0, 1), v_cache.flatten(0, 1).transpose(0, 1)  # [KVH, slots, D]
+    _prefill(q, k, v, block_table.contiguous(), block_size, q_starts, q_lens, ctx_lens, scale, True, out)
+
+
+def dense_prefill(
+    q: torch.Tensor,  # [H, T, D] bfloat16 (any strides with D contiguous)
+    k: torch.Tensor,  # [KVH, T, D]: the same rows' keys
+    v: torch.Tensor,
+    q_starts: torch.Tensor,  # [C] int64: first row of each sequence
+    q_lens: torch.Tensor,  # [C] int64: its rows
+    scale: float,
+    causal: bool,
+    out: torch.Tensor,  # [T, H, D]: the sequences' rows are written
+) -> None:
+    """Attention of each sequence of rows over its own keys, both ways unless ``causal`` (an encoder's
+    rows, a vision tower's images; check :func:`prefill_takes`)."""
+    _prefill(q, k, v, None, 1, q_starts, q_lens, q_lens, scale, causal, out)
+
+
+def _prefill(q, k, v, block_table, block_size, q_starts, q_lens, ctx_lens, scale, causal, out) -> None:
     lib = load()
-    assert lib is not None and q.dtype == torch.bfloat16 and q.stride(2) == 1 and out.is_contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
-    block_table, q_starts = block_table.contiguous(), q_starts.contiguous()
-    q_lens, ctx_lens = q_lens.contiguous(), ctx_lens.contiguous()
+    assert lib is not None and q.dtype == k.dtype == v.dtype == torch.bfloat16 and out.is_contiguous()
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1
+    q_starts, q_lens, ctx_lens = q_starts.contiguous(), q_lens.contiguous(), ctx_lens.contiguous()
     heads, _, dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    status = lib.batchjob_paged_prefill_bf16(
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.shape[1],
+    status = lib.batchjob_prefill_bf16(
+        *(x for t in (q, k, v) for x in (t.data_ptr(), t.stride(0), t.stride(1))),
+        0 if block_table is None else block_table.data_ptr(),
+        0 if block_table is None else block_table.shape[1],
+        block_size,
         q_starts.data_ptr(),
         q_lens.data_ptr(),
         ctx_lens.data_ptr(),
         q_starts.shape[0],
         heads,
-        kv_heads,
+        k.shape[0],
         dim,
-        block_size,
         float(scale),
+        int(causal),
         out.data_ptr(),
     )
-    assert status == 0, "paged_prefill called where the kernel was built without AVX512-BF16"
+    assert status == 0, "the prefill kernel called where it was built without AVX512-BF16"

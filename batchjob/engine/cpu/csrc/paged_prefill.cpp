@@ -1,4 +1,5 @@
-// Paged prefill attention for the CPU in bfloat16, on AVX512-BF16 dot products (vdpbf16ps).
+// Prefill attention for the CPU in bfloat16, on AVX512-BF16 dot products (vdpbf16ps): prompt chunks over the
+// paged cache, and rows attended both ways (an encoder's, a vision tower's images) over their own keys.
 //
 // torch's CPU flash attention widens bfloat16 to float and runs float32 GEMMs: 40-70 GFLOP/s on a Zen 4
 // core pair, where a bfloat16 GEMM runs at 400. Here the two products of attention run as bfloat16 pairs
@@ -6,10 +7,11 @@
 // rounded to bfloat16 (as torch's kernel rounds them for its second GEMM), out = sum p.v in float, divided
 // by the float sum of the probabilities and rounded to the nearest even bfloat16.
 //
-// A call attends every prompt chunk of a step, each a request's q_len new queries at positions
-// [ctx - q_len, ctx) over its keys [0, ctx) read through its block table (its new keys already written),
-// causal: query i sees keys up to ctx - q_len + i. Layouts as in paged_decode.cpp: k_cache, v_cache
-// [num_blocks, block_size, kv_heads, D]; out [T, heads, D]; q [heads, T, D] addressed by its strides.
+// A call attends every chunk of a step, each q_len queries at positions [ctx - q_len, ctx) over keys
+// [0, ctx): read through the chunk's block table from the paged cache (its new keys already written;
+// layout as in paged_decode.cpp, [num_blocks, block_size, kv_heads, D]), or, without a table, the chunk's own
+// q_len keys among the step's (ctx == q_len). Causal: query i sees keys up to ctx - q_len + i; else every
+// key. q [heads, T, D], keys and values [tokens, kv_heads, D] addressed by their strides; out [T, heads, D].
 //
 // First each (chunk, KV head)'s keys and values are copied into the layouts the instruction takes: keys
 // in blocks of 16 with their D values as 32-bit pairs key by key (one zmm: one pair of 16 keys), values as
@@ -48,14 +50,21 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
 struct Chunk {
   int64_t q_start, q_len, ctx;
-  const int64_t* blocks;
+  const int64_t* blocks;  // its block table; nullptr: its keys are the step's tokens [q_start, q_start + ctx)
   int64_t packed;  // offset of its KV heads' packed keys (and values) in the scratch, in uint16 units
+};
+
+// Where keys and values are: token t, KV head h at k + t * k_tok + h * k_head (v likewise); a token is a
+// slot of the paged cache (block * block_size + offset) or a row of the step.
+struct Keys {
+  const uint16_t *k, *v;
+  int64_t k_head, k_tok, v_head, v_tok, block_size;
 };
 
 // Keys [0, ctx) of one KV head, zero past ctx up to a whole block: kp[block][pair][key] as 32-bit pairs;
 // values: vp[key pair][dim] as 32-bit pairs of the two keys' values.
-void pack(const uint16_t* k_cache, const uint16_t* v_cache, const Chunk& c, int64_t kvh, int64_t kv_heads,
-          int64_t D, int64_t block_size, uint16_t* kp, uint16_t* vp) {
+void pack(const Keys& src, const Chunk& c, int64_t kvh, int64_t D, uint16_t* kp, uint16_t* vp) {
+  const int64_t bs = src.block_size;
   const int64_t blocks = (c.ctx + KB - 1) / KB, pairs = D / 2;
   uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
   for (int64_t j = 0; j < blocks * KB; ++j) {
@@ -63,11 +72,11 @@ void pack(const uint16_t* k_cache, const uint16_t* v_cache, const Chunk& c, int6
     uint32_t* dst = k32 + b * pairs * KB + t;
     uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
     if (j < c.ctx) {
-      const int64_t at = (c.blocks[j / block_size] * block_size + j % block_size) * kv_heads * D + kvh * D;
-      uint32_t src[256];  // D <= 512
-      std::memcpy(src, k_cache + at, D * sizeof(uint16_t));
-      for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = src[p];
-      const uint16_t* v = v_cache + at;
+      const int64_t t = c.blocks ? c.blocks[j / bs] * bs + j % bs : c.q_start + j;
+      uint32_t key[256];  // D <= 512
+      std::memcpy(key, src.k + t * src.k_tok + kvh * src.k_head, D * sizeof(uint16_t));
+      for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = key[p];
+      const uint16_t* v = src.v + t * src.v_tok + kvh * src.v_head;
       for (int64_t d = 0; d < D; ++d) vdst[d * 2] = v[d];
     } else {
       for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = 0;
@@ -106,15 +115,15 @@ struct Scratch {
 };
 
 void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride, const Chunk& c, int64_t kvh,
-                 int64_t row0, int64_t heads, int64_t kv_heads, int64_t D, float scale, const uint16_t* kp,
-                 const uint16_t* vp, uint16_t* out, Scratch& s) {
+                 int64_t row0, int64_t heads, int64_t kv_heads, int64_t D, float scale, bool causal,
+                 const uint16_t* kp, const uint16_t* vp, uint16_t* out, Scratch& s) {
   const int64_t group = heads / kv_heads, pairs = D / 2;
   const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
   int64_t count[R];  // keys each row sees
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + std::min(r, rows - 1);  // rows past the end repeat the last one
     const int64_t i = row / group, h = kvh * group + row % group;
-    count[r] = c.ctx - c.q_len + i + 1;
+    count[r] = causal ? c.ctx - c.q_len + i + 1 : c.ctx;
     std::memcpy(s.q.data() + r * pairs, q + h * q_head_stride + (c.q_start + i) * q_tok_stride,
                 D * sizeof(uint16_t));
   }
@@ -140,6 +149,7 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
     float* sr = s.scores.data() + r * width;
     uint16_t* pr = s.probs.data() + r * (width + 2);
     float m = -INFINITY;
+#pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < count[r]; ++j) m = std::max(m, sr[j] * scale);
     float sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -181,21 +191,26 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
 
 extern "C" {
 
-// q [heads, T, D] by strides; per chunk: q_starts, q_lens, ctx_lens and its row of block_table; D a multiple
-// of 16, at most 512; heads a multiple of kv_heads. Returns 0, or -1 where this build has no AVX512-BF16.
-int batchjob_paged_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
-                                const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_table,
-                                int64_t table_stride, const int64_t* q_starts, const int64_t* q_lens,
-                                const int64_t* ctx_lens, int64_t num_chunks, int64_t heads, int64_t kv_heads,
-                                int64_t dim, int64_t block_size, double scale, uint16_t* out) {
+// q [heads, T, D], k and v [tokens, kv_heads, D], each by its strides (a head's, a token's); per chunk:
+// q_starts, q_lens, ctx_lens and its row of block_table (nullptr: keys are the chunk's own rows, ctx_lens its
+// q_lens); D a multiple of 16, at most 512; heads a multiple of kv_heads. Returns 0, or -1 where this build
+// has no AVX512-BF16.
+int batchjob_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride, const uint16_t* k,
+                          int64_t k_head_stride, int64_t k_tok_stride, const uint16_t* v, int64_t v_head_stride,
+                          int64_t v_tok_stride, const int64_t* block_table, int64_t table_stride,
+                          int64_t block_size, const int64_t* q_starts, const int64_t* q_lens,
+                          const int64_t* ctx_lens, int64_t num_chunks, int64_t heads, int64_t kv_heads,
+                          int64_t dim, double scale, int64_t causal, uint16_t* out) {
 #if BATCHJOB_PREFILL
+  const Keys src{k, v, k_head_stride, k_tok_stride, v_head_stride, v_tok_stride, block_size};
   const int64_t group = heads / kv_heads;
   std::vector<Chunk> chunks(static_cast<size_t>(num_chunks));
   std::vector<int64_t> tasks;  // (chunk, kv head, first row) triples
   int64_t packed = 0, widest = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t width = (ctx_lens[c] + KB - 1) / KB * KB;
-    chunks[c] = Chunk{q_starts[c], q_lens[c], ctx_lens[c], block_table + c * table_stride, packed};
+    const int64_t* blocks = block_table ? block_table + c * table_stride : nullptr;
+    chunks[c] = Chunk{q_starts[c], q_lens[c], ctx_lens[c], blocks, packed};
     packed += kv_heads * 2 * width * dim;  // keys, then values, of each KV head
     widest = std::max(widest, width);
     for (int64_t g = 0; g < kv_heads; ++g)
@@ -210,7 +225,7 @@ int batchjob_paged_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_
       const Chunk& c = chunks[cg / kv_heads];
       const int64_t g = cg % kv_heads, width = (c.ctx + KB - 1) / KB * KB;
       uint16_t* kp = kv.data() + c.packed + g * 2 * width * dim;
-      pack(k_cache, v_cache, c, g, kv_heads, dim, block_size, kp, kp + width * dim);
+      pack(src, c, g, dim, kp, kp + width * dim);
     }
     Scratch s;
     s.q.resize(static_cast<size_t>(R * dim / 2));
@@ -218,19 +233,20 @@ int batchjob_paged_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_
     s.probs.resize(static_cast<size_t>(R * (widest + 2)));
     s.acc.resize(static_cast<size_t>(R * dim));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = num_tasks - 1; t >= 0; --t) {  // the last rows of a chunk see the most keys: first
+    for (int64_t t = num_tasks - 1; t >= 0; --t) {  // the last rows of a causal chunk see the most keys: first
       const Chunk& c = chunks[tasks[3 * t]];
       const int64_t g = tasks[3 * t + 1], width = (c.ctx + KB - 1) / KB * KB;
       const uint16_t* kp = kv.data() + c.packed + g * 2 * width * dim;
       attend_task(q, q_head_stride, q_tok_stride, c, g, tasks[3 * t + 2], heads, kv_heads, dim,
-                  static_cast<float>(scale), kp, kp + width * dim, out, s);
+                  static_cast<float>(scale), causal != 0, kp, kp + width * dim, out, s);
     }
   }
   return 0;
 #else
-  (void)q, (void)q_head_stride, (void)q_tok_stride, (void)k_cache, (void)v_cache, (void)block_table;
-  (void)table_stride, (void)q_starts, (void)q_lens, (void)ctx_lens, (void)num_chunks, (void)heads;
-  (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)out;
+  (void)q, (void)q_head_stride, (void)q_tok_stride, (void)k, (void)k_head_stride, (void)k_tok_stride, (void)v;
+  (void)v_head_stride, (void)v_tok_stride, (void)block_table, (void)table_stride, (void)block_size;
+  (void)q_starts, (void)q_lens, (void)ctx_lens, (void)num_chunks, (void)heads, (void)kv_heads, (void)dim;
+  (void)scale, (void)causal, (void)out;
   return -1;
 #endif
 }
