@@ -285,3 +285,39 @@ def test_kernel_can_be_turned_off(monkeypatch):
     finally:
         cpu_kernel.load.cache_clear()
 
+
+@pytest.mark.engine  # builds and loads a model
+@pytest.mark.parametrize("family", ["bert", "gemma3"])
+def test_bf16_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path, family):
+    """An embedder's rows in bf16, attended both ways: every layer without a window goes to the prefill
+    kernel over the step's own keys (EmbeddingGemma's windowed layers stay SDPA's). Against float64
+    embeddings of the same model, the kernel's are as close as the SDPA path's (same weights, same engine)."""
+    from batchjob import Engine
+    from tests.task_models import make_embedder
+
+    _needs_prefill_kernel()
+    folder = make_embedder(tmp_path / family, family, "mean", normalize=False)
+    gen = torch.Generator().manual_seed(1)
+    texts = [torch.randint(5, 400, (n,), generator=gen).tolist() for n in (3, 40, 17, 90)]  # token ids
+    engine = Engine.from_pretrained(str(folder), device="cpu", dtype="bfloat16", task="embed")
+    attention = engine.runner.attention
+    assert attention.name == "cpu_kernel" and attention.prefill_kernel
+    calls = []
+    plain = cpu_kernel.dense_prefill
+    try:
+        cpu_kernel.dense_prefill = lambda *a, **k: calls.append(a[3].numel()) or plain(*a, **k)
+        outs = engine.embed(texts)
+    finally:
+        cpu_kernel.dense_prefill = plain
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    got = torch.stack([torch.from_numpy(o.embedding).double() for o in outs])
+    layers = 2 if family == "bert" else 1  # EmbeddingGemma's one global layer of four
+    assert len(calls) == layers and sum(calls) == layers * len(texts)  # one call a layer, every row in it
+    attention.prefill_kernel = False
+    sdpa = torch.stack([torch.from_numpy(o.embedding).double() for o in engine.embed(texts)])
+    exact = Engine.from_pretrained(str(folder), device="cpu", dtype="float64", task="embed")
+    want = torch.stack([torch.from_numpy(o.embedding) for o in exact.embed(texts)])
+    err, sdpa_err = (got - want).abs().mean(), (sdpa - want).abs().mean()
+    assert err <= 1.25 * sdpa_err, (err, sdpa_err)
+    assert F.cosine_similarity(got, want).min() > 0.999
+

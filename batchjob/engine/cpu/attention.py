@@ -3,9 +3,9 @@ sent to the compiled decode kernel (:mod:`.kernel`), which reads the paged cache
 
 The kernel takes rows of any context lengths in one call, so every one-token request and every row of a
 draft verification (each query seeing its request's keys up to its own position) goes in one group.
-Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to the prefill kernel, all of a step's in one call;
-elsewhere (float32, other CPUs, a layer with a sliding window, an encoder's rows both ways) they stay the
-reference's, one SDPA call each. ``BATCHJOB_CPU_KERNEL=0`` turns both kernels off, and the engine then
+Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to the prefill kernel, all of a step's in one call,
+and so do an encoder's rows, attended both ways over the step's own keys; elsewhere (float32, other CPUs, a
+layer with a sliding window) they stay the reference's, one SDPA call each. ``BATCHJOB_CPU_KERNEL=0`` turns both kernels off, and the engine then
 chooses the reference; ``BATCHJOB_CPU_PREFILL=0`` the prefill kernel alone.
 """
 
@@ -45,9 +45,9 @@ class CpuKernel(TorchReference):
 
     @functools.cached_property
     def prefill_kernel(self) -> bool:
-        """Whether prompt chunks can go to the prefill kernel (causal rows; this dtype and head size)."""
+        """Whether prompt chunks (or an encoder's rows) can go to the prefill kernel: this dtype and head size."""
         k_cache = self.kv_caches[0][0] if self.kv_caches else None
-        return k_cache is not None and self.causal and kernel.prefill_takes(k_cache.dtype, k_cache.shape[3])
+        return k_cache is not None and kernel.prefill_takes(k_cache.dtype, k_cache.shape[3])
 
     def single_rows(self, lay: StepLayout) -> np.ndarray:
         return ((lay.n == 1) | (lay.drafts > 0)) & self.decode_rows
@@ -97,4 +97,7 @@ class CpuKernel(TorchReference):
             return
         table, starts, lens, ends = chunks
         scale = q.shape[2] ** -0.5 if scale is None else scale
-        kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ends, scale, out)
+        if self.causal:
+            kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ends, scale, out)
+        else:  # an encoder's whole rows, both ways, over the step's keys (the cache is not written)
+            kernel.dense_prefill(q, key[0], value[0], starts, lens, scale, False, out)
