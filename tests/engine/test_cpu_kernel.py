@@ -321,3 +321,67 @@ def test_bf16_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path,
     assert err <= 1.25 * sdpa_err, (err, sdpa_err)
     assert F.cosine_similarity(got, want).min() > 0.999
 
+
+@pytest.mark.engine  # builds a model
+@pytest.mark.parametrize("heads", [4, 1])
+def test_bf16_vision_tower_attention_on_the_prefill_kernel_within_sdpas_error(heads):
+    """A CLIP vision tower in bf16 with the kernel's attention (head size 16 or 64): its hidden states
+    against float64 as close as with transformers' SDPA; a call with a mask is SDPA's, bit for bit."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from batchjob.engine.cpu import tower
+
+    _needs_prefill_kernel()
+    config = CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        image_size=64,
+        patch_size=8,
+    )
+    torch.manual_seed(0)
+    model = CLIPVisionModel(config).eval()
+    pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+
+    def hidden(dtype, attn):
+        model.to(dtype).set_attn_implementation(attn)
+        with torch.inference_mode():
+            return model(pixel_values=pixels.to(dtype)).last_hidden_state.double()
+
+    want = hidden(torch.float64, "sdpa")
+    sdpa = hidden(torch.bfloat16, "sdpa")
+    calls = []
+    plain = cpu_kernel.dense_prefill
+    try:
+        cpu_kernel.dense_prefill = lambda *a, **k: calls.append(a[3].numel()) or plain(*a, **k)
+        got = hidden(torch.bfloat16, tower.TOWER_ATTN)
+    finally:
+        cpu_kernel.dense_prefill = plain
+    assert calls == [3, 3]  # one call a layer, the three images in it
+    err, sdpa_err = (got - want).abs().mean(), (sdpa - want).abs().mean()
+    assert err <= 1.25 * sdpa_err, (err, sdpa_err)
+
+    layer = next(m for m in model.modules() if type(m).__name__ == "CLIPAttention")
+    q = torch.randn(2, heads, 65, 64 // heads, dtype=torch.bfloat16)
+    mask = torch.zeros(2, 1, 65, 65, dtype=torch.bfloat16)
+    mask[..., 60:] = float("-inf")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    masked, _ = tower.tower_attention(layer, q, q, q, mask)
+    reference, _ = sdpa_attention_forward(layer, q, q, q, mask)
+    assert torch.equal(masked, reference)
+
+
+@pytest.mark.engine  # builds and loads a model
+def test_an_engine_gives_a_bf16_vision_tower_the_kernels_attention_and_a_float32_one_sdpa(tmp_path):
+    from batchjob import Engine
+    from batchjob.engine.cpu import tower
+    from tests.vision_models import make_llava
+
+    _needs_prefill_kernel()
+    folder = make_llava(tmp_path / "llava")
+    for dtype, expected in (("bfloat16", tower.TOWER_ATTN), ("float32", "sdpa")):
+        model = Engine.from_pretrained(str(folder), device="cpu", dtype=dtype).runner.model
+        assert model.config.vision_config._attn_implementation == expected
+        assert model.config.text_config._attn_implementation != expected

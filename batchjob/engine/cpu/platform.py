@@ -2,7 +2,7 @@
 
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
 it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
-:mod:`.bf16`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
+:mod:`.bf16`), gives a vision tower in bf16 the prefill kernel's attention (:mod:`.tower`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
 the OS fills on first touch (:func:`lazy_zeros`), and checks between steps whether other programs share our
 cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
 """
@@ -14,7 +14,7 @@ import mmap
 import torch
 
 from batchjob import env
-from batchjob.engine.cpu import bf16, heap, linear
+from batchjob.engine.cpu import bf16, heap, linear, tower
 from batchjob.engine.cpu.spin import SpinGuard
 
 SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
@@ -85,11 +85,14 @@ class CpuPlatform(Platform):
         """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16
         (not under torch.compile: inductor lowers the packed call only for weights it froze itself). bf16 on
         a CPU without it is slower than float32: one warning line says so. Then, the load done, the heap keeps
-        what the forwards free (:mod:`.heap`)."""
+        what the forwards free (:mod:`.heap`). A vision tower in bf16 attends on the prefill kernel where the
+        CPU has AVX512-BF16 (:mod:`.tower`)."""
         bf16.warn_if_slow(self.device, dtype)
         packed = 0
         if not compiled and linear.available(dtype, self.device):
             packed = linear.prepack_linears(model)
+        if not compiled:  # the kernel is a ctypes call, which torch.compile cannot trace
+            tower.use_for_tower(model, dtype)
         heap.keep_freed_memory()
         return packed
 
