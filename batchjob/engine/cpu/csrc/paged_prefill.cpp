@@ -42,6 +42,8 @@ namespace {
 constexpr int64_t KB = 16;  // keys per block of packed keys: one zmm of float scores per query row
 constexpr int R = 16;       // query rows per task (one accumulator each in the score loop)
 constexpr int PR = 4;       // query rows per pass of the value loop (4 rows x 4 zmm of dimensions)
+constexpr int RT = 4;       // query rows x key blocks a tile of the score loop (RT x NK accumulators)
+constexpr int NK = 4;
 
 using batchjob::bf16_bits;
 using batchjob::exp_nonpositive;
@@ -107,6 +109,26 @@ inline void weigh_values(const uint16_t* const* prob, int rows, int64_t key_pair
     for (int n = 0; n < ND; ++n) _mm512_storeu_ps(acc[r] + d0 + n * 16, sum[r][n]);
 }
 
+// scores[r][b0 * KB ...] for RT rows of q (pairs each) and N key blocks from b0: each key vector loaded once
+// for RT rows, each query pair broadcast once for N key blocks.
+template <int N>
+inline void score_tile(const uint32_t* q, int64_t pairs, const uint16_t* kp, int64_t b0, float* scores,
+                       int64_t width) {
+  __m512 acc[RT][N];
+  for (int r = 0; r < RT; ++r)
+    for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh k[N];
+    for (int n = 0; n < N; ++n) k[n] = as_bh(_mm512_loadu_si512(kp + ((b0 + n) * pairs + p) * KB * 2));
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh qq = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * pairs + p])));
+      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], qq, k[n]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int n = 0; n < N; ++n) _mm512_storeu_ps(scores + r * width + (b0 + n) * KB, acc[r][n]);
+}
+
 struct Scratch {
   std::vector<uint32_t> q;      // [R][D/2] the task's query rows as pairs
   std::vector<float> scores;    // [R][keys]
@@ -129,18 +151,17 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
   }
   const int64_t keys = count[rows - 1], blocks = (keys + KB - 1) / KB, width = blocks * KB;
 
-  for (int64_t b = 0; b < blocks; ++b) {  // scores, 16 keys x 16 rows at a time
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const uint16_t* kb = kp + b * pairs * KB * 2;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512bh k = as_bh(_mm512_loadu_si512(kb + p * KB * 2));
-      for (int r = 0; r < R; ++r) {
-        const __m512bh qq = as_bh(_mm512_set1_epi32(static_cast<int>(s.q[r * pairs + p])));
-        acc[r] = _mm512_dpbf16_ps(acc[r], qq, k);
+  for (int r0 = 0; r0 < rows; r0 += RT) {  // scores, RT rows x NK blocks of 16 keys at a time
+    const uint32_t* qr = s.q.data() + r0 * pairs;
+    float* sr = s.scores.data() + r0 * width;
+    for (int64_t b0 = 0; b0 < blocks; b0 += NK) {
+      switch (std::min<int64_t>(NK, blocks - b0)) {
+        case 4: score_tile<4>(qr, pairs, kp, b0, sr, width); break;
+        case 3: score_tile<3>(qr, pairs, kp, b0, sr, width); break;
+        case 2: score_tile<2>(qr, pairs, kp, b0, sr, width); break;
+        default: score_tile<1>(qr, pairs, kp, b0, sr, width); break;
       }
     }
-    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(s.scores.data() + r * width + b * KB, acc[r]);
   }
 
   float inv_sum[R];
