@@ -1,16 +1,18 @@
-"""The bf16 prompt-chunk attention kernel (``engine/cpu/csrc/paged_prefill.cpp``) against torch's SDPA per
+"""The prompt-chunk attention kernels (``engine/cpu/csrc/``: bf16's ``paged_prefill.cpp``, float32's
+``prefill_f32.cpp``, chosen by ``--dtype``) against torch's SDPA per
 chunk, the path it replaces: single calls at three models' head shapes, then whole runs in one engine with the
 two paths alternating round by round (``BATCHJOB_CPU_PREFILL`` read at load; here the backend's switch is
 flipped between rounds, so both see the same weights, cache and machine load). Before the runs, the same
 kernel attending both ways over each sequence's own keys (``dense_prefill``: an encoder's rows, a vision
 tower's images) against SDPA over the batch of sequences, at four encoder and tower shapes.
 
-    python measurements/prefill_kernel.py --model /tmp/q05 [--rounds 2] [--threads 2] [--calls-only]
+    python measurements/prefill_kernel.py --model /tmp/q05 [--dtype float32] [--rounds 2] [--threads 2]
+                                          [--calls-only]
 
-Needs a CPU with AVX512-BF16. Runs: the bench's mixed workload (64 requests, prompts of 24-600 tokens,
+bf16 needs a CPU with AVX512-BF16. Runs: the bench's mixed workload (64 requests, prompts of 24-600 tokens,
 8-100 output tokens, seed 0) and 16 prompts of 128 + 32 tokens; greedy, EOS ignored, drafts and the prefix
 cache off. Prints each round's wall time and the attention hook's share, the ratio SDPA / kernel, and how
-many greedy outputs of the two paths agree (bf16 rounds differently in each: a near-tie can flip).
+many greedy outputs of the two paths agree (each path rounds differently: a near-tie can flip).
 """
 
 from __future__ import annotations
@@ -40,15 +42,15 @@ def _best_ms(fn, *args, repeat: int = 5, **kwargs) -> float:
     return 1000 * best
 
 
-def single_calls() -> None:
-    print("one prompt of L tokens, bf16, causal (GFLOP/s counts the causal half):")
+def single_calls(dtype: torch.dtype) -> None:
+    print(f"one prompt of L tokens, {dtype}, causal (GFLOP/s counts the causal half):")
     for name, (heads, kv_heads, dim) in HEAD_SHAPES.items():
         for length in (128, 600, 2048):
             blocks = -(-length // 16)
-            k_cache = torch.randn(blocks, 16, kv_heads, dim).to(torch.bfloat16)
-            v_cache = torch.randn(blocks, 16, kv_heads, dim).to(torch.bfloat16)
-            q = torch.randn(heads, length, dim).to(torch.bfloat16)
-            out = torch.empty(length, heads, dim, dtype=torch.bfloat16)
+            k_cache = torch.randn(blocks, 16, kv_heads, dim).to(dtype)
+            v_cache = torch.randn(blocks, 16, kv_heads, dim).to(dtype)
+            q = torch.randn(heads, length, dim).to(dtype)
+            out = torch.empty(length, heads, dim, dtype=dtype)
             n = torch.tensor([length])
             table, first = torch.arange(blocks)[None], torch.tensor([0])
             ours = _best_ms(kernel.paged_prefill, q, k_cache, v_cache, table, first, n, n, dim**-0.5, out)
@@ -72,16 +74,18 @@ BOTH_WAYS_SHAPES = {
 }
 
 
-def both_ways_calls() -> None:
-    print("sequences attended both ways over their own keys, bf16 (q, k, v: column views of one projection):")
+def both_ways_calls(dtype: torch.dtype) -> None:
+    print(
+        f"sequences attended both ways over their own keys, {dtype} (q, k, v: column views of one projection):"
+    )
     for name, (batch, length, heads, dim) in BOTH_WAYS_SHAPES.items():
-        qkv = torch.randn(batch * length, 3 * heads * dim).to(torch.bfloat16)
+        qkv = torch.randn(batch * length, 3 * heads * dim).to(dtype)
         q, k, v = (
             qkv[:, i * heads * dim : (i + 1) * heads * dim].view(batch * length, heads, dim) for i in range(3)
         )
         flat = [x.transpose(0, 1) for x in (q, k, v)]  # [H, B * T, D]
         starts, lens = torch.arange(batch) * length, torch.full((batch,), length)
-        out = torch.empty(batch * length, heads, dim, dtype=torch.bfloat16)
+        out = torch.empty(batch * length, heads, dim, dtype=dtype)
         ours = _best_ms(kernel.dense_prefill, *flat, starts, lens, dim**-0.5, False, out)
         q4, k4, v4 = (x.view(batch, length, heads, dim).transpose(1, 2) for x in (q, k, v))
         sdpa = _best_ms(F.scaled_dot_product_attention, q4, k4, v4)
@@ -96,9 +100,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def whole_runs(model: str, rounds: int) -> None:
+def whole_runs(model: str, rounds: int, dtype: torch.dtype) -> None:
     engine = Engine.from_pretrained(
-        model, device="cpu", dtype="bfloat16", num_speculative_tokens=0, enable_prefix_caching=False
+        model, device="cpu", dtype=dtype, num_speculative_tokens=0, enable_prefix_caching=False
     )
     backend = engine.runner.attention
     assert backend.name == "cpu_kernel" and backend.prefill_kernel, "the prefill kernel does not run here"
@@ -157,15 +161,19 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--calls-only", action="store_true", help="single calls only, no whole runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not kernel.prefill_takes(torch.bfloat16, 64):
-        raise SystemExit("the bf16 prefill kernel needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo)")
-    single_calls()
-    both_ways_calls()
+    dtype = getattr(torch, args.dtype)
+    if not kernel.prefill_takes(dtype, 64):
+        raise SystemExit(
+            f"no {args.dtype} prefill kernel here (bf16 needs AVX512-BF16: avx512_bf16 in /proc/cpuinfo)"
+        )
+    single_calls(dtype)
+    both_ways_calls(dtype)
     if not args.calls_only:
-        whole_runs(args.model, args.rounds)
+        whole_runs(args.model, args.rounds, dtype)
 
 
 if __name__ == "__main__":

@@ -105,35 +105,43 @@ def test_bf16_kernel_rounds_to_nearest_even_and_keeps_nan_inf():
     torch.testing.assert_close(got[0, 0], v_cache[0, 0, 0], equal_nan=True, atol=0, rtol=0)
 
 
-def _needs_prefill_kernel() -> None:
-    if not cpu_kernel.prefill_takes(torch.bfloat16, 64):
+def _needs_prefill_kernel(dtype: torch.dtype = torch.bfloat16) -> None:
+    if not cpu_kernel.prefill_takes(dtype, 64):
         pytest.skip(
             "the bf16 prefill kernel needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo) and a C++ compiler"
+            if dtype == torch.bfloat16
+            else "the prefill kernels need a C++ compiler"
         )
 
 
+PREFILL_DTYPES = [torch.bfloat16, torch.float32]
+# closeness to float64 attention of the same inputs: bf16 within its rounding, float32 within float's
+PREFILL_TOLERANCE = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=5e-5, rtol=1e-5)}
+
+
 @pytest.mark.engine  # runs the C++ compiler
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     [(14, 2, 64, 16), (12, 2, 128, 16), (6, 1, 80, 8), (4, 4, 16, 4), (9, 3, 96, 16)],
 )
-def test_bf16_prefill_kernel_equals_float64_attention_up_to_bf16_rounding(heads, kv_heads, dim, block_size):
+def test_prefill_kernel_equals_float64_attention_up_to_rounding(heads, kv_heads, dim, block_size, dtype):
     """Prompt chunks of a step (a whole prompt, a chunk continuing cached keys, one row, rows of other
     requests between them left alone) over scattered blocks, against float64 causal attention of the same
-    bf16 inputs. The kernel rounds the probabilities to bf16 before the second product, as torch's flash
-    attention does: its error is that of bf16 SDPA, element by element and on average."""
-    _needs_prefill_kernel()
+    inputs. In bf16 the kernel rounds the probabilities to bf16 before the second product, as torch's flash
+    attention does: its error is that of SDPA in the same dtype, element by element and on average."""
+    _needs_prefill_kernel(dtype)
     chunks = [(37, 37), (20, 90), (1, 5), (1, 1), (64, 64), (17, 300)]  # (rows, keys)
     gaps = [0, 3, 0, 2, 1, 0]  # rows of other requests before each chunk: left as they are
     lens = torch.tensor([ctx for _, ctx in chunks], dtype=torch.int64)
-    _, k_cache, v_cache, table = _scattered_case(heads, kv_heads, dim, block_size, lens, torch.bfloat16, dim)
+    _, k_cache, v_cache, table = _scattered_case(heads, kv_heads, dim, block_size, lens, dtype, dim)
     starts, row = [], 0
     for (n, _), gap in zip(chunks, gaps, strict=True):
         starts.append(row + gap)
         row += gap + n
     gen = torch.Generator().manual_seed(heads)
-    q = (torch.randn(row, heads, dim, generator=gen) * 2).to(torch.bfloat16).transpose(0, 1)  # [H, T, D]
-    out = torch.full((row, heads, dim), 7.0, dtype=torch.bfloat16)
+    q = (torch.randn(row, heads, dim, generator=gen) * 2).to(dtype).transpose(0, 1)  # [H, T, D]
+    out = torch.full((row, heads, dim), 7.0, dtype=dtype)
     q_lens = torch.tensor([n for n, _ in chunks], dtype=torch.int64)
     cpu_kernel.paged_prefill(q, k_cache, v_cache, table, torch.tensor(starts), q_lens, lens, dim**-0.5, out)
 
@@ -152,7 +160,7 @@ def test_bf16_prefill_kernel_equals_float64_attention_up_to_bf16_rounding(heads,
         want.append(exact)
         sdpa_bf16.append(plain.double())
     got_t, want_t, sdpa_t = torch.cat(got, 1), torch.cat(want, 1), torch.cat(sdpa_bf16, 1)
-    torch.testing.assert_close(got_t, want_t, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got_t, want_t, **PREFILL_TOLERANCE[dtype])
     assert (got_t - want_t).abs().mean() <= 1.25 * (sdpa_t - want_t).abs().mean()
     untouched = torch.ones(row, dtype=torch.bool)
     for start, (n, _) in zip(starts, chunks, strict=True):
@@ -161,22 +169,23 @@ def test_bf16_prefill_kernel_equals_float64_attention_up_to_bf16_rounding(heads,
 
 
 @pytest.mark.engine  # runs the C++ compiler
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 12, 32), (12, 12, 64), (14, 2, 64), (6, 3, 80)])
-def test_bf16_dense_prefill_equals_float64_attention_up_to_bf16_rounding(heads, kv_heads, dim, causal):
+def test_dense_prefill_equals_float64_attention_up_to_rounding(heads, kv_heads, dim, causal, dtype):
     """Sequences attended over their own keys (an encoder's rows, a vision tower's images): q, k and v as
     the column views of one projection that transformers' attention layers pass, each sequence both ways
-    (or causal), against float64 attention of the same bf16 inputs, within bf16 SDPA's own error."""
-    _needs_prefill_kernel()
+    (or causal), against float64 attention of the same inputs, within SDPA's own error in that dtype."""
+    _needs_prefill_kernel(dtype)
     lens = [197, 1, 16, 60, 257]
     total, gen = sum(lens), torch.Generator().manual_seed(dim)
     width = (heads + 2 * kv_heads) * dim
-    qkv = (torch.randn(total, width, generator=gen) * 2).to(torch.bfloat16)  # one product, q k v columns
+    qkv = (torch.randn(total, width, generator=gen) * 2).to(dtype)  # one product, q k v columns
     q = qkv[:, : heads * dim].view(total, heads, dim).transpose(0, 1)  # [H, T, D], strided
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(total, kv_heads, dim).transpose(0, 1)
     v = qkv[:, (heads + kv_heads) * dim :].view(total, kv_heads, dim).transpose(0, 1)
     starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
-    out = torch.empty(total, heads, dim, dtype=torch.bfloat16)
+    out = torch.empty(total, heads, dim, dtype=dtype)
     cpu_kernel.dense_prefill(q, k, v, starts, torch.tensor(lens), dim**-0.5, causal, out)
 
     rep = heads // kv_heads
@@ -193,7 +202,7 @@ def test_bf16_dense_prefill_equals_float64_attention_up_to_bf16_rounding(heads, 
         got.append(out[start : start + n].transpose(0, 1).double())
         want.append(exact)
     got_t, want_t, sdpa_t = torch.cat(got, 1), torch.cat(want, 1), torch.cat(sdpa_bf16, 1)
-    torch.testing.assert_close(got_t, want_t, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got_t, want_t, **PREFILL_TOLERANCE[dtype])
     assert (got_t - want_t).abs().mean() <= 1.25 * (sdpa_t - want_t).abs().mean()
 
 
@@ -287,19 +296,20 @@ def test_kernel_can_be_turned_off(monkeypatch):
 
 
 @pytest.mark.engine  # builds and loads a model
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("family", ["bert", "gemma3"])
-def test_bf16_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path, family):
-    """An embedder's rows in bf16, attended both ways: every layer without a window goes to the prefill
+def test_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path, family, dtype):
+    """An embedder's rows in bf16 or float32, attended both ways: every layer without a window goes to the prefill
     kernel over the step's own keys (EmbeddingGemma's windowed layers stay SDPA's). Against float64
     embeddings of the same model, the kernel's are as close as the SDPA path's (same weights, same engine)."""
     from batchjob import Engine
     from tests.task_models import make_embedder
 
-    _needs_prefill_kernel()
+    _needs_prefill_kernel(dtype)
     folder = make_embedder(tmp_path / family, family, "mean", normalize=False)
     gen = torch.Generator().manual_seed(1)
     texts = [torch.randint(5, 400, (n,), generator=gen).tolist() for n in (3, 40, 17, 90)]  # token ids
-    engine = Engine.from_pretrained(str(folder), device="cpu", dtype="bfloat16", task="embed")
+    engine = Engine.from_pretrained(str(folder), device="cpu", dtype=dtype, task="embed")
     attention = engine.runner.attention
     assert attention.name == "cpu_kernel" and attention.prefill_kernel
     calls = []
@@ -323,15 +333,16 @@ def test_bf16_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path,
 
 
 @pytest.mark.engine  # builds a model
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("heads", [4, 1])
-def test_bf16_vision_tower_attention_on_the_prefill_kernel_within_sdpas_error(heads):
-    """A CLIP vision tower in bf16 with the kernel's attention (head size 16 or 64): its hidden states
+def test_vision_tower_attention_on_the_prefill_kernel_within_sdpas_error(heads, dtype):
+    """A CLIP vision tower in bf16 or float32 with the kernel's attention (head size 16 or 64): its hidden states
     against float64 as close as with transformers' SDPA; a call with a mask is SDPA's, bit for bit."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     from batchjob.engine.cpu import tower
 
-    _needs_prefill_kernel()
+    _needs_prefill_kernel(dtype)
     config = CLIPVisionConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -350,12 +361,12 @@ def test_bf16_vision_tower_attention_on_the_prefill_kernel_within_sdpas_error(he
             return model(pixel_values=pixels.to(dtype)).last_hidden_state.double()
 
     want = hidden(torch.float64, "sdpa")
-    sdpa = hidden(torch.bfloat16, "sdpa")
+    sdpa = hidden(dtype, "sdpa")
     calls = []
     plain = cpu_kernel.dense_prefill
     try:
         cpu_kernel.dense_prefill = lambda *a, **k: calls.append(a[3].numel()) or plain(*a, **k)
-        got = hidden(torch.bfloat16, tower.TOWER_ATTN)
+        got = hidden(dtype, tower.TOWER_ATTN)
     finally:
         cpu_kernel.dense_prefill = plain
     assert calls == [3, 3]  # one call a layer, the three images in it
@@ -363,8 +374,8 @@ def test_bf16_vision_tower_attention_on_the_prefill_kernel_within_sdpas_error(he
     assert err <= 1.25 * sdpa_err, (err, sdpa_err)
 
     layer = next(m for m in model.modules() if type(m).__name__ == "CLIPAttention")
-    q = torch.randn(2, heads, 65, 64 // heads, dtype=torch.bfloat16)
-    mask = torch.zeros(2, 1, 65, 65, dtype=torch.bfloat16)
+    q = torch.randn(2, heads, 65, 64 // heads, dtype=dtype)
+    mask = torch.zeros(2, 1, 65, 65, dtype=dtype)
     mask[..., 60:] = float("-inf")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -374,14 +385,17 @@ def test_bf16_vision_tower_attention_on_the_prefill_kernel_within_sdpas_error(he
 
 
 @pytest.mark.engine  # builds and loads a model
-def test_an_engine_gives_a_bf16_vision_tower_the_kernels_attention_and_a_float32_one_sdpa(tmp_path):
+def test_an_engine_gives_its_vision_tower_the_kernels_attention_in_float32_and_bf16_not_float64(tmp_path):
     from batchjob import Engine
     from batchjob.engine.cpu import tower
     from tests.vision_models import make_llava
 
-    _needs_prefill_kernel()
+    _needs_prefill_kernel(torch.float32)
     folder = make_llava(tmp_path / "llava")
-    for dtype, expected in (("bfloat16", tower.TOWER_ATTN), ("float32", "sdpa")):
+    cases = [("float32", tower.TOWER_ATTN), ("float64", "sdpa")]
+    if cpu_kernel.prefill_takes(torch.bfloat16, 64):
+        cases.append(("bfloat16", tower.TOWER_ATTN))
+    for dtype, expected in cases:
         model = Engine.from_pretrained(str(folder), device="cpu", dtype=dtype).runner.model
         assert model.config.vision_config._attn_implementation == expected
         assert model.config.text_config._attn_implementation != expected

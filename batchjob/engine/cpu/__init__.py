@@ -4,9 +4,10 @@
   :class:`~.platform.Platform` that does nothing on CUDA, a :class:`~.platform.CpuPlatform` on the CPU.
 - :mod:`~batchjob.engine.cpu.attention`: the ``cpu_kernel`` attention backend (chosen with the others in
   :mod:`batchjob.engine.attention.registry`), over the kernels of :mod:`~batchjob.engine.cpu.kernel`
-  (compiled on first use from ``csrc/``: decode rows, and bf16 prompt chunks and encoder rows where the CPU
-  has AVX512-BF16; ``BATCHJOB_CPU_KERNEL=0`` turns both off, ``BATCHJOB_CPU_PREFILL=0`` the second).
-- :mod:`~batchjob.engine.cpu.tower`: a vision tower's attention in bf16 on that prefill kernel.
+  (compiled on first use from ``csrc/``: decode rows, and prompt chunks and encoder rows in float32, and in
+  bf16 where the CPU has AVX512-BF16; ``BATCHJOB_CPU_KERNEL=0`` turns all off, ``BATCHJOB_CPU_PREFILL=0``
+  the prompt kernels).
+- :mod:`~batchjob.engine.cpu.tower`: a vision tower's attention on those prompt kernels.
 - :mod:`~batchjob.engine.cpu.linear`: linear layers with weights packed once for oneDNN, at load: float32,
   and bf16 where the CPU has native bf16 (``BATCHJOB_CPU_PREPACK=0`` turns it off).
 - :mod:`~batchjob.engine.cpu.bf16`: whether this CPU has native bf16 (:func:`~.bf16.native_bf16`), and the

@@ -3,9 +3,9 @@ sent to the compiled decode kernel (:mod:`.kernel`), which reads the paged cache
 
 The kernel takes rows of any context lengths in one call, so every one-token request and every row of a
 draft verification (each query seeing its request's keys up to its own position) goes in one group.
-Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to the prefill kernel, all of a step's in one call,
-and so do an encoder's rows, attended both ways over the step's own keys; elsewhere (float32, other CPUs, a
-layer with a sliding window) they stay the reference's, one SDPA call each. ``BATCHJOB_CPU_KERNEL=0`` turns both kernels off, and the engine then
+Prompt chunks go to a prefill kernel, all of a step's in one call (float32 everywhere, bfloat16 on a CPU with
+AVX512-BF16), and so do an encoder's rows, attended both ways over the step's own keys; elsewhere (float64,
+bf16 on other CPUs, a layer with a sliding window) they stay the reference's, one SDPA call each. ``BATCHJOB_CPU_KERNEL=0`` turns both kernels off, and the engine then
 chooses the reference; ``BATCHJOB_CPU_PREFILL=0`` the prefill kernel alone.
 """
 

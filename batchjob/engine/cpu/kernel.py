@@ -7,9 +7,10 @@ the keys and values in place through the block table, every query head of a requ
 
 Prompt chunks in bfloat16, on a CPU with AVX512-BF16: ``csrc/paged_prefill.cpp`` computes both products of
 attention as bfloat16 pairs with float sums (vdpbf16ps), where torch's CPU flash attention widens to float
-and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targets those instructions). The
-same kernel attends rows both ways over their own keys (:func:`dense_prefill`): an encoder's rows, a vision
-tower's images.
+and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targets those instructions); in
+float32 ``csrc/prefill_f32.cpp`` takes the same calls on float multiply-adds (any x86 CPU: AVX-512 or AVX2
+vectors). The same kernels attend rows both ways over their own keys (:func:`dense_prefill`): an encoder's
+rows, a vision tower's images.
 
 It is plain C++ with OpenMP (no torch headers), so it compiles in about a second and is loaded with
 ``ctypes``. The shared library is cached under ``<cache>/kernels/`` by a digest of the source, the compiler,
@@ -45,6 +46,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     CSRC / "paged_decode.cpp",
     CSRC / "paged_prefill.cpp",
+    CSRC / "prefill_f32.cpp",
 )  # compiled; with cpu_math.h, which they share
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
@@ -57,6 +59,7 @@ _SYMBOLS = {
     torch.bfloat16: "batchjob_paged_decode_bf16",
 }
 DTYPES = tuple(_SYMBOLS)
+_PREFILL = {torch.bfloat16: "batchjob_prefill_bf16", torch.float32: "batchjob_prefill_f32"}
 
 
 def _compiler() -> str | None:
@@ -107,6 +110,7 @@ def load() -> ctypes.CDLL | None:
             *(path.read_bytes() for path in sorted(CSRC.iterdir())),
             version.encode(),
             " ".join(FLAGS).encode(),
+            " ".join(path.name for path in SOURCES).encode(),  # which of them are compiled
             _cpu_signature().encode(),
         ):
             digest.update(part)
@@ -123,22 +127,26 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_double, i64, ptr]
         fn.restype = None
-    fn = lib.batchjob_prefill_bf16
-    # q, k, v (each a pointer, its head and token strides); block table, its stride, block size; q_starts,
-    # q_lens, ctx_lens, chunks; heads, KV heads, head size; scale, causal; out
-    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
-    fn.argtypes += [i64, ctypes.c_double, i64, ptr]
-    fn.restype = ctypes.c_int
+    for name in _PREFILL.values():
+        fn = getattr(lib, name)
+        # q, k, v (each a pointer, its head and token strides); block table, its stride, block size;
+        # q_starts, q_lens, ctx_lens, chunks; heads, KV heads, head size; scale, causal; out
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+        fn.argtypes += [i64, i64, ctypes.c_double, i64, ptr]
+        fn.restype = ctypes.c_int
     lib.batchjob_paged_prefill_available.restype = ctypes.c_int
     return lib
 
 
 def prefill_takes(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether :func:`paged_prefill` runs here for this dtype and head size (and is not turned off)."""
-    if dtype != torch.bfloat16 or head_dim % 16 or head_dim > 512 or not env.flag(PREFILL_ENV):
+    """Whether :func:`paged_prefill` runs here for this dtype and head size (and is not turned off): float32
+    wherever the library builds, bfloat16 where the CPU has AVX512-BF16."""
+    if dtype not in _PREFILL or head_dim % 16 or head_dim > 512 or not env.flag(PREFILL_ENV):
         return False
     lib = load()
-    return lib is not None and bool(lib.batchjob_paged_prefill_available())
+    if lib is None:
+        return False
+    return dtype == torch.float32 or bool(lib.batchjob_paged_prefill_available())
 
 
 def paged_decode(
@@ -215,11 +223,11 @@ def dense_prefill(
 
 def _prefill(q, k, v, block_table, block_size, q_starts, q_lens, ctx_lens, scale, causal, out) -> None:
     lib = load()
-    assert lib is not None and q.dtype == k.dtype == v.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lib is not None and q.dtype == k.dtype == v.dtype == out.dtype and out.is_contiguous()
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1
     q_starts, q_lens, ctx_lens = q_starts.contiguous(), q_lens.contiguous(), ctx_lens.contiguous()
     heads, _, dim = q.shape
-    status = lib.batchjob_prefill_bf16(
+    status = getattr(lib, _PREFILL[q.dtype])(
         *(x for t in (q, k, v) for x in (t.data_ptr(), t.stride(0), t.stride(1))),
         0 if block_table is None else block_table.data_ptr(),
         0 if block_table is None else block_table.shape[1],

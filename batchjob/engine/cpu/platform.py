@@ -2,7 +2,8 @@
 
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
 it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
-:mod:`.bf16`), gives a vision tower in bf16 the prefill kernel's attention (:mod:`.tower`), keeps the buffers forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
+:mod:`.bf16`), gives a vision tower the prefill kernels' attention (:mod:`.tower`), keeps the buffers
+forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
 the OS fills on first touch (:func:`lazy_zeros`), and checks between steps whether other programs share our
 cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
 """
@@ -85,8 +86,7 @@ class CpuPlatform(Platform):
         """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16
         (not under torch.compile: inductor lowers the packed call only for weights it froze itself). bf16 on
         a CPU without it is slower than float32: one warning line says so. Then, the load done, the heap keeps
-        what the forwards free (:mod:`.heap`). A vision tower in bf16 attends on the prefill kernel where the
-        CPU has AVX512-BF16 (:mod:`.tower`)."""
+        what the forwards free (:mod:`.heap`). A vision tower attends on the prefill kernels (:mod:`.tower`)."""
         bf16.warn_if_slow(self.device, dtype)
         packed = 0
         if not compiled and linear.available(dtype, self.device):

@@ -1,9 +1,9 @@
-"""A vision tower's attention on the CPU's bf16 prefill kernel, where the CPU has AVX512-BF16.
+"""A vision tower's attention on the CPU's prefill kernels: float32, and bf16 where the CPU has AVX512-BF16.
 
 A vision-language model's tower attends each image's patches both ways, in calls of several images, through
 transformers' ``AttentionInterface`` (the language model's attention is batchjob's paged one; the tower keeps
-its own). torch's CPU SDPA widens bf16 to float and runs float GEMMs; the kernel of ``csrc/paged_prefill.cpp``
-takes every image of the call at once with bf16 dot products (:func:`~.kernel.dense_prefill`). Registered
+its own). torch's CPU SDPA widens bf16 to float and runs float GEMMs, one (image, head) block at a time; the
+kernels of ``csrc/`` take every image of the call at once (:func:`~.kernel.dense_prefill`). Registered
 as ``batchjob_cpu_tower`` and given to the tower's config at load (:func:`use_for_tower`); a call the kernel
 does not compute exactly as SDPA would (a mask, dropout, a bias, another dtype or head size, keys of another
 length) goes to transformers' own SDPA function unchanged.
@@ -72,10 +72,10 @@ AttentionInterface.register(TOWER_ATTN, tower_attention)
 
 
 def use_for_tower(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Give a vision-language model's tower :func:`tower_attention` where it may run: bf16 on a CPU with
-    AVX512-BF16 (``BATCHJOB_CPU_PREFILL=0`` keeps SDPA). True when it did."""
+    """Give a vision-language model's tower :func:`tower_attention` where it may run: float32, and bf16 on a
+    CPU with AVX512-BF16 (``BATCHJOB_CPU_PREFILL=0`` keeps SDPA). True when it did."""
     config = getattr(model, "config", None)
-    if getattr(config, "vision_config", None) is None or dtype != torch.bfloat16:
+    if getattr(config, "vision_config", None) is None:
         return False
     set_attn = getattr(model, "set_attn_implementation", None)
     if not kernel.prefill_takes(dtype, 64) or set_attn is None:

@@ -1,4 +1,4 @@
-// What both CPU attention kernels share: float's exp for the softmax, and the rounding of float to bfloat16.
+// What the CPU attention kernels share: float's exp for the softmax, and the rounding of float to bfloat16.
 
 #pragma once
 
