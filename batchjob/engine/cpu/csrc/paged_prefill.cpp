@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "prefill_tasks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -46,27 +47,18 @@ constexpr int RT = 4;       // query rows x key blocks a tile of the score loop 
 constexpr int NK = 4;
 
 using batchjob::bf16_bits;
+using batchjob::Chunk;
 using batchjob::exp_nonpositive;
+using Keys = batchjob::Keys<uint16_t>;
+using Task = batchjob::Task<uint16_t>;
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-struct Chunk {
-  int64_t q_start, q_len, ctx;
-  const int64_t* blocks;  // its block table; nullptr: its keys are the step's tokens [q_start, q_start + ctx)
-  int64_t packed;  // offset of its KV heads' packed keys (and values) in the scratch, in uint16 units
-};
 
-// Where keys and values are: token t, KV head h at k + t * k_tok + h * k_head (v likewise); a token is a
-// slot of the paged cache (block * block_size + offset) or a row of the step.
-struct Keys {
-  const uint16_t *k, *v;
-  int64_t k_head, k_tok, v_head, v_tok, block_size;
-};
 
 // Keys [0, ctx) of one KV head, zero past ctx up to a whole block: kp[block][pair][key] as 32-bit pairs;
 // values: vp[key pair][dim] as 32-bit pairs of the two keys' values.
 void pack(const Keys& src, const Chunk& c, int64_t kvh, int64_t D, uint16_t* kp, uint16_t* vp) {
-  const int64_t bs = src.block_size;
   const int64_t blocks = (c.ctx + KB - 1) / KB, pairs = D / 2;
   uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
   for (int64_t j = 0; j < blocks * KB; ++j) {
@@ -74,7 +66,7 @@ void pack(const Keys& src, const Chunk& c, int64_t kvh, int64_t D, uint16_t* kp,
     uint32_t* dst = k32 + b * pairs * KB + t;
     uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
     if (j < c.ctx) {
-      const int64_t t = c.blocks ? c.blocks[j / bs] * bs + j % bs : c.q_start + j;
+      const int64_t t = src.token(c, j);
       uint32_t key[256];  // D <= 512
       std::memcpy(key, src.k + t * src.k_tok + kvh * src.k_head, D * sizeof(uint16_t));
       for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = key[p];
@@ -134,19 +126,23 @@ struct Scratch {
   std::vector<float> scores;    // [R][keys]
   std::vector<uint16_t> probs;  // [R][keys] rounded to bf16, zero past each row's keys
   std::vector<float> acc;       // [R][D]
+
+  Scratch(int64_t D, int64_t widest)
+      : q(static_cast<size_t>(R * D / 2)), scores(static_cast<size_t>(R * widest)),
+        probs(static_cast<size_t>(R * (widest + 2))), acc(static_cast<size_t>(R * D)) {}
 };
 
-void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride, const Chunk& c, int64_t kvh,
-                 int64_t row0, int64_t heads, int64_t kv_heads, int64_t D, float scale, bool causal,
-                 const uint16_t* kp, const uint16_t* vp, uint16_t* out, Scratch& s) {
-  const int64_t group = heads / kv_heads, pairs = D / 2;
+void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const uint16_t* kp, const uint16_t* vp,
+            Scratch& s) {
+  const int64_t heads = task.heads, D = task.D, group = heads / task.kv_heads, pairs = D / 2;
+  const float scale = task.scale;
   const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
   int64_t count[R];  // keys each row sees
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + std::min(r, rows - 1);  // rows past the end repeat the last one
     const int64_t i = row / group, h = kvh * group + row % group;
-    count[r] = causal ? c.ctx - c.q_len + i + 1 : c.ctx;
-    std::memcpy(s.q.data() + r * pairs, q + h * q_head_stride + (c.q_start + i) * q_tok_stride,
+    count[r] = task.causal ? c.ctx - c.q_len + i + 1 : c.ctx;
+    std::memcpy(s.q.data() + r * pairs, task.q + h * task.q_head_stride + (c.q_start + i) * task.q_tok_stride,
                 D * sizeof(uint16_t));
   }
   const int64_t keys = count[rows - 1], blocks = (keys + KB - 1) / KB, width = blocks * KB;
@@ -201,11 +197,20 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride,
   }
   for (int r = 0; r < rows; ++r) {
     const int64_t row = row0 + r, i = row / group, h = kvh * group + row % group;
-    uint16_t* o = out + ((c.q_start + i) * heads + h) * D;
+    uint16_t* o = task.out + ((c.q_start + i) * heads + h) * D;
     const float* a = s.acc.data() + r * D;
     for (int64_t d = 0; d < D; ++d) o[d] = bf16_bits(a[d] * inv_sum[r]);
   }
 }
+
+// The kernel, as prefill_tasks.h drives it.
+struct Kernel {
+  using E = uint16_t;
+  using Scratch = ::Scratch;
+  static constexpr int64_t block_keys = KB, task_rows = R;
+  static constexpr auto pack = ::pack;
+  static constexpr auto attend = ::attend;
+};
 
 }  // namespace
 #endif
@@ -224,44 +229,8 @@ int batchjob_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_t q_to
                           int64_t dim, double scale, int64_t causal, uint16_t* out) {
 #if BATCHJOB_PREFILL
   const Keys src{k, v, k_head_stride, k_tok_stride, v_head_stride, v_tok_stride, block_size};
-  const int64_t group = heads / kv_heads;
-  std::vector<Chunk> chunks(static_cast<size_t>(num_chunks));
-  std::vector<int64_t> tasks;  // (chunk, kv head, first row) triples
-  int64_t packed = 0, widest = 0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t width = (ctx_lens[c] + KB - 1) / KB * KB;
-    const int64_t* blocks = block_table ? block_table + c * table_stride : nullptr;
-    chunks[c] = Chunk{q_starts[c], q_lens[c], ctx_lens[c], blocks, packed};
-    packed += kv_heads * 2 * width * dim;  // keys, then values, of each KV head
-    widest = std::max(widest, width);
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int64_t row = 0; row < q_lens[c] * group; row += R) tasks.insert(tasks.end(), {c, g, row});
-  }
-  std::vector<uint16_t> kv(static_cast<size_t>(packed));
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size()) / 3;
-#pragma omp parallel
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t cg = 0; cg < num_chunks * kv_heads; ++cg) {
-      const Chunk& c = chunks[cg / kv_heads];
-      const int64_t g = cg % kv_heads, width = (c.ctx + KB - 1) / KB * KB;
-      uint16_t* kp = kv.data() + c.packed + g * 2 * width * dim;
-      pack(src, c, g, dim, kp, kp + width * dim);
-    }
-    Scratch s;
-    s.q.resize(static_cast<size_t>(R * dim / 2));
-    s.scores.resize(static_cast<size_t>(R * widest));
-    s.probs.resize(static_cast<size_t>(R * (widest + 2)));
-    s.acc.resize(static_cast<size_t>(R * dim));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = num_tasks - 1; t >= 0; --t) {  // the last rows of a causal chunk see the most keys: first
-      const Chunk& c = chunks[tasks[3 * t]];
-      const int64_t g = tasks[3 * t + 1], width = (c.ctx + KB - 1) / KB * KB;
-      const uint16_t* kp = kv.data() + c.packed + g * 2 * width * dim;
-      attend_task(q, q_head_stride, q_tok_stride, c, g, tasks[3 * t + 2], heads, kv_heads, dim,
-                  static_cast<float>(scale), causal != 0, kp, kp + width * dim, out, s);
-    }
-  }
+  const Task task{q, q_head_stride, q_tok_stride, heads, kv_heads, dim, static_cast<float>(scale), causal != 0, out};
+  batchjob::run_prefill<Kernel>(task, src, block_table, table_stride, q_starts, q_lens, ctx_lens, num_chunks);
   return 0;
 #else
   (void)q, (void)q_head_stride, (void)q_tok_stride, (void)k, (void)k_head_stride, (void)k_tok_stride, (void)v;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "prefill_tasks.h"
 
 namespace {
 
@@ -46,27 +47,19 @@ inline vec load(const float* p) {
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 inline vec splat(float x) { return vec{} + x; }
 
+using batchjob::Chunk;
 using batchjob::exp_nonpositive;
-
-struct Chunk {
-  int64_t q_start, q_len, ctx;
-  const int64_t* blocks;  // its block table; nullptr: its keys are the step's tokens [q_start, q_start + ctx)
-  int64_t packed;         // offset of its KV heads' packed keys (and values) in the scratch, in floats
-};
-
-struct Keys {
-  const float *k, *v;
-  int64_t k_head, k_tok, v_head, v_tok, block_size;
-};
+using Keys = batchjob::Keys<float>;
+using Task = batchjob::Task<float>;
 
 // Keys [0, ctx) of one KV head, zero past ctx up to a whole block: kp[block][dim][key]; values vp[key][dim].
 void pack(const Keys& src, const Chunk& c, int64_t kvh, int64_t D, float* kp, float* vp) {
-  const int64_t blocks = (c.ctx + W - 1) / W, bs = src.block_size;
+  const int64_t blocks = (c.ctx + W - 1) / W;
   for (int64_t j = 0; j < blocks * W; ++j) {
     float* dst = kp + (j / W) * D * W + j % W;
     float* vdst = vp + j * D;
     if (j < c.ctx) {
-      const int64_t t = c.blocks ? c.blocks[j / bs] * bs + j % bs : c.q_start + j;
+      const int64_t t = src.token(c, j);
       const float* key = src.k + t * src.k_tok + kvh * src.k_head;
       for (int64_t d = 0; d < D; ++d) dst[d * W] = key[d];
       std::memcpy(vdst, src.v + t * src.v_tok + kvh * src.v_head, D * sizeof(float));
@@ -144,21 +137,25 @@ inline void weigh_narrow(const float* const* prob, int rows, int64_t keys, const
 
 struct Scratch {
   std::vector<float> q;       // [R][D] the task's query rows
-  std::vector<float> scores;  // [R + RT][keys], then each row's probabilities (a tile may pass the last row)
+  std::vector<float> scores;  // [R][keys], then each row's probabilities
   std::vector<float> acc;     // [R][D]
+
+  Scratch(int64_t D, int64_t widest)
+      : q(static_cast<size_t>(R * D)), scores(static_cast<size_t>(R * widest)), acc(static_cast<size_t>(R * D)) {}
 };
 
-void attend_task(const float* q, int64_t q_head_stride, int64_t q_tok_stride, const Chunk& c, int64_t kvh,
-                 int64_t row0, int64_t heads, int64_t kv_heads, int64_t D, float scale, bool causal,
-                 const float* kp, const float* vp, float* out, Scratch& s) {
-  const int64_t group = heads / kv_heads;
+void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const float* kp, const float* vp,
+            Scratch& s) {
+  const int64_t heads = task.heads, D = task.D, group = heads / task.kv_heads;
+  const float scale = task.scale;
   const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
   int64_t count[R];  // keys each row sees
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + std::min(r, rows - 1);  // rows past the end repeat the last one
     const int64_t i = row / group, h = kvh * group + row % group;
-    count[r] = causal ? c.ctx - c.q_len + i + 1 : c.ctx;
-    std::memcpy(s.q.data() + r * D, q + h * q_head_stride + (c.q_start + i) * q_tok_stride, D * sizeof(float));
+    count[r] = task.causal ? c.ctx - c.q_len + i + 1 : c.ctx;
+    std::memcpy(s.q.data() + r * D, task.q + h * task.q_head_stride + (c.q_start + i) * task.q_tok_stride,
+                D * sizeof(float));
   }
   const int64_t keys = count[rows - 1], blocks = (keys + W - 1) / W, width = blocks * W;
 
@@ -216,11 +213,20 @@ void attend_task(const float* q, int64_t q_head_stride, int64_t q_tok_stride, co
   }
   for (int r = 0; r < rows; ++r) {
     const int64_t row = row0 + r, i = row / group, h = kvh * group + row % group;
-    float* o = out + ((c.q_start + i) * heads + h) * D;
+    float* o = task.out + ((c.q_start + i) * heads + h) * D;
     const float* a = s.acc.data() + r * D;
     for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv_sum[r];
   }
 }
+
+// The kernel, as prefill_tasks.h drives it.
+struct Kernel {
+  using E = float;
+  using Scratch = ::Scratch;
+  static constexpr int64_t block_keys = W, task_rows = R;
+  static constexpr auto pack = ::pack;
+  static constexpr auto attend = ::attend;
+};
 
 }  // namespace
 
@@ -234,43 +240,8 @@ int batchjob_prefill_f32(const float* q, int64_t q_head_stride, int64_t q_tok_st
                          const int64_t* ctx_lens, int64_t num_chunks, int64_t heads, int64_t kv_heads,
                          int64_t dim, double scale, int64_t causal, float* out) {
   const Keys src{k, v, k_head_stride, k_tok_stride, v_head_stride, v_tok_stride, block_size};
-  const int64_t group = heads / kv_heads;
-  std::vector<Chunk> chunks(static_cast<size_t>(num_chunks));
-  std::vector<int64_t> tasks;  // (chunk, kv head, first row) triples
-  int64_t packed = 0, widest = 0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t width = (ctx_lens[c] + W - 1) / W * W;
-    const int64_t* blocks = block_table ? block_table + c * table_stride : nullptr;
-    chunks[c] = Chunk{q_starts[c], q_lens[c], ctx_lens[c], blocks, packed};
-    packed += kv_heads * 2 * width * dim;  // keys, then values, of each KV head
-    widest = std::max(widest, width);
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int64_t row = 0; row < q_lens[c] * group; row += R) tasks.insert(tasks.end(), {c, g, row});
-  }
-  std::vector<float> kv(static_cast<size_t>(packed));
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size()) / 3;
-#pragma omp parallel
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t cg = 0; cg < num_chunks * kv_heads; ++cg) {
-      const Chunk& c = chunks[cg / kv_heads];
-      const int64_t g = cg % kv_heads, width = (c.ctx + W - 1) / W * W;
-      float* kp = kv.data() + c.packed + g * 2 * width * dim;
-      pack(src, c, g, dim, kp, kp + width * dim);
-    }
-    Scratch s;
-    s.q.resize(static_cast<size_t>((R + RT) * dim));
-    s.scores.resize(static_cast<size_t>((R + RT) * widest));
-    s.acc.resize(static_cast<size_t>(R * dim));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = num_tasks - 1; t >= 0; --t) {  // the last rows of a causal chunk see the most keys: first
-      const Chunk& c = chunks[tasks[3 * t]];
-      const int64_t g = tasks[3 * t + 1], width = (c.ctx + W - 1) / W * W;
-      const float* kp = kv.data() + c.packed + g * 2 * width * dim;
-      attend_task(q, q_head_stride, q_tok_stride, c, g, tasks[3 * t + 2], heads, kv_heads, dim,
-                  static_cast<float>(scale), causal != 0, kp, kp + width * dim, out, s);
-    }
-  }
+  const Task task{q, q_head_stride, q_tok_stride, heads, kv_heads, dim, static_cast<float>(scale), causal != 0, out};
+  batchjob::run_prefill<Kernel>(task, src, block_table, table_stride, q_starts, q_lens, ctx_lens, num_chunks);
   return 0;
 }
 
