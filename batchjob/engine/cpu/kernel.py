@@ -8,8 +8,8 @@ the keys and values in place through the block table, every query head of a requ
 Prompt chunks in bfloat16, on a CPU with AVX512-BF16: ``csrc/paged_prefill.cpp`` computes both products of
 attention as bfloat16 pairs with float sums (vdpbf16ps), where torch's CPU flash attention widens to float
 and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targets those instructions); in
-float32 ``csrc/prefill_f32.cpp`` takes the same calls on float multiply-adds (any x86 CPU: AVX-512 or AVX2
-vectors). The same kernels attend rows both ways over their own keys (:func:`dense_prefill`): an encoder's
+float32 ``csrc/prefill_f32.cpp`` takes the same calls on float multiply-adds, on every CPU (GCC's vector types:
+AVX-512 or AVX2 on x86). The same kernels attend rows both ways over their own keys (:func:`dense_prefill`): an encoder's
 rows, a vision tower's images.
 
 It is plain C++ with OpenMP (no torch headers), so it compiles in about a second and is loaded with
@@ -189,7 +189,7 @@ def paged_decode(
 
 
 def paged_prefill(
-    q: torch.Tensor,  # [H, T, D] bfloat16, the step's queries (any strides with D contiguous)
+    q: torch.Tensor,  # [H, T, D] bfloat16 or float32, the step's queries (any strides with D contiguous)
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], the chunks' new keys already written
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [C, max_blocks] int64: each chunk's request's blocks
@@ -207,7 +207,7 @@ def paged_prefill(
 
 
 def dense_prefill(
-    q: torch.Tensor,  # [H, T, D] bfloat16 (any strides with D contiguous)
+    q: torch.Tensor,  # [H, T, D] bfloat16 or float32 (any strides with D contiguous)
     k: torch.Tensor,  # [KVH, T, D]: the same rows' keys
     v: torch.Tensor,
     q_starts: torch.Tensor,  # [C] int64: first row of each sequence

@@ -39,6 +39,7 @@ def tower_attention(
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or query.device.type != "cpu"
+        or key.shape[0] != b
         or key.shape[2] != t
         or heads % key.shape[1]
         or not kernel.prefill_takes(query.dtype, dim)
