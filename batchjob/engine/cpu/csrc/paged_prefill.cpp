@@ -17,7 +17,8 @@
 // in blocks of 16 with their D values as 32-bit pairs key by key (one zmm: one pair of 16 keys), values as
 // pairs of neighbouring keys dimension by dimension (one zmm: one key pair of 16 dimensions). Then tasks of
 // 16 query rows (a row: one position and one query head of the KV head's group) compute their scores
-// against the keys up to the last row's, the softmax of each row, and the weighted sum of values.
+// against the keys up to the last row's, the softmax of each row, and the weighted sum of values. The two
+// phases run on the OpenMP team by the driver both prefill kernels share (prefill_tasks.h).
 
 #include <algorithm>
 #include <cmath>

@@ -8,7 +8,8 @@
 //
 // Per (chunk, KV head) the keys are copied into blocks of W keys, dimension by dimension (one vector: one
 // dimension of W keys), the values key by key; then tasks of R query rows (a row: one position and one query
-// head of the KV head's group) compute their scores, each row's softmax, and the weighted sum of values.
+// head of the KV head's group) compute their scores, each row's softmax, and the weighted sum of values,
+// driven as the bf16 kernel is (prefill_tasks.h).
 
 #include <algorithm>
 #include <cmath>
