@@ -135,17 +135,10 @@ struct Scratch {
 
 void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const uint16_t* kp, const uint16_t* vp,
             Scratch& s) {
-  const int64_t heads = task.heads, D = task.D, group = heads / task.kv_heads, pairs = D / 2;
+  const int64_t D = task.D, pairs = D / 2;
   const float scale = task.scale;
-  const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
   int64_t count[R];  // keys each row sees
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = row0 + std::min(r, rows - 1);  // rows past the end repeat the last one
-    const int64_t i = row / group, h = kvh * group + row % group;
-    count[r] = task.causal ? c.ctx - c.q_len + i + 1 : c.ctx;
-    std::memcpy(s.q.data() + r * pairs, task.q + h * task.q_head_stride + (c.q_start + i) * task.q_tok_stride,
-                D * sizeof(uint16_t));
-  }
+  const int rows = batchjob::task_rows<R>(task, c, kvh, row0, count, reinterpret_cast<uint16_t*>(s.q.data()));
   const int64_t keys = count[rows - 1], blocks = (keys + KB - 1) / KB, width = blocks * KB;
 
   for (int r0 = 0; r0 < rows; r0 += RT) {  // scores, RT rows x NK blocks of 16 keys at a time
@@ -197,8 +190,7 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const u
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r, i = row / group, h = kvh * group + row % group;
-    uint16_t* o = task.out + ((c.q_start + i) * heads + h) * D;
+    uint16_t* o = batchjob::out_row(task, c, kvh, row0 + r);
     const float* a = s.acc.data() + r * D;
     for (int64_t d = 0; d < D; ++d) o[d] = bf16_bits(a[d] * inv_sum[r]);
   }

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace batchjob {
@@ -48,6 +49,29 @@ struct Task {
   bool causal;
   E* out;
 };
+
+// A task's query rows: how many of the R from row0 exist (the rest repeat the last), the keys each sees, and
+// their queries copied to q_rows ([R][D]). A row is one position and one query head of KV head kvh's group.
+template <int64_t R, typename E>
+int task_rows(const Task<E>& task, const Chunk& c, int64_t kvh, int64_t row0, int64_t* count, E* q_rows) {
+  const int64_t group = task.heads / task.kv_heads, D = task.D;
+  const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = row0 + std::min<int64_t>(r, rows - 1);
+    const int64_t i = row / group, h = kvh * group + row % group;
+    count[r] = task.causal ? c.ctx - c.q_len + i + 1 : c.ctx;
+    std::memcpy(q_rows + r * D, task.q + h * task.q_head_stride + (c.q_start + i) * task.q_tok_stride,
+                D * sizeof(E));
+  }
+  return rows;
+}
+
+// Where the task's row row0 + r writes its D outputs in out [T, heads, D].
+template <typename E>
+E* out_row(const Task<E>& task, const Chunk& c, int64_t kvh, int64_t row) {
+  const int64_t group = task.heads / task.kv_heads, i = row / group, h = kvh * group + row % group;
+  return task.out + ((c.q_start + i) * task.heads + h) * task.D;
+}
 
 template <typename K>
 void run_prefill(const Task<typename K::E>& task, const Keys<typename K::E>& src, const int64_t* block_table,
