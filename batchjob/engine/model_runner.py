@@ -188,6 +188,7 @@ class ModelRunner:
             sample_rows,
             adapters,
             images,
+            None if images is None else images.key_ends,
         )
 
     def _prepare(self, plan: SchedulerOutput | None, lay: StepLayout | None = None):

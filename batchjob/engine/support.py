@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchjob.engine.attention.registry import supported_features
+from batchjob.engine.vision.family import image_both_ways
 from batchjob.errors import ConfigError
 
 
@@ -194,7 +195,8 @@ def _text_config(config):
 
 
 def model_features(config, model=None) -> list[tuple[str, str]]:
-    """(feature name, detail) for each feature of :data:`FEATURES` the model uses, and ``sliding_window``.
+    """(feature name, detail) for each feature of :data:`FEATURES` the model uses, ``sliding_window``, and
+    ``image_both_ways`` (a vision-language model whose image tokens attend both ways within an image).
 
     ``config`` is the model's config; ``model``, when given, is looked at too (its class and modules), which
     is exact where the config alone only knows the families of this transformers version.
@@ -204,6 +206,9 @@ def model_features(config, model=None) -> list[tuple[str, str]]:
     window = getattr(text, "sliding_window", None)
     if window:
         found.append(("sliding_window", f"sliding_window={window}"))
+    both_ways = image_both_ways(config)
+    if both_ways:
+        found.append(("image_both_ways", both_ways))
     return found
 
 

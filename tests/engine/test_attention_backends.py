@@ -256,9 +256,13 @@ def test_what_backends_declare():
         "sinks",
         "bidirectional",
         "bidirectional_window",
+        "image_both_ways",
     }
-    # a window both ways (ModernBERT): the torch reference and its CPU-kernel subclass only
-    assert {n for n, c in REGISTRY.items() if "bidirectional_window" in c.computes} == {"torch", "cpu_kernel"}
+    # a window both ways (ModernBERT), image tokens both ways (Gemma 3): the torch reference and its CPU-kernel
+    # subclass only
+    for feature in ("bidirectional_window", "image_both_ways"):
+        assert {n for n, c in REGISTRY.items() if feature in c.computes} == {"torch", "cpu_kernel"}
+    assert choose_attention(cuda, torch.bfloat16, frozenset({"image_both_ways"})).backend == "torch"
     assert REGISTRY["flex"].applies() >= {"softcap", "sinks", "alibi"}
     for name in ("flash_attn", "varlen"):
         cls = REGISTRY[name]

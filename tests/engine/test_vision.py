@@ -1,7 +1,7 @@
 """Image rows through the engine (LLaVA, float64): greedy tokens equal HF ``generate`` on the processor's
 inputs, token for token, with one and two images a row, a text-only row in the same batch, chunked prefill
 cutting through an image, and the prefix cache (same image: a hit; another image: no hit, still exact).
-Other vision-language families are refused by name (Gemma 3 with the reason), and so is
+Other vision-language families are refused by name, and so is
 tensor parallelism with any of them."""
 
 from __future__ import annotations
@@ -194,14 +194,10 @@ def test_image_tokens_and_images_must_agree(llava):
 def test_other_vision_families_are_refused_by_name():
     from transformers import Gemma3Config, PaliGemmaConfig
 
-    supported = "supported: llava, llava_next, qwen2_vl, qwen2_5_vl, idefics3, smolvlm"
+    supported = "supported: llava, llava_next, qwen2_vl, qwen2_5_vl, idefics3, smolvlm, gemma3"
     with pytest.raises(ConfigError, match=f"family 'paligemma' is not supported yet; {supported}"):
         check_family(PaliGemmaConfig())
-    # Gemma 3's image tokens attend both ways within an image: our causal attention would answer wrongly
-    with pytest.raises(
-        ConfigError, match="family 'gemma3' is not supported: its image tokens attend both ways"
-    ):
-        check_family(Gemma3Config())
+    check_family(Gemma3Config())  # runs (its image tokens both ways: test_vision_gemma3.py)
 
 
 def test_every_supported_family_has_its_rules():

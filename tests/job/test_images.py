@@ -153,10 +153,11 @@ def test_image_rows_equal_hf_generate(llava, tmp_path, name):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("family", ["idefics3", "llava_next"])
+@pytest.mark.parametrize("family", ["idefics3", "llava_next", "gemma3"])
 def test_other_families_through_the_job(tmp_path, family):
-    """Image rows of the families whose image token counts vary (crops, tiles) go through the job as LLaVA's
-    do: each row's tokens equal HF generate's on that family's processor inputs."""
+    """Image rows of the families whose image token counts vary (crops, tiles) or whose image tokens attend
+    both ways (Gemma 3) go through the job as LLaVA's do: each row's tokens equal HF generate's on that
+    family's processor inputs."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from tests import vision_models

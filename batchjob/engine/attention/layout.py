@@ -64,6 +64,9 @@ class StepLayout:
     sample_rows: np.ndarray  # [S] rows whose logits are sampled
     adapter_of_row: np.ndarray | None = None  # [T] LoRA adapter of each row (0: base); None: none loaded
     images: Any = None  # vision/: the step's image-token rows and their features; None: no image token
+    # [T] past the last key position each row sees where a row sees past itself (an image's tokens attending
+    # both ways: ``image_both_ways``); None: every row is causal
+    key_ends: np.ndarray | None = None
 
     @property
     def decode_like(self) -> bool:

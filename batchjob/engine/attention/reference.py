@@ -5,6 +5,8 @@ padded to the longest request of a length group; prompt chunks (and draft verifi
 each over their gathered keys, with a bottom-right causal mask. It computes windows, and with ``causal``
 off (an encoder) attends within each row both ways: a row is then a whole request, one SDPA call, without a
 mask or with a window both ways (ModernBERT's local layers: keys closer than the window on either side).
+A chunk's rows may see past themselves (``StepLayout.key_ends``: Gemma 3's image tokens see their whole
+image), its mask then bounds each row by its own end.
 """
 
 from __future__ import annotations
@@ -29,24 +31,26 @@ class PrefillChunk:
     ctx_len: int  # keys it attends to, its new tokens included
     blocks: torch.Tensor | None  # [num_blocks] int64 its KV blocks; None when the chunk is the whole context
     causal: bool = True  # False: the whole row attends both ways (blocks is then None)
+    key_ends: torch.Tensor | None = None  # [q_len] int64 past the last key each row sees; None: causal
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None, device: torch.device | None = None) -> torch.Tensor | None:
-        """[q_len, ctx_len] bool, bottom-right causal; None means plain causal (no cached keys), or with
-        ``causal`` off and no window no mask at all. A window of ``w`` keeps the keys less than ``w``
-        positions before the query (itself included), and with ``causal`` off also after it."""
+        """[q_len, ctx_len] bool, bottom-right causal (or to each row's ``key_ends``); None means plain
+        causal (no cached keys), or with ``causal`` off and no window no mask at all. A window of ``w`` keeps
+        the keys less than ``w`` positions before the query (itself included), and with ``causal`` off also
+        after it."""
         if not self.causal:
             assert self.blocks is None, "a bidirectional row is whole, computed in one step"
             if window is None:
                 return None
-        elif window is None and self.q_len == self.ctx_len:
+        elif window is None and self.q_len == self.ctx_len and self.key_ends is None:
             return None
         if window not in self._masks:
             device = self.blocks.device if self.blocks is not None else device
             qpos = torch.arange(self.ctx_len - self.q_len, self.ctx_len, device=device)[:, None]
             kpos = torch.arange(self.ctx_len, device=device)[None, :]
             if self.causal:
-                mask = kpos <= qpos
+                mask = kpos <= qpos if self.key_ends is None else kpos < self.key_ends[:, None]
                 if window is not None:
                     mask &= kpos > qpos - window
             else:  # a window both ways
@@ -128,7 +132,7 @@ def sdpa(q, k, v, mask, scale, is_causal=False):
 class TorchReference(AttentionBackend):
     name = "torch"
     option = "torch"
-    computes = frozenset({"sliding_window", "bidirectional_window"})
+    computes = frozenset({"sliding_window", "bidirectional_window", "image_both_ways"})
     bidirectional = True
 
     @property
@@ -160,8 +164,20 @@ class TorchReference(AttentionBackend):
             ctx = int(lay.ends[i])
             h_blocks = pk.add(lay.table[i, : -(-ctx // self.block_size)]) if lay.starts[i] > 0 else None
             assert self.causal or lay.starts[i] == 0, "a bidirectional row is computed whole, in one step"
-            prefills.append((int(lay.offsets[i]), int(lay.n[i]), ctx, h_blocks))
+            prefills.append((int(lay.offsets[i]), int(lay.n[i]), ctx, h_blocks, self._key_ends(lay, i, pk)))
         return decodes, prefills
+
+    @staticmethod
+    def _key_ends(lay: StepLayout, i: int, pk: Packer) -> tuple | None:
+        """The handle of request ``i``'s rows' ``key_ends`` where one of them sees past itself, else None."""
+        if lay.key_ends is None:
+            return None
+        s, e = int(lay.offsets[i]), int(lay.offsets[i + 1])
+        ends = lay.key_ends[s:e]
+        if (ends == lay.positions[s:e] + 1).all():
+            return None
+        assert ends.max() <= lay.ends[i], "a chunk holds every key its rows see (vision.WholeImages)"
+        return pk.add(ends)
 
     def metadata(self, handles, buf: torch.Tensor) -> SdpaMeta:
         decodes, prefills = handles
@@ -169,8 +185,10 @@ class TorchReference(AttentionBackend):
         return SdpaMeta(
             [DecodeGroup(*(v(buf, h) for h in hs)) for hs in decodes],
             [
-                PrefillChunk(s, n, ctx, None if h is None else v(buf, h), self.causal)
-                for s, n, ctx, h in prefills
+                PrefillChunk(
+                    s, n, ctx, None if h is None else v(buf, h), self.causal, None if k is None else v(buf, k)
+                )
+                for s, n, ctx, h, k in prefills
             ],
         )
 

@@ -5,7 +5,8 @@ The kernel takes rows of any context lengths in one call, so every one-token req
 draft verification (each query seeing its request's keys up to its own position) goes in one group.
 Prompt chunks go to a prefill kernel, all of a step's in one call (float32 everywhere, bfloat16 on a CPU with
 AVX512-BF16), and so do an encoder's rows, attended both ways over the step's own keys; elsewhere (float64,
-bf16 on other CPUs, a layer with a sliding window) they stay the reference's, one SDPA call each.
+bf16 on other CPUs, a layer with a sliding window, a step with image tokens attending both ways) they stay
+the reference's, one SDPA call each.
 ``BATCHJOB_CPU_KERNEL=0`` turns the kernels off, and the engine then chooses the reference;
 ``BATCHJOB_CPU_PREFILL=0`` the prefill kernels alone.
 """
@@ -74,7 +75,7 @@ class CpuKernel(TorchReference):
     def pack(self, lay: StepLayout, pk: Packer) -> tuple[list[tuple], list[tuple], tuple | None]:
         decodes, prefills = super().pack(lay, pk)
         chunks = None
-        if prefills and self.prefill_kernel:
+        if prefills and self.prefill_kernel and lay.key_ends is None:  # image rows both ways: SDPA's masks
             idx = np.flatnonzero(~self.single_rows(lay))
             width = int(blocks_for(lay.ends[idx], self.block_size).max())
             chunks = tuple(

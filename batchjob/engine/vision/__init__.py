@@ -11,11 +11,14 @@ queues' order; not those the prefix cache will serve), and the projected feature
 through an image, a preempted request recomputes from the same features, and decode (text tokens only) is
 unchanged. The images' digests root the prefix-cache digests of the blocks holding their tokens
 (block_manager.py). A family with its own rotary positions (Qwen2-VL's M-RoPE) gives them for a step that
-holds one of its image requests; any other step runs as a text model's.
+holds one of its image requests; any other step runs as a text model's. A family whose image tokens attend
+both ways (Gemma 3) gives each step's rows the keys they see (``key_ends``: an image token sees its image
+to the end), and its chunks never end inside an image (:class:`WholeImages`), so a chunk holds the rest of
+an image with every key its tokens see.
 
-Family rules live in a module each (llava.py, llava_next.py, qwen2_vl.py, idefics3.py; what the hook asks of
-them: base.py), chosen by ``model_type``; another vision-language family is refused by name at load
-(family.py).
+Family rules live in a module each (llava.py, llava_next.py, qwen2_vl.py, idefics3.py, gemma3.py; what the
+hook asks of them: base.py), chosen by ``model_type``; another vision-language family is refused by name at
+load (family.py).
 """
 
 from __future__ import annotations
@@ -28,14 +31,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchjob.engine.attention.layout import ramps
+from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.request import Request
+from batchjob.engine.scheduler import ChunkPolicy
 from batchjob.engine.vision import memory
 from batchjob.engine.vision.base import Family, Inputs
 from batchjob.engine.vision.family import SUPPORTED, check_family, is_vlm, refuse
+from batchjob.engine.vision.gemma3 import Gemma3
 from batchjob.engine.vision.idefics3 import Idefics3
 from batchjob.engine.vision.llava import Llava
 from batchjob.engine.vision.llava_next import LlavaNext
 from batchjob.engine.vision.qwen2_vl import Qwen2VL
-from batchjob.engine.vision.state import Images
+from batchjob.engine.vision.state import Images, runs_of
 from batchjob.errors import ConfigError
 
 __all__ = [
@@ -58,6 +66,7 @@ FAMILIES: dict[str, type[Family]] = {
     "qwen2_5_vl": Qwen2VL,
     "idefics3": Idefics3,
     "smolvlm": Idefics3,
+    "gemma3": Gemma3,
 }
 
 
@@ -74,6 +83,8 @@ class ImageRows:
     rows: np.ndarray  # [M] packed rows of the step, ascending
     parts: list[tuple[Images, int, int]]  # per request in step order: its images, feature rows [a, b)
     rope: np.ndarray | None = None  # [3, T] int64: the step's position ids (M-RoPE); None: plain
+    # [T] int64: past the last key each row sees (a family's image tokens both ways); None: causal
+    key_ends: np.ndarray | None = None
 
 
 def _rope_rows(reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
@@ -95,6 +106,27 @@ def _rope_rows(reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray) -> np.
     return np.concatenate(cols, axis=1)
 
 
+def _key_ends(reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+    """[T] past the last key each row of the step sees, where one of them sees past itself; None: causal."""
+    cols = [
+        np.arange(s + 1, e + 1, dtype=np.int64) if r.images is None else r.images.key_ends(s, e)
+        for r, s, e in zip(reqs, starts.tolist(), ends.tolist(), strict=True)
+    ]
+    key_ends = np.concatenate(cols)
+    n = ends - starts
+    causal = np.repeat(starts, n) + ramps(n) + 1
+    return key_ends if (key_ends != causal).any() else None
+
+
+class WholeImages(ChunkPolicy):
+    """The chunks of a family whose image tokens attend both ways: as much as the budget takes, but never
+    ending inside an image (before it, or none this step when the rest of it does not fit)."""
+
+    def chunk(self, req: Request, computed: int, budget: int, block_manager: BlockManager) -> int:
+        n = super().chunk(req, computed, budget, block_manager)
+        return n if req.images is None else req.images.cut(computed, computed + n) - computed
+
+
 class VisionStep:
     """The runner's hook for a vision-language model: admits a request's images, names a step's image
     rows, encodes and lays the features into the step's input embeddings."""
@@ -105,6 +137,7 @@ class VisionStep:
         device: torch.device,
         dtype: torch.dtype,
         max_patches: int,
+        step_tokens: int,
         upcoming: Callable[[], Iterable[Images]] | None = None,
     ) -> None:
         self.model = model
@@ -119,6 +152,7 @@ class VisionStep:
         # The images the next steps will need encoded, in about the order they come (the engine's queues):
         # a call with room left takes them too, so the tower runs in calls of several images.
         self.upcoming = upcoming
+        self.step_tokens = step_tokens  # a step's token budget: an image attended both ways fits it whole
 
     def admit(self, inputs: Inputs, prompt_ids: Sequence[int]) -> Images:
         """A request's images against its prompt ids; image tokens that are not the images' count is the
@@ -137,7 +171,22 @@ class VisionStep:
             rope = self.family.positions(ids, inputs)
             if rope is not None:
                 images.rope, images.rope_delta = rope
+            if self.family.both_ways:
+                images.runs = runs_of(positions)
+                images.error = self._too_long(images.runs)
         return images
+
+    def _too_long(self, runs: np.ndarray) -> str | None:
+        """Why a request's image cannot run: its tokens, attended both ways, are one step's and the budget
+        is smaller (None: they fit)."""
+        longest = int((runs[:, 1] - runs[:, 0]).max(initial=0))
+        if longest <= self.step_tokens:
+            return None
+        return (
+            f"an image of {longest} tokens attends both ways ({self.family.name}), so it is computed in one "
+            f"step: max_num_batched_tokens (--max-num-batched-tokens) must be at least {longest}, not "
+            f"{self.step_tokens}"
+        )
 
     def rows(
         self, reqs: Sequence[Any], starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray
@@ -156,7 +205,8 @@ class VisionStep:
         rope = _rope_rows(reqs, starts, ends)
         if not parts and rope is None:
             return None
-        return ImageRows(np.concatenate(rows) if rows else np.zeros(0, np.int64), parts, rope)
+        key_ends = _key_ends(reqs, starts, ends) if self.family.both_ways and parts else None
+        return ImageRows(np.concatenate(rows) if rows else np.zeros(0, np.int64), parts, rope, key_ends)
 
     def inputs(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: ImageRows
@@ -175,7 +225,11 @@ class VisionStep:
         pending = {id(images): images for images, _, _ in step.parts if images.features is None}
         if pending:  # (a prompt's n samples share one Images)
             self._encode(self._fill(list(pending.values())))
-        embeds = self.model.get_input_embeddings()(input_ids)
+        table = self.model.get_input_embeddings()
+        if self.image_token_id >= getattr(table, "num_embeddings", self.image_token_id + 1):
+            # an image token id past the table (as Gemma 3's may be): any id does, its rows are overwritten
+            input_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)
+        embeds = table(input_ids)
         features = torch.cat([_features(images)[a:b] for images, a, b in step.parts])
         rows = torch.from_numpy(step.rows).to(self.device)
         embeds[0, rows] = features.to(embeds.dtype)
@@ -263,8 +317,10 @@ def attach_to(engine: Any, sharded: bool) -> VisionStep | None:
     refuse(engine.config, sharded)
     budget = engine.config.max_num_batched_tokens
     bound = memory.max_patches(budget)
-    step = VisionStep(engine.model, engine.device, engine.dtype, bound, lambda: _upcoming(engine))
+    step = VisionStep(engine.model, engine.device, engine.dtype, bound, budget, lambda: _upcoming(engine))
     engine.runner.vision = step
+    if step.family.both_ways:
+        engine.scheduler.chunks = WholeImages()
     return step
 
 

@@ -1,7 +1,8 @@
 """What the vision hook (vision/__init__.py) asks a vision-language family: how many image tokens each of
 a request's images takes (from the processor's image outputs), how a batch of requests' images becomes
-feature rows, and, for a family with its own rotary positions, a prompt's position ids. One module a
-family (llava.py, qwen2_vl.py, idefics3.py); the engine core names none of them."""
+feature rows, for a family with its own rotary positions a prompt's position ids, and whether its image
+tokens attend both ways. One module a family (llava.py, qwen2_vl.py, idefics3.py, gemma3.py); the engine
+core names none of them."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class Family:
     """A vision-language family's rules (subclasses: one a family). ``model``: the loaded image-text model."""
 
     name = ""
+    # Its image tokens attend both ways within each run of them (Gemma 3), not causally: the step's rows in a
+    # run see the keys to the run's end, and a chunk may not end inside a run.
+    both_ways = False
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -8,7 +8,9 @@ from typing import Any
 from batchjob.errors import ConfigError
 
 # the model_types vision/__init__.py FAMILIES builds
-SUPPORTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
+SUPPORTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm", "gemma3")
+# those whose image tokens attend both ways within an image (the attention feature ``image_both_ways``)
+BOTH_WAYS = ("gemma3",)
 
 
 def is_vlm(config: Any) -> bool:
@@ -16,21 +18,19 @@ def is_vlm(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-# Families refused for a reason worth saying (the rest: not built yet).
-WHY_NOT = {
-    "gemma3": "its image tokens attend both ways within an image (token_type_ids), and batchjob's paged "
-    "attention is causal: a chunk that cuts an image could not see the image's later tokens",
-}
+def image_both_ways(config: Any) -> str | None:
+    """What makes a model's image tokens attend both ways (the attention feature), or None."""
+    if is_vlm(config) and config.model_type in BOTH_WAYS:
+        return f"{config.model_type}: each image's tokens attend both ways (token_type_ids)"
+    return None
 
 
 def check_family(config: Any) -> None:
-    """Refuse a vision-language family batchjob has not built, naming it (and why, where it is known)."""
+    """Refuse a vision-language family batchjob has not built, naming it."""
     if is_vlm(config) and config.model_type not in SUPPORTED:
-        why = WHY_NOT.get(config.model_type)
         raise ConfigError(
-            f"vision-language model family {config.model_type!r} is not supported"
-            + (f": {why}" if why else " yet")
-            + f"; supported: {', '.join(SUPPORTED)}"
+            f"vision-language model family {config.model_type!r} is not supported yet; "
+            f"supported: {', '.join(SUPPORTED)}"
         )
 
 

@@ -29,6 +29,9 @@ class Images:
     # every later token's (position t + delta in all three); None: plain positions.
     rope: np.ndarray | None = None
     rope_delta: int = 0
+    # A family whose image tokens attend both ways (Gemma 3): [K, 2] int64 the first and past-the-last prompt
+    # position of each run of image tokens; None: they attend causally, as text does.
+    runs: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -44,3 +47,32 @@ class Images:
         first = int(np.searchsorted(self.offsets, a, side="right")) - 1
         last = int(np.searchsorted(self.offsets, b - 1, side="right")) - 1
         return b"".join(self.digests[first : last + 1])
+
+    def key_ends(self, lo: int, hi: int) -> np.ndarray:
+        """[hi - lo] int64: past the last key each of positions [lo, hi) sees: its run's end for an image
+        token that attends both ways, the next position for any other."""
+        ends = np.arange(lo + 1, hi + 1, dtype=np.int64)
+        for a, b in [] if self.runs is None else self.runs.tolist():
+            if a < hi and b > lo:
+                ends[max(a, lo) - lo : min(b, hi) - lo] = b
+        return ends
+
+    def cut(self, lo: int, hi: int) -> int:
+        """The end of a chunk of positions [lo, hi) moved back so that it does not end inside a run: to the
+        run's start, or to ``lo`` (no chunk: the rest of the run waits for a step with room for it whole)."""
+        if self.runs is None:
+            return hi
+        i = int(np.searchsorted(self.runs[:, 0], hi, side="left")) - 1  # the last run starting before hi
+        if i < 0 or self.runs[i, 1] <= hi:
+            return hi
+        return max(lo, int(self.runs[i, 0]))
+
+
+def runs_of(positions: np.ndarray) -> np.ndarray:
+    """[K, 2] the first and past-the-last position of each run of consecutive positions."""
+    if not len(positions):
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = positions[np.concatenate([[0], breaks])]
+    ends = positions[np.concatenate([breaks - 1, [len(positions) - 1]])] + 1
+    return np.stack([starts, ends], axis=1).astype(np.int64)
