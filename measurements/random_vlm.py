@@ -10,12 +10,16 @@ so two sizes of picture differ in preprocessing, not in tokens. ``--family llava
 language model under LLaVA-NeXT's anyres tiling, on LLaVA-1.6's grids counted in tiles of the tower's size
 (224 px tiles: a square picture of 224 px takes 406 tokens, of 448 px 1,008). ``--family idefics3``:
 SmolVLM-256M's shape (SigLIP-B/16 on 512 px crops, pixel shuffle by 4, SmolLM2-135M), pictures resized to
-1024 px (2 x 2 crops and the whole: 320 tokens) where SmolVLM resizes to 2048.
+1024 px (2 x 2 crops and the whole: 320 tokens) where SmolVLM resizes to 2048. ``--family gemma3``: Gemma 3's
+layout (256 tokens an image, attending both ways; windows of 512 keys in five layers of six) at a small
+shape: SigLIP-B/16 at 512 px (1,024 patches pooled by 2) where Gemma 3 has SigLIP-So400m/14 at 896, and
+a Gemma 3 language model of SmolLM2-135M's widths.
 
     python measurements/random_vlm.py /tmp/llava-b16-135m                        # ViT-B/16-224 + 135M
     python measurements/random_vlm.py /tmp/llava-b16-0.5b --text qwen2.5-0.5b
     python measurements/random_vlm.py /tmp/next-b16-135m --family llava_next
     python measurements/random_vlm.py /tmp/idefics3-256m --family idefics3
+    python measurements/random_vlm.py /tmp/gemma3-b16-135m --family gemma3
     batchjob bench --model /tmp/llava-b16-135m --image-sizes 224,448 --num-requests 64 --device cpu
 """
 
@@ -186,6 +190,73 @@ def _idefics3(text: str, tokenizer):
     return model, processor
 
 
+def _gemma3(text: str, tokenizer, out: Path):
+    """Gemma 3's layout at a small shape (the module's docstring); the tokenizer gets Gemma 3's named image
+    tokens (``boi_token``, ``eoi_token``, ``image_token``), as its processor reads them."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+        Gemma3TextConfig,
+    )
+
+    from tests.vision_models import GEMMA3_SPECIAL, VISION_CHAT_TEMPLATE
+
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_SPECIAL.values())})
+    tokenizer._set_model_specific_special_tokens(special_tokens=GEMMA3_SPECIAL)
+    tokenizer.save_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_SPECIAL.items()}
+    size, patch = 512, 16
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "image_size": size,
+        "patch_size": patch,
+    }
+    hidden, inter, layers, heads, kv, _ = TEXT[text]
+    language = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        max_position_embeddings=8192,
+        sliding_window=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = Gemma3Config(
+        vision_config=vision,
+        text_config=language,
+        mm_tokens_per_image=256,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+    )
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # the projection starts at zero
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": size, "width": size}),
+        tokenizer=tokenizer,
+        chat_template=VISION_CHAT_TEMPLATE.replace("<image>\n", GEMMA3_SPECIAL["boi_token"]),
+        image_seq_length=256,
+    )
+    return model, processor, tokenizer
+
+
+TOWERS = {"idefics3": "SigLIP-B/16-512", "gemma3": "SigLIP-B/16-512"}
+
+
 def build(out: Path, family: str, vision: str, text: str, tokenizer_kind: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     extra = IDEFICS3_TOKENS if family == "idefics3" else []
@@ -193,11 +264,13 @@ def build(out: Path, family: str, vision: str, text: str, tokenizer_kind: str) -
     torch.manual_seed(0)
     if family == "idefics3":
         model, processor = _idefics3(text, tokenizer)
+    elif family == "gemma3":
+        model, processor, tokenizer = _gemma3(text, tokenizer, out)
     else:
         model, processor = _llava(family, vision, text, tokenizer)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    shape = f"{'SigLIP-B/16-512' if family == 'idefics3' else vision} + {text}"
+    shape = f"{TOWERS.get(family, vision)} + {text}"
     print(f"{family}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters ({shape}) -> {out}")
     model.save_pretrained(str(out))
     processor.save_pretrained(str(out))
@@ -208,10 +281,10 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path, help="the folder to write the model and its processor into")
     ap.add_argument(
         "--family",
-        choices=["llava", "llava_next", "idefics3"],
+        choices=["llava", "llava_next", "idefics3", "gemma3"],
         default="llava",
         help="LLaVA; LLaVA-NeXT (anyres tiles of the tower's size on LLaVA-1.6's grids: an image's tokens "
-        "follow its size); Idefics3 at SmolVLM-256M's shape (--vision not used)",
+        "follow its size); Idefics3 at SmolVLM-256M's shape; Gemma 3's layout (these two: --vision not used)",
     )
     ap.add_argument("--vision", choices=list(VISION), default="b16-224", help="the tower's shape (LLaVA's)")
     ap.add_argument("--text", choices=list(TEXT), default="smollm2-135m", help="the language model's shape")

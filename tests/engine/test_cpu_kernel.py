@@ -269,6 +269,36 @@ def test_engine_in_bf16_decodes_with_the_kernel_and_differs_from_the_reference_o
     assert_bf16_differs_only_at_near_ties(decisive_model_dir, prompts, got, want, what, capsys)
 
 
+@pytest.mark.engine  # builds and loads a model
+def test_a_window_that_cuts_no_key_leaves_the_layer_on_the_prefill_kernel(tmp_path):
+    """Gemma 3's windowed layer (a window of 64 keys, then a full layer), float32: a step whose prompts have
+    at most 64 keys attends on the prefill kernel in both layers (the window cuts none of them); a step with
+    a longer one leaves the windowed layer to SDPA. Log-probabilities within float32's rounding of float64."""
+    from batchjob import Engine, SamplingParams
+    from tests.tiny_models import make_family_model, random_prompts
+
+    _needs_prefill_kernel(torch.float32)
+    folder = make_family_model(tmp_path / "gemma3", "gemma3_text", sliding_window=64)
+    engine = Engine.from_pretrained(str(folder), device="cpu", dtype="float32")
+    exact = Engine.from_pretrained(str(folder), device="cpu", dtype="float64")
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    calls: list[int] = []
+    plain = cpu_kernel.paged_prefill
+    try:
+        cpu_kernel.paged_prefill = lambda *a, **k: calls.append(int(a[6].max())) or plain(*a, **k)
+        for lengths, kernel_layers in (([40, 64], 2), ([100, 30], 1)):
+            calls.clear()
+            prompts = random_prompts(lengths, engine.vocab_size, seed=max(lengths))
+            got = engine.generate(prompts, params)
+            assert calls == [max(lengths)] * kernel_layers  # the prompts' one step, in each layer it reaches
+            for out, want in zip(got, exact.generate(prompts, params), strict=True):
+                assert out.token_ids == want.token_ids
+                lp = [top[0][1] for top in out.logprobs]
+                assert lp == pytest.approx([top[0][1] for top in want.logprobs], abs=1e-4)
+    finally:
+        cpu_kernel.paged_prefill = plain
+
+
 @pytest.mark.engine  # runs the C++ compiler
 @needs_kernel
 def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):

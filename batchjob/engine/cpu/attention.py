@@ -5,8 +5,8 @@ The kernel takes rows of any context lengths in one call, so every one-token req
 draft verification (each query seeing its request's keys up to its own position) goes in one group.
 Prompt chunks go to a prefill kernel, all of a step's in one call (float32 everywhere, bfloat16 on a CPU with
 AVX512-BF16), and so do an encoder's rows, attended both ways over the step's own keys; elsewhere (float64,
-bf16 on other CPUs, a layer with a sliding window, a step with image tokens attending both ways) they stay
-the reference's, one SDPA call each.
+bf16 on other CPUs, a layer whose sliding window is shorter than a chunk's keys, a step with image tokens
+attending both ways) they stay the reference's, one SDPA call each.
 ``BATCHJOB_CPU_KERNEL=0`` turns the kernels off, and the engine then chooses the reference;
 ``BATCHJOB_CPU_PREFILL=0`` the prefill kernels alone.
 """
@@ -29,6 +29,7 @@ from batchjob.engine.cpu import kernel
 class CpuMeta(SdpaMeta):
     # The step's prompt chunks for the prefill kernel: block table, first rows, rows, keys; None: SDPA.
     chunks: tuple[torch.Tensor, ...] | None = None
+    longest: int = 0  # the most keys one of those chunks has: a window at least this long cuts none
 
 
 class CpuKernel(TorchReference):
@@ -72,29 +73,32 @@ class CpuKernel(TorchReference):
             scale = q.shape[2] ** -0.5
         return kernel.paged_decode(qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, window)
 
-    def pack(self, lay: StepLayout, pk: Packer) -> tuple[list[tuple], list[tuple], tuple | None]:
+    def pack(self, lay: StepLayout, pk: Packer) -> tuple[list[tuple], list[tuple], tuple | None, int]:
         decodes, prefills = super().pack(lay, pk)
-        chunks = None
+        chunks, longest = None, 0
         if prefills and self.prefill_kernel and lay.key_ends is None:  # image rows both ways: SDPA's masks
             idx = np.flatnonzero(~self.single_rows(lay))
             width = int(blocks_for(lay.ends[idx], self.block_size).max())
             chunks = tuple(
                 pk.add(a) for a in (lay.table[idx, :width], lay.offsets[idx], lay.n[idx], lay.ends[idx])
             )
-        return decodes, prefills, chunks
+            longest = int(lay.ends[idx].max())
+        return decodes, prefills, chunks, longest
 
     def metadata(self, handles, buf: torch.Tensor) -> CpuMeta:
-        decodes, prefills, chunks = handles
+        decodes, prefills, chunks, longest = handles
         meta = super().metadata((decodes, prefills), buf)
         views = None if chunks is None else tuple(Packer.view(buf, h) for h in chunks)
-        return CpuMeta(meta.decode_groups, meta.prefills, views)
+        return CpuMeta(meta.decode_groups, meta.prefills, views, longest)
 
     def decode_metadata(self, slots, table, lens) -> CpuMeta:
         return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
 
     def prefill(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
         chunks = data.chunks if isinstance(data, CpuMeta) else None
-        if chunks is None or window is not None:  # the kernel has no window: SDPA applies it
+        # The kernel has no window: SDPA applies one that cuts a key (a chunk's keys are positions 0..ctx - 1,
+        # so a window of ctx or more, either way, keeps them all).
+        if chunks is None or (window is not None and window < data.longest):
             super().prefill(data, q, key, value, k_cache, v_cache, scale, window, out)
             return
         table, starts, lens, ends = chunks
