@@ -95,13 +95,16 @@ class CpuKernel(TorchReference):
         return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
 
     def prefill(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
-        chunks = data.chunks if isinstance(data, CpuMeta) else None
         # The kernel has no window: SDPA applies one that cuts a key (a chunk's keys are positions 0..ctx - 1,
         # so a window of ctx or more, either way, keeps them all).
-        if chunks is None or (window is not None and window < data.longest):
+        if (
+            not isinstance(data, CpuMeta)
+            or data.chunks is None
+            or (window is not None and window < data.longest)
+        ):
             super().prefill(data, q, key, value, k_cache, v_cache, scale, window, out)
             return
-        table, starts, lens, ends = chunks
+        table, starts, lens, ends = data.chunks
         scale = q.shape[2] ** -0.5 if scale is None else scale
         if self.causal:
             kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ends, scale, out)
