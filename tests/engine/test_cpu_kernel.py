@@ -119,16 +119,33 @@ PREFILL_DTYPES = [torch.bfloat16, torch.float32]
 PREFILL_TOLERANCE = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=5e-5, rtol=1e-5)}
 
 
+def _key_ends(chunks, starts, total) -> torch.Tensor:
+    """[total] per row past the last key it sees: itself, but the middle third of each chunk of 3 rows or
+    more sees to that third's end (an image's tokens attending both ways)."""
+    ends = torch.zeros(total, dtype=torch.int64)
+    for (n, ctx), start in zip(chunks, starts, strict=True):
+        pos = torch.arange(ctx - n, ctx)
+        ends[start : start + n] = pos + 1
+        a, b = ctx - n + n // 3, ctx - n + 2 * n // 3
+        if n >= 3:
+            ends[start : start + n][(pos >= a) & (pos < b)] = b
+    return ends
+
+
 @pytest.mark.engine  # runs the C++ compiler
 @pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+@pytest.mark.parametrize("bounds", ["causal", "window", "key_ends"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     [(14, 2, 64, 16), (12, 2, 128, 16), (6, 1, 80, 8), (4, 4, 16, 4), (9, 3, 96, 16)],
 )
-def test_prefill_kernel_equals_float64_attention_up_to_rounding(heads, kv_heads, dim, block_size, dtype):
+def test_prefill_kernel_equals_float64_attention_up_to_rounding(
+    heads, kv_heads, dim, block_size, bounds, dtype
+):
     """Prompt chunks of a step (a whole prompt, a chunk continuing cached keys, one row, rows of other
-    requests between them left alone) over scattered blocks, against float64 causal attention of the same
-    inputs. In bf16 the kernel rounds the probabilities to bf16 before the second product, as torch's flash
+    requests between them left alone) over scattered blocks, against float64 attention of the same inputs:
+    causal, within a window of 24 keys, or with rows that see past themselves (``key_ends``) and the window.
+    In bf16 the kernel rounds the probabilities to bf16 before the second product, as torch's flash
     attention does: its error is that of SDPA in the same dtype, element by element and on average."""
     _needs_prefill_kernel(dtype)
     chunks = [(37, 37), (20, 90), (1, 5), (1, 1), (64, 64), (17, 300)]  # (rows, keys)
@@ -143,7 +160,11 @@ def test_prefill_kernel_equals_float64_attention_up_to_rounding(heads, kv_heads,
     q = (torch.randn(row, heads, dim, generator=gen) * 2).to(dtype).transpose(0, 1)  # [H, T, D]
     out = torch.full((row, heads, dim), 7.0, dtype=dtype)
     q_lens = torch.tensor([n for n, _ in chunks], dtype=torch.int64)
-    cpu_kernel.paged_prefill(q, k_cache, v_cache, table, torch.tensor(starts), q_lens, lens, dim**-0.5, out)
+    window = None if bounds == "causal" else 24
+    key_ends = _key_ends(chunks, starts, row) if bounds == "key_ends" else None
+    cpu_kernel.paged_prefill(
+        q, k_cache, v_cache, table, torch.tensor(starts), q_lens, lens, dim**-0.5, out, window, key_ends
+    )
 
     rep = heads // kv_heads
     got, want, sdpa_bf16 = [], [], []
@@ -151,7 +172,9 @@ def test_prefill_kernel_equals_float64_attention_up_to_rounding(heads, kv_heads,
         k = k_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1).repeat_interleave(rep, 0)
         v = v_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1).repeat_interleave(rep, 0)
         qc = q[:, start : start + n]
-        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # bottom-right causal
+        kpos, qpos = torch.arange(ctx)[None, :], torch.arange(ctx - n, ctx)[:, None]
+        ends = qpos + 1 if key_ends is None else key_ends[start : start + n, None]
+        mask = (kpos < ends) & (kpos > qpos - (window or ctx))  # bottom-right causal, or to each row's end
         exact = F.scaled_dot_product_attention(
             qc.double(), k.double(), v.double(), attn_mask=mask, scale=dim**-0.5
         )
@@ -170,12 +193,14 @@ def test_prefill_kernel_equals_float64_attention_up_to_rounding(heads, kv_heads,
 
 @pytest.mark.engine  # runs the C++ compiler
 @pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+@pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 12, 32), (12, 12, 64), (14, 2, 64), (6, 3, 80)])
-def test_dense_prefill_equals_float64_attention_up_to_rounding(heads, kv_heads, dim, causal, dtype):
+def test_dense_prefill_equals_float64_attention_up_to_rounding(heads, kv_heads, dim, causal, window, dtype):
     """Sequences attended over their own keys (an encoder's rows, a vision tower's images): q, k and v as
     the column views of one projection that transformers' attention layers pass, each sequence both ways
-    (or causal), against float64 attention of the same inputs, within SDPA's own error in that dtype."""
+    (or causal), without a window or within 24 keys (on either side both ways), against float64 attention
+    of the same inputs, within SDPA's own error in that dtype."""
     _needs_prefill_kernel(dtype)
     lens = [197, 1, 16, 60, 257]
     total, gen = sum(lens), torch.Generator().manual_seed(dim)
@@ -186,19 +211,17 @@ def test_dense_prefill_equals_float64_attention_up_to_rounding(heads, kv_heads, 
     v = qkv[:, (heads + kv_heads) * dim :].view(total, kv_heads, dim).transpose(0, 1)
     starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
     out = torch.empty(total, heads, dim, dtype=dtype)
-    cpu_kernel.dense_prefill(q, k, v, starts, torch.tensor(lens), dim**-0.5, causal, out)
+    cpu_kernel.dense_prefill(q, k, v, starts, torch.tensor(lens), dim**-0.5, causal, out, window)
 
     rep = heads // kv_heads
     got, want, sdpa_bf16 = [], [], []
     for start, n in zip(starts.tolist(), lens, strict=True):
         qc = q[:, start : start + n]
         kc, vc = (x[:, start : start + n].repeat_interleave(rep, 0) for x in (k, v))
-        exact = F.scaled_dot_product_attention(
-            qc.double(), kc.double(), vc.double(), scale=dim**-0.5, is_causal=causal
-        )
-        sdpa_bf16.append(
-            F.scaled_dot_product_attention(qc, kc, vc, scale=dim**-0.5, is_causal=causal).double()
-        )
+        gap = torch.arange(n)[None, :] - torch.arange(n)[:, None]  # key position less query position
+        mask = ((gap <= 0) if causal else (gap < (window or n))) & (gap > -(window or n))
+        exact = F.scaled_dot_product_attention(qc.double(), kc.double(), vc.double(), mask, scale=dim**-0.5)
+        sdpa_bf16.append(F.scaled_dot_product_attention(qc, kc, vc, mask, scale=dim**-0.5).double())
         got.append(out[start : start + n].transpose(0, 1).double())
         want.append(exact)
     got_t, want_t, sdpa_t = torch.cat(got, 1), torch.cat(want, 1), torch.cat(sdpa_bf16, 1)
@@ -270,27 +293,27 @@ def test_engine_in_bf16_decodes_with_the_kernel_and_differs_from_the_reference_o
 
 
 @pytest.mark.engine  # builds and loads a model
-def test_a_window_that_cuts_no_key_leaves_the_layer_on_the_prefill_kernel(tmp_path):
-    """Gemma 3's windowed layer (a window of 64 keys, then a full layer), float32: a step whose prompts have
-    at most 64 keys attends on the prefill kernel in both layers (the window cuts none of them); a step with
-    a longer one leaves the windowed layer to SDPA. Log-probabilities within float32's rounding of float64."""
+def test_windowed_layers_attend_on_the_prefill_kernel(tmp_path):
+    """Gemma 3 (a windowed layer of 16 keys, then a full layer), float32: prompts within the window and
+    past it, one step each, attend on the prefill kernel in both layers; greedy tokens equal float64's and
+    their log-probabilities agree within float32's rounding (1e-4)."""
     from batchjob import Engine, SamplingParams
     from tests.tiny_models import make_family_model, random_prompts
 
     _needs_prefill_kernel(torch.float32)
-    folder = make_family_model(tmp_path / "gemma3", "gemma3_text", sliding_window=64)
+    folder = make_family_model(tmp_path / "gemma3", "gemma3_text", sliding_window=16)
     engine = Engine.from_pretrained(str(folder), device="cpu", dtype="float32")
     exact = Engine.from_pretrained(str(folder), device="cpu", dtype="float64")
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
-    calls: list[int] = []
+    calls: list[int | None] = []
     plain = cpu_kernel.paged_prefill
     try:
-        cpu_kernel.paged_prefill = lambda *a, **k: calls.append(int(a[6].max())) or plain(*a, **k)
-        for lengths, kernel_layers in (([40, 64], 2), ([100, 30], 1)):
+        cpu_kernel.paged_prefill = lambda *a, **k: calls.append(a[9]) or plain(*a, **k)
+        for lengths in ([12, 16], [100, 30]):
             calls.clear()
             prompts = random_prompts(lengths, engine.vocab_size, seed=max(lengths))
             got = engine.generate(prompts, params)
-            assert calls == [max(lengths)] * kernel_layers  # the prompts' one step, in each layer it reaches
+            assert calls == [16, None]  # the prompts' one step: the windowed layer, then the full one
             for out, want in zip(got, exact.generate(prompts, params), strict=True):
                 assert out.token_ids == want.token_ids
                 lp = [top[0][1] for top in out.logprobs]
@@ -329,8 +352,8 @@ def test_kernel_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("family", ["bert", "gemma3"])
 def test_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path, family, dtype):
-    """An embedder's rows in bf16 or float32, attended both ways: every layer without a window goes to the prefill
-    kernel over the step's own keys (EmbeddingGemma's windowed layers stay SDPA's). Against float64
+    """An embedder's rows in bf16 or float32, attended both ways: every layer goes to the prefill kernel over
+    the step's own keys (EmbeddingGemma's windowed ones within their window both ways). Against float64
     embeddings of the same model, the kernel's are as close as the SDPA path's (same weights, same engine)."""
     from batchjob import Engine
     from tests.task_models import make_embedder
@@ -351,7 +374,7 @@ def test_encoder_rows_go_to_the_prefill_kernel_within_sdpas_error(tmp_path, fami
         cpu_kernel.dense_prefill = plain
     assert all(o.error is None for o in outs), [o.error for o in outs]
     got = torch.stack([torch.from_numpy(o.embedding).double() for o in outs])
-    layers = 2 if family == "bert" else 1  # EmbeddingGemma's one global layer of four
+    layers = 2 if family == "bert" else 4  # EmbeddingGemma's three windowed layers (4 keys each way) too
     assert len(calls) == layers and sum(calls) == layers * len(texts)  # one call a layer, every row in it
     attention.prefill_kernel = False
     sdpa = torch.stack([torch.from_numpy(o.embedding).double() for o in engine.embed(texts)])
@@ -434,8 +457,8 @@ def test_an_engine_gives_its_vision_tower_the_kernels_attention_in_float32_and_b
 @pytest.mark.engine  # runs the C++ compiler
 def test_float32_prefill_kernel_built_for_avx2_equals_float64_attention(tmp_path):
     """The float32 kernel's AVX2 form (8 floats a vector, 12 rows a task), which a CPU without AVX-512 runs:
-    built here for x86-64-v3 and called as the engine calls the native build, causal and both ways, at head
-    sizes of 32 to 128 and grouped queries, against float64 attention."""
+    built here for x86-64-v3 and called as the engine calls the native build, causal and both ways, with and
+    without a window, at head sizes of 32 to 128 and grouped queries, against float64 attention."""
     import ctypes
     import platform
     import shutil
@@ -455,12 +478,12 @@ def test_float32_prefill_kernel_built_for_avx2_equals_float64_attention(tmp_path
     fn = lib.batchjob_prefill_f32
     fn.argtypes, fn.restype = native.batchjob_prefill_f32.argtypes, ctypes.c_int
     gen = torch.Generator().manual_seed(3)
-    for seqs, length, heads, kv_heads, dim, causal in [
-        (3, 197, 12, 12, 64, False),
-        (2, 100, 14, 2, 64, True),
-        (5, 37, 12, 12, 32, False),
-        (2, 50, 6, 3, 80, True),
-        (1, 300, 12, 2, 128, True),
+    for seqs, length, heads, kv_heads, dim, causal, window in [
+        (3, 197, 12, 12, 64, False, 0),
+        (2, 100, 14, 2, 64, True, 0),
+        (5, 37, 12, 12, 32, False, 16),
+        (2, 50, 6, 3, 80, True, 0),
+        (1, 300, 12, 2, 128, True, 64),
     ]:
         total = seqs * length
         x = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen)
@@ -484,15 +507,19 @@ def test_float32_prefill_kernel_built_for_avx2_equals_float64_attention(tmp_path
                 dim,
                 dim**-0.5,
                 int(causal),
+                window,
+                None,
                 out.data_ptr(),
             )
             == 0
         )
         rep = heads // kv_heads
+        gap = torch.arange(length)[None, :] - torch.arange(length)[:, None]  # key position less query's
+        mask = ((gap <= 0) if causal else (gap < (window or length))) & (gap > -(window or length))
         for start in starts.tolist():
             rows = slice(start, start + length)
             kc, vc = (t[:, rows].double().repeat_interleave(rep, 0) for t in (k, v))
-            want = F.scaled_dot_product_attention(q[:, rows].double(), kc, vc, is_causal=causal)
+            want = F.scaled_dot_product_attention(q[:, rows].double(), kc, vc, mask)
             torch.testing.assert_close(
                 out[rows].double(), want.transpose(0, 1), **PREFILL_TOLERANCE[torch.float32]
             )

@@ -134,3 +134,28 @@ def test_an_image_longer_than_a_step_is_its_rows_error(gemma3):
         "max_num_batched_tokens (--max-num-batched-tokens) must be at least 16, not 12" in outs["image"].error
     )
     assert outs["text"].error is None and len(outs["text"].token_ids) == GREEDY.max_new_tokens
+
+
+def test_float32_image_rows_attend_on_the_prefill_kernel(gemma3):
+    """In float32 the CPU's prefill kernel computes the image steps, each image token seeing its image to the
+    end (``key_ends``) within the windowed layer's 6 keys: greedy tokens equal float64's and their
+    log-probabilities agree within float32's rounding."""
+    from batchjob.engine.cpu import kernel
+
+    if not kernel.prefill_takes(torch.float32, 16):
+        pytest.skip("the float32 prefill kernel needs a C++ compiler")
+    folder, processor, _ = gemma3
+    rows = _rows(processor)
+    options = dict(device="cpu", num_blocks=128, block_size=4, max_num_batched_tokens=20)
+    exact = _run(Engine.from_pretrained(folder, dtype="float64", **options), rows)
+    seen = []
+    plain = kernel.paged_prefill
+    try:
+        kernel.paged_prefill = lambda *a, **k: seen.append(a[10] is not None) or plain(*a, **k)
+        got = _run(Engine.from_pretrained(folder, dtype="float32", **options), rows)
+    finally:
+        kernel.paged_prefill = plain
+    assert any(seen) and not all(seen)  # image steps with their key ends, text steps without
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in exact]
+    for row, want in zip(got, exact, strict=True):
+        assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want], abs=1e-4)

@@ -4,9 +4,10 @@ sent to the compiled decode kernel (:mod:`.kernel`), which reads the paged cache
 The kernel takes rows of any context lengths in one call, so every one-token request and every row of a
 draft verification (each query seeing its request's keys up to its own position) goes in one group.
 Prompt chunks go to a prefill kernel, all of a step's in one call (float32 everywhere, bfloat16 on a CPU with
-AVX512-BF16), and so do an encoder's rows, attended both ways over the step's own keys; elsewhere (float64,
-bf16 on other CPUs, a layer whose sliding window is shorter than a chunk's keys, a step with image tokens
-attending both ways) they stay the reference's, one SDPA call each.
+AVX512-BF16), with their layer's sliding window and each row's own key end (Gemma 3's image tokens see their
+image whole), and so do an encoder's rows, attended both ways over the step's own keys (within a window
+both ways where the layer has one); elsewhere (float64, bf16 on other CPUs) they stay the reference's, one
+SDPA call each.
 ``BATCHJOB_CPU_KERNEL=0`` turns the kernels off, and the engine then chooses the reference;
 ``BATCHJOB_CPU_PREFILL=0`` the prefill kernels alone.
 """
@@ -29,7 +30,7 @@ from batchjob.engine.cpu import kernel
 class CpuMeta(SdpaMeta):
     # The step's prompt chunks for the prefill kernel: block table, first rows, rows, keys; None: SDPA.
     chunks: tuple[torch.Tensor, ...] | None = None
-    longest: int = 0  # the most keys one of those chunks has: a window at least this long cuts none
+    key_ends: torch.Tensor | None = None  # [T] int64 StepLayout.key_ends, where a row sees past itself
 
 
 class CpuKernel(TorchReference):
@@ -73,40 +74,40 @@ class CpuKernel(TorchReference):
             scale = q.shape[2] ** -0.5
         return kernel.paged_decode(qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, window)
 
-    def pack(self, lay: StepLayout, pk: Packer) -> tuple[list[tuple], list[tuple], tuple | None, int]:
+    def pack(
+        self, lay: StepLayout, pk: Packer
+    ) -> tuple[list[tuple], list[tuple], tuple | None, tuple | None]:
         decodes, prefills = super().pack(lay, pk)
-        chunks, longest = None, 0
-        if prefills and self.prefill_kernel and lay.key_ends is None:  # image rows both ways: SDPA's masks
+        chunks = key_ends = None
+        if prefills and self.prefill_kernel:
             idx = np.flatnonzero(~self.single_rows(lay))
             width = int(blocks_for(lay.ends[idx], self.block_size).max())
             chunks = tuple(
                 pk.add(a) for a in (lay.table[idx, :width], lay.offsets[idx], lay.n[idx], lay.ends[idx])
             )
-            longest = int(lay.ends[idx].max())
-        return decodes, prefills, chunks, longest
+            if lay.key_ends is not None:  # a row sees past itself
+                key_ends = pk.add(lay.key_ends)
+        return decodes, prefills, chunks, key_ends
 
     def metadata(self, handles, buf: torch.Tensor) -> CpuMeta:
-        decodes, prefills, chunks, longest = handles
+        decodes, prefills, chunks, key_ends = handles
         meta = super().metadata((decodes, prefills), buf)
         views = None if chunks is None else tuple(Packer.view(buf, h) for h in chunks)
-        return CpuMeta(meta.decode_groups, meta.prefills, views, longest)
+        ends = None if key_ends is None else Packer.view(buf, key_ends)
+        return CpuMeta(meta.decode_groups, meta.prefills, views, ends)
 
     def decode_metadata(self, slots, table, lens) -> CpuMeta:
         return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
 
     def prefill(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
-        # The kernel has no window: SDPA applies one that cuts a key (a chunk's keys are positions 0..ctx - 1,
-        # so a window of ctx or more, either way, keeps them all).
-        if (
-            not isinstance(data, CpuMeta)
-            or data.chunks is None
-            or (window is not None and window < data.longest)
-        ):
+        if not isinstance(data, CpuMeta) or data.chunks is None:
             super().prefill(data, q, key, value, k_cache, v_cache, scale, window, out)
             return
         table, starts, lens, ends = data.chunks
         scale = q.shape[2] ** -0.5 if scale is None else scale
         if self.causal:
-            kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ends, scale, out)
+            kernel.paged_prefill(
+                q, k_cache, v_cache, table, starts, lens, ends, scale, out, window, data.key_ends
+            )
         else:  # an encoder's whole rows, both ways, over the step's keys (the cache is not written)
-            kernel.dense_prefill(q, key[0], value[0], starts, lens, scale, False, out)
+            kernel.dense_prefill(q, key[0], value[0], starts, lens, scale, False, out, window)

@@ -130,9 +130,9 @@ def load() -> ctypes.CDLL | None:
     for name in _PREFILL.values():
         fn = getattr(lib, name)
         # q, k, v (each a pointer, its head and token strides); block table, its stride, block size;
-        # q_starts, q_lens, ctx_lens, chunks; heads, KV heads, head size; scale, causal; out
+        # q_starts, q_lens, ctx_lens, chunks; heads, KV heads, head size; scale, causal, window, key_ends; out
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
-        fn.argtypes += [i64, i64, ctypes.c_double, i64, ptr]
+        fn.argtypes += [i64, i64, ctypes.c_double, i64, i64, ptr, ptr]
         fn.restype = ctypes.c_int
     lib.batchjob_paged_prefill_available.restype = ctypes.c_int
     return lib
@@ -198,12 +198,16 @@ def paged_prefill(
     ctx_lens: torch.Tensor,  # [C] int64: keys each chunk's last query sees (its new ones included)
     scale: float,
     out: torch.Tensor,  # [T, H, D]: the chunks' rows are written, the others left as they are
+    window: int | None = None,  # keys a query sees, itself included; None: all
+    key_ends: torch.Tensor | None = None,  # [T] int64: past the last key each row sees; None: itself
 ) -> None:
-    """Causal attention of prompt chunks over their requests' cached keys (check :func:`prefill_takes`)."""
+    """Causal attention of prompt chunks over their requests' cached keys, or up to each row's ``key_ends``
+    (check :func:`prefill_takes`)."""
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     block_size = k_cache.shape[1]
     k, v = k_cache.flatten(0, 1).transpose(0, 1), v_cache.flatten(0, 1).transpose(0, 1)  # [KVH, slots, D]
-    _prefill(q, k, v, block_table.contiguous(), block_size, q_starts, q_lens, ctx_lens, scale, True, out)
+    table = block_table.contiguous()
+    _prefill(q, k, v, table, block_size, q_starts, q_lens, ctx_lens, scale, True, out, window, key_ends)
 
 
 def dense_prefill(
@@ -215,17 +219,35 @@ def dense_prefill(
     scale: float,
     causal: bool,
     out: torch.Tensor,  # [T, H, D]: the sequences' rows are written
+    window: int | None = None,  # keys closer than this on either side (causal: before); None: all
 ) -> None:
     """Attention of each sequence of rows over its own keys, both ways unless ``causal`` (an encoder's
     rows, a vision tower's images; check :func:`prefill_takes`)."""
-    _prefill(q, k, v, None, 1, q_starts, q_lens, q_lens, scale, causal, out)
+    _prefill(q, k, v, None, 1, q_starts, q_lens, q_lens, scale, causal, out, window)
 
 
-def _prefill(q, k, v, block_table, block_size, q_starts, q_lens, ctx_lens, scale, causal, out) -> None:
+def _prefill(
+    q,
+    k,
+    v,
+    block_table,
+    block_size,
+    q_starts,
+    q_lens,
+    ctx_lens,
+    scale,
+    causal,
+    out,
+    window=None,
+    key_ends=None,
+) -> None:
     lib = load()
     assert lib is not None and q.dtype == k.dtype == v.dtype == out.dtype and out.is_contiguous()
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1
     q_starts, q_lens, ctx_lens = q_starts.contiguous(), q_lens.contiguous(), ctx_lens.contiguous()
+    if key_ends is not None:
+        key_ends = key_ends.contiguous()
+        assert key_ends.dtype == torch.int64 and key_ends.numel() == out.shape[0]
     heads, _, dim = q.shape
     status = getattr(lib, _PREFILL[q.dtype])(
         *(x for t in (q, k, v) for x in (t.data_ptr(), t.stride(0), t.stride(1))),
@@ -241,6 +263,8 @@ def _prefill(q, k, v, block_table, block_size, q_starts, q_lens, ctx_lens, scale
         dim,
         float(scale),
         int(causal),
+        window or 0,
+        0 if key_ends is None else key_ends.data_ptr(),
         out.data_ptr(),
     )
     assert status == 0, "the prefill kernel called where it was built without AVX512-BF16"

@@ -1,7 +1,9 @@
-// What the CPU attention kernels share: float's exp for the softmax, and the rounding of float to bfloat16.
+// What the CPU attention kernels share: float's exp for the softmax, a row's softmax, and the rounding of float
+// to bfloat16.
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +29,24 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return x < -87.0f ? 0.0f : p * scale;
+}
+
+// The softmax of a row of scores over its keys [lo, hi), in place and unnormalised: s[j] = exp(s[j] * scale
+// - max) there, 0 below lo (past hi is the caller's); returns their sum, which the caller divides by. The row
+// maximum and the sum as OpenMP simd reductions (1.10-1.31x a prefill call against the maximum kept scalar).
+inline float softmax_row(float* s, int64_t lo, int64_t hi, float scale) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = lo; j < hi; ++j) m = std::max(m, s[j] * scale);
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float e = exp_nonpositive(s[j] * scale - m);
+    sum += e;
+    s[j] = e;
+  }
+  std::fill(s, s + lo, 0.0f);
+  return sum;
 }
 
 // The bfloat16 nearest to x (ties to even), as its 16 bits; a NaN stays a (quiet) NaN.

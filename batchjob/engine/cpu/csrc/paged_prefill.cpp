@@ -11,7 +11,8 @@
 // [0, ctx): read through the chunk's block table from the paged cache (its new keys already written;
 // layout as in paged_decode.cpp, [num_blocks, block_size, kv_heads, D]), or, without a table, the chunk's own
 // q_len keys among the step's (ctx == q_len). Causal: query i sees keys up to ctx - q_len + i; else every
-// key. q [heads, T, D], keys and values [tokens, kv_heads, D] addressed by their strides; out [T, heads, D].
+// key; a window (on either side, both ways) or a row's own key end narrows that (prefill_tasks.h's Task).
+// q [heads, T, D], keys and values [tokens, kv_heads, D] addressed by their strides; out [T, heads, D].
 //
 // First each (chunk, KV head)'s keys and values are copied into the layouts the instruction takes: keys
 // in blocks of 16 with their D values as 32-bit pairs key by key (one zmm: one pair of 16 keys), values as
@@ -49,7 +50,7 @@ constexpr int NK = 4;
 
 using batchjob::bf16_bits;
 using batchjob::Chunk;
-using batchjob::exp_nonpositive;
+using batchjob::softmax_row;
 using Keys = batchjob::Keys<uint16_t>;
 using Task = batchjob::Task<uint16_t>;
 
@@ -137,8 +138,8 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const u
             Scratch& s) {
   const int64_t D = task.D, pairs = D / 2;
   const float scale = task.scale;
-  int64_t count[R];  // keys each row sees
-  const int rows = batchjob::task_rows<R>(task, c, kvh, row0, count, reinterpret_cast<uint16_t*>(s.q.data()));
+  int64_t first[R], count[R];  // the keys each row sees: [first, count)
+  const int rows = batchjob::task_rows<R>(task, c, kvh, row0, first, count, reinterpret_cast<uint16_t*>(s.q.data()));
   const int64_t keys = count[rows - 1], blocks = (keys + KB - 1) / KB, width = blocks * KB;
 
   for (int r0 = 0; r0 < rows; r0 += RT) {  // scores, RT rows x NK blocks of 16 keys at a time
@@ -159,19 +160,9 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const u
   for (int r = 0; r < rows; ++r) {  // softmax of each row over its own keys
     float* sr = s.scores.data() + r * width;
     uint16_t* pr = s.probs.data() + r * (width + 2);
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < count[r]; ++j) m = std::max(m, sr[j] * scale);
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < count[r]; ++j) {
-      const float e = exp_nonpositive(sr[j] * scale - m);
-      sum += e;
-      sr[j] = e;
-    }
+    inv_sum[r] = 1.0f / softmax_row(sr, first[r], count[r], scale);
     for (int64_t j = 0; j < count[r]; ++j) pr[j] = bf16_bits(sr[j]);
     std::fill(pr + count[r], pr + width + 2, uint16_t{0});
-    inv_sum[r] = 1.0f / sum;
     prob[r] = pr;
   }
 
@@ -212,24 +203,26 @@ extern "C" {
 
 // q [heads, T, D], k and v [tokens, kv_heads, D], each by its strides (a head's, a token's); per chunk:
 // q_starts, q_lens, ctx_lens and its row of block_table (nullptr: keys are the chunk's own rows, ctx_lens its
-// q_lens); D a multiple of 16, at most 512; heads a multiple of kv_heads. Returns 0, or -1 where this build
-// has no AVX512-BF16.
+// q_lens); D a multiple of 16, at most 512; heads a multiple of kv_heads; window (0: none) and key_ends ([T]
+// or nullptr) as Task takes them (prefill_tasks.h). Returns 0, or -1 where this build has no AVX512-BF16.
 int batchjob_prefill_bf16(const uint16_t* q, int64_t q_head_stride, int64_t q_tok_stride, const uint16_t* k,
                           int64_t k_head_stride, int64_t k_tok_stride, const uint16_t* v, int64_t v_head_stride,
                           int64_t v_tok_stride, const int64_t* block_table, int64_t table_stride,
                           int64_t block_size, const int64_t* q_starts, const int64_t* q_lens,
                           const int64_t* ctx_lens, int64_t num_chunks, int64_t heads, int64_t kv_heads,
-                          int64_t dim, double scale, int64_t causal, uint16_t* out) {
+                          int64_t dim, double scale, int64_t causal, int64_t window,
+                          const int64_t* key_ends, uint16_t* out) {
 #if BATCHJOB_PREFILL
   const Keys src{k, v, k_head_stride, k_tok_stride, v_head_stride, v_tok_stride, block_size};
-  const Task task{q, q_head_stride, q_tok_stride, heads, kv_heads, dim, static_cast<float>(scale), causal != 0, out};
+  const Task task{q, q_head_stride, q_tok_stride, heads, kv_heads, dim, static_cast<float>(scale), causal != 0,
+                  window, key_ends, out};
   batchjob::run_prefill<Kernel>(task, src, block_table, table_stride, q_starts, q_lens, ctx_lens, num_chunks);
   return 0;
 #else
   (void)q, (void)q_head_stride, (void)q_tok_stride, (void)k, (void)k_head_stride, (void)k_tok_stride, (void)v;
   (void)v_head_stride, (void)v_tok_stride, (void)block_table, (void)table_stride, (void)block_size;
   (void)q_starts, (void)q_lens, (void)ctx_lens, (void)num_chunks, (void)heads, (void)kv_heads, (void)dim;
-  (void)scale, (void)causal, (void)out;
+  (void)scale, (void)causal, (void)window, (void)key_ends, (void)out;
   return -1;
 #endif
 }

@@ -49,7 +49,7 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 inline vec splat(float x) { return vec{} + x; }
 
 using batchjob::Chunk;
-using batchjob::exp_nonpositive;
+using batchjob::softmax_row;
 using Keys = batchjob::Keys<float>;
 using Task = batchjob::Task<float>;
 
@@ -149,8 +149,8 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const f
             Scratch& s) {
   const int64_t D = task.D;
   const float scale = task.scale;
-  int64_t count[R];  // keys each row sees
-  const int rows = batchjob::task_rows<R>(task, c, kvh, row0, count, s.q.data());
+  int64_t first[R], count[R];  // the keys each row sees: [first, count)
+  const int rows = batchjob::task_rows<R>(task, c, kvh, row0, first, count, s.q.data());
   const int64_t keys = count[rows - 1], blocks = (keys + W - 1) / W, width = blocks * W;
 
   for (int r0 = 0; r0 < rows; r0 += RT) {  // scores, RT rows x NK * W keys at a time
@@ -170,18 +170,8 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const f
   const float* prob[R];
   for (int r = 0; r < rows; ++r) {  // softmax of each row over its own keys
     float* sr = s.scores.data() + r * width;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < count[r]; ++j) m = std::max(m, sr[j] * scale);
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < count[r]; ++j) {
-      const float e = exp_nonpositive(sr[j] * scale - m);
-      sum += e;
-      sr[j] = e;
-    }
+    inv_sum[r] = 1.0f / softmax_row(sr, first[r], count[r], scale);
     std::fill(sr + count[r], sr + width, 0.0f);
-    inv_sum[r] = 1.0f / sum;
     prob[r] = sr;
   }
 
@@ -231,9 +221,11 @@ int batchjob_prefill_f32(const float* q, int64_t q_head_stride, int64_t q_tok_st
                          int64_t v_tok_stride, const int64_t* block_table, int64_t table_stride,
                          int64_t block_size, const int64_t* q_starts, const int64_t* q_lens,
                          const int64_t* ctx_lens, int64_t num_chunks, int64_t heads, int64_t kv_heads,
-                         int64_t dim, double scale, int64_t causal, float* out) {
+                         int64_t dim, double scale, int64_t causal, int64_t window,
+                         const int64_t* key_ends, float* out) {
   const Keys src{k, v, k_head_stride, k_tok_stride, v_head_stride, v_tok_stride, block_size};
-  const Task task{q, q_head_stride, q_tok_stride, heads, kv_heads, dim, static_cast<float>(scale), causal != 0, out};
+  const Task task{q, q_head_stride, q_tok_stride, heads, kv_heads, dim, static_cast<float>(scale), causal != 0,
+                  window, key_ends, out};
   batchjob::run_prefill<Kernel>(task, src, block_table, table_stride, q_starts, q_lens, ctx_lens, num_chunks);
   return 0;
 }

@@ -40,26 +40,38 @@ struct Keys {
   }
 };
 
-// The call's queries and output, and its shape: q [heads, T, D] by its strides, out [T, heads, D].
+// The call's queries and output, and its shape: q [heads, T, D] by its strides, out [T, heads, D]; which keys
+// a query sees: up to itself (causal) or all of its chunk's, within a window of keys less than ``window``
+// positions before it (and after it, both ways; 0: no window), or up to key_ends[row] (per row of the step,
+// past the last key it sees: Gemma 3's image tokens see their image to its end; nullptr: the rule).
 template <typename E>
 struct Task {
   const E* q;
   int64_t q_head_stride, q_tok_stride, heads, kv_heads, D;
   float scale;
   bool causal;
+  int64_t window;
+  const int64_t* key_ends;
   E* out;
 };
 
-// A task's query rows: how many of the R from row0 exist (the rest repeat the last), the keys each sees, and
-// their queries copied to q_rows ([R][D]). A row is one position and one query head of KV head kvh's group.
+// A task's query rows: how many of the R from row0 exist (the rest repeat the last), the keys each sees
+// ([first, count): both grow with the row, so the last row's count is the task's widest), and their queries
+// copied to q_rows ([R][D]). A row is one position and one query head of KV head kvh's group.
 template <int64_t R, typename E>
-int task_rows(const Task<E>& task, const Chunk& c, int64_t kvh, int64_t row0, int64_t* count, E* q_rows) {
+int task_rows(const Task<E>& task, const Chunk& c, int64_t kvh, int64_t row0, int64_t* first, int64_t* count,
+              E* q_rows) {
   const int64_t group = task.heads / task.kv_heads, D = task.D;
   const int rows = static_cast<int>(std::min<int64_t>(R, c.q_len * group - row0));
   for (int64_t r = 0; r < R; ++r) {
     const int64_t row = row0 + std::min<int64_t>(r, rows - 1);
-    const int64_t i = row / group, h = kvh * group + row % group;
-    count[r] = task.causal ? c.ctx - c.q_len + i + 1 : c.ctx;
+    const int64_t i = row / group, h = kvh * group + row % group, at = c.ctx - c.q_len + i;  // its position
+    count[r] = task.key_ends ? task.key_ends[c.q_start + i] : task.causal ? at + 1 : c.ctx;
+    first[r] = 0;
+    if (task.window > 0) {
+      first[r] = std::max<int64_t>(0, at - task.window + 1);
+      if (!task.causal) count[r] = std::min(count[r], at + task.window);
+    }
     std::memcpy(q_rows + r * D, task.q + h * task.q_head_stride + (c.q_start + i) * task.q_tok_stride,
                 D * sizeof(E));
   }
