@@ -61,22 +61,25 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // Keys [0, ctx) of one KV head, zero past ctx up to a whole block: kp[block][pair][key] as 32-bit pairs;
 // values: vp[key pair][dim] as 32-bit pairs of the two keys' values.
 void pack(const Keys& src, const Chunk& c, int64_t kvh, int64_t D, uint16_t* kp, uint16_t* vp) {
+  static const uint16_t zeros[512] = {};  // D <= 512
   const int64_t blocks = (c.ctx + KB - 1) / KB, pairs = D / 2;
-  uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
-  for (int64_t j = 0; j < blocks * KB; ++j) {
-    const int64_t b = j / KB, t = j % KB;
-    uint32_t* dst = k32 + b * pairs * KB + t;
-    uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
-    if (j < c.ctx) {
-      const int64_t t = src.token(c, j);
-      uint32_t key[256];  // D <= 512
-      std::memcpy(key, src.k + t * src.k_tok + kvh * src.k_head, D * sizeof(uint16_t));
-      for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = key[p];
-      const uint16_t* v = src.v + t * src.v_tok + kvh * src.v_head;
-      for (int64_t d = 0; d < D; ++d) vdst[d * 2] = v[d];
-    } else {
-      for (int64_t p = 0; p < pairs; ++p) dst[p * KB] = 0;
-      for (int64_t d = 0; d < D; ++d) vdst[d * 2] = 0;
+  uint32_t keys[KB][256];  // the block's keys as 32-bit pairs
+  const uint32_t* key[KB];
+  const uint16_t* value[KB];
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int jj = 0; jj < KB; ++jj) {
+      const int64_t j = b * KB + jj, t = j < c.ctx ? src.token(c, j) : -1;
+      std::memcpy(keys[jj], t < 0 ? zeros : src.k + t * src.k_tok + kvh * src.k_head, D * sizeof(uint16_t));
+      key[jj] = keys[jj];
+      value[jj] = t < 0 ? zeros : src.v + t * src.v_tok + kvh * src.v_head;
+    }
+    batchjob::transpose_keys<KB>(key, pairs, reinterpret_cast<uint32_t*>(kp) + b * pairs * KB);
+    for (int jj = 0; jj < KB; jj += 2) {  // a pair of keys' values, interleaved dimension by dimension
+      uint16_t* dst = vp + (b * KB + jj) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        dst[2 * d] = value[jj][d];
+        dst[2 * d + 1] = value[jj + 1][d];
+      }
     }
   }
 }

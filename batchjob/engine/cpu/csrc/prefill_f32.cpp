@@ -55,19 +55,17 @@ using Task = batchjob::Task<float>;
 
 // Keys [0, ctx) of one KV head, zero past ctx up to a whole block: kp[block][dim][key]; values vp[key][dim].
 void pack(const Keys& src, const Chunk& c, int64_t kvh, int64_t D, float* kp, float* vp) {
+  static const float zeros[512] = {};  // D <= 512
   const int64_t blocks = (c.ctx + W - 1) / W;
-  for (int64_t j = 0; j < blocks * W; ++j) {
-    float* dst = kp + (j / W) * D * W + j % W;
-    float* vdst = vp + j * D;
-    if (j < c.ctx) {
-      const int64_t t = src.token(c, j);
-      const float* key = src.k + t * src.k_tok + kvh * src.k_head;
-      for (int64_t d = 0; d < D; ++d) dst[d * W] = key[d];
-      std::memcpy(vdst, src.v + t * src.v_tok + kvh * src.v_head, D * sizeof(float));
-    } else {
-      for (int64_t d = 0; d < D; ++d) dst[d * W] = 0;
-      std::memset(vdst, 0, D * sizeof(float));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* key[W];
+    for (int jj = 0; jj < W; ++jj) {
+      const int64_t j = b * W + jj;
+      const int64_t t = j < c.ctx ? src.token(c, j) : -1;
+      key[jj] = t < 0 ? zeros : src.k + t * src.k_tok + kvh * src.k_head;
+      std::memcpy(vp + j * D, t < 0 ? zeros : src.v + t * src.v_tok + kvh * src.v_head, D * sizeof(float));
     }
+    batchjob::transpose_keys<W>(key, D, kp + b * D * W);
   }
 }
 
