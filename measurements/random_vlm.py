@@ -191,37 +191,14 @@ def _idefics3(text: str, tokenizer):
 
 
 def _gemma3(text: str, tokenizer, out: Path):
-    """Gemma 3's layout at a small shape (the module's docstring); the tokenizer gets Gemma 3's named image
-    tokens (``boi_token``, ``eoi_token``, ``image_token``), as its processor reads them."""
-    from transformers import (
-        AutoTokenizer,
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessorPil,
-        Gemma3Processor,
-        Gemma3TextConfig,
-    )
+    """Gemma 3's layout at a small shape (the module's docstring), built by the test suite's builder."""
+    from tests.vision_models import gemma3_model
 
-    from tests.vision_models import GEMMA3_SPECIAL, VISION_CHAT_TEMPLATE
-
-    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_SPECIAL.values())})
-    tokenizer._set_model_specific_special_tokens(special_tokens=GEMMA3_SPECIAL)
-    tokenizer.save_pretrained(str(out))
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_SPECIAL.items()}
-    size, patch = 512, 16
-    vision = {
-        "model_type": "siglip_vision_model",
-        "hidden_size": 768,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "image_size": size,
-        "patch_size": patch,
-    }
+    size = 512
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+    vision |= {"image_size": size, "patch_size": 16}
     hidden, inter, layers, heads, kv, _ = TEXT[text]
-    language = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
+    language = dict(
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
@@ -230,28 +207,8 @@ def _gemma3(text: str, tokenizer, out: Path):
         head_dim=hidden // heads,
         max_position_embeddings=8192,
         sliding_window=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    config = Gemma3Config(
-        vision_config=vision,
-        text_config=language,
-        mm_tokens_per_image=256,
-        boi_token_index=ids["boi_token"],
-        eoi_token_index=ids["eoi_token"],
-        image_token_index=ids["image_token"],
-    )
-    model = Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():  # the projection starts at zero
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
-    processor = Gemma3Processor(
-        image_processor=Gemma3ImageProcessorPil(size={"height": size, "width": size}),
-        tokenizer=tokenizer,
-        chat_template=VISION_CHAT_TEMPLATE.replace("<image>\n", GEMMA3_SPECIAL["boi_token"]),
-        image_seq_length=256,
-    )
-    return model, processor, tokenizer
+    return gemma3_model(tokenizer, out, vision, language, 256, size, 0.02)
 
 
 TOWERS = {"idefics3": "SigLIP-B/16-512", "gemma3": "SigLIP-B/16-512"}

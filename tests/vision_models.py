@@ -349,10 +349,13 @@ GEMMA3_SPECIAL = {
 }
 
 
-def make_gemma3(folder: Path, seed: int = 0) -> Path:
-    """Build a tiny random Gemma 3 (SigLIP tower, patches average-pooled into ``GEMMA3_TOKENS``, a Gemma 3
-    language model whose layer 0 has a window of 6 keys, shorter than an image) and its processor (each
-    image becomes its start token, its image tokens and its end token), save both."""
+def gemma3_model(tokenizer, folder: Path, vision: dict, text: dict, tokens: int, size: int, std: float):
+    """A random Gemma 3 with a SigLIP tower of ``vision`` (SiglipVisionConfig's arguments) pooled into
+    ``tokens`` image tokens, a language model of ``text`` (Gemma3TextConfig's), the projection drawn with
+    ``std`` (it starts at zero), and its processor resizing to ``size`` pixels (each image becomes its start
+    token, its image tokens and its end token). The tokenizer gets Gemma 3's named image tokens (its processor
+    reads ``boi_token``, ``eoi_token``, ``image_token``), saved to ``folder`` and read back. Returns the model,
+    the processor and the tokenizer."""
     from transformers import (
         AutoTokenizer,
         Gemma3Config,
@@ -360,27 +363,42 @@ def make_gemma3(folder: Path, seed: int = 0) -> Path:
         Gemma3ImageProcessorPil,
         Gemma3Processor,
         Gemma3TextConfig,
-        SiglipVisionConfig,
     )
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(folder)
     tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_SPECIAL.values())})
-    tokenizer._set_model_specific_special_tokens(special_tokens=GEMMA3_SPECIAL)  # tokenizer.boi_token, ...
+    tokenizer._set_model_specific_special_tokens(special_tokens=GEMMA3_SPECIAL)
     tokenizer.save_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_SPECIAL.items()}
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
+    specials = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = Gemma3Config(
+        vision_config={"model_type": "siglip_vision_model", **vision},
+        text_config=Gemma3TextConfig(vocab_size=len(tokenizer), **specials, **text),
+        mm_tokens_per_image=tokens,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
     )
-    text = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, std)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": size, "width": size}),
+        tokenizer=tokenizer,
+        chat_template=VISION_CHAT_TEMPLATE.replace("<image>\n", GEMMA3_SPECIAL["boi_token"]),
+        image_seq_length=tokens,
+    )
+    return model, processor, tokenizer
+
+
+def make_gemma3(folder: Path, seed: int = 0) -> Path:
+    """Build a tiny random Gemma 3 (:func:`gemma3_model`: 16 patches an image pooled by 1 into
+    ``GEMMA3_TOKENS``, a language model whose layer 0 has a window of 6 keys, shorter than an image; the
+    projection loud enough to move the answer) and its processor, save both."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    text = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -390,30 +408,14 @@ def make_gemma3(folder: Path, seed: int = 0) -> Path:
         max_position_embeddings=1024,
         sliding_window=6,
         layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    config = Gemma3Config(
-        vision_config=vision,
-        text_config=text,
-        mm_tokens_per_image=GEMMA3_TOKENS,
-        boi_token_index=ids["boi_token"],
-        eoi_token_index=ids["eoi_token"],
-        image_token_index=ids["image_token"],
-    )
+    vision |= {"image_size": IMAGE_SIZE, "patch_size": PATCH}
     torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():  # the projection starts at zero: random, and loud enough to move the answer
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
+    model, processor, tokenizer = gemma3_model(
+        make_tokenizer(folder), folder, vision, text, GEMMA3_TOKENS, IMAGE_SIZE, 1.0
+    )
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(folder))
-    processor = Gemma3Processor(
-        image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-        tokenizer=tokenizer,
-        chat_template=VISION_CHAT_TEMPLATE.replace("<image>\n", GEMMA3_SPECIAL["boi_token"]),
-        image_seq_length=GEMMA3_TOKENS,
-    )
     processor.save_pretrained(str(folder))
     return folder
