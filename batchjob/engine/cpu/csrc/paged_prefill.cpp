@@ -149,12 +149,9 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const u
     const uint32_t* qr = s.q.data() + r0 * pairs;
     float* sr = s.scores.data() + r0 * width;
     for (int64_t b0 = 0; b0 < blocks; b0 += NK) {
-      switch (std::min<int64_t>(NK, blocks - b0)) {
-        case 4: score_tile<4>(qr, pairs, kp, b0, sr, width); break;
-        case 3: score_tile<3>(qr, pairs, kp, b0, sr, width); break;
-        case 2: score_tile<2>(qr, pairs, kp, b0, sr, width); break;
-        default: score_tile<1>(qr, pairs, kp, b0, sr, width); break;
-      }
+      batchjob::up_to_four(std::min<int64_t>(NK, blocks - b0), [&](auto n) {
+        score_tile<decltype(n)::value>(qr, pairs, kp, b0, sr, width);
+      });
     }
   }
 
@@ -175,12 +172,9 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const u
     float* accs[PR];
     for (int r = 0; r < PR; ++r) accs[r] = s.acc.data() + (r0 + std::min(r, n - 1)) * D;
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      switch (std::min<int64_t>(4, (D - d0) / 16)) {
-        case 4: weigh_values<4>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
-        case 3: weigh_values<3>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
-        case 2: weigh_values<2>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
-        default: weigh_values<1>(prob + r0, n, key_pairs, vp, D, d0, accs); break;
-      }
+      batchjob::up_to_four((D - d0) / 16, [&](auto nd) {
+        weigh_values<decltype(nd)::value>(prob + r0, n, key_pairs, vp, D, d0, accs);
+      });
     }
   }
   for (int r = 0; r < rows; ++r) {

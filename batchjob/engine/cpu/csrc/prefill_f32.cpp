@@ -155,12 +155,9 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const f
     const float* qr = s.q.data() + r0 * D;
     float* sr = s.scores.data() + r0 * width;
     for (int64_t b0 = 0; b0 < blocks; b0 += NK) {
-      switch (std::min<int64_t>(NK, blocks - b0)) {
-        case 4: score_tile<4>(qr, D, kp, b0, sr, width); break;
-        case 3: score_tile<3>(qr, D, kp, b0, sr, width); break;
-        case 2: score_tile<2>(qr, D, kp, b0, sr, width); break;
-        default: score_tile<1>(qr, D, kp, b0, sr, width); break;
-      }
+      batchjob::up_to_four(std::min<int64_t>(NK, blocks - b0), [&](auto n) {
+        score_tile<decltype(n)::value>(qr, D, kp, b0, sr, width);
+      });
     }
   }
 
@@ -184,12 +181,9 @@ void attend(const Task& task, const Chunk& c, int64_t kvh, int64_t row0, const f
       float* accs[PR];
       for (int r = 0; r < PR; ++r) accs[r] = s.acc.data() + (r0 + std::min(r, n - 1)) * D;
       for (int64_t d0 = 0; d0 < D; d0 += ND * W) {
-        switch (std::min<int64_t>(ND, (D - d0) / W)) {
-          case 4: weigh_values<4>(prob + r0, n, keys, vp, D, d0, accs); break;
-          case 3: weigh_values<3>(prob + r0, n, keys, vp, D, d0, accs); break;
-          case 2: weigh_values<2>(prob + r0, n, keys, vp, D, d0, accs); break;
-          default: weigh_values<1>(prob + r0, n, keys, vp, D, d0, accs); break;
-        }
+        batchjob::up_to_four(std::min<int64_t>(ND, (D - d0) / W), [&](auto nd) {
+          weigh_values<decltype(nd)::value>(prob + r0, n, keys, vp, D, d0, accs);
+        });
       }
     }
   }

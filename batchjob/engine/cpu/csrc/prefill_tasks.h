@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace batchjob {
@@ -50,6 +51,18 @@ void transpose_keys(const T* const* rows, int64_t dim, T* dst) {
   for (int64_t d = 0; d < dim; ++d) {
     T* col = dst + d * W;
     for (int jj = 0; jj < W; ++jj) col[jj] = rows[jj][d];
+  }
+}
+
+// f(std::integral_constant<int, k>{}) for k = n clamped to [1, 4]: a tile's width in vectors or key blocks as a
+// template argument, so each width's loop is unrolled with its accumulators in registers.
+template <typename F>
+inline void up_to_four(int64_t n, F&& f) {
+  switch (std::min<int64_t>(n, 4)) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
   }
 }
 
