@@ -373,7 +373,7 @@ def gemma3_model(tokenizer, folder: Path, vision: dict, text: dict, tokens: int,
     specials = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = Gemma3Config(
         vision_config={"model_type": "siglip_vision_model", **vision},
-        text_config=Gemma3TextConfig(vocab_size=len(tokenizer), **specials, **text),
+        text_config=Gemma3TextConfig(**({"vocab_size": len(tokenizer)} | specials | text)),
         mm_tokens_per_image=tokens,
         boi_token_index=ids["boi_token"],
         eoi_token_index=ids["eoi_token"],
@@ -391,10 +391,12 @@ def gemma3_model(tokenizer, folder: Path, vision: dict, text: dict, tokens: int,
     return model, processor, tokenizer
 
 
-def make_gemma3(folder: Path, seed: int = 0) -> Path:
+def make_gemma3(folder: Path, seed: int = 0, image_in_vocab: bool = True) -> Path:
     """Build a tiny random Gemma 3 (:func:`gemma3_model`: 16 patches an image pooled by 1 into
     ``GEMMA3_TOKENS``, a language model whose layer 0 has a window of 6 keys, shorter than an image; the
-    projection loud enough to move the answer) and its processor, save both."""
+    projection loud enough to move the answer) and its processor, save both. ``image_in_vocab`` False: the
+    vocabulary ends before the image token (the tokenizer's last), whose id is then past the embedding,
+    as a Gemma 3 config may have it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -409,6 +411,8 @@ def make_gemma3(folder: Path, seed: int = 0) -> Path:
         sliding_window=6,
         layer_types=["sliding_attention", "full_attention"],
     )
+    if not image_in_vocab:  # the tokenizer's vocabulary, less the image token added last (gemma3_model)
+        text["vocab_size"] = len(make_tokenizer(folder)) + len(GEMMA3_SPECIAL) - 1
     vision |= {"image_size": IMAGE_SIZE, "patch_size": PATCH}
     torch.manual_seed(seed)
     model, processor, tokenizer = gemma3_model(

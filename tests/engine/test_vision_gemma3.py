@@ -159,3 +159,20 @@ def test_float32_image_rows_attend_on_the_prefill_kernel(gemma3):
     assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in exact]
     for row, want in zip(got, exact, strict=True):
         assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want], abs=1e-4)
+
+
+@pytest.mark.engine  # builds a model
+def test_an_image_token_past_the_vocabulary_is_the_rows_error(tmp_path):
+    """A config whose image token id is past the embedding table (HF embeds it as id 0 and overwrites the
+    row; no supported checkpoint has one): the engine does not guess, the row's error names the id."""
+    from transformers import AutoProcessor
+
+    folder = make_gemma3(tmp_path / "model", image_in_vocab=False)
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=64, block_size=4)
+    inputs = _rows(AutoProcessor.from_pretrained(folder))[0]
+    images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    engine.add_request("r", inputs["input_ids"][0].tolist(), GREEDY, images=images)
+    (out,) = engine.step()
+    image_id = engine.vision.image_token_id
+    assert out.finish_reason == "error"
+    assert out.error == f"token id {image_id} is outside the vocabulary (size {image_id})"

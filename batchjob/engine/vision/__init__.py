@@ -225,11 +225,7 @@ class VisionStep:
         pending = {id(images): images for images, _, _ in step.parts if images.features is None}
         if pending:  # (a prompt's n samples share one Images)
             self._encode(self._fill(list(pending.values())))
-        table = self.model.get_input_embeddings()
-        if self.image_token_id >= getattr(table, "num_embeddings", self.image_token_id + 1):
-            # an image token id past the table (as Gemma 3's may be): any id does, its rows are overwritten
-            input_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)
-        embeds = table(input_ids)
+        embeds = self.model.get_input_embeddings()(input_ids)
         features = torch.cat([_features(images)[a:b] for images, a, b in step.parts])
         rows = torch.from_numpy(step.rows).to(self.device)
         embeds[0, rows] = features.to(embeds.dtype)

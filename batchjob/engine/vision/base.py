@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchjob.engine.vision.family import image_both_ways
 from batchjob.errors import ConfigError
 
 Inputs = dict[str, torch.Tensor]  # one request's image outputs of the processor (pixel_values + extras)
@@ -51,13 +52,14 @@ class Family:
     """A vision-language family's rules (subclasses: one a family). ``model``: the loaded image-text model."""
 
     name = ""
-    # Its image tokens attend both ways within each run of them (Gemma 3), not causally: the step's rows in a
-    # run see the keys to the run's end, and a chunk may not end inside a run.
-    both_ways = False
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.image_token_id = int(model.config.image_token_id)
+        # Its image tokens attend both ways within each run of them (Gemma 3), not causally: the step's rows
+        # in a run see the keys to the run's end, and a chunk may not end inside a run. Read from the one
+        # list the attention backend's choice reads too (family.BOTH_WAYS), so the two cannot disagree.
+        self.both_ways = image_both_ways(model.config) is not None
 
     def units(self, inputs: Inputs) -> tuple[list[int], list[bytes]]:
         """Per image of one request (in prompt order): its number of image tokens and its digest."""

@@ -1,8 +1,8 @@
 """Gemma 3: a SigLIP tower's patches average-pooled to a fixed number of tokens an image
 (``mm_tokens_per_image``) and projected; positions are plain. Its image tokens attend both ways within their
-image (the model's ``token_type_ids`` mask: each run of image tokens is one block, causal around it), so
-``both_ways``: the step's rows inside a run see the keys to the run's end, and a chunk never ends inside one
-(vision/__init__.py)."""
+image (the model's ``token_type_ids`` mask: each run of image tokens is one block, causal around it): it is
+in family.py's BOTH_WAYS, so the step's rows inside a run see the keys to the run's end, and a chunk never
+ends inside one (vision/__init__.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from batchjob.engine.vision.base import Family, Inputs, digest, need, per_reques
 
 class Gemma3(Family):
     name = "gemma3"
-    both_ways = True
 
     def units(self, inputs: Inputs) -> tuple[list[int], list[bytes]]:
         if not inputs:
