@@ -8,6 +8,7 @@ import torch
 
 from batchjob import Engine, SamplingParams
 from batchjob.engine.cpu import bf16 as cpu_bf16
+from batchjob.engine.cpu import kernel as cpu_kernel
 from batchjob.engine.cpu import linear as cpu_linear
 from tests.engine.test_cpu_kernel import assert_bf16_differs_only_at_near_ties, bf16_prompts
 
@@ -237,3 +238,66 @@ def test_engine_in_bf16_packs_where_native_and_agrees_with_plain_layers(
     caplog.clear()
     Engine.from_pretrained(str(decisive_model_dir), dtype="float32", device="cpu", num_blocks=128)
     assert not [r for r in caplog.records if r.name == cpu_bf16.__name__]
+
+
+needs_linear_kernel = pytest.mark.skipif(
+    not cpu_kernel.linear_takes(),
+    reason="no AVX512-BF16 in this CPU's build of the kernel library: bf16 linears stay on oneDNN's kernel",
+)
+
+
+@needs_onednn
+@needs_linear_kernel
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("rows", "width", "depth"), [(1, 40, 6), (13, 100, 96), (16, 17, 64), (113, 33, 128)]
+)
+def test_bf16_kernel_is_the_float_product_rounded_as_onednn_rounds_it(rows, width, depth, bias):
+    """The kernel's product (rows below, at and past its tiles of 14 and chunks of 112, a width of part of a
+    block, 2-D, 3-D and strided input) is the float product rounded to bf16, and oneDNN's own bit for bit
+    but where float sums in another order round apart (measured: 20 elements in a million)."""
+    torch.manual_seed(rows)
+    weight = torch.randn(width, depth, dtype=torch.bfloat16) / depth**0.5
+    b = torch.randn(width, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(2, rows, depth, dtype=torch.bfloat16)
+    ours, theirs = cpu_linear.Blocks(weight, b), cpu_linear.OneDnn(weight, b)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    for inp, want in ((x, exact), (x[1], exact[1]), (x[:, ::2], exact[:, ::2])):
+        got = ours(inp)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)  # one rounding of a float sum
+        assert (got == theirs(inp)).double().mean() >= 0.99
+
+
+@needs_linear_kernel
+def test_bf16_linears_go_to_the_kernel_without_amx_and_to_onednn_with_it(monkeypatch):
+    weight = torch.randn(48, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "has_amx", lambda: False)
+    assert isinstance(cpu_linear._pack(weight, None), cpu_linear.Blocks)
+    assert isinstance(cpu_linear._pack(weight[:, :63], None), cpu_linear.OneDnn)  # pairs of inputs: even only
+    assert isinstance(cpu_linear._pack(weight.float(), None), cpu_linear.OneDnn)
+    monkeypatch.setenv(cpu_kernel.LINEAR_ENV, "0")
+    assert isinstance(cpu_linear._pack(weight, None), cpu_linear.OneDnn)
+    monkeypatch.delenv(cpu_kernel.LINEAR_ENV)
+    monkeypatch.setattr(cpu_linear, "has_amx", lambda: True)  # oneDNN's kernel runs on AMX's tiles
+    assert isinstance(cpu_linear._pack(weight, None), cpu_linear.OneDnn)
+
+
+@needs_onednn
+@needs_native_bf16
+@needs_linear_kernel
+def test_engine_on_the_bf16_kernel_agrees_with_onednn(decisive_model_dir, monkeypatch, capsys):
+    options = dict(dtype="bfloat16", device="cpu", num_blocks=128)
+    monkeypatch.setattr(cpu_linear, "has_amx", lambda: False)
+    ours = Engine.from_pretrained(str(decisive_model_dir), **options)
+    modules = list(ours.runner.model.modules())
+    products = [vars(m)["_batchjob_packed"] for m in modules if "_batchjob_packed" in vars(m)]
+    products += [vars(m)["_batchjob_joint"].product for m in modules if "_batchjob_joint" in vars(m)]
+    assert products and all(isinstance(p, cpu_linear.Blocks) for p in products)
+    monkeypatch.setenv(cpu_kernel.LINEAR_ENV, "0")
+    onednn = Engine.from_pretrained(str(decisive_model_dir), **options)
+    prompts = bf16_prompts(ours.vocab_size)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in ours.generate(prompts, params)]
+    want = [o.token_ids for o in onednn.generate(prompts, params)]
+    assert_bf16_differs_only_at_near_ties(decisive_model_dir, prompts, got, want, "kernel vs oneDNN", capsys)

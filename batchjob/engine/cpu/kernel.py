@@ -1,4 +1,4 @@
-"""Compiled CPU kernels for attention, built on first use with the machine's C++ compiler.
+"""Compiled CPU kernels for attention (and a bf16 linear layer), built on first use with the machine's C++ compiler.
 
 Decoding on the CPU is bound by memory traffic: every step reads each running request's whole K/V once
 per layer. The torch reference gathers a request's blocks into a contiguous copy and then runs SDPA over it,
@@ -11,6 +11,10 @@ and runs float GEMMs (:func:`paged_prefill`; built only where the compiler targe
 float32 ``csrc/prefill_f32.cpp`` takes the same calls on float multiply-adds, on every CPU (GCC's vector types:
 AVX-512 or AVX2 on x86). The same kernels attend rows both ways over their own keys (:func:`dense_prefill`): an encoder's
 rows, a vision tower's images.
+
+Linear layers in bfloat16 on a CPU with AVX512-BF16 and no AMX: ``csrc/linear_bf16.cpp`` multiplies rows by a
+weight packed once in its own layout (:func:`pack_bf16`, :func:`linear_bf16`), streaming the weights faster
+than oneDNN's kernel does at a decode step's few rows (:mod:`.linear` chooses it).
 
 It is plain C++ with OpenMP (no torch headers), so it compiles in about a second and is loaded with
 ``ctypes``. The shared library is cached under ``<cache>/kernels/`` by a digest of the source, the compiler,
@@ -47,10 +51,12 @@ SOURCES = (
     CSRC / "paged_decode.cpp",
     CSRC / "paged_prefill.cpp",
     CSRC / "prefill_f32.cpp",
+    CSRC / "linear_bf16.cpp",
 )  # compiled; with cpu_math.h, which they share
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
 PREFILL_ENV = "BATCHJOB_CPU_PREFILL"  # 0: prompt chunks go to torch's SDPA, as on a CPU without AVX512-BF16
+LINEAR_ENV = "BATCHJOB_CPU_LINEAR"  # 0: bf16 linear layers on oneDNN's kernel, as on a CPU with AMX
 # bfloat16 goes to the kernel as its 16 bits (pointers only): widened to float on load, scores, softmax and
 # sums in float, the output rounded to the nearest even bfloat16.
 _SYMBOLS = {
@@ -135,6 +141,13 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes += [i64, i64, ctypes.c_double, i64, i64, ptr, ptr]
         fn.restype = ctypes.c_int
     lib.batchjob_paged_prefill_available.restype = ctypes.c_int
+    lib.batchjob_linear_bf16_available.restype = ctypes.c_int
+    lib.batchjob_packed_bf16_size.argtypes = [i64, i64]
+    lib.batchjob_packed_bf16_size.restype = i64
+    lib.batchjob_pack_bf16.argtypes = [ptr, i64, i64, ptr]
+    lib.batchjob_pack_bf16.restype = None
+    lib.batchjob_linear_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]  # x, m, k, weight, bias, n, y
+    lib.batchjob_linear_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -147,6 +160,43 @@ def prefill_takes(dtype: torch.dtype, head_dim: int) -> bool:
     if lib is None:
         return False
     return dtype == torch.float32 or bool(lib.batchjob_paged_prefill_available())
+
+
+def linear_takes() -> bool:
+    """Whether :func:`linear_bf16` runs here: the library built with AVX512-BF16 (and it is not turned off)."""
+    if not env.flag(LINEAR_ENV):
+        return False
+    lib = load()
+    return lib is not None and bool(lib.batchjob_linear_bf16_available())
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [n, k] (k even) in the layout :func:`linear_bf16` reads, a new flat tensor."""
+    lib = load()
+    assert (
+        lib is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
+    )
+    n, k = weight.shape
+    weight = weight.contiguous()
+    out = torch.empty(lib.batchjob_packed_bf16_size(n, k), dtype=torch.bfloat16)
+    lib.batchjob_pack_bf16(weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for bf16 rows ``x`` [..., k] and W packed by :func:`pack_bf16` (bias float32 [n])."""
+    lib = load()
+    assert lib is not None and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.float32)
+    k = x.shape[-1]
+    assert packed.numel() == (n + 31) // 32 * 32 * k, "x's width is not the packed weight's"
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    status = lib.batchjob_linear_bf16(
+        rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), bias_ptr, n, out.data_ptr()
+    )
+    assert status == 0, "the bf16 linear kernel called where it was built without AVX512-BF16"
+    return out
 
 
 def paged_decode(

@@ -15,6 +15,11 @@ code that computes with such a weight fails with a message instead of reading a 
 bf16 (:func:`~.bf16.native_bf16`: AVX512-BF16 or AMX; the same two oneDNN ops, as torch's inductor packs bf16
 linears on the CPU); not float64: oneDNN has no float64 path, and the exactness tests run in float64 through
 the plain layers. ``BATCHJOB_CPU_PREPACK=0`` turns it off.
+
+On a CPU with AVX512-BF16 and no AMX, bf16 weights go to the CPU library's own kernel instead (:class:`Blocks`,
+``csrc/linear_bf16.cpp``): at a decode step's 16 rows it ran a Qwen2.5-0.5B layer's linears 1.1-1.25x faster
+than oneDNN's kernel, prompt steps as fast, with the same sums in the same order (BENCHMARKS.md,
+2026-12-07). Where AMX is there, oneDNN's kernel uses it; ``BATCHJOB_CPU_LINEAR=0`` keeps oneDNN everywhere.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import types
 import torch
 
 from batchjob import env
-from batchjob.engine.cpu import siblings
-from batchjob.engine.cpu.bf16 import native_bf16
+from batchjob.engine.cpu import kernel, siblings
+from batchjob.engine.cpu.bf16 import has_amx, native_bf16
 from batchjob.engine.cpu.pages import FilePages
 
 DISABLE_ENV = "BATCHJOB_CPU_PREPACK"
@@ -71,18 +76,46 @@ def _drop(weight: torch.Tensor) -> torch.nn.Parameter:
 PACK_ROWS_HINT = 64  # rows per call oneDNN lays the weight out for (a decode step's size; any size works)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout for its matmul kernel. A plain ``to_mkldnn()`` copy keeps the
-    row-major layout, which oneDNN re-blocks on every call; the blocked one makes calls of a few dozen rows
-    1.1-1.6x faster in microbenchmarks (the output head of a decode step too), large calls the same."""
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if reorder is None:
-        return weight.to_mkldnn()
-    return reorder(weight, PACK_ROWS_HINT)
+class OneDnn:
+    """A weight in oneDNN's blocked layout for its matmul kernel, and the layer's bias: ``self(x)`` is the layer's
+    product. A plain ``to_mkldnn()`` copy keeps the row-major layout, which oneDNN re-blocks on every call; the
+    blocked one makes calls of a few dozen rows 1.1-1.6x faster in microbenchmarks, large calls the same."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+        self.weight = weight.to_mkldnn() if reorder is None else reorder(weight, PACK_ROWS_HINT)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class Blocks:
+    """A bf16 weight in the layout of the CPU library's linear kernel (:func:`.kernel.pack_bf16`), the bias in
+    float32 as the kernel adds it: ``self(x)`` is the layer's product."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.width = weight.shape[0]
+        self.weight = kernel.pack_bf16(weight)
+        self.bias = None if bias is None else bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel.linear_bf16(x, self.weight, self.bias, self.width)
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDnn | Blocks:
+    if (
+        weight.dtype == torch.bfloat16
+        and weight.shape[1] % 2 == 0
+        and not has_amx()
+        and kernel.linear_takes()
+    ):
+        return Blocks(weight, bias)
+    return OneDnn(weight, bias)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, self._batchjob_packed, self.bias, "none", [], "")
+    return self._batchjob_packed(x)
 
 
 @torch.no_grad()
@@ -109,7 +142,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
             count += 1
             continue
         try:
-            module._batchjob_packed = _pack(module.weight.detach())
+            module._batchjob_packed = _pack(module.weight.detach(), module.bias)
         except RuntimeError:
             continue
         module.forward = types.MethodType(_packed_forward, module)
@@ -129,13 +162,13 @@ def _packed(layer: torch.nn.Module) -> bool:
 def _pack_joint(layers: list[torch.nn.Linear], pages: FilePages) -> None:
     """Pack sibling layers' weights as one (siblings.py); each layer's forward then takes its columns."""
     weights = [layer.weight.detach() for layer in layers]
-    try:
-        packed = _pack(torch.cat(weights))
-    except RuntimeError:
-        return  # each is tried on its own
     biases = [layer.bias for layer in layers]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
-    joint = siblings.Joint(packed, bias, [w.shape[0] for w in weights])
+    try:
+        product = _pack(torch.cat(weights), bias)
+    except RuntimeError:
+        return  # each is tried on its own
+    joint = siblings.Joint(product, [w.shape[0] for w in weights])
     for i, layer in enumerate(layers):
         layer._batchjob_joint = joint
         layer.forward = siblings.member_forward(joint, i)

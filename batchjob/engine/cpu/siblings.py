@@ -29,9 +29,8 @@ GROUPS = (("q_proj", "k_proj", "v_proj"),)  # layers of one parent called on one
 class Joint:
     """One packed weight for layers that read one input, and the last product until each took its columns."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, widths: Sequence[int]) -> None:
-        self.packed = packed  # the members' weights one under the other, in oneDNN's layout
-        self.bias = bias  # their biases end to end, or None
+    def __init__(self, product: Callable[[torch.Tensor], torch.Tensor], widths: Sequence[int]) -> None:
+        self.product = product  # x times the members' weights one under the other (packed), plus their biases
         ends = list(itertools.accumulate(widths))
         self.columns = [(end - width, end) for width, end in zip(widths, ends, strict=True)]
         self._input: torch.Tensor | None = None
@@ -40,7 +39,7 @@ class Joint:
 
     def take(self, member: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input or member not in self._waiting:
-            self._product = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            self._product = self.product(x)
             self._input, self._waiting = x, set(range(len(self.columns)))
         product = self._product
         assert product is not None
