@@ -64,8 +64,8 @@ class DroppedWeight(torch.Tensor):
         if name in cls._METADATA:
             return super().__torch_function__(func, types, args, kwargs or {})
         raise RuntimeError(
-            f"{name} on the weight of a linear layer packed for oneDNN: the packed copy is the only one "
-            f"(set {DISABLE_ENV}=0 to keep the plain weights)"
+            f"{name} on the weight of a linear layer packed for the CPU (oneDNN or the bf16 kernel): the packed "
+            f"copy is the only one (set {DISABLE_ENV}=0 to keep the plain weights)"
         )
 
 
