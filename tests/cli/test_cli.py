@@ -223,7 +223,7 @@ BF16_HINT = "this CPU computes bf16 natively"  # the start of engine/cpu/bf16.py
 def test_a_new_job_at_the_default_dtype_hears_of_bf16_only_where_the_cpu_has_it(
     monkeypatch, native, data, tiny_model_dir, tmp_path
 ):
-    """Left to the engine, the CPU's dtype is float32; where bf16 is native (and 1.6-2.8x faster) a new job
+    """Left to the engine, the CPU's dtype is float32; where bf16 is native (and 1.9-2.8x faster) a new job
     says so in one line. A dtype given (float32 too) or a CPU without native bf16: not a word."""
     from batchjob.engine.cpu import bf16
 

@@ -177,7 +177,7 @@ def test_the_bf16_hint_is_for_a_default_float32_on_a_cpu_with_native_bf16(monkey
     monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: True)
     for amx, speed in (
         (True, "(AMX): --dtype bfloat16 ran 2.5-2.8x"),
-        (False, "no AMX): --dtype bfloat16 ran 1.6"),
+        (False, "no AMX): --dtype bfloat16 ran 1.9"),
     ):
         monkeypatch.setattr(cpu_bf16, "has_amx", lambda amx=amx: amx)
         line = cpu_bf16.dtype_hint(cpu, torch.float32, chosen=False)

@@ -63,8 +63,9 @@ def slow_bf16(device: torch.device, dtype: torch.dtype) -> str | None:
 
 # Measured with measurements/sizes_table.py, ours alone, float32 against bf16 (BENCHMARKS.md): on a 2-core Xeon
 # with AMX (2026-12-04), SmolLM2-135M 40 x 160 + 40 tokens 11.01 against 4.34 s, the Qwen2.5-0.5B shape
-# 16 x 128 + 32 10.10 against 3.65 s; on a 2-core Zen 4 EPYC with AVX512-BF16 and no AMX (2026-12-06), 13.02
-# against 8.29 s, 11.67 against 6.74 s, and the 1.5B shape 8 x 128 + 32 23.87 against 11.58 s. Agreement: the
+# 16 x 128 + 32 10.10 against 3.65 s; on a 2-core Zen 4 EPYC with AVX512-BF16 and no AMX, bf16 linears on
+# batchjob's own kernel (2026-12-07), 14.40 against 7.18 s, 11.61 against 6.15 s, and the 1.5B shape 8 x 128 + 32
+# 23.81 against 10.76 s (on oneDNN's, 2026-12-06: 13.02 / 8.29, 11.67 / 6.74, 23.87 / 11.58). Agreement: the
 # quick start's labels, 189 of 200 the same on an AVX512-BF16 EPYC (measurements/bf16_agreement.py), 187 on
 # that Xeon.
 FASTER_BF16 = (
@@ -73,7 +74,7 @@ FASTER_BF16 = (
     "of 200 the same); float32 stays the default (docs/performance.md)"
 )
 SPEED_AMX = {"kind": "AMX", "speed": "2.5-2.8x"}
-SPEED_AVX512 = {"kind": "AVX512-BF16, no AMX", "speed": "1.6-2.1x"}
+SPEED_AVX512 = {"kind": "AVX512-BF16, no AMX", "speed": "1.9-2.2x"}
 
 
 @functools.cache
