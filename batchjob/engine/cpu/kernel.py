@@ -1,4 +1,4 @@
-"""Compiled CPU kernels for attention (and a bf16 linear layer), built on first use with the machine's C++ compiler.
+"""Compiled CPU kernels (attention, a bf16 linear layer), built on first use with the C++ compiler.
 
 Decoding on the CPU is bound by memory traffic: every step reads each running request's whole K/V once
 per layer. The torch reference gathers a request's blocks into a contiguous copy and then runs SDPA over it,
