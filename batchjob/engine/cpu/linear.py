@@ -17,9 +17,9 @@ linears on the CPU); not float64: oneDNN has no float64 path, and the exactness 
 the plain layers. ``BATCHJOB_CPU_PREPACK=0`` turns it off.
 
 On a CPU with AVX512-BF16 and no AMX, bf16 weights go to the CPU library's own kernel instead (:class:`Blocks`,
-``csrc/linear_bf16.cpp``): at a decode step's 16 rows it ran a Qwen2.5-0.5B layer's linears 1.1-1.25x faster
-than oneDNN's kernel, prompt steps as fast, with the same sums in the same order (BENCHMARKS.md,
-2026-12-07). Where AMX is there, oneDNN's kernel uses it; ``BATCHJOB_CPU_LINEAR=0`` keeps oneDNN everywhere.
+``csrc/linear_bf16.cpp``): at a decode step's 16 rows it ran a Qwen2.5-0.5B layer's linears 1.3-1.9x faster
+than oneDNN's kernel (weights read from memory), prompt-sized calls 0.97-1.07x, summing in oneDNN's order: its
+outputs but for ~20 elements in a million (BENCHMARKS.md, 2026-12-07). Where AMX is there, oneDNN's kernel uses it; ``BATCHJOB_CPU_LINEAR=0`` keeps oneDNN everywhere.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class OneDnn:
 
 class Blocks:
     """A bf16 weight in the layout of the CPU library's linear kernel (:func:`.kernel.pack_bf16`), the bias in
-    float32 as the kernel adds it: ``self(x)`` is the layer's product."""
+    float32 as the kernel adds it, both copied at load (nothing changes a loaded layer's bias; LoRA adapters that
+    train one are refused): ``self(x)`` is the layer's product."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.width = weight.shape[0]

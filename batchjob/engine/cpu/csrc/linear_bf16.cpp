@@ -1,12 +1,13 @@
-// A linear layer's product in bfloat16 on AVX512-BF16 dot products (vdpbf16ps), for a CPU without AMX: y = x W^T
-// (+ bias), x [m, k] and y [m, n] bfloat16 rows, float sums rounded to the nearest even bfloat16.
+// A linear layer's product in bfloat16 on AVX512-BF16 dot products (vdpbf16ps), for a CPU without AMX:
+// y = x W^T (+ bias), x [m, k] and y [m, n] bfloat16 rows, float sums rounded to the nearest even bfloat16.
 //
 // A decode step multiplies a few rows by every weight of the model, so its linear layers are bound by how
 // fast the weights stream from memory and how fast a core turns each loaded weight into dot products. On
-// a Zen 4 core pair oneDNN's bf16 kernel streamed 13-17 GB/s at 16 rows where a plain read of the same bytes
+// a Zen 4 core pair oneDNN's bf16 kernel streamed 8-16 GB/s at 16 rows where a plain read of the same bytes
 // runs at 30. Here a decode step's call reads each weight from memory once: a pair of 16-column blocks is
-// loaded, prefetched a few KB ahead, and used by up to 14 rows at once (14 x 2 accumulators in registers, a row's pair of x values
-// broadcast to all 16 lanes), so a 16-row call keeps the weights streaming while the products keep up.
+// loaded, prefetched a few KB ahead, and used by up to 14 rows at once (14 x 2 accumulators in registers, a
+// row's pair of x values broadcast to all 16 lanes), so a 16-row call keeps the weights streaming while the
+// products keep up (16-21 GB/s there).
 // Large calls (prompt steps) take rows in chunks that stay in cache while the column pairs go by, which ran
 // as fast as oneDNN's kernel there; weights are then held in one layout for every call.
 //
@@ -108,7 +109,9 @@ void rows(const uint16_t* x, int64_t r, int64_t end, int64_t k, const uint16_t* 
 extern "C" {
 
 // Values in the packed layout of an [n, k] weight (what the caller allocates for batchjob_pack_bf16).
-int64_t batchjob_packed_bf16_size(int64_t n, int64_t k) { return ((n + 2 * COLS - 1) / (2 * COLS)) * 2 * COLS * k; }
+int64_t batchjob_packed_bf16_size(int64_t n, int64_t k) {
+  return ((n + 2 * COLS - 1) / (2 * COLS)) * 2 * COLS * k;
+}
 
 // w [n, k] row-major into the layout above; k even.
 void batchjob_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) {
@@ -128,8 +131,8 @@ void batchjob_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) 
 
 // y [m, n] = x [m, k] times the packed weight, plus bias (float [n], or nullptr). Returns 0, or -1 where this
 // build has no AVX512-BF16.
-int batchjob_linear_bf16(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, const float* bias, int64_t n,
-                         uint16_t* y) {
+int batchjob_linear_bf16(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, const float* bias,
+                         int64_t n, uint16_t* y) {
 #if BATCHJOB_LINEAR
   const int64_t pairs = k / 2, blocks = (n + 2 * COLS - 1) / (2 * COLS);
   for (int64_t r = 0; r < m; r += CHUNK) {
