@@ -7,11 +7,13 @@ blocked layout (what the engine uses) against a plain oneDNN copy, the two swapp
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import time
 
 from batchjob import Engine, SamplingParams
+from batchjob.engine.cpu.linear import OneDnn
 
 
 def timed_step(engine: Engine) -> float:
@@ -22,10 +24,16 @@ def timed_step(engine: Engine) -> float:
 
 def main() -> None:
     engine = Engine.from_pretrained(None, device="cpu", num_speculative_tokens=0)
-    layers = [m for m in engine.model.modules() if hasattr(m, "_batchjob_packed")]
+    layers = [m for m in engine.model.modules() if isinstance(vars(m).get("_batchjob_packed"), OneDnn)]
+
+    def plain(packed: OneDnn) -> OneDnn:  # the same layer's product on a plain (row-major) oneDNN copy
+        other = copy.copy(packed)
+        other.weight = packed.weight.to_dense().to_mkldnn()
+        return other
+
     layouts = {
         "blocked": [m._batchjob_packed for m in layers],
-        "plain": [m.weight.detach().to_mkldnn() for m in layers],
+        "plain": [plain(m._batchjob_packed) for m in layers],
     }
 
     def use(name: str) -> None:
