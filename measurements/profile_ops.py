@@ -34,20 +34,30 @@ def _run(engine, work) -> list[tuple[int, float]]:
     return steps
 
 
-def _label_decode_kernel() -> None:
-    """The C++ decode kernel is no torch op: label its calls, or its time would be missing from the table."""
+def _label_kernels(vocab: int) -> None:
+    """The CPU library's kernels (decode attention, the bf16 linears) are no torch ops: label their calls, or
+    their time would be missing from the table. A linear's label says the output head or a step's rows."""
     from batchjob.engine.cpu import kernel
 
-    plain = kernel.paged_decode
+    decode, linear = kernel.paged_decode, kernel.linear_bf16
 
-    def labelled(*a, **k):
+    def labelled_decode(*a, **k):
         with torch.profiler.record_function("batchjob::paged_decode"):
-            return plain(*a, **k)
+            return decode(*a, **k)
 
-    kernel.paged_decode = labelled
+    def labelled_linear(x, packed, bias, n):
+        rows = x.numel() // x.shape[-1]
+        what = "head" if n == vocab else ("prompt" if rows > 16 else "decode")
+        with torch.profiler.record_function(f"batchjob::linear_bf16 {what}"):
+            return linear(x, packed, bias, n)
+
+    kernel.paged_decode, kernel.linear_bf16 = labelled_decode, labelled_linear
 
 
 def _kind(name: str, shapes: str, vocab: int) -> str:
+    if name.startswith("batchjob::linear_bf16"):
+        what = name.rsplit(" ", 1)[1]
+        return "output head" if what == "head" else f"GEMM, {what} steps"
     if name == "mkldnn::_linear_pointwise" or name in ("aten::mm", "aten::addmm", "aten::linear"):
         if str(vocab) in shapes:
             return "output head"
@@ -79,8 +89,8 @@ def main() -> None:
     from batchjob import Engine, SamplingParams
     from batchjob.bench.workload import synthetic_workload
 
-    _label_decode_kernel()
     engine = Engine.from_pretrained(args.model, device="cpu", dtype=args.dtype, num_speculative_tokens=0)
+    _label_kernels(engine.vocab_size)
     lens = (args.prompt_len, args.prompt_len), (args.output_len, args.output_len)
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))  # warm-up
     r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -93,14 +103,16 @@ def main() -> None:
         f"{r1.ru_minflt - r0.ru_minflt} page faults, kernel {r1.ru_stime - r0.ru_stime:.2f} s, "
         f"user {r1.ru_utime - r0.ru_utime:.2f} s"
     )
+    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         _run(engine, synthetic_workload(engine.vocab_size, args.num_requests, *lens, seed=1))
+    profiled_wall = time.perf_counter() - t
     events = prof.key_averages(group_by_input_shape=True)
     kinds: collections.Counter[str] = collections.Counter()
     for e in events:
         kinds[_kind(e.key, str(e.input_shapes), engine.vocab_size)] += e.self_cpu_time_total / 1e6
     total = sum(kinds.values())
-    print(f"profiled op time {total:.2f} s, by kind:")
+    print(f"profiled run {profiled_wall:.2f} s, {total:.2f} s of it in ops (the rest: Python between them), by kind:")
     for kind, seconds in kinds.most_common():
         print(f"  {kind:50s} {seconds:7.2f} s {100 * seconds / total:5.1f}%")
     print("largest ops:")
