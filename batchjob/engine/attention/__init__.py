@@ -54,11 +54,7 @@ def paged_attention(
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     backend = meta.backend
     if backend.reads_cache:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(flat_k.dtype))  # [T, KVH, D]
-        flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(flat_v.dtype))
+        backend.write_kv(key, value, meta.slot_mapping, k_cache, v_cache)
     # Chosen at load so that this never fails: a backend silently ignores what it does not apply.
     for name, given in (("softcap", softcap), ("sinks", sinks), ("alibi", slopes)):
         assert given is None or name in backend.applies(), f"the {backend.name} backend does not apply {name}"

@@ -108,6 +108,14 @@ class AttentionBackend:
         them from the step's own ``key``/``value``, and the hook does not write them there."""
         return True
 
+    def write_kv(self, key, value, slots, k_cache, v_cache) -> None:
+        """Write the step's new keys and values ([1, KVH, T, D]) into the paged cache at ``slots`` ([T])."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, slots, key[0].transpose(0, 1).to(flat_k.dtype))  # [T, KVH, D]
+        flat_v.index_copy_(0, slots, value[0].transpose(0, 1).to(flat_v.dtype))
+
     # -- each step -------------------------------------------------------------------------------------
 
     def pack(self, lay: StepLayout, pk: Packer) -> Any:

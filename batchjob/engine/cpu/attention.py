@@ -23,7 +23,7 @@ import torch
 from batchjob.engine.attention.base import blocks_for
 from batchjob.engine.attention.layout import Packer, StepLayout, ramps
 from batchjob.engine.attention.reference import DecodeGroup, SdpaMeta, TorchReference
-from batchjob.engine.cpu import kernel
+from batchjob.engine.cpu import kernel, rows
 
 
 @dataclass
@@ -31,6 +31,7 @@ class CpuMeta(SdpaMeta):
     # The step's prompt chunks for the prefill kernel: block table, first rows, rows, keys; None: SDPA.
     chunks: tuple[torch.Tensor, ...] | None = None
     key_ends: torch.Tensor | None = None  # [T] int64 StepLayout.key_ends, where a row sees past itself
+    whole: bool = False  # every row of the step is a single query, in the one decode group, in order
 
 
 class CpuKernel(TorchReference):
@@ -53,6 +54,22 @@ class CpuKernel(TorchReference):
         k_cache = self.kv_caches[0][0] if self.kv_caches else None
         return k_cache is not None and kernel.prefill_takes(k_cache.dtype, k_cache.shape[3])
 
+    @functools.cached_property
+    def writes_kv(self) -> bool:
+        """Whether :meth:`write_kv` copies on the kernel library (:mod:`.rows`): the cache in the model's dtype."""
+        k_cache = self.kv_caches[0][0] if self.kv_caches else None
+        return k_cache is not None and rows.available()
+
+    def write_kv(self, key, value, slots, k_cache, v_cache) -> None:
+        if (
+            self.writes_kv
+            and key.dtype == value.dtype == k_cache.dtype
+            and key.stride(3) == value.stride(3) == 1
+        ):
+            rows.write_kv(key, value, slots, k_cache, v_cache)
+        else:
+            super().write_kv(key, value, slots, k_cache, v_cache)
+
     def single_rows(self, lay: StepLayout) -> np.ndarray:
         return ((lay.n == 1) | (lay.drafts > 0)) & self.decode_rows
 
@@ -68,16 +85,17 @@ class CpuKernel(TorchReference):
         rows = lay.offsets[owner] + within
         return [(pk.add(rows), pk.add(lay.table[owner, :width]), pk.add(lens))]
 
-    def decode(self, group: DecodeGroup, q, k_cache, v_cache, scale, window) -> torch.Tensor:
-        qd = q.index_select(1, group.rows).transpose(0, 1)  # [G, H, D]
+    def decode(self, group: DecodeGroup, q, k_cache, v_cache, scale, window, whole=False) -> torch.Tensor:
+        qd = (q if whole else q.index_select(1, group.rows)).transpose(0, 1)  # [G, H, D]
         if scale is None:
             scale = q.shape[2] ** -0.5
         return kernel.paged_decode(qd, k_cache, v_cache, group.block_table, group.ctx_lens, scale, window)
 
     def pack(
         self, lay: StepLayout, pk: Packer
-    ) -> tuple[list[tuple], list[tuple], tuple | None, tuple | None]:
+    ) -> tuple[list[tuple], list[tuple], tuple | None, tuple | None, bool]:
         decodes, prefills = super().pack(lay, pk)
+        whole = not prefills and len(decodes) == 1  # pack_decodes: the single requests' rows, in order
         chunks = key_ends = None
         if prefills and self.prefill_kernel:
             idx = np.flatnonzero(~self.single_rows(lay))
@@ -87,17 +105,24 @@ class CpuKernel(TorchReference):
             )
             if lay.key_ends is not None:  # a row sees past itself
                 key_ends = pk.add(lay.key_ends)
-        return decodes, prefills, chunks, key_ends
+        return decodes, prefills, chunks, key_ends, whole
 
     def metadata(self, handles, buf: torch.Tensor) -> CpuMeta:
-        decodes, prefills, chunks, key_ends = handles
+        decodes, prefills, chunks, key_ends, whole = handles
         meta = super().metadata((decodes, prefills), buf)
         views = None if chunks is None else tuple(Packer.view(buf, h) for h in chunks)
         ends = None if key_ends is None else Packer.view(buf, key_ends)
-        return CpuMeta(meta.decode_groups, meta.prefills, views, ends)
+        return CpuMeta(meta.decode_groups, meta.prefills, views, ends, whole)
 
     def decode_metadata(self, slots, table, lens) -> CpuMeta:
         return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
+
+    def forward(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, *rest):
+        if (
+            isinstance(data, CpuMeta) and data.whole
+        ):  # the kernel's rows are the step's: no gather, no scatter
+            return self.decode(data.decode_groups[0], q, k_cache, v_cache, scale, window, whole=True)
+        return super().forward(data, q, key, value, k_cache, v_cache, scale, window, *rest)
 
     def prefill(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, out) -> None:
         if not isinstance(data, CpuMeta) or data.chunks is None:

@@ -12,6 +12,9 @@ float32 ``csrc/prefill_f32.cpp`` takes the same calls on float multiply-adds, on
 AVX-512 or AVX2 on x86). The same kernels attend rows both ways over their own keys (:func:`dense_prefill`): an encoder's
 rows, a vision tower's images.
 
+A layer's small per-row work (``csrc/rows.cpp``): the new keys and values written into the paged cache, and
+the RMS norm of transformers' Llama layout, one call each where torch dispatches several ops (:mod:`.rows`).
+
 Linear layers in bfloat16 on a CPU with AVX512-BF16 and no AMX: ``csrc/linear_bf16.cpp`` multiplies rows by a
 weight packed once in its own layout (:func:`pack_bf16`, :func:`linear_bf16`), streaming the weights faster
 than oneDNN's kernel does at a decode step's few rows (:mod:`.linear` chooses it).
@@ -52,6 +55,7 @@ SOURCES = (
     CSRC / "paged_prefill.cpp",
     CSRC / "prefill_f32.cpp",
     CSRC / "linear_bf16.cpp",
+    CSRC / "rows.cpp",
 )  # compiled; with cpu_math.h, which they share
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "BATCHJOB_CPU_KERNEL"
@@ -148,6 +152,12 @@ def load() -> ctypes.CDLL | None:
     lib.batchjob_pack_bf16.restype = None
     lib.batchjob_linear_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]  # x, m, k, weight, bias, n, y
     lib.batchjob_linear_bf16.restype = ctypes.c_int
+    # key, its head and token strides, value, its strides, slots, tokens, KV heads, head size, bytes, caches
+    lib.batchjob_write_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.batchjob_write_kv.restype = None
+    for name in ("batchjob_rms_norm_f32", "batchjob_rms_norm_bf16"):  # x, rows, n, row stride, w, eps, lanes, y
+        getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, ptr]
+        getattr(lib, name).restype = None
     return lib
 
 

@@ -2,7 +2,8 @@
 
 :class:`Platform` is every device's: it does nothing beyond plain torch. :class:`CpuPlatform` is the CPU's:
 it packs linear weights for oneDNN at load (:mod:`.linear`: float32, and bf16 where the CPU has native bf16,
-:mod:`.bf16`), gives a vision tower the prefill kernels' attention (:mod:`.tower`), keeps the buffers
+:mod:`.bf16`), gives a vision tower the prefill kernels' attention (:mod:`.tower`) and RMS norms a kernel call
+(:mod:`.rows`), keeps the buffers
 forwards free in the heap (:mod:`.heap`), allocates the KV pool as memory
 the OS fills on first touch (:func:`lazy_zeros`), and checks between steps whether other programs share our
 cores (:mod:`.spin`). The engine and the model runner call the hooks and never ask which device they run on.
@@ -15,7 +16,7 @@ import mmap
 import torch
 
 from batchjob import env
-from batchjob.engine.cpu import bf16, heap, linear, tower
+from batchjob.engine.cpu import bf16, heap, linear, rows, tower
 from batchjob.engine.cpu.spin import SpinGuard
 
 SPIN_GUARD_ENV = "BATCHJOB_CPU_SPIN_GUARD"
@@ -86,13 +87,15 @@ class CpuPlatform(Platform):
         """Pack the model's float32 linear weights for oneDNN, and bf16 ones where the CPU has native bf16
         (not under torch.compile: inductor lowers the packed call only for weights it froze itself). bf16 on
         a CPU without it is slower than float32: one warning line says so. Then, the load done, the heap keeps
-        what the forwards free (:mod:`.heap`). A vision tower attends on the prefill kernels (:mod:`.tower`)."""
+        what the forwards free (:mod:`.heap`). A vision tower attends on the prefill kernels (:mod:`.tower`),
+        and the RMS norms of the Llama layout run one kernel call each (:mod:`.rows`)."""
         bf16.warn_if_slow(self.device, dtype)
         packed = 0
         if not compiled and linear.available(dtype, self.device):
             packed = linear.prepack_linears(model)
-        if not compiled:  # the kernel is a ctypes call, which torch.compile cannot trace
+        if not compiled:  # the kernels are ctypes calls, which torch.compile cannot trace
             tower.use_for_tower(model, dtype)
+            rows.fuse_norms(model)
         heap.keep_freed_memory()
         return packed
 
