@@ -10,6 +10,8 @@
 - :mod:`~batchjob.engine.cpu.tower`: a vision tower's attention on those prompt kernels.
 - :mod:`~batchjob.engine.cpu.linear`: linear layers with weights packed once for oneDNN, at load: float32,
   and bf16 where the CPU has native bf16 (``BATCHJOB_CPU_PREPACK=0`` turns it off).
+- :mod:`~batchjob.engine.cpu.rows`: a layer's small per-row work in one kernel call each: the attention
+  hook's KV writes and the RMS norms of the Llama layout, bit for bit (``BATCHJOB_CPU_ROWS=0`` turns it off).
 - :mod:`~batchjob.engine.cpu.bf16`: whether this CPU has native bf16 (:func:`~.bf16.native_bf16`), and the
   one warning line when a model runs in bf16 without it (slower than float32).
 - :mod:`~batchjob.engine.cpu.spin`: short OpenMP spins while other programs share our CPUs
