@@ -118,9 +118,8 @@ class CpuKernel(TorchReference):
         return CpuMeta(super().decode_metadata(slots, table, lens).decode_groups, [])
 
     def forward(self, data: SdpaMeta, q, key, value, k_cache, v_cache, scale, window, *rest):
-        if (
-            isinstance(data, CpuMeta) and data.whole
-        ):  # the kernel's rows are the step's: no gather, no scatter
+        # Every row a decode row, in order: the kernel's rows are the step's, no gather and no scatter.
+        if isinstance(data, CpuMeta) and data.whole:
             return self.decode(data.decode_groups[0], q, k_cache, v_cache, scale, window, whole=True)
         return super().forward(data, q, key, value, k_cache, v_cache, scale, window, *rest)
 

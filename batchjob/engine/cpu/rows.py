@@ -29,6 +29,8 @@ from batchjob.engine.cpu import kernel
 
 DISABLE_ENV = "BATCHJOB_CPU_ROWS"
 _NORM_SYMBOLS = {torch.float32: "batchjob_rms_norm_f32", torch.bfloat16: "batchjob_rms_norm_bf16"}
+# torch's grain size: a single row at least this wide has its sum split between threads, in another order.
+SPLIT_ROW = 32768
 
 
 def available() -> bool:
@@ -135,6 +137,7 @@ def fuse_norms(model: torch.nn.Module) -> int:
             or weight.dtype not in _NORM_SYMBOLS
             or weight.device.type != "cpu"
             or not isinstance(getattr(module, "variance_epsilon", None), float)
+            or weight.numel() >= SPLIT_ROW  # torch may split such a row's sum between threads
         ):
             continue
         module.forward = types.MethodType(_norm_forward, module)
