@@ -94,19 +94,36 @@ def test_kv_writes_equal_torchs_index_copy(dtype):
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_gives_the_same_tokens_and_logprobs_with_the_row_kernels(tiny_model_dir, monkeypatch, dtype):
-    """The norms and the KV writes on the kernels, against torch's ops (BATCHJOB_CPU_ROWS=0): the same bits,
-    so the same greedy tokens and log-probabilities, prompt chunks and decode steps alike."""
+def _same_with_and_without_row_kernels(model_dir, monkeypatch, dtype, norm_class) -> None:
     prompts = [[5 + i, 17, 3 * i + 2, 40, 9] * (1 + i % 3) for i in range(6)]
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     runs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv(rows.DISABLE_ENV, flag)
-        engine = Engine.from_pretrained(tiny_model_dir, device="cpu", dtype=dtype, num_speculative_tokens=0)
-        fused = [m for m in engine.model.modules() if "forward" in vars(m) and isinstance(m, LlamaRMSNorm)]
+        engine = Engine.from_pretrained(model_dir, device="cpu", dtype=dtype, num_speculative_tokens=0)
+        fused = [m for m in engine.model.modules() if "forward" in vars(m) and isinstance(m, norm_class)]
         assert bool(fused) == (flag == "1")
         outs = engine.generate(prompts, params)
         runs[flag] = [(o.token_ids, o.logprobs) for o in outs]
     assert runs["1"] == runs["0"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_gives_the_same_tokens_and_logprobs_with_the_row_kernels(tiny_model_dir, monkeypatch, dtype):
+    """The norms and the KV writes on the kernels, against torch's ops (BATCHJOB_CPU_ROWS=0): the same bits,
+    so the same greedy tokens and log-probabilities, prompt chunks and decode steps alike."""
+    _same_with_and_without_row_kernels(tiny_model_dir, monkeypatch, dtype, LlamaRMSNorm)
+
+
+@needs_kernel
+@pytest.mark.engine  # builds a Qwen3 model: seconds, not the unit tier's inner loop
+def test_qwen3_head_norms_on_the_joint_q_k_v_columns_give_the_same_bits(tmp_path, monkeypatch):
+    """Qwen3 norms each head's query and key (16 wide here) on its columns of the joint q/k/v product: a
+    strided input, one row a head."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from tests.tiny_models import make_family_model
+
+    make_family_model(tmp_path, "qwen3")
+    _same_with_and_without_row_kernels(tmp_path, monkeypatch, "float32", Qwen3RMSNorm)
