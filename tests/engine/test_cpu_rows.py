@@ -72,6 +72,7 @@ def test_norms_of_the_llama_layout_are_fused_and_others_kept(monkeypatch):
         assert rows.fuse_norms(model) == 0
         monkeypatch.delenv(rows.DISABLE_ENV)
         assert rows.fuse_norms(model) == 3
+        assert rows.fuse_norms(model) == 0  # fused once; a forward set on the instance is left alone
         assert "forward" not in vars(model["gemma"])
         for name, norm in model.items():
             got = norm(x)

@@ -130,6 +130,7 @@ def fuse_norms(model: torch.nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if (
             forward is None
+            or "forward" in vars(module)  # already given another forward (fused before, or by someone else)
             or not hasattr(forward, "__code__")
             or _code(forward) != llama
             or not isinstance(weight, torch.Tensor)
