@@ -155,7 +155,10 @@ def load() -> ctypes.CDLL | None:
     # key, its head and token strides, value, its strides, slots, tokens, KV heads, head size, bytes, caches
     lib.batchjob_write_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr]
     lib.batchjob_write_kv.restype = None
-    for name in ("batchjob_rms_norm_f32", "batchjob_rms_norm_bf16"):  # x, rows, n, row stride, w, eps, lanes, y
+    for name in (
+        "batchjob_rms_norm_f32",
+        "batchjob_rms_norm_bf16",
+    ):  # x, rows, n, row stride, w, eps, lanes, y
         getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, ptr]
         getattr(lib, name).restype = None
     return lib
@@ -199,11 +202,12 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     assert lib is not None and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.float32)
     k = x.shape[-1]
     assert packed.numel() == (n + 31) // 32 * 32 * k, "x's width is not the packed weight's"
-    rows = x.reshape(-1, k).contiguous()
+    if not x.is_contiguous():  # a check, not a torch op: a decode step makes ~150 of these calls
+        x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     bias_ptr = None if bias is None else bias.data_ptr()
     status = lib.batchjob_linear_bf16(
-        rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), bias_ptr, n, out.data_ptr()
+        x.data_ptr(), x.numel() // k, k, packed.data_ptr(), bias_ptr, n, out.data_ptr()
     )
     assert status == 0, "the bf16 linear kernel called where it was built without AVX512-BF16"
     return out
@@ -221,9 +225,9 @@ def paged_decode(
     """Attention of one query token per request over its cached keys; returns [G, H, D]."""
     lib = load()
     assert lib is not None, "paged_decode called without the kernel; check load() first"
-    q = q.contiguous()
-    block_table = block_table.contiguous()
-    ctx_lens = ctx_lens.contiguous()
+    q, block_table, ctx_lens = (
+        t if t.is_contiguous() else t.contiguous() for t in (q, block_table, ctx_lens)
+    )
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
     assert block_table.dtype == torch.int64 and ctx_lens.dtype == torch.int64
     g, heads, dim = q.shape
