@@ -56,9 +56,8 @@ class CpuKernel(TorchReference):
 
     @functools.cached_property
     def writes_kv(self) -> bool:
-        """Whether :meth:`write_kv` copies on the kernel library (:mod:`.rows`): the cache in the model's dtype."""
-        k_cache = self.kv_caches[0][0] if self.kv_caches else None
-        return k_cache is not None and rows.available()
+        """Whether :meth:`write_kv` copies on the kernel library (:mod:`.rows`, where its inputs allow)."""
+        return rows.available()
 
     def write_kv(self, key, value, slots, k_cache, v_cache) -> None:
         if (

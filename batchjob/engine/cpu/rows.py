@@ -41,8 +41,8 @@ def available() -> bool:
 def torch_lanes() -> int | None:
     """The width of the vectors in which torch's CPU sum adds a row's floats, found by trying: the widths the
     norm's kernel can mirror, each against LlamaRMSNorm itself on probe rows of several widths in float32
-    (narrower than a vector, a vector and its tail, past the cascade's first level). 8 on the AVX2 and
-    AVX-512 CPUs measured (2026-12-07, torch 2.13); None, where none matches, keeps torch's norms."""
+    (narrower than a vector, a vector and its tail, past the cascade's first level). 8 on the one CPU
+    measured (a Zen 4 with AVX-512, 2026-12-07, torch 2.13); None, where none matches, keeps torch's norms."""
     if kernel.load() is None:
         return None
     gen = torch.Generator().manual_seed(0)
@@ -135,6 +135,7 @@ def fuse_norms(model: torch.nn.Module) -> int:
             or _code(forward) != llama
             or not isinstance(weight, torch.Tensor)
             or weight.dim() != 1
+            or not weight.is_contiguous()
             or weight.dtype not in _NORM_SYMBOLS
             or weight.device.type != "cpu"
             or not isinstance(getattr(module, "variance_epsilon", None), float)
