@@ -67,6 +67,9 @@ def test_norms_of_the_llama_layout_are_fused_and_others_kept(monkeypatch):
     x = torch.randn(3, 64).to(torch.bfloat16)
     with torch.no_grad():
         assert rows.fuse_norms(wide) == 0 and "forward" not in vars(wide)
+        strided = LlamaRMSNorm(64)
+        strided.weight = torch.nn.Parameter(torch.ones(128)[::2], requires_grad=False)
+        assert rows.fuse_norms(strided) == 0  # the kernel reads the weight as one run of values
         want = {name: norm(x) for name, norm in model.items()}
         monkeypatch.setenv(rows.DISABLE_ENV, "0")
         assert rows.fuse_norms(model) == 0
