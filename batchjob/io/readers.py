@@ -2,8 +2,9 @@
 
 Every row gets an ``ordinal`` (its source's base plus its index: the same on every run) and a derived id
 ``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, an object that gives a
-key twice (JSON would keep the last value without a word), or a file that stops being readable part-way, becomes a ``Row`` with ``error`` set (naming the file and line): bad data never
-stops the stream.
+key twice (JSON would keep the last value without a word) or escapes half a UTF-16 pair (no character: no
+UTF-8 file can hold it), or a file that stops being readable part-way, becomes a ``Row`` with ``error`` set
+(naming the file and line): bad data never stops the stream.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import codecs
 import errno
 import json
+import re
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -90,6 +92,39 @@ def _depth_over(value: Any, limit: int) -> bool:
     return True
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where a string of ``value`` (its keys too) holds a lone UTF-16 surrogate, as ``"key 'k': character 3
+    (\\udcff)"``, else None. JSON text may escape one (``"\\udcff"``); Python takes it, but it is no character,
+    and no UTF-8 file (Parquet, the tokenizer's input) can hold it."""
+    stack: list[tuple[str, Any]] = [("the value", value)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, str):
+            found = _SURROGATE.search(x)
+            if found:
+                return f"{where}: character {found.start()} ({ascii(found.group())[1:-1]})"
+        elif isinstance(x, dict):
+            stack.extend((f"key {k!r}", k) for k in x)
+            stack.extend((f"key {k!r}", v) for k, v in x.items())
+        elif isinstance(x, list):
+            stack.extend((where, v) for v in x)
+    return None
+
+
+def _replaced(value: Any) -> Any:
+    """``value`` with each lone surrogate in its strings made U+FFFD (nested at most MAX_DEPTH levels)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_replaced(k): _replaced(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replaced(v) for v in value]
+    return value
+
+
 class _RepeatedKey(ValueError):
     """A JSON object that gives one key twice: ``json`` would keep the last value without a word."""
 
@@ -131,6 +166,10 @@ def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"not a JSON object (got {type(obj).__name__})"
     if _depth_over(obj, MAX_DEPTH):
         return None, f"values nested deeper than {MAX_DEPTH} levels"
+    escaped = text if isinstance(text, str) else text.decode("utf-8", "replace")
+    if ("\\ud" in escaped or "\\uD" in escaped) and (where := _lone_surrogate(obj)):
+        # the object, its surrogates replaced, keeps the line's --id-column value for its error row
+        return _replaced(obj), f"a lone UTF-16 surrogate escape, not a character, at {where}"
     return obj, None
 
 
@@ -142,8 +181,8 @@ def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
         for lineno, raw in enumerate(f, 1):
             if n >= _SCHEMA_SAMPLE_ROWS:
                 break
-            obj, _ = parse_line(_strip_bom(raw, lineno))
-            if obj is not None:
+            obj, error = parse_line(_strip_bom(raw, lineno))
+            if obj is not None and error is None:  # an error row's keys are no columns
                 n += 1
                 for k, v in obj.items():
                     columns.setdefault(str(k), set()).add(type(v))

@@ -142,6 +142,32 @@ def test_dirty_jsonl_becomes_error_rows_with_file_and_line(tmp_path):
     assert count_rows(discover([str(path)])[0]) == 5
 
 
+def test_a_lone_surrogate_escape_is_that_rows_error_and_a_pair_is_a_character(tmp_path):
+    # JSON may escape half of a UTF-16 pair ("\\udcff"): Python takes it, but it is no character, and
+    # writing it to Parquet raised UnicodeEncodeError and stopped the whole job
+    path = tmp_path / "halves.jsonl"
+    path.write_text(
+        '{"id": 1, "text": "a pair \\ud83d\\ude00 is one character"}\n'
+        '{"id": 2, "text": "half \\udcff of one"}\n'
+        '{"id": 3, "text": "ok", "tags": ["x", "\\ud800"]}\n'
+        '{"id": 4, "\\udfff": "in a key"}\n'
+        '{"id": 5, "text": "last"}\n'
+    )
+    rows = list(iter_rows(discover([str(path)]), id_column="id"))
+    assert rows[0].error is None and rows[0].values["text"] == "a pair \U0001f600 is one character"
+    assert rows[1].error == (
+        "halves.jsonl line 2: a lone UTF-16 surrogate escape, not a character, at key 'text': character 5 (\\udcff)"
+    )
+    assert "line 3" in rows[2].error and "key 'tags': character 0 (\\ud800)" in rows[2].error
+    assert "line 4" in rows[3].error and "surrogate" in rows[3].error
+    assert [r.values for r in rows[1:4]] == [{"id": 2}, {"id": 3}, {"id": 4}]  # whose rows they are
+    assert rows[4].error is None
+    schema = input_schema(discover([str(path)]))
+    assert schema.names == ["id", "text"]  # an error row's keys are no columns
+    table = build_table([{"values": r.values} for r in rows], schema)  # every row writes
+    assert table.column("id").to_pylist() == [1, 2, 3, 4, 5]
+
+
 def test_a_row_nested_too_deeply_is_that_rows_error_not_the_files(tmp_path):
     deep = "[" * 200_000 + "]" * 200_000  # json.loads raises RecursionError, not ValueError
     path = write_jsonl(
