@@ -95,6 +95,33 @@ def test_bad_rows_name_their_file_and_line_and_keep_their_id(tiny_model_dir, tmp
         assert "invalid UTF-8" in rows[2]["error"] and "empty" in rows[0]["error"]
 
 
+def test_half_a_utf16_pair_in_a_columns_json_text_is_that_rows_error(tiny_model_dir, tmp_path):
+    """JSON text in a Parquet column (messages, per-row parameters) may escape half a UTF-16 pair: no
+    character, which the tokenizer refused with a TypeError the row's error quoted; now said as it is."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    user = json.dumps([{"role": "user", "content": "hi"}])
+    half = '[{"role": "user", "content": "half \\udcff"}]'
+    data = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.table({"id": ["a", "b", "c"], "m": [user, half, user], "p": [None, None, '{"stop": "\\ud800"}']}),
+        data,
+    )
+    out = tmp_path / "out"
+    args = ("--model", tiny_model_dir, "--input", data, "--output", out, "--id-column", "id")
+    code, text = invoke("run", *args, "--messages-column", "m", "--params-column", "p", "--max-new-tokens", "1")
+    assert code == 0, text
+    rows = sorted(ds.dataset(out, format="parquet").to_table().to_pylist(), key=lambda r: r["id"])
+    assert rows[0]["error"] is None and rows[0]["num_generated_tokens"] == 1
+    assert rows[1]["error"] == (
+        "in.parquet row 1: column 'm': a lone UTF-16 surrogate escape, not a character, at key 'content': "
+        "character 5 (\\udcff)"
+    )
+    assert "params column 'p': a lone UTF-16 surrogate escape" in rows[2]["error"], rows[2]["error"]
+
+
 def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(tiny_model_dir, tmp_path, monkeypatch):
     """The reader reads a JSONL file as far as the job recorded it: a half-written line appended after that
     is not made an error row (which --append, going by the record, would not redo); the run stops as the

@@ -114,6 +114,19 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
+class HalfPairError(ValueError):
+    """JSON text that escapes half a UTF-16 pair (see :func:`_lone_surrogate`)."""
+
+
+def loads_text(text: str) -> Any:
+    """``json.loads`` of JSON text held in a column (messages, parameters, a request body), raising
+    :class:`HalfPairError` (a ``ValueError``, as bad JSON raises) where a string in it is half a UTF-16 pair."""
+    value = json.loads(text)
+    if ("\\ud" in text or "\\uD" in text) and (where := _lone_surrogate(value)):
+        raise HalfPairError(f"a lone UTF-16 surrogate escape, not a character, at {where}")
+    return value
+
+
 def _replaced(value: Any) -> Any:
     """``value`` with each lone surrogate in its strings made U+FFFD (nested at most MAX_DEPTH levels)."""
     if isinstance(value, str):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchjob.errors import ConfigError, InputError
+from batchjob.io.readers import HalfPairError, loads_text
 from batchjob.job.spec import JobSpec
 
 
@@ -380,7 +381,9 @@ class PromptBuilder:
         col = self.plan.column
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = loads_text(value)
+            except HalfPairError as e:
+                return None, f"column {col!r}: {e}"
             except (ValueError, RecursionError):
                 return (
                     None,

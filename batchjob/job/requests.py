@@ -15,11 +15,11 @@ resumed job builds the same requests.
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from typing import Any
 
 from batchjob.errors import ConfigError
+from batchjob.io.readers import HalfPairError, loads_text
 from batchjob.sampling import NUMBERS, SamplingParams, check_number
 
 _PARAM_TYPES: dict[str, tuple[type, ...]] = {  # numbers: sampling.NUMBERS, the one numeric check
@@ -89,7 +89,9 @@ def params_from_column(
         return base, None
     if isinstance(value, str):
         try:
-            value = json.loads(value) if value.strip() else {}
+            value = loads_text(value) if value.strip() else {}
+        except HalfPairError as e:
+            return None, f"{where}{e}"
         except (ValueError, RecursionError) as e:
             return None, f"{where}not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})"
         if value is None:  # JSON null: nothing of its own
@@ -242,7 +244,7 @@ def _request_body(
     method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
     if isinstance(body, str):  # a body column stored as JSON text
         try:
-            body = json.loads(body)
+            body = loads_text(body)
         except ValueError as e:
             return None, f"body is not a JSON object ({e})"
     if method != "POST":
@@ -295,7 +297,7 @@ def parse_embeddings_request(
     method, url, body = values.get("method", "POST"), values.get("url"), values.get("body")
     if isinstance(body, str):
         try:
-            body = json.loads(body)
+            body = loads_text(body)
         except ValueError as e:
             return None, f"body is not a JSON object ({e})"
     if method != "POST":
