@@ -9,6 +9,7 @@ export with its name.
 
 from __future__ import annotations
 
+import base64
 import csv
 import hashlib
 import heapq
@@ -114,6 +115,10 @@ def _id_of(result: Result, info: JobInfo, id_name: str | None) -> str:
 
 
 def _json_default(value: Any) -> Any:
+    """A value JSON has no type for: dates and times in ISO 8601, bytes (a binary column: images, say) in
+    base64 (their Python repr, ``b'\\x89PNG...'``, was written before), anything else as its text."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(value).decode("ascii")
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
@@ -256,6 +261,8 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
 def _csv_value(value: Any) -> Any:
     if isinstance(value, (dict, list)):
         return json.dumps(value, ensure_ascii=False, default=_json_default)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _json_default(value)
     return value
 
 

@@ -87,6 +87,36 @@ def test_jsonl_and_csv_are_in_input_order(inputs, tiny_model_dir, tmp_path, shar
     assert list(got[0]) == list(table[0])  # the columns of the parts, in their order
 
 
+def test_binary_dates_and_decimals_export_as_json_can_read_them(tiny_model_dir, tmp_path):
+    """A binary column (an image job's pictures, say) in base64, not its Python repr; dates in ISO 8601."""
+    import base64
+    import datetime
+    import decimal
+
+    data = tmp_path / "in"
+    data.mkdir()
+    blob = bytes(range(256))
+    table = {
+        "rid": ["x", "y"],
+        "text": ["one", "two"],
+        "blob": pa.array([blob, None], pa.binary()),
+        "day": pa.array([datetime.date(2026, 12, 7), None]),
+        "price": pa.array([decimal.Decimal("1.50"), None], pa.decimal128(5, 2)),
+        "meta": pa.array([{"raw": b"\x00\xff"}, None]),
+    }
+    pq.write_table(pa.table(table), data / "t.parquet")
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    rows = [json.loads(line) for line in export(out, "jsonl").splitlines()]
+    assert [r["rid"] for r in rows] == ["x", "y"]
+    assert base64.b64decode(rows[0]["blob"]) == blob and rows[1]["blob"] is None
+    assert (rows[0]["day"], rows[0]["price"], rows[0]["meta"]) == ("2026-12-07", "1.50", {"raw": "AP8="})
+    target = tmp_path / "out.csv"
+    CliRunner().invoke(main, ["export", str(out), "--format", "csv", "--to", str(target)])
+    got = list(csv.DictReader(io.StringIO(target.read_text())))
+    assert base64.b64decode(got[0]["blob"]) == blob and json.loads(got[0]["meta"]) == {"raw": "AP8="}
+
+
 def test_openai_output_one_line_per_request_with_its_samples(inputs, tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     run(inputs, out, model=str(tiny_model_dir), n=2, temperature=1.0, seed=3)
