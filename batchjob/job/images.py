@@ -3,9 +3,10 @@ digests of the files the cells reference.
 
 A cell is one image or a list of them (null or an empty list: a text-only row). An image is Parquet/Arrow
 binary, a Hugging Face ``datasets`` Image struct ``{bytes, path}`` (the bytes win; the path is read when they
-are null) or a path as text: relative to the input file's folder, absolute, or ``file://``; a URL (``http(s)://``, ``s3://``,
-...) is fetched only with ``--allow-remote-images`` (``remote_images.py``), else the row's error. Each image is decoded with Pillow, refused over ``--max-image-pixels`` before its pixels
-are read, and converted to RGB. Whatever goes wrong is the row's error, naming the image (its index and
+are null), a ``data:`` URL (base64) or a path as text: relative to the input file's folder, absolute, or
+``file://``; a URL (``http(s)://``, ``s3://``, ...) is fetched only with ``--allow-remote-images``
+(``remote_images.py``), else the row's error. Each image is decoded with Pillow, refused over
+``--max-image-pixels`` before its pixels are read, and converted to RGB. Whatever goes wrong is the row's error, naming the image (its index and
 path); nothing here raises for a row.
 
 The files that paths reference are part of the job's inputs: ``scan`` digests each one (its bytes, whole)
@@ -16,6 +17,8 @@ remote image is recorded the same way, by the bytes fetched when the job starts.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import threading
@@ -57,6 +60,17 @@ class ImageRef:
         return f"image {self.index}" + (f" ({self.path})" if self.path else "")
 
 
+def data_url(url: str) -> tuple[bytes | None, str | None]:
+    """The bytes of a ``data:`` URL (base64, as OpenAI's image parts carry them), or why not."""
+    head, sep, data = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        return None, "a data: URL must be base64 (data:image/png;base64,...)"
+    try:
+        return base64.b64decode(data, validate=True), None
+    except (binascii.Error, ValueError) as e:
+        return None, f"the data: URL is not valid base64 ({e})"
+
+
 def refs(value: Any, column: str) -> tuple[list[ImageRef] | None, str | None]:
     """A cell's images (``[]``: none), or why the cell holds no images."""
     if value is None:
@@ -64,6 +78,12 @@ def refs(value: Any, column: str) -> tuple[list[ImageRef] | None, str | None]:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     out = []
     for k, item in enumerate(items):
+        if isinstance(item, str) and item.startswith("data:"):
+            data, error = data_url(item)
+            if data is None:
+                return None, f"image column {column!r}: image {k}: {error}"
+            out.append(ImageRef(k, data, None))
+            continue
         ref = _ref(item, k)
         if ref is None:
             kind = type(item).__name__

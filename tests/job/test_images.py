@@ -5,6 +5,7 @@ the resume; validate lists the images it can't open; a kill -9 then resume equal
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 
@@ -99,7 +100,12 @@ def _write_inputs(root):
         }
     )
     pq.write_table(structs, root / "structs.parquet")
-    lines = [("p0", "imgs/a.png"), ("p1", ["imgs/b.png", str(root / "imgs" / "a.png")]), ("p2", None)]
+    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(6)).decode()
+    lines = [
+        ("p0", "imgs/a.png"),
+        ("p1", ["imgs/b.png", str(root / "imgs" / "a.png"), data_url]),
+        ("p2", None),
+    ]
     with open(root / "paths.jsonl", "w") as f:
         for rid, image in lines:
             f.write(json.dumps({"rid": rid, "prompt": f"Look at {rid}", "image": image}) + "\n")
@@ -122,7 +128,7 @@ def _expected_images(root, rid):
         "s1": [a, make_image(4)],
         "s2": [],
         "p0": [a],
-        "p1": [b, a],
+        "p1": [b, a, make_image(6)],
         "p2": [],
     }[rid]
 
@@ -188,6 +194,7 @@ def test_bad_images_are_error_rows(llava, tmp_path):
         "remote": "https://example.com/cat.png",
         "number": 5,
         "big": "imgs/big.png",
+        "data": "data:image/png;base64,###",
     }
     with open(tmp_path / "in.jsonl", "w") as f:
         for rid, image in cells.items():
@@ -205,6 +212,9 @@ def test_bad_images_are_error_rows(llava, tmp_path):
     assert "pass --allow-remote-images to fetch it" in errors["remote"]
     assert "line 5" in errors["number"] and "image 0 is int" in errors["number"]
     assert "64 x 64 = 4096 pixels is over --max-image-pixels 1000" in errors["big"]
+    assert errors["data"].endswith(
+        "image column 'image': image 0: the data: URL is not valid base64 (Only base64 data is allowed)"
+    )
 
 
 def test_text_model_refused(tiny_model_dir, tmp_path):

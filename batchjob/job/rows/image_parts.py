@@ -6,12 +6,10 @@ path (relative to the input file's folder); ``http(s)://`` is never fetched (tha
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from typing import Any
 
-from batchjob.job.images import ImageRef
+from batchjob.job.images import ImageRef, data_url
 
 
 def _url_ref(value: Any, k: int) -> tuple[ImageRef | None, str | None]:
@@ -20,13 +18,8 @@ def _url_ref(value: Any, k: int) -> tuple[ImageRef | None, str | None]:
         return None, "image_url.url must be a non-empty string"
     if not url.startswith("data:"):
         return ImageRef(k, None, url), None
-    head, sep, data = url.partition(",")
-    if not sep or not head.endswith(";base64"):
-        return None, "a data: URL must be base64 (data:image/png;base64,...)"
-    try:
-        return ImageRef(k, base64.b64decode(data, validate=True), None), None
-    except (binascii.Error, ValueError) as e:
-        return None, f"the data: URL is not valid base64 ({e})"
+    data, error = data_url(url)
+    return (None, error) if data is None else (ImageRef(k, data, None), None)
 
 
 def image_parts(messages: Any, where: str) -> tuple[list[Any] | None, list[ImageRef], str | None]:
