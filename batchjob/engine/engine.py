@@ -230,8 +230,8 @@ class Engine:
     ) -> Request:
         if rid in self._requests:
             raise ConfigError(f"request id {rid!r} is already in the engine")
-        prompt = [int(t) for t in prompt_ids]
-        output = [int(t) for t in output_ids] if output_ids else []
+        prompt = offline.token_ids(prompt_ids, f"request {rid!r}'s prompt")
+        output = offline.token_ids(output_ids, f"request {rid!r}'s output") if output_ids else []
         req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
         req.sample_index, req.adapter, req.images = sample_index, adapter, images
         if key is not None:

@@ -10,8 +10,9 @@ tokenizer's chat template first, as ``batchjob run`` does by default.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from batchjob.engine.output import RequestOutput
 from batchjob.errors import ConfigError
@@ -52,6 +53,31 @@ def params_for(
     return params
 
 
+def token_ids(values: Any, what: str) -> list[int]:
+    """``values`` as a list of token ids: ints (numpy's and torch's integers too); a float or a string is
+    refused, not truncated (``int(1.5)`` would quietly be 1)."""
+    out = []
+    for k, t in enumerate(values):
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ConfigError(
+                f"{what}: token {k} is {t!r} ({type(t).__name__}), not an integer token id"
+            ) from None
+    return out
+
+
+def _text(text: str, what: str) -> str:
+    """``text``, refused where a tokenizer could not take it: a lone surrogate (half a UTF-16 pair)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(
+            f"{what}: character {e.start} ({ascii(text[e.start])[1:-1]}) is half a UTF-16 pair, not a character"
+        ) from None
+    return text
+
+
 def generate(
     engine: _Engine,
     prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -65,8 +91,13 @@ def generate(
         raise ConfigError("generate() needs an idle engine; it has unfinished requests")
     ids = []
     names = adapters if adapters is not None else [None] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        tokens = engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(cast(Sequence[int], prompt))
+    prompt_ids = [  # all of them checked before any is added: a refused batch leaves the engine idle
+        engine.tokenizer(_text(prompt, f"prompt {i}")).input_ids
+        if isinstance(prompt, str)
+        else token_ids(prompt, f"prompt {i}")
+        for i, prompt in enumerate(prompts)
+    ]
+    for i, (tokens, p) in enumerate(zip(prompt_ids, params, strict=True)):
         digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
         rid = f"generate-{i}"
         key = int.from_bytes(digest, "little") & 0x7FFFFFFF
@@ -90,8 +121,19 @@ def chat_prompts(
             "prompt text as the model expects it"
         )
     rendered = []
-    for c in conversations:
-        messages = [{"role": "user", "content": c}] if isinstance(c, str) else list(c)
+    for i, c in enumerate(conversations):
+        if isinstance(c, str):
+            messages = [{"role": "user", "content": _text(c, f"conversation {i}")}]
+        elif isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c):
+            messages = list(c)
+            for j, m in enumerate(messages):
+                if isinstance(m.get("content"), str):
+                    _text(m["content"], f"conversation {i}, message {j}")
+        else:
+            raise ConfigError(
+                f"conversation {i} is {type(c).__name__}: give a string (the user's message) or a list of "
+                "{role, content} messages"
+            )
         if system is not None and (not messages or messages[0].get("role") != "system"):
             messages.insert(0, {"role": "system", "content": system})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -330,6 +330,37 @@ def test_chat_is_generate_over_the_chat_template(tiny_model_dir):
     assert [o.prompt_ids for o in got] == want
 
 
+def test_prompts_the_engine_cannot_take_as_given_are_refused_before_any_is_added(tiny_model_dir):
+    """A float token id was truncated (``int(1.5)``: a silent other prompt); a conversation that is None,
+    or text holding half a UTF-16 pair, raised the tokenizer's TypeError. Each is refused by name, before any
+    prompt of the batch is added, so the engine stays idle; numpy and torch integers are token ids."""
+    import numpy as np
+
+    engine = Engine.from_pretrained(str(tiny_model_dir), dtype="float64", device="cpu")
+    params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    refused = {
+        "prompt 1: token 0 is 1.5 (float), not an integer token id": lambda: engine.generate(
+            [[1, 2], [1.5, 2]], params
+        ),
+        "prompt 0: token 1 is '2' (str)": lambda: engine.generate([[1, "2"]], params),
+        "prompt 1: character 1 (\\udcff) is half a UTF-16 pair": lambda: engine.generate(
+            ["fine", "a\udcffb"], params
+        ),
+        "conversation 1 is NoneType: give a string": lambda: engine.chat(["ok", None], params),
+        "conversation 0, message 1: character 0 (\\ud800)": lambda: engine.chat(
+            [[{"role": "system", "content": "s"}, {"role": "user", "content": "\ud800"}]], params
+        ),
+        "request 'r''s prompt: token 0 is 2.0 (float)": lambda: engine.add_request("r", [2.0], params),
+    }
+    for message, call in refused.items():
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert message in str(e.value), str(e.value)
+        assert not engine.has_unfinished()
+    want = engine.generate([[1, 2, 3]], params)[0].token_ids
+    assert engine.generate([np.array([1, 2, 3]), torch.tensor([1, 2, 3])], params)[1].token_ids == want
+
+
 def _llama_config(**kw):
     from transformers import LlamaConfig
 
