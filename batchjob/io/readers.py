@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import errno
 import json
-import re
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -21,6 +20,7 @@ import pyarrow as pa
 
 from batchjob import faults
 from batchjob.errors import InputError
+from batchjob.io.jsontext import parse_line
 from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
 from batchjob.io.watch import check_unchanged, stamp
 
@@ -71,119 +71,6 @@ def _json_type(kinds: set[type]) -> pa.DataType:
 
 def _strip_bom(raw: bytes, lineno: int) -> bytes:
     return raw[len(codecs.BOM_UTF8) :] if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else raw
-
-
-MAX_DEPTH = 100  # of a JSONL row's values: deeper ones are the row's error, well short of any recursion limit
-
-
-def _depth_over(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists/objects more than ``limit`` levels deep (without recursion)."""
-    level: list[Any] = [value]
-    for _ in range(limit + 1):
-        level = [
-            v
-            for x in level
-            if isinstance(x, (dict, list))
-            for v in (x.values() if isinstance(x, dict) else x)
-            if isinstance(v, (dict, list))
-        ]
-        if not level:
-            return False
-    return True
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """Where a string of ``value`` (its keys too) holds a lone UTF-16 surrogate, as ``"key 'k': character 3
-    (\\udcff)"``, else None. JSON text may escape one (``"\\udcff"``); Python takes it, but it is no character,
-    and no UTF-8 file (Parquet, the tokenizer's input) can hold it."""
-    stack: list[tuple[str, Any]] = [("the value", value)]
-    while stack:
-        where, x = stack.pop()
-        if isinstance(x, str):
-            found = _SURROGATE.search(x)
-            if found:
-                return f"{where}: character {found.start()} ({ascii(found.group())[1:-1]})"
-        elif isinstance(x, dict):
-            stack.extend((f"key {k!r}", k) for k in x)
-            stack.extend((f"key {k!r}", v) for k, v in x.items())
-        elif isinstance(x, list):
-            stack.extend((where, v) for v in x)
-    return None
-
-
-class HalfPairError(ValueError):
-    """JSON text that escapes half a UTF-16 pair (see :func:`_lone_surrogate`)."""
-
-
-def loads_text(text: str) -> Any:
-    """``json.loads`` of JSON text held in a column (messages, parameters, a request body), raising
-    :class:`HalfPairError` (a ``ValueError``, as bad JSON raises) where a string in it is half a UTF-16 pair."""
-    value = json.loads(text)
-    if ("\\ud" in text or "\\uD" in text) and (where := _lone_surrogate(value)):
-        raise HalfPairError(f"a lone UTF-16 surrogate escape, not a character, at {where}")
-    return value
-
-
-def _replaced(value: Any) -> Any:
-    """``value`` with each lone surrogate in its strings made U+FFFD (nested at most MAX_DEPTH levels)."""
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, dict):
-        return {_replaced(k): _replaced(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_replaced(v) for v in value]
-    return value
-
-
-class _RepeatedKey(ValueError):
-    """A JSON object that gives one key twice: ``json`` would keep the last value without a word."""
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _RepeatedKey(f"key {key!r} appears more than once in an object (which value is meant?)")
-    return obj
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_object)
-
-
-def _loads(text: str | bytes) -> Any:
-    """``json.loads`` (bytes decoded as it decodes them), refusing a key given twice in an object."""
-    if isinstance(text, (bytes, bytearray)):
-        text = text.decode(json.detect_encoding(text), "surrogatepass")
-    return _DECODER.decode(text)
-
-
-def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """One JSONL line as an object, or why it is not a usable row: bad JSON, a key given twice in an object,
-    not an object, or nested deeper than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never
-    the reader's stop)."""
-    try:
-        obj = _loads(text)
-    except _RepeatedKey as e:
-        return None, str(e)
-    except RecursionError:
-        return None, f"bad JSON (nested deeper than {MAX_DEPTH} levels)"
-    except ValueError as e:
-        return None, f"bad JSON ({e})"
-    except Exception as e:  # noqa: BLE001 - a line can't stop the file
-        return None, f"bad JSON ({type(e).__name__}: {e})"
-    if not isinstance(obj, dict):
-        return None, f"not a JSON object (got {type(obj).__name__})"
-    if _depth_over(obj, MAX_DEPTH):
-        return None, f"values nested deeper than {MAX_DEPTH} levels"
-    escaped = text if isinstance(text, str) else text.decode("utf-8", "replace")
-    if ("\\ud" in escaped or "\\uD" in escaped) and (where := _lone_surrogate(obj)):
-        # the object, its surrogates replaced, keeps the line's --id-column value for its error row
-        return _replaced(obj), f"a lone UTF-16 surrogate escape, not a character, at {where}"
-    return obj, None
 
 
 def _jsonl_kinds(source: Source) -> dict[str, set[type]]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchjob.errors import ConfigError, InputError
-from batchjob.io.readers import HalfPairError, loads_text
+from batchjob.io.jsontext import HalfPairError, loads_text
 from batchjob.job.spec import JobSpec
 
 

@@ -19,7 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 from batchjob.errors import ConfigError
-from batchjob.io.readers import HalfPairError, loads_text
+from batchjob.io.jsontext import HalfPairError, loads_text
 from batchjob.sampling import NUMBERS, SamplingParams, check_number
 
 _PARAM_TYPES: dict[str, tuple[type, ...]] = {  # numbers: sampling.NUMBERS, the one numeric check

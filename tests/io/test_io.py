@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.errors import InputError
-from batchjob.io.readers import MAX_DEPTH, input_schema, iter_rows
+from batchjob.io.jsontext import MAX_DEPTH
+from batchjob.io.readers import input_schema, iter_rows
 from batchjob.io.sources import count_rows, discover
 from batchjob.io.writers import PartWriter, build_table, output_schema
 from batchjob.job.intervals import IntervalSet
