@@ -456,10 +456,12 @@ def checked(values: dict[str, Any]) -> dict[str, Any]:
     values = dict(values)
     if isinstance(values["lora"], dict):  # a job file's [lora] table
         values["lora"] = [f"{k}={v}" for k, v in values["lora"].items()]
-    if isinstance(values["input"], str):
-        values["input"] = [values["input"]]
-    if isinstance(values["stop"], str):
-        values["stop"] = [values["stop"]]
+    for name in ("input", "stop"):  # one string or a list of them (a job file's other types named here)
+        value = values[name]
+        if isinstance(value, (str, Path)):
+            values[name] = [value]
+        elif value is not None and not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a string or a list of strings, got {value!r}")
     values["input"] = [str(p) for p in values["input"]]
     values["stop"] = list(values["stop"] or [])
     if isinstance(values["choices"], str):

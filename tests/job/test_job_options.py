@@ -86,6 +86,8 @@ def test_each_option_is_one_job_file_key(tmp_path):
         ),
         ({"format": "csv"}, "format must be one of rows, openai; got 'csv'"),
         ({"n": "2"}, "n must be an int, got '2'"),
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5"),  # was "'int' object is not iterable"
+        ({"input": 5}, "input must be a string or a list of strings, got 5"),
     ],
 )
 def test_the_declared_checks_keep_their_messages(given, message):
