@@ -369,7 +369,8 @@ def _roofline(
     prefill = roofline.prefill_pass(engine, work.prompts)
     limits = roofline.faster(limits, _limits(engine, work))  # measured again: the run lies between the two
     shape = roofline.model_shape(engine.model)
-    return roofline.shares(shape, limits, [len(p) for p in work.prompts], ours.extra, prefill)
+    prompt_lens = [len(p) for p in work.prompts]
+    return roofline.shares(shape, limits, prompt_lens, ours.extra, prefill, work.max_new_tokens)
 
 
 def _run_rounds(

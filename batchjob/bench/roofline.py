@@ -4,9 +4,9 @@ Two limits, measured here in a second or two with the model's own layers (so the
 packed oneDNN linears on the CPU, cuBLAS on CUDA), in the run's dtype on the run's device: the GEMM rate at
 a prefill step's shape (the model's largest linear over a full step's tokens), and the weight bandwidth of
 a decode step (every linear of the model over a few rows). Against them, from what the bench observes:
-prefill FLOPs / (peak x prefill time) and decode weight bytes / (bandwidth x decode time); end to end, the
-least time both limits allow the run (prefill FLOPs at the peak, decode at the binding limit) / its forward
-time.
+prefill FLOPs / (peak x prefill time) and decode bytes (the weights each step, the KV cache each row reads)
+/ (bandwidth x decode time); end to end, the least time both limits allow the run (prefill FLOPs at the
+peak, decode at the binding limit) / its forward time.
 
 The engine has no prefill or decode phase (a step mixes both), so the split of the time is the bench's:
 prefill time is the forward time of a prefill-only pass over the same prompts (each request samples one
@@ -36,6 +36,7 @@ class Shape:
     weight_bytes: int  # every linear's weights (head included): what a decode step reads
     layers: int  # for the attention FLOPs (0 where the config does not say)
     query_dim: int  # attention heads x head size
+    kv_bytes_per_token: int = 0  # a token's keys and values over every layer: what a decode row reads of each
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ def _linears(model: Any) -> tuple[list[Any], Any]:
 
 
 def model_shape(model: Any) -> Shape:
+    import torch
+
     body, head = _linears(model)
     layers = [*body, *([head] if head is not None else [])]
     config = getattr(model, "config", None)
@@ -71,13 +74,17 @@ def model_shape(model: Any) -> Shape:
     head_dim = getattr(config, "head_dim", None) or (
         int(getattr(config, "hidden_size", 0) or 0) // heads if heads else 0
     )
+    depth = int(getattr(config, "num_hidden_layers", 0) or 0)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    itemsize = torch.empty((), dtype=getattr(model, "dtype", torch.float32)).element_size()  # the cache's
     return Shape(
         body_params=sum(m.weight.numel() for m in body),
         head_params=head.weight.numel() if head is not None else 0,
         # element_size, not storage: a packed layer's weight keeps its shape and dtype without its memory
         weight_bytes=sum(m.weight.numel() * m.weight.element_size() for m in layers),
-        layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+        layers=depth,
         query_dim=heads * int(head_dim or 0),
+        kv_bytes_per_token=2 * depth * kv_heads * int(head_dim or 0) * itemsize,
     )
 
 
@@ -214,19 +221,37 @@ def prefill_flops(shape: Shape, prompt_lens: list[int]) -> float:
     return 2.0 * shape.body_params * tokens + 2.0 * shape.head_params * len(prompt_lens) + attention
 
 
+def decode_kv_tokens(prompt_lens: list[int], output_lens: list[int]) -> int:
+    """Keys (and values) the decode rows read: a request's output token t >= 2 attends to its prompt and the
+    t - 1 tokens before it (the first comes from its prompt's step). Drafts verified read more: a floor."""
+    return sum((n - 1) * p + (n - 1) * n // 2 for p, n in zip(prompt_lens, output_lens, strict=True) if n > 1)
+
+
 def shares(
-    shape: Shape, limits: Limits, prompt_lens: list[int], run: dict[str, Any], prefill: dict[str, float]
+    shape: Shape,
+    limits: Limits,
+    prompt_lens: list[int],
+    run: dict[str, Any],
+    prefill: dict[str, float],
+    output_lens: list[int] | None = None,
 ) -> dict[str, Any]:
     """The roofline figures: ``run`` is our run's stats (forward_seconds, steps, batched_tokens), ``prefill``
     the prefill-only pass's. A share is None where its time is not positive (decode time is a difference:
     noise can sink it). Decode steps of many rows (drafts verified included) can be bound by compute rather
-    than by reading the weights: ``decode_flops_share`` says how close they came to the GEMM peak."""
+    than by reading the weights: ``decode_flops_share`` says how close they came to the GEMM peak. With
+    ``output_lens`` (each request's tokens, all generated: EOS ignored) the decode bytes count the KV cache
+    each row reads beside the weights, which long prompts make the larger part (1,000-token prompts at
+    SmolLM2-135M in bf16: 368 MB of keys and values a 16-row step against 270 MB of weights)."""
     flops = prefill_flops(shape, prompt_lens)
     prefill_s = prefill["forward_seconds"]
     decode_s = run["forward_seconds"] - prefill_s
     decode_steps = max(int(run["steps"] - prefill["steps"]), 0)
     decode_tokens = max(int(run["batched_tokens"] - prefill["batched_tokens"]), 0)
-    decode_bytes = float(shape.weight_bytes) * decode_steps
+    weight_bytes = float(shape.weight_bytes) * decode_steps
+    kv_bytes = float(
+        shape.kv_bytes_per_token * decode_kv_tokens(prompt_lens, output_lens or [0] * len(prompt_lens))
+    )
+    decode_bytes = weight_bytes + kv_bytes
     decode_flops = 2.0 * (shape.body_params + shape.head_params) * decode_tokens
     timed = decode_s > 0 and decode_steps > 0
     # The least time the limits allow the whole run: prefill at the GEMM peak, then decode at whichever of
@@ -247,7 +272,8 @@ def shares(
         "prefill_seconds": prefill_s,
         "prefill_share": flops / (limits.peak_flops * prefill_s) if prefill_s > 0 else None,
         "decode_steps": decode_steps,
-        "decode_weight_bytes": decode_bytes,
+        "decode_weight_bytes": weight_bytes,
+        "decode_kv_bytes": kv_bytes,
         "decode_seconds": decode_s,
         "decode_share": decode_bytes / (limits.bandwidth * decode_s) if timed else None,
         "decode_tokens": decode_tokens,  # rows run by decode steps: one per request, plus drafts verified
@@ -275,10 +301,14 @@ def format_line(figures: dict[str, Any]) -> str:
 
     steps = figures["decode_steps"]
     rows = f"{figures['decode_tokens'] / steps:.0f}" if steps else "?"
+    kv_bytes = figures.get("decode_kv_bytes") or 0.0
+    read = figures["decode_weight_bytes"] + kv_bytes
+    kv = f" (KV {100 * kv_bytes / read:.0f}% of the bytes)" if kv_bytes else ""
 
     return (
         f"roofline: prefill {pct(figures['prefill_share'])} of {_rate(figures['peak_flops_per_s'], 'FLOP/s')}, "
-        f"decode {pct(figures['decode_share'])} of {_rate(figures['weight_bandwidth_bytes_per_s'], 'B/s')} "
+        f"decode {pct(figures['decode_share'])} of {_rate(figures['weight_bandwidth_bytes_per_s'], 'B/s')}"
+        f"{kv} "
         f"and {pct(figures['decode_flops_share'])} of peak FLOP/s at {rows} rows a step; end to end "
         f"{pct(figures['end_to_end_share'])} (the limits allow {figures['bound_seconds']:.1f} s of "
         f"{figures['prefill_seconds'] + figures['decode_seconds']:.1f} s) ({figures['features']})"

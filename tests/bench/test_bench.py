@@ -218,10 +218,13 @@ def test_agreement_is_counted_against_a_baseline_setting_that_gave_tokens_back()
 def test_roofline_arithmetic():
     """Prefill: 2 FLOPs per weight per prompt token, the head once per request, causal attention 2 x L^2 x
     query_dim per layer; decode: every weight read once per decode step, over the run's time less prefill's."""
+    from dataclasses import replace
+
     from batchjob.bench.roofline import (
         Limits,
         Shape,
         cpu_features,
+        decode_kv_tokens,
         faster,
         format_line,
         prefill_flops,
@@ -268,6 +271,18 @@ def test_roofline_arithmetic():
     flags = "fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
     assert cpu_features(flags) == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"]
     assert cpu_features("fpu sse2") == []
+    # with each request's output length the decode rows' KV reads count too: prompts of 3 and 5 tokens,
+    # 4 and 1 outputs: the first request's tokens 2-4 read 3 + 1, 3 + 2, 3 + 3 keys; the second's none
+    assert decode_kv_tokens([3, 5], [4, 1]) == 15
+    kv = replace(shape, kv_bytes_per_token=100)
+    run, pre = (
+        {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24},
+        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
+    )
+    long = shares(kv, limits, [3, 5], run, pre, [4, 1])
+    assert long["decode_kv_bytes"] == 1500 and long["decode_weight_bytes"] == 8 * 4400
+    assert long["decode_share"] == (8 * 4400 + 1500) / (11000 * 3.0)
+    assert "decode 111% of 11.0 kB/s (KV 4% of the bytes) and 67% of peak" in format_line(long)
 
 
 @pytest.mark.timeout(60)
@@ -286,6 +301,7 @@ def test_roofline_counts_the_model_linears_and_measures_its_limits(tiny_model_di
     assert shape.body_params == sum(m.weight.numel() for m in linears if m is not head)
     assert shape.weight_bytes == 4 * (shape.body_params + shape.head_params)
     assert shape.layers == c.num_hidden_layers and shape.query_dim == c.num_attention_heads * c.head_dim
+    assert shape.kv_bytes_per_token == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
     limits = measure_limits(model, "cpu", torch.float32, 16)
     assert limits.peak_flops > 0 and limits.bandwidth > 0 and limits.features.startswith("cpu")
     biggest = max((m for m in linears if m is not head), key=lambda m: m.weight.numel())
