@@ -35,7 +35,7 @@ def main() -> None:
         start = time.perf_counter()
         r = engines.run_ours(engine, work, engine.vocab_size)
         wall = time.perf_counter() - start
-        print(f"ran {wall:.1f} s, {r.output_tps:.1f} out tok/s, KV budget {r.extra.get('kv_mib')} MiB: {_status()} kB")
+        print(f"ran {wall:.1f} s, {r.output_tps:.1f} out tok/s, KV {r.extra.get('kv_mib')} MiB of a {r.extra.get('kv_budget_mib')} MiB budget: {_status()} kB")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ bench runs it (``batchjob bench --baselines llama.cpp``: llama-batched-bench at 
 llama-server); its figure is the faster of the two, its RSS that program's own. transformers CB runs with
 a cache sized for the whole workload (its best budget of those given). Every engine: greedy, EOS ignored,
 the same random token-id prompts (seed 0), the same threads, drafts off for ours. The KV column is what each
-holds for its cache: ours its pool (2 GiB on the CPU by default, whatever the workload), llama.cpp its context
-(every slot room for the longest request), transformers the blocks given.
+holds for its cache: ours the blocks its run wrote (the CPU pool takes memory as a block is first written,
+under a 2 GiB budget by default), llama.cpp its context (every slot room for the longest request),
+transformers the blocks given.
 """
 
 from __future__ import annotations

@@ -144,6 +144,7 @@ def format_report(
         )
     memory = [
         f"{r.label}: {_mib(r.extra.get('peak_rss_mib'))} peak RSS, KV cache {_mib(r.extra.get('kv_mib'))}"
+        + (f" (of a {_mib(r.extra['kv_budget_mib'])} budget)" if r.extra.get("kv_budget_mib") else "")
         for r in results
         if not r.error and ("kv_mib" in r.extra or "peak_rss_mib" in r.extra)
     ]

@@ -87,8 +87,12 @@ def run_ours(engine: Any, work: Workload, vocab_size: int, adapters: list[str] |
     diff["preemptions"] = after["preemptions"] - before["preemptions"]
     diff["overhead_seconds"] = wall - diff["forward_seconds"]
     diff["overhead_fraction"] = diff["overhead_seconds"] / wall if wall > 0 else 0.0
-    pool = engine.block_manager.num_blocks * engine.config.block_size * engine.kv_token_bytes
-    diff["kv_mib"] = round(pool / 2**20, 1)  # allocated at load, whatever the run uses
+    block_bytes = engine.config.block_size * engine.kv_token_bytes
+    bm = engine.block_manager
+    # what the pool holds: the blocks ever written (on the CPU memory is taken as a block is first written,
+    # so a job holds the most KV it had in use, not the budget; a CUDA pool is taken whole at load)
+    diff["kv_mib"] = round(bm.grown * block_bytes / 2**20, 1)
+    diff["kv_budget_mib"] = round(bm.num_blocks * block_bytes / 2**20, 1)
     settings = {
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,

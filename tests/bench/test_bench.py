@@ -30,7 +30,7 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     assert "our time:" in text and "forward" in text
     assert "agreement: ours == static greedy tokens on" in text
     assert re.search(
-        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s and (\d+%|\?) of peak FLOP/s at \d+ rows a step; end to end (\d+%|\?) \(the limits allow [\d.]+ s of [\d.]+ s\) \(cpu",
+        r"roofline: prefill (\d+%|\?) of [\d.]+ [kGMT]?FLOP/s, decode (\d+%|\?) of [\d.]+ [kGMT]?B/s \(KV \d+% of the bytes\) and (\d+%|\?) of peak FLOP/s at \d+ rows a step; end to end (\d+%|\?) \(the limits allow [\d.]+ s of [\d.]+ s\) \(cpu",
         text,
     )
 
@@ -57,6 +57,10 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
     ours = body["results"][0]["extra"]
     assert 0 < ours["forward_seconds"] <= ours["step_seconds"]
     assert 0 <= ours["overhead_fraction"] < 1
+    # the KV memory the run holds is the blocks it wrote, a sliver of the pool's budget (the most the
+    # engine's seats can use: 64 requests of the model's whole context here)
+    assert ours["kv_mib"] < ours["kv_budget_mib"] / 10
+    assert re.search(r"KV cache \d+ MiB \(of a \d+ MiB budget\)", text), text
     assert set(body["ratios"]) == {"ours/hf-cb", "ours/static"}
     # Greedy in fp32 on the ordinary tiny model: every engine picks the same tokens (no near-tie on these).
     assert body["agreement"]["static"] == {"equal": 3, "total": 3}
@@ -197,7 +201,10 @@ def test_bench_against_llama_cpp_on_the_default_model(tmp_path):
     for r in (by["server"], by["batched-bench"]):
         assert r["extra"]["peak_rss_mib"] > 500, r["extra"]
         assert r["extra"]["kv_mib"] == round(4 * 256 * per_token / 2**20, 1)  # 4 slots of 256 tokens
-    assert 2000 < by["ours"]["extra"]["kv_mib"] <= 2048  # the CPU default, --kv-memory-gb 2
+    ours = by["ours"]["extra"]
+    assert 2000 < ours["kv_budget_mib"] <= 2048  # the CPU default, --kv-memory-gb 2
+    # what the pool holds: the blocks the run wrote, at least its longest request's (4 at a time, 16 tokens each)
+    assert 0 < ours["kv_mib"] < 100 and ours["kv_mib"] * 2**20 >= per_token * 16
     assert "memory: " in result.output
 
 
