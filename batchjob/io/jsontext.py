@@ -101,8 +101,9 @@ def _loads(text: str | bytes) -> Any:
 
 def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
     """One JSONL line as an object, or why it is not a usable row: bad JSON, a key given twice in an object,
-    not an object, or nested deeper than ``MAX_DEPTH`` (whatever the parser raises is the line's error, never
-    the reader's stop)."""
+    not an object, nested deeper than ``MAX_DEPTH``, or half a UTF-16 pair in a string (then the object is
+    returned too, each lone surrogate made U+FFFD). Whatever the parser raises is the line's error, never the
+    reader's stop."""
     try:
         obj = _loads(text)
     except _RepeatedKey as e:
@@ -117,8 +118,9 @@ def parse_line(text: str | bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"not a JSON object (got {type(obj).__name__})"
     if _depth_over(obj, MAX_DEPTH):
         return None, f"values nested deeper than {MAX_DEPTH} levels"
-    escaped = text if isinstance(text, str) else text.decode("utf-8", "replace")
-    if ("\\ud" in escaped or "\\uD" in escaped) and (where := _lone_surrogate(obj)):
+    # text escapes a lone surrogate ("\\udcff"), or raw bytes hold one encoded (decoded with surrogatepass)
+    maybe = not isinstance(text, str) or "\\ud" in text or "\\uD" in text
+    if maybe and (where := _lone_surrogate(obj)):
         # the object, its surrogates replaced, keeps the line's --id-column value for its error row
         return _replaced(obj), f"a lone UTF-16 surrogate escape, not a character, at {where}"
     return obj, None

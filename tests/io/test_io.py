@@ -154,6 +154,8 @@ def test_a_lone_surrogate_escape_is_that_rows_error_and_a_pair_is_a_character(tm
         '{"id": 4, "\\udfff": "in a key"}\n'
         '{"id": 5, "text": "last"}\n'
     )
+    with open(path, "ab") as f:  # a surrogate encoded as bytes (not UTF-8): its key is no column either
+        f.write(b'{"id": 6, "k\xed\xbf\xbf": 1}\n')
     rows = list(iter_rows(discover([str(path)]), id_column="id"))
     assert rows[0].error is None and rows[0].values["text"] == "a pair \U0001f600 is one character"
     assert rows[1].error == (
@@ -162,11 +164,11 @@ def test_a_lone_surrogate_escape_is_that_rows_error_and_a_pair_is_a_character(tm
     assert "line 3" in rows[2].error and "key 'tags': character 0 (\\ud800)" in rows[2].error
     assert "line 4" in rows[3].error and "surrogate" in rows[3].error
     assert [r.values for r in rows[1:4]] == [{"id": 2}, {"id": 3}, {"id": 4}]  # whose rows they are
-    assert rows[4].error is None
+    assert rows[4].error is None and "line 6: invalid UTF-8" in rows[5].error
     schema = input_schema(discover([str(path)]))
     assert schema.names == ["id", "text"]  # an error row's keys are no columns
     table = build_table([{"values": r.values} for r in rows], schema)  # every row writes
-    assert table.column("id").to_pylist() == [1, 2, 3, 4, 5]
+    assert table.column("id").to_pylist() == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_row_nested_too_deeply_is_that_rows_error_not_the_files(tmp_path):
