@@ -56,15 +56,19 @@ def params_for(
 def token_ids(values: Any, what: str) -> list[int]:
     """``values`` as a list of token ids: ints (numpy's and torch's integers too); a float or a string is
     refused, not truncated (``int(1.5)`` would quietly be 1)."""
-    out = []
-    for k, t in enumerate(values):
+    values = list(values)
+    try:
+        return list(map(operator.index, values))
+    except TypeError:
+        pass
+    for k, t in enumerate(values):  # the first that is no integer, for the message
         try:
-            out.append(operator.index(t))
+            operator.index(t)
         except TypeError:
             raise ConfigError(
                 f"{what}: token {k} is {t!r} ({type(t).__name__}), not an integer token id"
             ) from None
-    return out
+    raise AssertionError("unreachable: map(operator.index) raised for no value")
 
 
 def _text(text: str, what: str) -> str:
