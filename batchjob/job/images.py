@@ -6,8 +6,8 @@ binary, a Hugging Face ``datasets`` Image struct ``{bytes, path}`` (the bytes wi
 are null), a ``data:`` URL (base64) or a path as text: relative to the input file's folder, absolute, or
 ``file://``; a URL (``http(s)://``, ``s3://``, ...) is fetched only with ``--allow-remote-images``
 (``remote_images.py``), else the row's error. Each image is decoded with Pillow, refused over
-``--max-image-pixels`` before its pixels are read, and converted to RGB. Whatever goes wrong is the row's error, naming the image (its index and
-path); nothing here raises for a row.
+``--max-image-pixels`` before its pixels are read, and converted to RGB. Whatever goes wrong is the row's
+error, naming the image (its index and path); nothing here raises for a row.
 
 The files that paths reference are part of the job's inputs: ``scan`` digests each one (its bytes, whole)
 before any work, the job keeps the digests in its state folder (``images.json``), a resume whose images
