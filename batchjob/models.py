@@ -272,7 +272,11 @@ def _from_pretrained(auto: Any, resolved: str, task: str, **kwargs: Any) -> Any:
     - classify with a head whose size is not the config's label count (no ``id2label``: transformers
       assumes 2) is refused naming the config key, not with a RuntimeError about mismatched sizes.
 
-    Any other report (weights missing, unexpected, mismatched) is shown as transformers wrote it."""
+    - embed and classify on a checkpoint without weights they need (which transformers fills at random and
+      only warns about) are refused, naming them (embed: but for the body's pooler, which no embedding reads).
+
+    Any other report (weights missing under generate or score, unexpected, mismatched) is shown as
+    transformers wrote it."""
     logger = logging.getLogger("transformers.modeling_utils")
     held = _HeldReport()
     logger.addFilter(held)
@@ -289,11 +293,38 @@ def _from_pretrained(auto: Any, resolved: str, task: str, **kwargs: Any) -> Any:
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: ("weight" not in m[0], m[0]))
     if task == "classify" and mismatched:
         raise _head_mismatch(resolved, mismatched)
+    # no embedding reads the body's pooler (BERT's pooler.dense; a classifier's head does). generate and
+    # score keep transformers' report: an encoder's folder loaded for them (a random LM head) is refused
+    # after the load, by name (plan.py), which says more than the missing head would.
+    missing = sorted(
+        k for k in info.get("missing_keys") or () if task != "embed" or not k.startswith("pooler.")
+    )
+    if missing and task in ("embed", "classify"):
+        raise _made_up(resolved, task, missing)
     head_only = task == "embed" and all(k.startswith("lm_head.") for k in info.get("unexpected_keys") or ())
     if not (head_only and not info.get("missing_keys") and not info.get("error_msgs")):
         for record in held.records:
             logger.handle(record)
     return model
+
+
+def _made_up(resolved: str, task: str, missing: list[str]) -> ModelNotFoundError:
+    """Why a checkpoint without weights the model needs is refused: transformers would fill them at random
+    (saying so in a warning) and every answer, label or embedding would be noise."""
+    where = f"model folder {resolved}" if Path(resolved).is_dir() else f"model {resolved!r}"
+    named = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    parts = ("classifier", "score", "head", "pooler")  # a classifier's own modules, beside the body's prefix
+    head = task == "classify" and all(any(p in parts for p in k.split(".")[:2]) for k in missing)
+    how = (
+        "give a checkpoint with a trained sequence-classification head (config.json's architectures ending in "
+        "ForSequenceClassification), or --task embed for this model's embeddings"
+        if head
+        else "give the model's whole checkpoint"
+    )
+    return ModelNotFoundError(
+        f"{where}: its checkpoint has no {named}, which transformers would fill with random values for "
+        f"--task {task} (every result would be noise); {how}"
+    )
 
 
 def _head_mismatch(resolved: str, mismatched: list[Any]) -> ModelNotFoundError:

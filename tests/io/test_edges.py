@@ -292,11 +292,15 @@ def _copy(folder, to):
     return to
 
 
-def test_embed_on_a_causal_model_shows_no_load_report_unless_weights_are_missing(
+def test_embed_on_a_causal_model_shows_no_load_report_and_missing_weights_are_refused(
     tiny_model_dir, tmp_path, load_reports
 ):
+    """transformers fills weights a checkpoint lacks with random values and only warns: every result would
+    be noise. Such a checkpoint is refused naming the weights under embed (and classify, below); generate
+    keeps transformers' report (an encoder's folder there is refused by name after the load)."""
     from safetensors.torch import load_file, save_file
 
+    from batchjob.errors import ModelNotFoundError
     from batchjob.models import load_model_and_tokenizer
 
     load_model_and_tokenizer(str(tiny_model_dir), None, "cpu", task="embed")
@@ -306,8 +310,39 @@ def test_embed_on_a_causal_model_shows_no_load_report_unless_weights_are_missing
     name = next(k for k in weights if k.endswith("norm.weight") and "layers" not in k)
     del weights[name]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
-    load_model_and_tokenizer(str(broken), None, "cpu", task="embed")
-    assert len(load_reports) == 1 and "MISSING" in load_reports[0]  # a real problem is still shown
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model_and_tokenizer(str(broken), None, "cpu", task="embed")
+    assert f"its checkpoint has no {name.removeprefix('model.')}, which transformers" in str(e.value)
+    assert str(e.value).endswith("give the model's whole checkpoint") and load_reports == []
+    load_model_and_tokenizer(str(broken), None, "cpu", task="generate")
+    assert len(load_reports) == 1 and "MISSING" in load_reports[0]  # shown as transformers wrote it
+
+
+@pytest.mark.engine
+def test_classify_on_a_model_without_a_classification_head_is_refused(tmp_path, load_reports):
+    """A base model's checkpoint (no classifier) under --task classify got a random head from transformers
+    and gave a label for every row: noise. Refused, saying what to give instead; embed takes it (its pooler,
+    missing or not, is read by no embedding)."""
+    from transformers import AutoModel
+
+    from batchjob.errors import ModelNotFoundError
+    from batchjob.models import load_model_and_tokenizer
+    from tests.task_models import make_classifier
+
+    folder = make_classifier(tmp_path / "clf", "bert", 2)
+    base = tmp_path / "base"
+    body = AutoModel.from_pretrained(folder, add_pooling_layer=False)
+    body.save_pretrained(base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((folder / name).read_bytes())
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model_and_tokenizer(str(base), None, "cpu", task="classify")
+    assert str(e.value).startswith(
+        f"model folder {base}: its checkpoint has no bert.pooler.dense.bias, bert.pooler.dense.weight, "
+        "classifier.bias, classifier.weight, which transformers would fill with random values for --task classify"
+    )
+    assert "or --task embed for this model's embeddings" in str(e.value)
+    load_model_and_tokenizer(str(base), None, "cpu", task="embed")  # no pooler in it: embed does not read one
 
 
 @pytest.mark.engine
