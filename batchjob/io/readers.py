@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from batchjob import faults
 from batchjob.errors import InputError
+from batchjob.io.fits import Fit
 from batchjob.io.jsontext import parse_line
 from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
 from batchjob.io.watch import check_unchanged, stamp
@@ -44,7 +45,9 @@ class Row:
     @property
     def place(self) -> str:
         """Where the row is, as a message names it: ``in.jsonl line 3``, ``data.parquet row 2``."""
-        return f"{self.source} line {self.line}" if self.line is not None else f"{self.source} row {self.index}"
+        return (
+            f"{self.source} line {self.line}" if self.line is not None else f"{self.source} row {self.index}"
+        )
 
 
 def _parquet_file(source: Source) -> Any:
@@ -338,13 +341,15 @@ def _table_rows(
     covered: Callable[[int, int], bool],
     on_skipped: IdHook | None,
     id_column: str | None,
+    fit: Fit | None,
 ) -> Generator[Row, None, int]:
     """Rows of a Parquet file or saved dataset; returns how many rows (ordinals) the source took."""
     start, index = source.base, 0
+    shortcut = fit is None or not fit.checks  # a batch passed over unread: no value of it needs a check
     try:
         for batch in _batches(source):
             n = batch.num_rows
-            if covered(start + index, start + index + n):
+            if shortcut and covered(start + index, start + index + n):
                 # the whole batch is passed over: don't convert it, but report its ids if asked
                 if on_skipped is not None:
                     column = batch.schema.get_field_index(id_column) if id_column else -1
@@ -354,19 +359,15 @@ def _table_rows(
                 index += n
                 continue
             for values, error in _batch_values(batch):
+                where = f"{source.name} row {index}: "
+                failed = where + error if values is None else None
+                if values is not None and fit is not None and (why := fit.why(values)) is not None:
+                    failed, values = where + why, fit.kept(values)
                 if not skip(start + index):
-                    where = f"{source.name} row {index}: "
-                    yield Row(
-                        start + index,
-                        source.name,
-                        index,
-                        values,
-                        None if values is not None else where + error,
-                    )
-                elif on_skipped is not None:
-                    on_skipped(
-                        start + index, values.get(id_column) if values is not None and id_column else None
-                    )
+                    yield Row(start + index, source.name, index, values, failed)
+                elif on_skipped is not None:  # an error row takes no id
+                    value = values.get(id_column) if values is not None and id_column and not failed else None
+                    on_skipped(start + index, value)
                 index += 1
     except InputError:
         raise
@@ -380,12 +381,25 @@ def _table_rows(
     return index
 
 
+def _fit(source: Source, schema: pa.Schema | None) -> Fit | None:
+    """The check of ``source``'s rows against the job's ``schema`` (None: no check)."""
+    if schema is None:
+        return None
+    if source.kind == "jsonl":
+        return Fit(schema, None)
+    try:
+        return Fit(schema, _table_schema(source))
+    except Exception:  # noqa: BLE001 - an unreadable file's rows are its error rows (_table_rows)
+        return None
+
+
 def iter_rows(
     sources: list[Source],
     skip: Callable[[int], bool] = lambda _: False,
     covered: Callable[[int, int], bool] = lambda a, b: False,
     on_skipped: IdHook | None = None,
     id_column: str | None = None,
+    schema: pa.Schema | None = None,
 ) -> Generator[Row, None, list[int]]:
     """All rows of ``sources`` in order, leaving out ordinals for which ``skip`` is true; returns the number
     of rows of each source.
@@ -396,16 +410,19 @@ def iter_rows(
     ids can be checked job-wide without yielding every row).
 
     A local file that changes while it is read (``batchjob.io.watch``) stops the reader at its end with an
-    InputChangedWhileReadError naming it.
+    InputChangedWhileReadError naming it. With the job's ``schema``, a row holding a value its column can't
+    store unchanged is an error row (``batchjob.io.fits``).
     """
     counts = []
     for source in sources:
-        before = stamp(source)
+        before, fit = stamp(source), _fit(source, schema)
         if source.kind == "jsonl":
             index = 0
             for i, (lineno, obj, error) in enumerate(_jsonl_rows(source)):
                 if error is not None and obj is not None:
                     obj = _id_only(obj, id_column)
+                elif obj is not None and fit is not None and (why := fit.why(obj)) is not None:
+                    error, obj = f"{source.name} line {lineno}: {why}", fit.kept(obj)
                 if not skip(source.base + i):
                     yield Row(source.base + i, source.name, i, obj, error, lineno)
                 elif on_skipped is not None:
@@ -416,7 +433,7 @@ def iter_rows(
                     on_skipped(source.base + i, value)
                 index = i + 1
         else:
-            index = yield from _table_rows(source, skip, covered, on_skipped, id_column)
+            index = yield from _table_rows(source, skip, covered, on_skipped, id_column, fit)
         check_unchanged(source, before)
         counts.append(index)
     return counts

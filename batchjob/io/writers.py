@@ -2,8 +2,9 @@
 
 The schema is the input's columns (fixed when the job starts) followed by the result columns (and the
 columns of the features a job turns on: ``sample_index``, ``choice_logprobs``, ``choice_probs`` (Arrow maps
-from label to value), ``logprobs`` (a list of structs per generated token)). A value that does not fit its input column's type (JSONL rows disagree with each other all the
-time) is coerced: text columns store it as JSON text, other columns store null.
+from label to value), ``logprobs`` (a list of structs per generated token)). Text columns store any value, a
+non-text one as JSON text; a value another column can't store unchanged is null there, and its row is an error
+row saying why (the reader's check, ``batchjob.io.fits``).
 
 Naming rule: an input column keeps its name unless it is one of the job's result or feature columns; then it
 is written as ``input_<name>``, prefixed again (``input_input_<name>``, ...) until the name is free of every
@@ -26,6 +27,7 @@ import pyarrow.parquet as pq
 
 from batchjob import faults
 from batchjob.io.atomic import replace_file, writing
+from batchjob.io.fits import fits
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -38,7 +40,11 @@ RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 
 
 def task_fields(
-    task: str, width: int | None = None, num_labels: int = 1, token_logprobs: bool = False, head: str = "single"
+    task: str,
+    width: int | None = None,
+    num_labels: int = 1,
+    token_logprobs: bool = False,
+    head: str = "single",
 ) -> list[pa.Field]:
     """The result columns of a job of ``task`` (generate: ``RESULT_FIELDS``). ``width``: embed's embedding
     length; ``num_labels``: classify's head outputs (one: a ``score``; more: ``probs`` and ``label``);
@@ -185,20 +191,16 @@ def _to_text(value: Any) -> str:
 
 
 def _coerce(values: list[Any], type_: pa.DataType) -> pa.Array:
-    """An array of ``type_`` from ``values``, coercing (or nulling) the ones that do not fit."""
+    """An array of ``type_`` from ``values``, nulling the ones that do not fit (the reader made their rows
+    error rows, ``batchjob.io.fits``): pyarrow itself would store 2.5 in an integer column as 2."""
     if pa.types.is_string(type_) or pa.types.is_large_string(type_):
         return pa.array([None if v is None else _to_text(v) for v in values], type=type_)
+    if pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_):
+        return pa.array([v if fits(v, type_) else None for v in values], type=type_)
     try:
         return pa.array(values, type=type_)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
-        out = []
-        for v in values:
-            try:
-                pa.array([v], type=type_)
-                out.append(v)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
-                out.append(None)
-        return pa.array(out, type=type_)
+        return pa.array([v if fits(v, type_) else None for v in values], type=type_)
 
 
 def build_table(

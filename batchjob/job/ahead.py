@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from batchjob.io.fits import column_type, id_text
 from batchjob.io.readers import Row, iter_rows
 
 if TYPE_CHECKING:
@@ -43,14 +44,20 @@ def read_rows(prep: Prepared, done: IntervalSet, ids: IdIndex | None) -> Iterato
     on_skipped = None
     if ids is not None:
         index, seen_to = ids, ids.seen_to
+        id_type = column_type(prep.info.schema, prep.spec.id_column)
 
         def on_skipped(ordinal: int, value: Any) -> None:  # rows of other workers, or done already
             if ordinal >= seen_to and value is not None:
-                index.first(str(value), ordinal)
+                index.first(id_text(value, id_type), ordinal)
             index.seen(ordinal + 1)
 
     return iter_rows(
-        prep.sources, skip=skip, covered=covered, on_skipped=on_skipped, id_column=prep.spec.id_column
+        prep.sources,
+        skip=skip,
+        covered=covered,
+        on_skipped=on_skipped,
+        id_column=prep.spec.id_column,
+        schema=prep.info.schema,
     )
 
 

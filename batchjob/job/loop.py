@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import BatchjobError
 from batchjob.io.atomic import write_json
+from batchjob.io.fits import column_type, id_text
 from batchjob.io.readers import Row
 from batchjob.io.sources import ORDINAL_BITS, count_rows
 from batchjob.io.writers import PartWriter
@@ -107,7 +108,9 @@ class JobLoop:
         self.state = prep.state
         self.manifest = Manifest(self.state.manifest_file)
         params = self.spec.sampling_params(prep.info.job_seed)  # what rows leave out, with per-row params
-        width = writer.result[0].type.list_size if self.spec.engine.task == "embed" else 0  # body.dimensions' value
+        width = (
+            writer.result[0].type.list_size if self.spec.engine.task == "embed" else 0
+        )  # body.dimensions' value
         self.rows = RowMaker(self.spec, engine, builder, params, tags, width, images)  # what each row becomes
         self.ahead = Ahead(self.rows, self.spec.image_workers)  # rows read, being built
         self.parts = Parts(prep.out_dir, self.manifest, writer)
@@ -121,6 +124,7 @@ class JobLoop:
         self.stop_signal: int | None = None
         # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
         self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
+        self.id_type = column_type(prep.info.schema, self.spec.id_column)
         self.names = {s.base >> ORDINAL_BITS: s.name for s in prep.sources}
         # How many rows there are: all workers' (None until every input is counted), this worker's share.
         counts = prep.info.row_counts
@@ -223,7 +227,7 @@ class JobLoop:
         value = row.values.get(self.spec.id_column)
         if value is None:
             return None, f"id column {self.spec.id_column!r} is null or missing"
-        row_id = str(value)
+        row_id = id_text(value, self.id_type)  # as the column writes it: ids equal there are one
         first = self.ids.first(row_id, row.ordinal) if self.ids is not None else None
         if first is not None:
             seq, index = split_ordinal(first)
