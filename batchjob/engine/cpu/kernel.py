@@ -132,6 +132,12 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU decode attention kernel unavailable, using the torch reference: %s", e)
         return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument and result types of the library's functions, for ``ctypes``."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _SYMBOLS.values():
         fn = getattr(lib, name)
@@ -165,7 +171,6 @@ def load() -> ctypes.CDLL | None:
         # q, its head and token strides, heads; k, its strides, KV heads; tokens, head size; cos, sin; outputs
         getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
         getattr(lib, name).restype = None
-    return lib
 
 
 def prefill_takes(dtype: torch.dtype, head_dim: int) -> bool:
