@@ -4,7 +4,8 @@ Every row gets an ``ordinal`` (its source's base plus its index: the same on eve
 ``"<source name>:<row index>"``. A line that is not valid UTF-8 or not a JSON object, an object that gives a
 key twice (JSON would keep the last value without a word) or escapes half a UTF-16 pair (no character: no
 UTF-8 file can hold it), or a file that stops being readable part-way, becomes a ``Row`` with ``error`` set
-(naming the file and line): bad data never stops the stream.
+(naming the file and line): bad data never stops the stream. A Parquet file is read a row group at a time:
+a damaged group's rows (as many as the file's footer gives it) are error rows, and the next group is read.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import errno
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import pyarrow as pa
 
@@ -296,12 +297,31 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
         yield lineno + 1, None, f"{source.name} line {lineno + 1}: cannot read the rest of the file ({e})"
 
 
-def _batches(source: Source) -> Iterator[pa.RecordBatch]:
-    if source.kind == "parquet":
-        yield from _parquet_file(source).iter_batches(batch_size=_PARQUET_BATCH_ROWS)
-    else:
+class _Unread(NamedTuple):
+    """Rows a damaged part of a file holds, which can't be read: each is an error row saying why."""
+
+    rows: int
+    why: str
+
+
+def _batches(source: Source) -> Iterator[pa.RecordBatch | _Unread]:
+    if source.kind != "parquet":
         for _, ds in load_hf(source):
             yield from ds.with_format("arrow").iter(batch_size=_PARQUET_BATCH_ROWS)
+        return
+    # Row group by row group: one damaged group's rows are error rows, and the next group is read.
+    file = _parquet_file(source)
+    for group in range(file.num_row_groups):
+        rows, read = file.metadata.row_group(group).num_rows, 0
+        try:
+            for batch in file.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
+                read += batch.num_rows
+                yield batch
+        except Exception as e:  # noqa: BLE001 - whatever the decoder raises, the group's rows take it
+            why = " ".join(str(e).split())  # the decoder's message may run over lines
+            yield _Unread(
+                rows - read, f"cannot read its row group, #{group + 1} of {file.num_row_groups} ({why})"
+            )
 
 
 def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None, str]]:
@@ -348,6 +368,16 @@ def _table_rows(
     shortcut = fit is None or not fit.checks  # a batch passed over unread: no value of it needs a check
     try:
         for batch in _batches(source):
+            if isinstance(batch, _Unread):
+                for _ in range(batch.rows):
+                    if not skip(start + index):
+                        yield Row(
+                            start + index, source.name, index, None, f"{source.name} row {index}: {batch.why}"
+                        )
+                    elif on_skipped is not None:
+                        on_skipped(start + index, None)
+                    index += 1
+                continue
             n = batch.num_rows
             if shortcut and covered(start + index, start + index + n):
                 # the whole batch is passed over: don't convert it, but report its ids if asked

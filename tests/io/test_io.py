@@ -39,7 +39,9 @@ def test_discover_file_dir_glob_and_names(tmp_path):
     assert [s.name for s in discover([str(tmp_path / "d" / "a.jsonl")])] == ["a.jsonl"]
     # the same name from two --input values stays unique
     write_jsonl(tmp_path / "d" / "sub" / "a.jsonl", [{"text": "w"}])
-    names = [s.name for s in discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "sub" / "a.jsonl")])]
+    names = [
+        s.name for s in discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "sub" / "a.jsonl")])
+    ]
     assert len(set(names)) == 2
     # one file named twice is one input: read once
     assert len(discover([str(tmp_path / "d" / "a.jsonl"), str(tmp_path / "d" / "a.jsonl")])) == 1
@@ -261,6 +263,28 @@ def test_corrupt_parquet_file_is_an_error_row(tmp_path):
     assert len(bad) == 1 and "b.parquet" in bad[0].error
     with pytest.raises(InputError, match="b.parquet"):
         input_schema(discover([str(tmp_path / "b.parquet")]))
+
+
+def test_a_damaged_row_group_takes_its_own_rows_and_the_file_goes_on(tmp_path):
+    path = tmp_path / "groups.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " + "x" * 40 for i in range(6)]}), path, row_group_size=1)
+    column = pq.ParquetFile(path).metadata.row_group(2).column(0)
+    with open(path, "r+b") as f:  # the third group's page header overwritten
+        f.seek(column.data_page_offset)
+        f.write(b"\xff" * 16)
+    sources = discover([str(path)])
+    rows = list(iter_rows(sources))
+    assert count_rows(sources[0]) == len(rows) == 6  # every row once: what status counts is what is read
+    assert [r.values["text"][:5] if r.values else None for r in rows] == [
+        "row 0",
+        "row 1",
+        None,
+        "row 3",
+        "row 4",
+        "row 5",
+    ]
+    assert rows[2].error.startswith("groups.parquet row 2: cannot read its row group, #3 of 6 (")
+    assert "\n" not in rows[2].error
 
 
 def test_jsonl_schema_inference_and_writer_coercion(tmp_path):
