@@ -96,6 +96,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.ignore_eos, bool):  # "false" or 1 would read as true
+            raise ConfigError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in NUMBERS:
             value = getattr(self, name)
             if value is None and name in ("seed", "logprobs"):
@@ -106,8 +108,11 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = map_seed(self.seed)
         if self.stop is not None:
-            if any(not isinstance(s, str) or s == "" for s in self.stop):
-                raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            # a dict or set is no list: its keys (in no promised order) are not what was meant
+            if not isinstance(self.stop, (list, tuple)) or any(
+                not isinstance(s, str) or s == "" for s in self.stop
+            ):
+                raise ConfigError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
             self.stop = list(self.stop)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
@@ -122,11 +127,14 @@ class SamplingParams:
         if isinstance(self.choices, str):
             raise ConfigError(f"choices must be a list of strings, got the string {self.choices!r}")
         if self.choices is not None:
-            self.choices = list(self.choices)
-            if not self.choices or any(not isinstance(c, str) or c == "" for c in self.choices):
-                raise ConfigError(
-                    f"choices must be a non-empty list of non-empty strings, got {self.choices!r}"
-                )
+            choices = self.choices  # a dict or set is refused: its keys, in no promised order, are not a list
+            if (
+                not isinstance(choices, (list, tuple))
+                or not choices
+                or any(not isinstance(c, str) or c == "" for c in choices)
+            ):
+                raise ConfigError(f"choices must be a non-empty list of non-empty strings, got {choices!r}")
+            self.choices = list(choices)
             if len(set(self.choices)) != len(self.choices):
                 raise ConfigError(f"choices must be distinct, got {self.choices!r}")
         if self.json_schema is not None:
@@ -153,9 +161,23 @@ class SamplingParams:
         given = [n for n in ("choices", "json_schema", "regex") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ConfigError(f"choices, json_schema and regex exclude each other, got {' and '.join(given)}")
+        if given:
+            self._check_no_stop_under(given[0])
         if self.json_schema is not None or self.regex is not None:
             # a schema or regex the grammar library cannot compile fails here, early
             grammar_of(self.json_schema, self.regex)
+
+    def _check_no_stop_under(self, constraint: str) -> None:
+        """A stop string or token ends the answer wherever it comes; a constraint ends it only where the answer
+        is complete. Together they gave a cut answer (``{`` under a schema) as a finished one, and under
+        choices the stop was ignored: neither is what was asked, so the pair is refused."""
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value:  # an empty list stops nothing
+                raise ConfigError(
+                    f"{name} and {constraint} exclude each other (got {name} {value!r}): a stop would cut the "
+                    "constrained answer short, or be ignored under choices; give one of them"
+                )
 
     @property
     def constrained(self) -> bool:

@@ -52,14 +52,19 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
-class HalfPairError(ValueError):
+class RefusedText(ValueError):
+    """JSON text that parses, but into what we refuse by name (the message says what and where)."""
+
+
+class HalfPairError(RefusedText):
     """JSON text that escapes half a UTF-16 pair (see :func:`_lone_surrogate`)."""
 
 
 def loads_text(text: str) -> Any:
-    """``json.loads`` of JSON text held in a column (messages, parameters, a request body), raising
-    :class:`HalfPairError` (a ``ValueError``, as bad JSON raises) where a string in it is half a UTF-16 pair."""
-    value = json.loads(text)
+    """``json.loads`` of JSON text held in a column (messages, parameters, a request body), held to a JSONL
+    line's rules: it raises a :class:`RefusedText` (a ``ValueError``, as bad JSON raises) naming the key where
+    an object gives one twice, or :class:`HalfPairError` where a string in it is half a UTF-16 pair."""
+    value = _loads(text)
     if ("\\ud" in text or "\\uD" in text) and (where := _lone_surrogate(value)):
         raise HalfPairError(f"a lone UTF-16 surrogate escape, not a character, at {where}")
     return value
@@ -76,7 +81,7 @@ def _replaced(value: Any) -> Any:
     return value
 
 
-class _RepeatedKey(ValueError):
+class _RepeatedKey(RefusedText):
     """A JSON object that gives one key twice: ``json`` would keep the last value without a word."""
 
 

@@ -19,7 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 from batchjob.errors import ConfigError
-from batchjob.io.jsontext import HalfPairError, loads_text
+from batchjob.io.jsontext import RefusedText, loads_text
 from batchjob.sampling import NUMBERS, SamplingParams, check_number
 
 _PARAM_TYPES: dict[str, tuple[type, ...]] = {  # numbers: sampling.NUMBERS, the one numeric check
@@ -90,7 +90,7 @@ def params_from_column(
     if isinstance(value, str):
         try:
             value = loads_text(value) if value.strip() else {}
-        except HalfPairError as e:
+        except RefusedText as e:  # a key given twice, half a UTF-16 pair: named
             return None, f"{where}{e}"
         except (ValueError, RecursionError) as e:
             return None, f"{where}not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})"
@@ -147,36 +147,66 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | Non
         return None, f"body.{key} is not supported by batchjob" + (
             f" (only {_NEUTRAL[key]!r})" if key in _NEUTRAL else ""
         )
-    for key in ("max_completion_tokens", "max_tokens"):
-        if body.get(key) is not None:
-            out["max_new_tokens"] = body[key]
-            break
     for key in ("temperature", "top_p", "seed", "stop", "n"):
         if body.get(key) is not None:
             out[key] = body[key]
-    if chat:
-        if body.get("logprobs"):
-            out["logprobs"] = body.get("top_logprobs") or 0
-        elif body.get("top_logprobs") is not None:
-            return None, "body.top_logprobs needs body.logprobs: true"
-    elif body.get("logprobs") is not None:
-        out["logprobs"] = body["logprobs"]
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                return None, "body.response_format.json_schema.schema must be a JSON schema object"
-            out["json_schema"] = spec["schema"]
-        elif kind == "json_object":
-            out["json_schema"] = {"type": "object"}
-        elif kind != "text":
-            return (
-                None,
-                f"body.response_format.type {kind!r} is not supported (json_schema, json_object, text)",
-            )
+    for given, error in (
+        _max_tokens(body),
+        _logprobs(body, chat),
+        _response_format(body.get("response_format")),
+    ):
+        if given is None:
+            return None, error
+        out |= given
     return out, None
+
+
+def _max_tokens(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """``max_new_tokens`` from ``max_completion_tokens`` or its older name ``max_tokens``; given both, they
+    must agree (which one was meant is not ours to guess)."""
+    old, new = body.get("max_tokens"), body.get("max_completion_tokens")
+    if old is not None and new is not None and (old != new or type(old) is not type(new)):
+        return None, (
+            f"body.max_tokens ({old!r}) and body.max_completion_tokens ({new!r}) differ: give one "
+            "(max_tokens is the older name of max_completion_tokens)"
+        )
+    value = new if new is not None else old
+    return ({} if value is None else {"max_new_tokens": value}), None
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """Log-probabilities: a completions body's ``logprobs`` is their number; a chat body's is a switch, true
+    or false (a number or a string there was read as true), and ``top_logprobs`` their number."""
+    flag = body.get("logprobs")
+    if not chat:
+        return ({} if flag is None else {"logprobs": flag}), None
+    if flag is not None and not isinstance(flag, bool):
+        return (
+            None,
+            f"body.logprobs must be true or false, got {flag!r} (how many per token: body.top_logprobs)",
+        )
+    if flag:
+        return {"logprobs": body.get("top_logprobs") or 0}, None
+    if body.get("top_logprobs") is not None:
+        return None, "body.top_logprobs needs body.logprobs: true"
+    return {}, None
+
+
+def _response_format(fmt: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """A body's ``response_format`` as the ``json_schema`` constraint (none for ``text``), or the error."""
+    if fmt is None:
+        return {}, None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            return None, "body.response_format.json_schema.schema must be a JSON schema object"
+        return {"json_schema": spec["schema"]}, None
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}, None
+    if kind != "text":
+        return None, f"body.response_format.type {kind!r} is not supported (json_schema, json_object, text)"
+    return {}, None
 
 
 def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
@@ -245,6 +275,8 @@ def _request_body(
     if isinstance(body, str):  # a body column stored as JSON text
         try:
             body = loads_text(body)
+        except RefusedText as e:  # a key given twice, half a UTF-16 pair: named
+            return None, f"body: {e}"
         except ValueError as e:
             return None, f"body is not a JSON object ({e})"
     if method != "POST":
@@ -275,6 +307,14 @@ def _chat_messages(messages: Any) -> tuple[list[dict[str, str]] | None, str | No
         text, error = _message_text(m.get("content"), i)
         if text is None:
             return None, error
+        # a field the prompt would be built without (name, tool_calls, ...) is refused, not dropped; null is
+        # absent (a Parquet struct gives every message every key)
+        other = [k for k, v in m.items() if k not in ("role", "content") and v is not None]
+        if other:
+            return None, (
+                f"body.messages[{i}].{other[0]} is not supported by batchjob (a message has only role and "
+                "content here: the prompt would be built without it)"
+            )
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": text})
     return out, None
@@ -298,6 +338,8 @@ def parse_embeddings_request(
     if isinstance(body, str):
         try:
             body = loads_text(body)
+        except RefusedText as e:  # a key given twice, half a UTF-16 pair: named
+            return None, f"body: {e}"
         except ValueError as e:
             return None, f"body is not a JSON object ({e})"
     if method != "POST":

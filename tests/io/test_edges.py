@@ -390,3 +390,16 @@ def test_a_negative_logprobs_says_what_values_it_takes(given, tmp_path):
         result.output
     )
     assert "No such option" not in result.output
+
+
+def test_json_text_in_a_column_that_gives_a_key_twice_is_refused_naming_the_key():
+    # a column's JSON text (messages, parameters, a request body) is held to the JSONL line's rule
+    from batchjob.io.jsontext import loads_text
+
+    for text, key in [
+        ('{"a": 1, "a": 2}', "a"),
+        ('[{"role": "user", "content": "x", "content": "y"}]', "content"),
+    ]:
+        with pytest.raises(ValueError, match=f"key '{key}' appears more than once in an object"):
+            loads_text(text)
+    assert loads_text('{"a": {"a": 1}}') == {"a": {"a": 1}}

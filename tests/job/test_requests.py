@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pyarrow as pa
@@ -796,3 +797,119 @@ def test_json_nested_too_deeply_in_any_option_or_field_is_an_error_not_a_crash(t
     schema.write_text(deep)
     with pytest.raises(ConfigError, match="json_schema is not valid JSON"):
         make_spec(input=["x.jsonl"], output="o", json_schema=str(schema))
+
+
+# -- values the tool can't honour exactly are refused, from every source ------------------------------------
+
+CONSTRAINTS = {
+    "choices": ({"choices": ["yes", "no"]}, ["--choices", "yes,no"]),
+    "json_schema": ({"json_schema": {"type": "object"}}, ["--json-schema", "SCHEMA"]),
+    "regex": ({"regex": "[a-z]+-[a-z]+"}, ["--regex", "[a-z]+-[a-z]+"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+def test_a_stop_with_a_constraint_is_refused_from_every_source(name, tmp_path):
+    """A stop string (or token) can cut a constrained answer short: `{` under a schema, finish 'stop', no
+    error; under choices it was ignored. Neither is what was asked, so the pair is refused."""
+    constraint, flags = CONSTRAINTS[name]
+    rule = f"stop and {name} exclude each other"
+    with pytest.raises(ConfigError, match=rule):
+        SamplingParams(stop=["-"], **constraint)
+    with pytest.raises(ConfigError, match=f"stop_token_ids and {name} exclude each other"):
+        SamplingParams(stop_token_ids=[5], **constraint)
+    assert SamplingParams(stop=[], **constraint).stop == []  # an empty list stops nothing: fine
+    # a row: its stop with its constraint, or its stop under the job's constraint
+    p, err = params_from_column(json.dumps({"stop": "-"} | constraint), "p", BASE)
+    assert p is None and err.startswith(f"params column 'p': {rule}"), err
+    p, err = params_from_column({"stop": ["-"]}, "p", SamplingParams(**constraint))
+    assert p is None and rule in err, err
+    # the command line and the job file: a setup error (exit 2) before any work
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    spec_value = str(schema) if name == "json_schema" else constraint[name]
+    with pytest.raises(ConfigError, match=rule):
+        make_spec(input=["x.jsonl"], output="o", stop=["-"], **{name: spec_value})
+    flags = [str(schema) if f == "SCHEMA" else f for f in flags]
+    code, text = invoke(
+        "run", "--input", tmp_path / "x.jsonl", "--output", tmp_path / "o", "--stop", "-", *flags
+    )
+    assert code == 2 and rule in text and "Traceback" not in text, text
+
+
+def test_an_openai_body_with_stop_and_a_response_format_is_the_rows_error():
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    user = [{"role": "user", "content": "hi"}]
+    for body in (
+        {"response_format": fmt, "stop": ['"']},
+        {"response_format": {"type": "json_object"}, "stop": "}"},
+    ):
+        req, p, err = parse_request(chat(user, **body), BASE, None)
+        assert req is None and err.startswith("body: stop and json_schema exclude each other"), err
+    assert parse_request(chat(user, response_format={"type": "text"}, stop="x"), BASE, None)[2] is None
+
+
+def test_the_library_refuses_a_wrong_type_a_row_would_be_refused_for():
+    for bad, message in [
+        ({"ignore_eos": "false"}, "ignore_eos must be true or false, got 'false'"),
+        ({"ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
+        ({"stop": {"x": 1}}, "stop must be a string or a list of non-empty strings, got {'x': 1}"),
+        ({"stop": {"x"}}, "stop must be a string or a list of non-empty strings, got {'x'}"),
+        ({"choices": {"a": 1, "b": 2}}, "choices must be a non-empty list of non-empty strings, got {'a': 1"),
+        ({"choices": {"a"}}, "choices must be a non-empty list of non-empty strings, got {'a'}"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            SamplingParams(**bad)
+    assert SamplingParams(stop=("a", "b"), ignore_eos=True).stop == ["a", "b"]
+    assert SamplingParams(choices=("a", "b")).choices == ["a", "b"]
+
+
+def test_json_text_in_a_column_that_gives_a_key_twice_is_the_rows_error():
+    text = '{"temperature": 0, "max_new_tokens": 2, "max_new_tokens": 9}'
+    p, err = params_from_column(text, "p", BASE)
+    assert p is None and err == (
+        "params column 'p': key 'max_new_tokens' appears more than once in an object (which value is meant?)"
+    ), err
+    body = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "max_tokens": 12}'
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    req, p, err = parse_request(line, BASE, None)
+    assert req is None and err.startswith("body: key 'max_tokens' appears more than once"), err
+
+
+def test_openai_max_tokens_and_max_completion_tokens_that_differ_are_the_rows_error():
+    user = [{"role": "user", "content": "hi"}]
+    req, p, err = parse_request(chat(user, max_tokens=5, max_completion_tokens=7), BASE, None)
+    assert req is None and err.startswith("body.max_tokens (5) and body.max_completion_tokens (7) differ"), (
+        err
+    )
+    _, p, err = parse_request(chat(user, max_tokens=5, max_completion_tokens=5), BASE, None)
+    assert err is None and p.max_new_tokens == 5
+
+
+def test_openai_chat_logprobs_is_true_false_or_null():
+    user = [{"role": "user", "content": "hi"}]
+    for body, message in [
+        ({"logprobs": 3}, "body.logprobs must be true or false, got 3"),
+        ({"logprobs": "false"}, "body.logprobs must be true or false, got 'false'"),
+        ({"logprobs": 1, "top_logprobs": 2}, "body.logprobs must be true or false, got 1"),
+    ]:
+        req, p, err = parse_request(chat(user, **body), BASE, None)
+        assert req is None and message in err, (body, err)
+    for flag, logprobs in [(False, None), (None, None), (True, 0)]:
+        _, p, err = parse_request(chat(user, logprobs=flag), BASE, None)
+        assert err is None and p.logprobs == logprobs, (flag, err)
+
+
+def test_an_openai_message_key_other_than_role_and_content_is_the_rows_error():
+    user = [{"role": "user", "content": "hi"}]
+    for message, key in [
+        ({"role": "user", "content": "hi", "name": "ann"}, "name"),
+        ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "tool_calls"),
+        ({"role": "tool", "content": "4", "tool_call_id": "1"}, "tool_call_id"),
+        ({"role": "user", "content": "hi", "mood": "ok"}, "mood"),
+    ]:
+        req, _, err = parse_request(chat(user + [message]), BASE, None)
+        assert req is None and err.startswith(f"body.messages[1].{key} is not supported by batchjob"), err
+    # a key a Parquet struct gives every message, null in this one: not this message's field
+    req, _, err = parse_request(chat([{"role": "user", "content": "hi", "name": None}]), BASE, None)
+    assert err is None and req == {"messages": user}
