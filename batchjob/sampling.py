@@ -169,15 +169,27 @@ class SamplingParams:
 
     def _check_no_stop_under(self, constraint: str) -> None:
         """A stop string or token ends the answer wherever it comes; a constraint ends it only where the answer
-        is complete. Together they gave a cut answer (``{`` under a schema) as a finished one, and under
-        choices the stop was ignored: neither is what was asked, so the pair is refused."""
-        for name in ("stop", "stop_token_ids"):
-            value = getattr(self, name)
-            if value:  # an empty list stops nothing
-                raise ConfigError(
-                    f"{name} and {constraint} exclude each other (got {name} {value!r}): a stop would cut the "
-                    "constrained answer short, or be ignored under choices; give one of them"
-                )
+        is complete. Under a schema or a regex the pair gave a cut answer (``{``) as a finished one, so it is
+        refused; a choice is always written whole (a stop inside it was ignored), so a stop string is refused
+        there only where a choice holds it (``--stop '\\n'`` beside one-word choices stays harmless)."""
+        if self.stop_token_ids:
+            raise ConfigError(
+                f"stop_token_ids and {constraint} exclude each other (got {self.stop_token_ids!r}): a stop token "
+                "would cut the constrained answer short; give one of them"
+            )
+        if not self.stop:
+            return
+        if constraint != "choices":
+            raise ConfigError(
+                f"stop and {constraint} exclude each other (got stop {self.stop!r}): a stop string would cut "
+                "the constrained answer short; give one of them"
+            )
+        held = [(c, s) for c in self.choices or () for s in self.stop if s in c]
+        if held:
+            raise ConfigError(
+                f"stop and choices exclude each other: the choice {held[0][0]!r} holds the stop string "
+                f"{held[0][1]!r}, and a choice is always written whole; drop the stop string or change the choice"
+            )
 
     @property
     def constrained(self) -> bool:

@@ -802,7 +802,7 @@ def test_json_nested_too_deeply_in_any_option_or_field_is_an_error_not_a_crash(t
 # -- values the tool can't honour exactly are refused, from every source ------------------------------------
 
 CONSTRAINTS = {
-    "choices": ({"choices": ["yes", "no"]}, ["--choices", "yes,no"]),
+    "choices": ({"choices": ["yes-sir", "no"]}, ["--choices", "yes-sir,no"]),  # a choice holds the stop
     "json_schema": ({"json_schema": {"type": "object"}}, ["--json-schema", "SCHEMA"]),
     "regex": ({"regex": "[a-z]+-[a-z]+"}, ["--regex", "[a-z]+-[a-z]+"]),
 }
@@ -811,7 +811,8 @@ CONSTRAINTS = {
 @pytest.mark.parametrize("name", sorted(CONSTRAINTS))
 def test_a_stop_with_a_constraint_is_refused_from_every_source(name, tmp_path):
     """A stop string (or token) can cut a constrained answer short: `{` under a schema, finish 'stop', no
-    error; under choices it was ignored. Neither is what was asked, so the pair is refused."""
+    error; under choices one inside a choice was ignored. Neither is what was asked, so the pair is refused
+    (a stop string no choice holds changes nothing, and stays allowed)."""
     constraint, flags = CONSTRAINTS[name]
     rule = f"stop and {name} exclude each other"
     with pytest.raises(ConfigError, match=rule):
@@ -819,6 +820,8 @@ def test_a_stop_with_a_constraint_is_refused_from_every_source(name, tmp_path):
     with pytest.raises(ConfigError, match=f"stop_token_ids and {name} exclude each other"):
         SamplingParams(stop_token_ids=[5], **constraint)
     assert SamplingParams(stop=[], **constraint).stop == []  # an empty list stops nothing: fine
+    if name == "choices":  # the quick start's: one-word labels and a stop at the line's end
+        assert SamplingParams(stop=["\n"], choices=["yes", "no"]).stop == ["\n"]
     # a row: its stop with its constraint, or its stop under the job's constraint
     p, err = params_from_column(json.dumps({"stop": "-"} | constraint), "p", BASE)
     assert p is None and err.startswith(f"params column 'p': {rule}"), err
