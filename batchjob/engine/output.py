@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchjob.engine import choices
-from batchjob.engine.constraints import normalize_choices
+from batchjob.engine.constraints import GrammarConstraint, normalize_choices
 from batchjob.engine.request import Request, RequestStatus
 from batchjob.engine.stop_strings import StopScan
 
@@ -24,6 +24,19 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+def cut_short(req: Request) -> str | None:
+    """Why a request that ran out of tokens has no answer: its JSON schema or regex was not complete (a
+    cut answer, ``{"a"``, would read as the model's); None when it has one (or no grammar)."""
+    c = req.constraint
+    if not isinstance(c, GrammarConstraint) or c.matcher.is_accepting():
+        return None
+    what = "JSON schema" if req.params.json_schema is not None else "regex"
+    return (
+        f"the answer reached its token limit ({req.num_output_tokens} tokens, max_new_tokens "
+        f"{req.params.max_new_tokens}) before its {what} was complete: raise max_new_tokens"
+    )
 
 
 @dataclass
@@ -93,13 +106,16 @@ class OutputProcessor:
             if answer is not None:
                 token_ids, text = answer
         req.finish_time = time.monotonic()
+        finish, error = FINISH_REASONS.get(req.status, "error"), req.error
+        if finish == "length" and (cut := cut_short(req)) is not None:
+            finish, error = "error", cut
         return RequestOutput(
             request_id=req.group_id,
             prompt_ids=req.prompt_ids,
             token_ids=token_ids,
             text=text,
-            finish_reason=FINISH_REASONS.get(req.status, "error"),
-            error=req.error,
+            finish_reason=finish,
+            error=error,
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,

@@ -176,6 +176,22 @@ def test_regex_answers_match(engine32):
         assert o.finish_reason == "stop"
 
 
+def test_an_answer_cut_by_its_token_limit_before_the_grammar_completes_is_an_error(engine32):
+    """`{"label"` at max_new_tokens is no answer: an error naming the limit, not a finish by length."""
+    prompts = _prompts(4, engine32.vocab_size, seed=6)
+    for params, what in (
+        (SamplingParams(json_schema=SMALL_SCHEMA, max_new_tokens=2, temperature=0), "JSON schema"),
+        (SamplingParams(regex=REGEX, max_new_tokens=1, seed=4), "regex"),
+    ):
+        for o in engine32.generate(prompts, params):
+            assert o.finish_reason == "error", o.text
+            assert o.error.startswith("the answer reached its token limit (") and what in o.error
+            assert "raise max_new_tokens" in o.error
+    # free text cut by its limit is the model's (finish "length"), as before
+    free = engine32.generate(prompts, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+    assert {(o.finish_reason, o.error) for o in free} == {("length", None)}
+
+
 def test_bad_schema_or_regex_is_a_config_error(engine):
     with pytest.raises(ConfigError, match="json_schema"):
         engine.add_request("bad-schema", [5, 6, 7], SamplingParams(json_schema={"type": "no-such-type"}))
