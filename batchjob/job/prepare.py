@@ -125,7 +125,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     state = StateDir(out_dir, shard)
 
     def identity(schema: pa.Schema) -> tuple[PromptPlan, dict[str, Any]]:
-        plan = plan_prompts(spec, schema.names, has_chat_template)
+        plan = plan_prompts(spec, schema.names, has_chat_template, schema)
         check_column_types(spec, plan, schema)
         fingerprint = {
             "model": {"identity": model_fingerprint(spec.model), "dtype": spec.engine.dtype},

@@ -7,16 +7,12 @@ Without any, a column named ``prompt`` or ``text`` is the prompt (or ``messages`
 ``--system`` message if one is given. A row's problem is returned as an error string, never raised: a bad row
 must not stop the job.
 
-Templates are data, never code: a field is a column name, optionally indexed into a struct/map or list column
-(``{meta[title]}``, ``{tags[0]}``); attribute access, conversions, format specs and positional fields are
-refused when the spec is checked, and rendering is our own substitution (``str.format`` never sees a row).
+Templates (``templates.py``) are parsed when the spec is checked, and their columns' types checked here against
+the input's schema before any work.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import string
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +20,14 @@ from typing import Any
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import HalfPairError, loads_text
 from batchjob.job.spec import JobSpec
+from batchjob.job.templates import (
+    TEMPLATE_RULES,
+    TemplateField,
+    has_map,
+    parse_template,
+    render_template,
+    template_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class PromptPlan:
     template_fields: tuple[str, ...]
     system: str | None
     chat: bool
+    # a template's columns and their pyarrow types, where the input's schema is known: Arrow gives a map's
+    # value as a list of (key, value) pairs, and only the type tells it from a list of pairs
+    types: tuple[tuple[str, Any], ...] = ()
 
     @property
     def columns(self) -> list[str]:
@@ -56,109 +63,6 @@ class PromptPlan:
         return replace(self, chat=chat)
 
 
-TEMPLATE_RULES = (
-    "a template field is a column name in braces, like {review}, optionally indexed into a struct or list "
-    "column, like {meta[title]} or {tags[0]}; no attribute access (.), conversions (!r), format specs (:>10) "
-    "or positional fields ({}, {0}); write literal braces as {{ and }}"
-)
-
-
-@dataclass(frozen=True)
-class TemplateField:
-    """One ``{column[key][0]}`` field: the column, then the keys/indexes into its value."""
-
-    text: str  # the field as written, for messages, e.g. "{meta[title]}"
-    column: str
-    path: tuple[str, ...]  # each [...] in order, as written (a list index is digits)
-
-
-_FIELD = re.compile(r"^(?P<column>[^.\[\]]+)(?P<path>(\[[^\[\]]+\])*)$")
-
-
-def parse_template(template: str) -> tuple[str | TemplateField, ...]:
-    """The template as literal text and fields, in order; raises ``ConfigError`` naming a refused field."""
-    try:
-        parsed = list(string.Formatter().parse(template))  # parses only: no value is looked at here
-    except ValueError as e:
-        raise ConfigError(f"--template {template!r} is not a valid template: {e}; {TEMPLATE_RULES}") from e
-    parts: list[str | TemplateField] = []
-    for literal, name, spec, conversion in parsed:
-        if literal:
-            parts.append(literal)
-        if name is None:
-            continue
-        text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
-        m = _FIELD.match(name)
-        bare = re.sub(r"\[[^\[\]]*\]", "", name)  # the name without its [...] indexes
-        why = None
-        if conversion is not None:
-            why = f"a conversion !{conversion}"
-        elif spec:
-            why = f"a format spec :{spec}"
-        elif "." in bare:
-            why = "attribute access"
-        elif not bare.strip() or bare.isdigit():
-            why = "an empty or numbered (positional) field"
-        elif m is None:
-            why = "not a column name"
-        if why is not None or m is None:
-            raise ConfigError(f"--template {template!r}: field {text} is refused ({why}); {TEMPLATE_RULES}")
-        path = tuple(re.findall(r"\[([^\[\]]+)\]", m.group("path")))
-        parts.append(TemplateField(text, m.group("column"), path))
-    return tuple(parts)
-
-
-def template_fields(template: str) -> tuple[str, ...]:
-    """The columns a template uses, in order of first use; raises ``ConfigError`` for a refused template."""
-    return tuple(dict.fromkeys(p.column for p in parse_template(template) if isinstance(p, TemplateField)))
-
-
-def _template_text(value: Any) -> str:
-    """A field's value as prompt text: strings as they are, nested values as compact JSON."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple, dict)):
-        return json.dumps(value, ensure_ascii=False, default=str)
-    return str(value)
-
-
-def _lookup(value: Any, key: str) -> tuple[bool, Any]:
-    """``value[key]`` for a struct/map (by name) or a list (by a digits index); (False, None) if absent."""
-    if isinstance(value, dict):
-        if key in value:
-            return True, value[key]
-        return (True, value[int(key)]) if key.isdigit() and int(key) in value else (False, None)
-    if isinstance(value, (list, tuple)) and key.isdigit() and int(key) < len(value):
-        return True, value[int(key)]
-    return False, None
-
-
-def render_template(
-    parts: tuple[str | TemplateField, ...], values: dict[str, Any]
-) -> tuple[str | None, str | None]:
-    """(text, None) or (None, why this row does not fill the template)."""
-    out = []
-    for part in parts:
-        if isinstance(part, str):
-            out.append(part)
-            continue
-        if part.column not in values:
-            return None, f"column {part.column!r} is missing in this row"
-        value = values[part.column]
-        where = part.column
-        for key in part.path:
-            if value is None:
-                break
-            found, value = _lookup(value, key)
-            if not found:
-                return None, f"template field {part.text}: {where!r} has no [{key}] in this row"
-            where += f"[{key}]"
-        if value is None:
-            return None, f"column {part.column!r} is null" if where == part.column else f"{where!r} is null"
-        out.append(_template_text(value))
-    return "".join(out), None
-
-
 def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
     """Whether plain prompts are wrapped in the chat template: ``--chat/--no-chat``, else if there is one
     (generation; the other tasks take a text as it is unless --chat asks)."""
@@ -169,8 +73,11 @@ def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
     return spec.chat
 
 
-def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> PromptPlan:
-    """Check the spec's prompt options against the input's ``columns``; raise naming what is wrong."""
+def plan_prompts(
+    spec: JobSpec, columns: list[str], has_chat_template: bool, schema: Any = None
+) -> PromptPlan:
+    """Check the spec's prompt options against the input's ``columns``; raise naming what is wrong.
+    ``schema``: the input's ``pyarrow.Schema`` where known; a template keeps its columns' types from it."""
     available = ", ".join(columns) or "(none)"
 
     def need(col: str, option: str) -> None:
@@ -193,9 +100,12 @@ def plan_prompts(spec: JobSpec, columns: list[str], has_chat_template: bool) -> 
     resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)
+        if not fields and not spec.template.strip():  # every row's prompt would be empty
+            raise ConfigError(f"--template {spec.template!r} has no fields and no text; {TEMPLATE_RULES}")
         for f in fields:
             need(f, "--template field")
-        plan = PromptPlan("template", None, spec.template, fields, spec.system, False)
+        types = tuple((f, schema.field(f).type) for f in fields) if schema is not None else ()
+        plan = PromptPlan("template", None, spec.template, fields, spec.system, False, types)
     elif spec.messages_column is not None or (
         spec.prompt_column is None
         and "messages" in columns
@@ -293,7 +203,13 @@ def _check_prompt_column(column: str, t: Any) -> None:
 
     if pa.types.is_dictionary(t):
         t = t.value_type
-    kinds = (pa.types.is_struct, pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list, pa.types.is_map)
+    kinds = (
+        pa.types.is_struct,
+        pa.types.is_list,
+        pa.types.is_large_list,
+        pa.types.is_fixed_size_list,
+        pa.types.is_map,
+    )
     binary = pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
     if _is_scalar(t) or binary or any(kind(t) for kind in kinds):
         bytes_note = " (bytes; every row would be refused as not text)" if binary else ""
@@ -347,12 +263,13 @@ class PromptBuilder:
             template_kwargs or {}
         )  # --chat-template-kwargs, e.g. {"enable_thinking": false}
         self._template = parse_template(plan.template) if plan.template is not None else ()
+        self._types = {c: t for c, t in plan.types if has_map(t)}  # only a map needs its type to render
 
     def text(self, values: dict[str, Any]) -> tuple[str | None, str | None]:
         """(prompt text, None) or (None, why this row has no usable prompt)."""
         plan = self.plan
         if plan.kind == "template":
-            text, error = render_template(self._template, values)
+            text, error = render_template(self._template, values, self._types)
             return (None, error) if text is None else (self._wrap(text), None)
         col = plan.column
         assert col is not None
@@ -442,7 +359,10 @@ class PromptBuilder:
             ids = self.tokenize(text)
         else:
             ids = self.tokenizer(
-                text, add_special_tokens=not chat, truncation=cut, max_length=self.truncate_to if cut else None
+                text,
+                add_special_tokens=not chat,
+                truncation=cut,
+                max_length=self.truncate_to if cut else None,
             )["input_ids"]
         if not ids:
             return None, "the prompt has no tokens"

@@ -108,6 +108,91 @@ def test_parse_keeps_text_and_fields_in_order():
     assert (parts[1].column, parts[1].path, parts[1].text) == ("x", ("k",), "{x[k]}")
 
 
+@pytest.mark.parametrize(
+    ("template", "values", "error"),
+    [
+        ("Say {b}", {"b": b"hello"}, "template field {b}: column 'b' is bytes, not text"),
+        ("{s[x]}", {"s": {"x": b"hi"}}, "template field {s[x]}: 's[x]' is bytes, not text"),
+        ("{s}", {"s": {"x": [b"hi"]}}, "template field {s}: 's[x][0]' is bytes, not text"),
+        ("{tags}", {"tags": ["a", bytearray(b"b")]}, "template field {tags}: 'tags[1]' is bytes, not text"),
+    ],
+)
+def test_bytes_are_an_error_row_never_their_repr(template, values, error):
+    text, got = _text(template, values)
+    assert text is None and error in got, got
+
+
+def _typed_text(template, table):
+    """Each row of ``table`` through the template, the plan knowing the columns' types (as a job's does)."""
+    plan = plan_prompts(JobSpec(template=template, chat=False), table.schema.names, False, table.schema)
+    builder = PromptBuilder(plan, tokenizer=None, max_model_len=64)
+    return [builder.text(row) for row in table.to_pylist()]
+
+
+MAPS = pa.table(
+    {
+        "n": pa.array(
+            [[("title", "Dune")], [("title", "Emma"), ("year", "1815")]], pa.map_(pa.string(), pa.string())
+        ),
+        "m": pa.array([[(5, "five"), (0, "zero")], [(1, "one")]], pa.map_(pa.int64(), pa.string())),
+        "s": pa.array(
+            [{"meta": [("k", 1)]}, {"meta": [("k", 2), ("k", 3)]}],  # Arrow lets a map hold a key twice
+            pa.struct([("meta", pa.map_(pa.string(), pa.int64()))]),
+        ),
+        "pairs": pa.array([[["k", "v"]], [["x", "y"]]], pa.list_(pa.list_(pa.string()))),  # not a map
+    }
+)
+
+
+def test_a_map_is_looked_up_by_key_and_rendered_as_an_object():
+    assert _typed_text("{n[title]} {m[0]} {m[5]}", MAPS)[0] == ("Dune zero five", None)
+    assert _typed_text("{n} | {m} | {s}", MAPS)[0] == (
+        '{"title": "Dune"} | {"5": "five", "0": "zero"} | {"meta": {"k": 1}}',
+        None,
+    )
+    assert _typed_text("{n}", MAPS)[1] == ('{"title": "Emma", "year": "1815"}', None)
+    # a list of pairs is a list, as it always was: indexed by position, rendered as a list
+    assert _typed_text("{pairs[0][1]} {pairs}", MAPS)[0] == ('v [["k", "v"]]', None)
+
+
+@pytest.mark.parametrize(
+    ("template", "row", "error"),
+    [
+        ("{m[0]}", 1, "template field {m[0]}: 'm' has no [0] in this row"),
+        ("{n[0]}", 0, "template field {n[0]}: 'n' has no [0] in this row"),  # a map is not a list
+        ("{s[meta][k]}", 1, "template field {s[meta][k]}: 's[meta]' has the key [k] 2 times in this row"),
+        ("{s}", 1, "template field {s}: 's[meta]' has the key [k] 2 times in this row"),
+    ],
+)
+def test_a_map_without_the_key_or_with_it_twice_is_an_error_row(template, row, error):
+    text, got = _typed_text(template, MAPS)[row]
+    assert text is None and error in got, got
+
+
+@pytest.mark.parametrize(
+    ("template", "values", "error"),
+    [
+        ("{prompt}", {"prompt": ""}, "column 'prompt' is empty"),
+        ("{prompt}", {"prompt": " \n\t"}, "column 'prompt' is empty"),
+        (" {a}\n{b} ", {"a": "", "b": " "}, "columns 'a' and 'b' are empty"),
+        ("{meta[title]}", {"meta": {"title": " "}}, "'meta[title]' is empty"),
+    ],
+)
+def test_a_template_that_renders_empty_is_an_error_row(template, values, error):
+    text, got = _text(template, values)
+    assert text is None and error in got, got
+
+
+def test_a_template_with_one_empty_field_among_text_is_not_empty():
+    assert _text("Q: {a}", {"a": ""}) == ("Q: ", None)
+
+
+@pytest.mark.parametrize("template", ["", "  ", "\n"])
+def test_a_template_with_no_field_and_no_text_is_refused(template):
+    with pytest.raises(ConfigError, match="no fields and no text"):
+        plan_prompts(JobSpec(template=template), ["review"], False)
+
+
 # -- the command line ----------------------------------------------------------------------------------------
 
 
@@ -163,6 +248,35 @@ def test_struct_and_list_fields_in_a_job(data, tiny_model_dir, tmp_path):
     assert rows["great product"]["error"] is None
     assert rows["great product"]["num_prompt_tokens"] == len(tok(expected)["input_ids"])
     assert rows["fine"]["error"] is None
+
+
+def test_map_fields_in_a_job(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "maps.parquet"
+    pq.write_table(MAPS, data)
+    out = tmp_path / "out"
+    template = "{n[title]} / {m[0]} / {n}"
+    code, text = invoke(
+        "run",
+        "--input",
+        data,
+        "--output",
+        out,
+        "--model",
+        tiny_model_dir,
+        "--template",
+        template,
+        "--no-chat",
+        "--max-new-tokens",
+        "2",
+    )
+    assert code == 0, text
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert rows[0]["error"] is None
+    assert rows[0]["num_prompt_tokens"] == len(tok('Dune / zero / {"title": "Dune"}')["input_ids"])
+    assert "{m[0]}: 'm' has no [0] in this row" in rows[1]["error"]
 
 
 # -- what the column types already say every row would fail: a setup error (issue 22) --------------------------
