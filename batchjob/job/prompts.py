@@ -231,9 +231,11 @@ def _check_params_column(column: str, t: Any) -> None:
                 f"--params-column {column!r}: its struct has fields that are no sampling "
                 f"parameter: {', '.join(unknown)} (known: {', '.join(sorted(PARAM_NAMES))})"
             )
-    elif _is_scalar(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+    elif _is_scalar(t) or pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
+        # a map's values share one type: max_new_tokens would be a float beside temperature
+        kind = "a map, whose values share one type," if pa.types.is_map(t) else t
         raise ConfigError(
-            f"--params-column {column!r} is {t} in the input: it must hold a JSON object of "
+            f"--params-column {column!r} is {kind} in the input: it must hold a JSON object of "
             'sampling parameters per row, as text or a struct, e.g. {"temperature": 0.7}'
         )
 

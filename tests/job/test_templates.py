@@ -295,6 +295,7 @@ def typed_inputs(tmp_path):
                 "n": [1, 2],
                 "p": [{"temprature": 0.5}, {"temprature": None}],
                 "raw": pa.array([b"great", b"bad"], pa.binary()),
+                "pm": pa.array([[("temperature", 0.5)], []], pa.map_(pa.string(), pa.float64())),
             }
         ),
         tmp_path / "typed.parquet",
@@ -331,6 +332,11 @@ TYPE_REFUSALS = [
         "typed.jsonl",
         ["--template", "{text}", "--params-column", "n"],
         "--params-column 'n' is int64 in the input",
+    ),
+    (
+        "typed.parquet",
+        ["--template", "{review}", "--params-column", "pm"],
+        "--params-column 'pm' is a map, whose values share one type, in the input",
     ),
     (
         "typed.parquet",
