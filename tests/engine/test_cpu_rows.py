@@ -1,6 +1,6 @@
 """A layer's per-row work on the CPU kernel library (engine/cpu/rows.py): the RMS norm equals transformers'
-LlamaRMSNorm to the bit, the rotary embedding its ``apply_rotary_pos_emb``, the KV writes equal torch's
-``index_copy_``, and an engine with all three gives the tokens and log-probabilities it gives without them."""
+LlamaRMSNorm to the bit, the KV writes equal torch's ``index_copy_``, and an engine with both gives the
+tokens and log-probabilities it gives without them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import platform
 import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
@@ -83,58 +82,6 @@ def test_norms_of_the_llama_layout_are_fused_and_others_kept(monkeypatch):
             assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
 
 
-def _strides(t: torch.Tensor) -> list[int]:
-    return [stride for stride, size in zip(t.stride(), t.shape, strict=True) if size > 1]
-
-
-def _rotary_inputs(dtype, tokens, heads=6, kv_heads=2, dim=32):
-    """q and k as transformers hands them to the function: [1, heads, T, D] views of one q/k/v product."""
-    config = modeling_llama.LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, head_dim=dim)
-    rope = modeling_llama.LlamaRotaryEmbedding(config)
-    qkv = (torch.randn(1, tokens, (heads + 2 * kv_heads) * dim) * 4).to(dtype)
-    q = qkv[..., : heads * dim].view(1, tokens, heads, dim).transpose(1, 2)
-    k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, tokens, kv_heads, dim).transpose(1, 2)
-    positions = torch.randint(0, 5000, (1, tokens))
-    cos, sin = rope(qkv, positions)
-    return q, k, cos, sin
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_rotary_is_transformers_to_the_bit(dtype, tokens):
-    torch.manual_seed(tokens)
-    q, k, cos, sin = _rotary_inputs(dtype, tokens)
-    want = rows._plain(modeling_llama.apply_rotary_pos_emb)(q, k, cos, sin)
-    got = rows.rotary(q, k, cos, sin)
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and _strides(g) == _strides(w)  # laid out as torch's ops lay it
-        assert torch.equal(_bits(g), _bits(w))
-
-
-@needs_kernel
-def test_rotary_of_the_llama_layout_is_fused_through_the_layers_wrapper(monkeypatch):
-    config = modeling_llama.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    model = torch.nn.ModuleList([modeling_llama.LlamaAttention(config, i) for i in range(2)])
-    if not hasattr(model[0], "_kernel_funcs"):
-        pytest.skip("transformers' kernels package is not installed: no per-layer wrapper to fill")
-    monkeypatch.setenv(rows.DISABLE_ENV, "0")
-    assert rows.fuse_rotary(model) == 0
-    monkeypatch.delenv(rows.DISABLE_ENV)
-    assert rows.fuse_rotary(model) == 2
-    assert rows.fuse_rotary(model) == 0  # once
-    (wrapper,) = model[0]._kernel_funcs.values()
-    plain = rows._plain(modeling_llama.apply_rotary_pos_emb)
-    torch.manual_seed(3)
-    for dtype in (torch.bfloat16, torch.float64):  # float64: the kernel has none, torch's ops run
-        q, k, cos, sin = _rotary_inputs(dtype, 5, heads=4, dim=16)
-        for got, want in zip(wrapper(q, k, cos, sin), plain(q, k, cos, sin), strict=True):
-            assert torch.equal(got, want)
-        # another layout of the arguments than the layers' goes to torch's ops too
-        got = wrapper(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
-        assert torch.equal(got[0], plain(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)[0])
-
-
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_kv_writes_equal_torchs_index_copy(dtype):
@@ -160,8 +107,6 @@ def _same_with_and_without_row_kernels(model_dir, monkeypatch, dtype, norm_class
         engine = Engine.from_pretrained(model_dir, device="cpu", dtype=dtype, num_speculative_tokens=0)
         fused = [m for m in engine.model.modules() if "forward" in vars(m) and isinstance(m, norm_class)]
         assert bool(fused) == (flag == "1")
-        wrappers = [w for m in engine.model.modules() for w in vars(m).get("_kernel_funcs", {}).values()]
-        assert sum("forward" in vars(w) for w in wrappers) == (len(wrappers) if flag == "1" else 0)
         outs = engine.generate(prompts, params)
         runs[flag] = [(o.token_ids, o.logprobs) for o in outs]
     assert runs["1"] == runs["0"]

@@ -167,10 +167,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     ):  # x, rows, n, row stride, w, eps, lanes, y
         getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, ptr]
         getattr(lib, name).restype = None
-    for name in ("batchjob_rotary_f32", "batchjob_rotary_bf16"):
-        # q, its head and token strides, heads; k, its strides, KV heads; tokens, head size; cos, sin; outputs
-        getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
-        getattr(lib, name).restype = None
 
 
 def prefill_takes(dtype: torch.dtype, head_dim: int) -> bool:

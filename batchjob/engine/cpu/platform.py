@@ -88,7 +88,7 @@ class CpuPlatform(Platform):
         (not under torch.compile: inductor lowers the packed call only for weights it froze itself). bf16 on
         a CPU without it is slower than float32: one warning line says so. Then, the load done, the heap keeps
         what the forwards free (:mod:`.heap`). A vision tower attends on the prefill kernels (:mod:`.tower`),
-        and the RMS norms and rotary embeddings of the Llama layout run one kernel call each (:mod:`.rows`)."""
+        and the RMS norms of the Llama layout run one kernel call each (:mod:`.rows`)."""
         bf16.warn_if_slow(self.device, dtype)
         packed = 0
         if not compiled and linear.available(dtype, self.device):
@@ -96,7 +96,6 @@ class CpuPlatform(Platform):
         if not compiled:  # the kernels are ctypes calls, which torch.compile cannot trace
             tower.use_for_tower(model, dtype)
             rows.fuse_norms(model)
-            rows.fuse_rotary(model)
         heap.keep_freed_memory()
         return packed
 

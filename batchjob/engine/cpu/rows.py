@@ -13,24 +13,15 @@ SmolLM2-135M step of 16 rows ran ~2,260 torch ops, ~75 a layer. Two groups of th
   vectors found by trying, :func:`torch_lanes`), so the output is the module's to the bit. Norms of another
   code (Gemma's ``1 + weight``, and any class transformers changes) keep theirs, and so does every norm
   where no width reproduces torch's sums. Not float64, where the exactness tests run through the plain
-  modules.
-- :func:`fuse_rotary`: the rotary embedding of the queries and keys where an attention layer applies
-  transformers' ``apply_rotary_pos_emb`` of the Llama layout (the same bytecode), 14 ops a layer: one call,
-  each product and the sum rounded to the dtype as torch's ops round them, so again the same bits. It goes in
-  through the seam transformers gives the function (the ``kernels`` package's per-layer wrapper, which
-  ``kernelize`` fills with a hub kernel); where that seam is missing the layers keep torch's ops.
-
-``BATCHJOB_CPU_ROWS=0`` keeps torch's ops for all three.
+  modules. ``BATCHJOB_CPU_ROWS=0`` keeps torch's ops for both.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 
 import torch
-from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from batchjob import env
@@ -38,7 +29,6 @@ from batchjob.engine.cpu import kernel
 
 DISABLE_ENV = "BATCHJOB_CPU_ROWS"
 _NORM_SYMBOLS = {torch.float32: "batchjob_rms_norm_f32", torch.bfloat16: "batchjob_rms_norm_bf16"}
-_ROTARY_SYMBOLS = {torch.float32: "batchjob_rotary_f32", torch.bfloat16: "batchjob_rotary_bf16"}
 # torch's grain size: a single row at least this wide has its sum split between threads, in another order.
 SPLIT_ROW = 32768
 
@@ -154,92 +144,4 @@ def fuse_norms(model: torch.nn.Module) -> int:
             continue
         module.forward = types.MethodType(_norm_forward, module)
         count += 1
-    return count
-
-
-def rotary(
-    q: torch.Tensor,  # [1, H, T, D], any strides with D contiguous
-    k: torch.Tensor,  # [1, KVH, T, D]
-    cos: torch.Tensor,  # [1, T, D], q's dtype
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``apply_rotary_pos_emb`` of the Llama layout for a step's queries and keys, to the bit:
-    outputs laid out [1, T, heads, D] and handed over as [1, heads, T, D] views, as torch's ops lay them."""
-    lib = kernel.load()
-    assert lib is not None and _rotary_takes(q, k, cos, sin)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    _, heads, tokens, dim = q.shape
-    kv_heads = k.shape[1]
-    q_out = torch.empty(1, tokens, heads, dim, dtype=q.dtype)
-    k_out = torch.empty(1, tokens, kv_heads, dim, dtype=k.dtype)
-    getattr(lib, _ROTARY_SYMBOLS[q.dtype])(
-        q.data_ptr(),
-        q.stride(1),
-        q.stride(2),
-        heads,
-        k.data_ptr(),
-        k.stride(1),
-        k.stride(2),
-        kv_heads,
-        tokens,
-        dim,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        q_out.data_ptr(),
-        k_out.data_ptr(),
-    )
-    return q_out.transpose(1, 2), k_out.transpose(1, 2)
-
-
-def _rotary_takes(q, k, cos, sin) -> bool:
-    tokens, dim = q.shape[2:] if q.dim() == 4 else (0, 0)
-    return (
-        q.dtype in _ROTARY_SYMBOLS
-        and q.dtype == k.dtype == cos.dtype == sin.dtype
-        and q.device.type == "cpu"
-        and q.dim() == k.dim() == 4
-        and q.shape[0] == k.shape[0] == 1
-        and k.shape[2:] == q.shape[2:]
-        and cos.shape == sin.shape == (1, tokens, dim)
-        and dim % 2 == 0
-        and q.stride(3) == k.stride(3) == 1
-    )
-
-
-def _plain(fn) -> types.FunctionType | None:
-    """The Python function behind ``fn``: itself, or the one a ``kernels`` wrapper module calls."""
-    if isinstance(fn, types.FunctionType):
-        return fn
-    forward = getattr(type(fn), "forward", None)
-    inner = inspect.getclosurevars(forward).nonlocals.get("func") if inspect.isfunction(forward) else None
-    return inner if isinstance(inner, types.FunctionType) else None
-
-
-def _rotary_forward(plain: types.FunctionType):
-    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim == 1 and _rotary_takes(q, k, cos, sin):
-            return rotary(q, k, cos, sin)
-        return plain(q, k, cos, sin, unsqueeze_dim)
-
-    return forward
-
-
-def fuse_rotary(model: torch.nn.Module) -> int:
-    """Send the rotary embedding of each attention layer whose ``apply_rotary_pos_emb`` is the Llama
-    layout's to the kernel, through the layer's own wrapper of that function; returns how many."""
-    llama = _plain(modeling_llama.apply_rotary_pos_emb)
-    if not available() or llama is None:
-        return 0
-    count = 0
-    for module in model.modules():
-        wrappers = vars(module).get("_kernel_funcs")  # the kernels package's, one per function a layer calls
-        for wrapper in wrappers.values() if isinstance(wrappers, dict) else ():
-            if not isinstance(wrapper, torch.nn.Module) or "forward" in vars(wrapper):
-                continue
-            plain = _plain(wrapper)
-            if plain is None or _code(plain) != _code(llama):
-                continue
-            # a bound method: the layer's forward reads its __func__ on every call
-            wrapper.forward = types.MethodType(_rotary_forward(plain), wrapper)
-            count += 1
     return count

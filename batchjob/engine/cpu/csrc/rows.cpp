@@ -7,10 +7,7 @@
 // - the RMS norm of transformers' Llama layout, w * (x * rsqrt(mean(x^2) + eps)) with the mean in float and
 //   the normalised row rounded to the input's dtype before the weight multiplies it, as LlamaRMSNorm does,
 //   and the sum of squares added in the order torch's own sum adds them: its output is LlamaRMSNorm's, bit
-//   for bit;
-// - the rotary embedding of the Llama layout, q * cos + rotate_half(q) * sin with rotate_half(x) = (-x2, x1),
-//   for the queries and the keys: each product and the sum rounded to the input's dtype, as torch's separate
-//   ops round them (14 ops a layer there), so its output too is transformers' to the bit.
+//   for bit.
 
 #include <algorithm>
 #include <cmath>
@@ -105,54 +102,6 @@ void rms_norm(const S* x, int64_t rows, int64_t n, int64_t stride, const S* w, f
   }
 }
 
-// float, or bfloat16's 16 bits rounded to the nearest even (as torch rounds; NaN kept a quiet NaN), without a
-// branch, so that the loops below vectorise.
-inline float round_to(float v, float) { return v; }
-inline uint16_t round_to(float v, uint16_t) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  const uint32_t nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : nearest);
-}
-inline float load(float v) { return v; }
-inline float load(uint16_t v) { return widen(v); }
-
-// Heads [heads, D] of token t at x + h * x_head + t * x_token, cos and sin [tokens, D] contiguous; out
-// [tokens, heads, D] contiguous.
-template <typename S>
-void rotary(const S* x, int64_t x_head, int64_t x_token, int64_t heads, int64_t tokens, int64_t dim,
-            const S* cos, const S* sin, S* out) {
-  const int64_t half = dim / 2;
-#pragma omp parallel for if (tokens * heads * dim >= (1 << 16))
-  for (int64_t t = 0; t < tokens; ++t) {
-    const S* c = cos + t * dim;
-    const S* s = sin + t * dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const S* a = x + h * x_head + t * x_token;
-      const S* b = a + half;
-      S* y = out + (t * heads + h) * dim;
-      for (int64_t j = 0; j < half; ++j) {  // a * cos - b * sin, then b * cos + a * sin
-        const S first = round_to(load(a[j]) * load(c[j]), S{});
-        const S second = round_to(-load(b[j]) * load(s[j]), S{});
-        y[j] = round_to(load(first) + load(second), S{});
-      }
-      for (int64_t j = 0; j < half; ++j) {
-        const S first = round_to(load(b[j]) * load(c[half + j]), S{});
-        const S second = round_to(load(a[j]) * load(s[half + j]), S{});
-        y[half + j] = round_to(load(first) + load(second), S{});
-      }
-    }
-  }
-}
-
-template <typename S>
-void rotary_qk(const S* q, int64_t q_head, int64_t q_token, int64_t heads, const S* k, int64_t k_head,
-               int64_t k_token, int64_t kv_heads, int64_t tokens, int64_t dim, const S* cos, const S* sin,
-               S* q_out, S* k_out) {
-  rotary(q, q_head, q_token, heads, tokens, dim, cos, sin, q_out);
-  rotary(k, k_head, k_token, kv_heads, tokens, dim, cos, sin, k_out);
-}
-
 }  // namespace
 
 extern "C" {
@@ -180,20 +129,6 @@ void batchjob_rms_norm_f32(const float* x, int64_t rows, int64_t n, int64_t stri
 void batchjob_rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t stride, const uint16_t* w,
                             float eps, int64_t lanes, uint16_t* y) {
   rms_norm(x, rows, n, stride, w, eps, lanes, y);
-}
-
-// The queries' rotary embedding (heads at q + h * q_head + t * q_token) into q_out [tokens, heads, D], the
-// keys' into k_out [tokens, kv_heads, D]; cos and sin [tokens, D].
-void batchjob_rotary_f32(const float* q, int64_t q_head, int64_t q_token, int64_t heads, const float* k,
-                         int64_t k_head, int64_t k_token, int64_t kv_heads, int64_t tokens, int64_t dim,
-                         const float* cos, const float* sin, float* q_out, float* k_out) {
-  rotary_qk(q, q_head, q_token, heads, k, k_head, k_token, kv_heads, tokens, dim, cos, sin, q_out, k_out);
-}
-
-void batchjob_rotary_bf16(const uint16_t* q, int64_t q_head, int64_t q_token, int64_t heads, const uint16_t* k,
-                          int64_t k_head, int64_t k_token, int64_t kv_heads, int64_t tokens, int64_t dim,
-                          const uint16_t* cos, const uint16_t* sin, uint16_t* q_out, uint16_t* k_out) {
-  rotary_qk(q, q_head, q_token, heads, k, k_head, k_token, kv_heads, tokens, dim, cos, sin, q_out, k_out);
 }
 
 }  // extern "C"
