@@ -11,6 +11,7 @@ from typing import Any
 
 from batchjob.engine.grammar import grammar_of
 from batchjob.errors import ConfigError
+from batchjob.io.jsontext import RefusedText, loads_text
 
 SEED_MODULUS = 2**64
 MAX_N = 10_000  # samples of one row: each is a request in the engine, so one row can't flood it
@@ -100,6 +101,9 @@ class SamplingParams:
             raise ConfigError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in NUMBERS:
             value = getattr(self, name)
+            if type(value).__module__ == "numpy" and hasattr(value, "item"):  # np.int64(4): Python's 4
+                value = value.item()
+                setattr(self, name, value)
             if value is None and name in ("seed", "logprobs"):
                 continue
             problem = check_number(name, value)
@@ -141,7 +145,7 @@ class SamplingParams:
             schema = self.json_schema
             try:
                 if isinstance(schema, str):
-                    schema = json.loads(schema)
+                    schema = loads_text(schema)  # a key given twice is refused, as in a JSONL line
                 if not isinstance(schema, (dict, bool)):
                     raise ConfigError(
                         f"json_schema must be a JSON object, got {str(self.json_schema)[:200]!r}"
@@ -152,6 +156,8 @@ class SamplingParams:
             except (ValueError, RecursionError) as e:
                 if isinstance(e, ConfigError):
                     raise
+                if isinstance(e, RefusedText):
+                    raise ConfigError(f"json_schema: {e}") from e
                 why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
                 raise ConfigError(
                     f"json_schema is not valid JSON ({why}), got {str(self.json_schema)[:200]!r}"

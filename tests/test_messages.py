@@ -80,7 +80,18 @@ def test_bad_rows_name_their_file_and_line_and_keep_their_id(tiny_model_dir, tmp
     for task in ("embed", "generate"):
         out = tmp_path / task
         more = ("--max-new-tokens", "1") if task == "generate" else ()
-        args = ("--model", tiny_model_dir, "--input", data, "--output", out, "--task", task, "--id-column", "id")
+        args = (
+            "--model",
+            tiny_model_dir,
+            "--input",
+            data,
+            "--output",
+            out,
+            "--task",
+            task,
+            "--id-column",
+            "id",
+        )
         code, text = invoke("run", *args, *more)
         assert code == 0, text
         rows = ds.dataset(out, format="parquet").to_table(columns=["id", "prompt", "error"]).to_pylist()
@@ -105,13 +116,22 @@ def test_half_a_utf16_pair_in_a_columns_json_text_is_that_rows_error(tiny_model_
     user = json.dumps([{"role": "user", "content": "hi"}])
     half = '[{"role": "user", "content": "half \\udcff"}]'
     data = tmp_path / "in.parquet"
+    twice = '[{"role": "user", "content": "a", "content": "b"}]'  # which content is meant?
     pq.write_table(
-        pa.table({"id": ["a", "b", "c"], "m": [user, half, user], "p": [None, None, '{"stop": "\\ud800"}']}),
+        pa.table(
+            {
+                "id": ["a", "b", "c", "d"],
+                "m": [user, half, user, twice],
+                "p": [None, None, '{"stop": "\\ud800"}', None],
+            }
+        ),
         data,
     )
     out = tmp_path / "out"
     args = ("--model", tiny_model_dir, "--input", data, "--output", out, "--id-column", "id")
-    code, text = invoke("run", *args, "--messages-column", "m", "--params-column", "p", "--max-new-tokens", "1")
+    code, text = invoke(
+        "run", *args, "--messages-column", "m", "--params-column", "p", "--max-new-tokens", "1"
+    )
     assert code == 0, text
     rows = sorted(ds.dataset(out, format="parquet").to_table().to_pylist(), key=lambda r: r["id"])
     assert rows[0]["error"] is None and rows[0]["num_generated_tokens"] == 1
@@ -120,9 +140,14 @@ def test_half_a_utf16_pair_in_a_columns_json_text_is_that_rows_error(tiny_model_
         "character 5 (\\udcff)"
     )
     assert "params column 'p': a lone UTF-16 surrogate escape" in rows[2]["error"], rows[2]["error"]
+    assert rows[3]["error"] == (
+        "in.parquet row 3: column 'm': key 'content' appears more than once in an object (which value is meant?)"
+    )
 
 
-def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """The reader reads a JSONL file as far as the job recorded it: a half-written line appended after that
     is not made an error row (which --append, going by the record, would not redo); the run stops as the
     file grew, and --append then reads the finished line."""
@@ -142,7 +167,9 @@ def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(t
         point(name)
 
     monkeypatch.setattr(faults, "point", torn_after_recording)
-    options = dict(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1)
+    options = dict(
+        input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1
+    )
     with pytest.raises(InputError, match="grew"):
         run_job(make_spec(checkpoint_interval=1e-6, **options))
     monkeypatch.setattr(faults, "point", point)
@@ -153,7 +180,9 @@ def test_a_line_half_written_after_the_job_recorded_its_file_is_left_to_append(t
     assert len(rows) == 41 and not [r for r in rows if r["error"]], [r for r in rows if r["error"]]
 
 
-def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_default_is(tiny_model_dir, tmp_path):
+def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_default_is(
+    tiny_model_dir, tmp_path
+):
     from batchjob.job import make_spec, run_job
     from batchjob.job.state import JobMismatchError
 
@@ -162,10 +191,14 @@ def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_def
     assert run_job(make_spec(**options)).status == "complete"
     # the tiny llama has no sentence-transformers files: normalize's default is off, for this model anywhere
     assert run_job(make_spec(normalize=False, **options)).status == "already complete"
-    with pytest.raises(JobMismatchError, match=r"task.normalize: was None \(the default: False for this model\), now True"):
+    with pytest.raises(
+        JobMismatchError, match=r"task.normalize: was None \(the default: False for this model\), now True"
+    ):
         run_job(make_spec(normalize=True, **options))
     # dtype's default depends on the device: spelled out it stays a change, and the message says what it is
-    with pytest.raises(JobMismatchError, match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\)"):
+    with pytest.raises(
+        JobMismatchError, match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\)"
+    ):
         run_job(make_spec(dtype="float32", **options))
 
 
@@ -173,7 +206,11 @@ def test_status_says_a_killed_run_left_rows_to_redo(tmp_path):
     from batchjob.job.shard import Shard
     from batchjob.job.status import JobStatus, WorkerStatus
 
-    stats = {"rows": 20, "elapsed_s": 3.0, "live": {"updated": 0, "finished_uncommitted": 20, "in_engine": 40}}
+    stats = {
+        "rows": 20,
+        "elapsed_s": 3.0,
+        "live": {"updated": 0, "finished_uncommitted": 20, "in_engine": 40},
+    }
     killed = WorkerStatus(Shard(), "stopped", rows_done=0, rows_total=400, stats=stats)
     text = "\n".join(JobStatus(tmp_path, [killed], 400).lines("out"))
     assert "rows: 0 of 400 input rows" in text and "last run: 20 rows" in text
@@ -192,7 +229,16 @@ def test_inputs_that_changed_by_a_few_bytes_say_how_many():
 
 def test_validate_estimate_on_a_complete_job_says_nothing_is_left(tiny_model_dir, tmp_path):
     data = _rows(tmp_path / "in.jsonl")
-    common = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--max-new-tokens", "2")
+    common = (
+        "--model",
+        tiny_model_dir,
+        "--input",
+        data,
+        "--output",
+        tmp_path / "out",
+        "--max-new-tokens",
+        "2",
+    )
     assert invoke("run", *common)[0] == 0
     code, text = invoke("validate", *common, "--estimate")
     assert code == 0 and "finds the job complete in" in text and "resumes" not in text, text
@@ -205,7 +251,9 @@ def test_estimate_table_is_left_out_when_the_steps_cannot_tell_settings_apart():
     flat = Calibration("s", 64, 1.0, 1000, 1000, alpha=0.0, beta_prompt=1e-4, beta_out=1e-4)
     alternatives = [("--max-num-seqs 32", flat.with_settings("--max-num-seqs 32", 32, None))]
     text = "\n".join(Estimate(64, 64, [10] * 64, 0, 0, 1024, 64, 1000, flat, alternatives).lines())
-    assert "not estimated (the calibration's steps were too alike" in text and "--max-num-seqs 32  " not in text
+    assert (
+        "not estimated (the calibration's steps were too alike" in text and "--max-num-seqs 32  " not in text
+    )
 
 
 def test_a_template_typed_on_the_command_line_reads_its_escapes_as_a_job_file_does(tiny_model_dir, tmp_path):
@@ -224,7 +272,9 @@ def test_the_run_says_which_input_columns_it_renames(tiny_model_dir, tmp_path, c
 
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps({"prompt": "a", "error": "x", "input_error": "y"}) + "\n")
-    spec = make_spec(input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1)
+    spec = make_spec(
+        input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=1
+    )
     assert run_job(spec).status == "complete"
     err = capsys.readouterr().err
     assert "input column 'error' is written as 'input_input_error' (it clashes with a result column)" in err

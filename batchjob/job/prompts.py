@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchjob.errors import ConfigError, InputError
-from batchjob.io.jsontext import HalfPairError, loads_text
+from batchjob.io.jsontext import RefusedText, loads_text
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
     TEMPLATE_RULES,
@@ -301,7 +301,7 @@ class PromptBuilder:
         if isinstance(value, str):
             try:
                 value = loads_text(value)
-            except HalfPairError as e:
+            except RefusedText as e:  # a key given twice, half a UTF-16 pair: named
                 return None, f"column {col!r}: {e}"
             except (ValueError, RecursionError):
                 return (

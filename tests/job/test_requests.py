@@ -865,6 +865,21 @@ def test_the_library_refuses_a_wrong_type_a_row_would_be_refused_for():
             SamplingParams(**bad)
     assert SamplingParams(stop=("a", "b"), ignore_eos=True).stop == ["a", "b"]
     assert SamplingParams(choices=("a", "b")).choices == ["a", "b"]
+    with pytest.raises(ConfigError, match="json_schema: key 'type' appears more than once"):
+        SamplingParams(json_schema='{"type": "object", "type": "string"}')
+
+
+def test_the_library_takes_numpy_numbers_as_their_python_values():
+    import numpy as np
+
+    p = SamplingParams(max_new_tokens=np.int64(4), temperature=np.float32(0.5), seed=np.uint64(7))
+    assert (p.max_new_tokens, p.temperature, p.seed) == (4, 0.5, 7) and type(p.max_new_tokens) is int
+    for bad, message in [
+        ({"max_new_tokens": np.float64(4.0)}, "max_new_tokens must be an integer >= 1, got 4.0"),
+        ({"max_new_tokens": np.bool_(True)}, "max_new_tokens must be an integer >= 1, got True"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            SamplingParams(**bad)
 
 
 def test_json_text_in_a_column_that_gives_a_key_twice_is_the_rows_error():
