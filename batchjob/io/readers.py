@@ -220,7 +220,8 @@ TEXT_ONLY = {b"batchjob": b"text"}  # field metadata: the column holds text (not
 
 
 def _mark_text(f: pa.Field) -> pa.Field:
-    if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+    t = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return f.with_metadata(TEXT_ONLY)
     return f
 

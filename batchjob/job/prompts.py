@@ -151,7 +151,7 @@ def _is_text(t: Any) -> bool:
 
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
 
 
 def _is_scalar(t: Any) -> bool:
@@ -210,7 +210,15 @@ def _check_prompt_column(column: str, t: Any) -> None:
         pa.types.is_fixed_size_list,
         pa.types.is_map,
     )
-    binary = pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+    binary = any(
+        kind(t)
+        for kind in (
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+            pa.types.is_fixed_size_binary,
+            pa.types.is_binary_view,
+        )
+    )
     if _is_scalar(t) or binary or any(kind(t) for kind in kinds):
         bytes_note = " (bytes; every row would be refused as not text)" if binary else ""
         raise ConfigError(

@@ -296,6 +296,9 @@ def typed_inputs(tmp_path):
                 "p": [{"temprature": 0.5}, {"temprature": None}],
                 "raw": pa.array([b"great", b"bad"], pa.binary()),
                 "pm": pa.array([[("temperature", 0.5)], []], pa.map_(pa.string(), pa.float64())),
+                "d": pa.array(["great", "bad"]).dictionary_encode(),
+                "sv": pa.array(["great", "bad"], pa.string_view()),
+                "bv": pa.array([b"great", b"bad"], pa.binary_view()),
             }
         ),
         tmp_path / "typed.parquet",
@@ -328,6 +331,9 @@ TYPE_REFUSALS = [
     ("typed.parquet", ["--prompt-column", "n"], "prompt column 'n' is int64 in the input, not text"),
     ("typed.parquet", ["--prompt-column", "raw"], "prompt column 'raw' is binary in the input (bytes;"),
     ("typed.parquet", ["--prompt-column", "tags"], "prompt column 'tags' is list<element: string>"),
+    ("typed.parquet", ["--prompt-column", "bv"], "prompt column 'bv' is binary_view in the input (bytes;"),
+    ("typed.parquet", ["--template", "{d[0]}"], "--template field {d[0]}: 'd' is text in the input"),
+    ("typed.parquet", ["--template", "{sv[0]}"], "--template field {sv[0]}: 'sv' is text in the input"),
     (
         "typed.jsonl",
         ["--template", "{text}", "--params-column", "n"],
