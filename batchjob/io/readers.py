@@ -169,7 +169,7 @@ def input_schema(sources: list[Source]) -> pa.Schema:
     Parquet and saved datasets: their own schema (integer columns widen across files; a type conflict is an
     InputError). JSONL: the keys of the first 1,000 rows of each file; a column of booleans, integers or
     numbers keeps that type, anything else (strings, nested values, mixed types) is stored as text, nested
-    values as JSON. An empty file adds nothing.
+    values as JSON. An empty JSONL file adds nothing (a Parquet file without rows still has its schema).
     """
     kinds: dict[str, set[type]] = {}
     named: list[tuple[str, pa.Schema]] = []
