@@ -257,20 +257,8 @@ def test_map_fields_in_a_job(tmp_path, tiny_model_dir):
     pq.write_table(MAPS, data)
     out = tmp_path / "out"
     template = "{n[title]} / {m[0]} / {n}"
-    code, text = invoke(
-        "run",
-        "--input",
-        data,
-        "--output",
-        out,
-        "--model",
-        tiny_model_dir,
-        "--template",
-        template,
-        "--no-chat",
-        "--max-new-tokens",
-        "2",
-    )
+    args = ["--input", data, "--output", out, "--model", tiny_model_dir, "--template", template]
+    code, text = invoke("run", *args, "--no-chat", "--max-new-tokens", "2")
     assert code == 0, text
     rows = ds.dataset(out, format="parquet").to_table().to_pylist()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
