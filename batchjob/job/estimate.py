@@ -332,7 +332,7 @@ class _Sample:
         spec = prep.spec
         base = spec.sampling_params(prep.info.job_seed)
         # a resumed job: only the rows a run would do (those committed are skipped, as the loop skips them)
-        manifest = Manifest(prep.state.manifest_file) if prep.resumed else None
+        manifest = Manifest(prep.state.manifest_file, readonly=True) if prep.resumed else None
         skip, covered = prep.shard.filters(manifest.done if manifest is not None else _nothing())
         total = prep.shard.share_of(prep.info.row_counts)
         self.done = manifest.rows if manifest is not None else 0

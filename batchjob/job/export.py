@@ -49,9 +49,9 @@ class Result:
 def _manifests(out_dir: Path, info: JobInfo) -> list[Manifest]:
     count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
     if count == 1:
-        return [Manifest(StateDir(out_dir).manifest_file)]
+        return [Manifest(StateDir(out_dir).manifest_file, readonly=True)]
     states = [StateDir(out_dir, Shard(i, count)) for i in range(count)]
-    return [Manifest(s.manifest_file) for s in states if s.manifest_file.exists()]
+    return [Manifest(s.manifest_file, readonly=True) for s in states if s.manifest_file.exists()]
 
 
 def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:

@@ -45,8 +45,13 @@ def _digest(body: dict) -> str:
 
 
 class Manifest:
-    def __init__(self, path: Path) -> None:
+    """The committed parts of one worker. ``readonly``: for those who only look (``status``, ``export``, a
+    start before it holds the lock): a torn last line is left out, not cut off the file, where a running
+    worker may be appending it."""
+
+    def __init__(self, path: Path, readonly: bool = False) -> None:
         self.path = path
+        self.readonly = readonly
         self.parts: list[PartRecord] = []
         self.done = IntervalSet()
         if path.exists():
@@ -69,6 +74,8 @@ class Manifest:
             if not tail:
                 return
         # torn by a crash mid-append: that part was never committed
+        if self.readonly:
+            return
         print(f"batchjob: dropping the torn last line of {self.path} (a crash mid-commit)", file=sys.stderr)
         with open(self.path, "rb+") as f:
             f.truncate(good)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchjob.errors import InputError
+from batchjob.errors import InputError, StateError
 from batchjob.io.readers import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
@@ -89,6 +89,22 @@ def _check_output(out_dir: Path) -> None:
                 f"--output {out_dir} already holds other files (e.g. {visible[0].name}) and no batchjob job; "
                 "give a new or empty folder"
             )
+    _check_job_file(out_dir)
+
+
+def _check_job_file(out_dir: Path) -> None:
+    """Results without the job file that says what made them (deleted, or lost with a copy) would be taken
+    for the results of whatever job runs there next: refused, before anything is written."""
+    state = out_dir / STATE_DIR
+    if not state.is_dir() or (state / "job.json").exists():
+        return
+    left = next(state.rglob("manifest.jsonl"), None) or next(out_dir.glob("*.parquet"), None)
+    if left is not None:
+        raise StateError(
+            f"--output {out_dir} holds results ({left.relative_to(out_dir)}) but not the job file "
+            f"{STATE_DIR}/job.json that says what made them: restore it from where the folder came from, or "
+            "give a new --output"
+        )
 
 
 def input_paths(spec: JobSpec) -> list[str]:

@@ -80,7 +80,7 @@ def read_outputs(
     for path in manifests:
         if not path.exists():
             continue
-        for record in Manifest(path).parts:
+        for record in Manifest(path, readonly=True).parts:
             part = out_dir / record.name
             if record.name in skip or not part.exists():
                 continue

@@ -80,10 +80,11 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     """
     prep = prepare(spec, shard=shard)
     if prep.info.complete:
-        manifest = Manifest(prep.state.manifest_file)
-        if not needs_repair(prep.out_dir, manifest, spec.retry_errors):  # else: redo those rows, below
+        manifest = Manifest(prep.state.manifest_file, readonly=True)  # the lock is not held yet
+        total = prep.shard.share_of(prep.info.row_counts)
+        listed = total is not None and manifest.rows >= total  # else the manifest lost lines: redo those rows
+        if listed and not needs_repair(prep.out_dir, manifest, spec.retry_errors):  # else: redo, below
             _restamp(prep)
-            total = prep.shard.share_of(prep.info.row_counts)
             return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
     _say_dtype_hint(prep)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +186,9 @@ def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder
         return PromptBuilder(plan, engine.tokenizer, engine.max_model_len, spec.template_kwargs)
     cut = engine.prefill_limit if spec.engine.truncate else None
     tokenize = embed_input(spec, plan, engine)
-    return PromptBuilder(plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut, tokenize=tokenize)
+    return PromptBuilder(
+        plan, engine.tokenizer, None, spec.template_kwargs, truncate_to=cut, tokenize=tokenize
+    )
 
 
 def _restamp(prep: Prepared) -> None:

@@ -30,7 +30,8 @@ from batchjob.job.verify import PartProblem, check_parts
 @dataclass
 class WorkerStatus:
     shard: Shard
-    # "complete" | "running" | "stopped" | "not started" | "incomplete" (complete but for damaged parts)
+    # "complete" | "running" | "stopped" | "not started" | "incomplete" (complete but for damaged parts, or
+    # rows its manifest no longer lists)
     state: str
     rows_done: int = 0  # input rows
     rows_total: int | None = None  # this worker's share
@@ -44,6 +45,7 @@ class WorkerStatus:
     stats_problem: str | None = None  # why its stats.json could not be read (stats are then unavailable)
     samples: int = 0  # result rows of the rows done (--n N: N a row)
     holder: dict[str, Any] = field(default_factory=dict)  # a running worker: its pid, host, since (lock file)
+    unlisted: int = 0  # rows of a worker marked complete that its manifest does not list (lines lost)
 
     @property
     def live(self) -> dict[str, Any]:
@@ -100,7 +102,9 @@ class JobStatus:
         state = "complete" if self.complete else "incomplete"
         if running:  # a run is active: what is committed is not all it has done
             who = [
-                f"pid {w.holder['pid']} on {w.holder.get('host', '?')}" for w in running if w.holder.get("pid")
+                f"pid {w.holder['pid']} on {w.holder.get('host', '?')}"
+                for w in running
+                if w.holder.get("pid")
             ]
             state += f", running now ({', '.join(who) or f'{len(running)} workers'})"
         return f"{shown_as}: {state}{workers}"
@@ -116,6 +120,13 @@ class JobStatus:
         lines += [f"stats: {w.stats_problem}" for w in self.workers if w.stats_problem]
         lines += [line for w in self.workers if (line := _died_line(w, len(self.workers) > 1))]
         lines += [f"missing or damaged: {p} ({p.record.rows} rows)" for p in self.problems]
+        for w in self.workers:
+            if w.unlisted and w.rows_total is not None:
+                who = w.shard.name if len(self.workers) > 1 else "the job"
+                lines.append(
+                    f"{who}: its manifest lists {w.rows_total - w.unlisted} of {w.rows_total} rows "
+                    f"({w.unlisted} lost from it): `batchjob run` redoes them"
+                )
         if self.problems:
             redo = self.total("rows_to_redo")
             lines.append(
@@ -179,7 +190,11 @@ class JobStatus:
             lines.append(
                 f"last run: {w.stats.get('rows', 0)} rows{extra} in {w.stats.get('elapsed_s', 0):.1f} s, "
                 f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
-                + (f"{w.stats['images']} images, {w.stats['images_per_s']:.2f}/s, " if "images" in w.stats else "")
+                + (
+                    f"{w.stats['images']} images, {w.stats['images_per_s']:.2f}/s, "
+                    if "images" in w.stats
+                    else ""
+                )
                 + f"{w.stats.get('preemptions', 0)} preemptions"
             )
         return [*lines, f"parts: {w.parts}; stats: {w.stats_file}"]
@@ -254,7 +269,7 @@ def job_status(out_dir: Path) -> JobStatus:
             workers.append(WorkerStatus(shard, "not started"))
             continue
         mine = state.load_job()
-        manifest = Manifest(state.manifest_file)
+        manifest = Manifest(state.manifest_file, readonly=True)
         stats, stats_problem = read_stats(state.stats_file)
         for r in mine.inputs:  # row counts a worker learned by reading to the end
             known = next(x for x in info.inputs if x.seq == r.seq)
@@ -287,6 +302,9 @@ def job_status(out_dir: Path) -> JobStatus:
         )
     for w in workers:
         w.rows_total = w.shard.share_of(info.row_counts)
+        listed = w.rows_done + w.rows_to_redo  # the rows its manifest lists, damaged parts' too
+        if w.state == "complete" and w.rows_total is not None and listed < w.rows_total:
+            w.state, w.unlisted = "incomplete", w.rows_total - listed  # its manifest lost lines
     task = str((info.fingerprint.get("task") or {}).get("task", "generate"))
     changes = changes_now(info.inputs, info.input_paths, out_dir)
     lora = info.fingerprint.get("lora") or {}  # the job's adapters by name (none: not a LoRA job)
