@@ -70,6 +70,20 @@ def check_engine(spec: JobSpec) -> str:
     )
 
 
+def _already_complete(prep: Prepared) -> JobResult | None:
+    """A share complete for these inputs, every row listed in its manifest and no part to redo: its result;
+    else None (the run redoes what is missing)."""
+    if not prep.info.complete:
+        return None
+    manifest = Manifest(prep.state.manifest_file, readonly=True)  # the lock is not held yet
+    total = prep.shard.share_of(prep.info.row_counts)
+    listed = total is not None and manifest.rows >= total  # else the manifest lost lines: redo those rows
+    if not listed or needs_repair(prep.out_dir, manifest, prep.spec.retry_errors):
+        return None
+    _restamp(prep)
+    return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
+
+
 def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None = None) -> JobResult:
     """Run (or resume) a job to completion. Returns its result; raises BatchjobError for what the user can fix.
 
@@ -79,13 +93,8 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     The job is prepared (inputs discovered, the model identified, prompts planned) once per start.
     """
     prep = prepare(spec, shard=shard)
-    if prep.info.complete:
-        manifest = Manifest(prep.state.manifest_file, readonly=True)  # the lock is not held yet
-        total = prep.shard.share_of(prep.info.row_counts)
-        listed = total is not None and manifest.rows >= total  # else the manifest lost lines: redo those rows
-        if listed and not needs_repair(prep.out_dir, manifest, spec.retry_errors):  # else: redo, below
-            _restamp(prep)
-            return JobResult("already complete", prep.out_dir, manifest.rows, total, manifest.errors)
+    if (done := _already_complete(prep)) is not None:
+        return done
     _say_dtype_hint(prep)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
