@@ -14,6 +14,7 @@ import csv
 import hashlib
 import heapq
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -235,10 +236,10 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
             f"completions, chat and embeddings only); export {out_dir} with --format jsonl or csv"
         )
     id_column = _id_name(out_dir, info, (info.fingerprint.get("prompt") or {}).get("id_column"))
-    written = 0
+    written, nulled = 0, [0]
     if fmt == "jsonl":
         for r in results:
-            to.write(json.dumps(r.row, ensure_ascii=False, default=_json_default) + "\n")
+            to.write(_json_line(r.row, nulled))
             written += 1
     elif fmt == "csv":
         writer: Any = None
@@ -253,9 +254,36 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
         created = int(time.time())
         for _, group in groupby(results, key=lambda r: r.ordinal):
             line = _openai_line(list(group), info, id_column, model, created)
-            to.write(json.dumps(line, ensure_ascii=False) + "\n")
+            to.write(_json_line(line, nulled))
             written += 1
+    if nulled[0]:
+        print(
+            f"batchjob export: {nulled[0]} NaN or infinite values written as null (JSON has no such numbers; "
+            "--format csv writes them as nan, inf)",
+            file=sys.stderr,
+        )
     return written
+
+
+def _json_line(value: Any, nulled: list[int]) -> str:
+    """One line of standard JSON: a NaN or infinite float (no JSON number; ``json`` would write the bare
+    ``NaN`` that strict readers refuse and jq reads as null) as null, counted in ``nulled``."""
+    try:
+        return json.dumps(value, ensure_ascii=False, default=_json_default, allow_nan=False) + "\n"
+    except ValueError:
+        finite = _nulled(value, nulled)
+        return json.dumps(finite, ensure_ascii=False, default=_json_default, allow_nan=False) + "\n"
+
+
+def _nulled(value: Any, nulled: list[int]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        nulled[0] += 1
+        return None
+    if isinstance(value, dict):
+        return {k: _nulled(v, nulled) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nulled(v, nulled) for v in value]
+    return value
 
 
 def _csv_value(value: Any) -> Any:

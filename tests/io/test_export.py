@@ -66,6 +66,28 @@ def expected_order():
     )
 
 
+def _strict(line):
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_nan_and_infinity_export_as_null_in_standard_json(tiny_model_dir, tmp_path):
+    """Python's json writes a bare NaN, which strict readers refuse and jq reads as null: null, said once."""
+    data = tmp_path / "in"
+    data.mkdir()
+    table = {"rid": ["x", "y", "z"], "text": ["one", "two", "three"], "v": [float("nan"), float("-inf"), 1.5]}
+    pq.write_table(pa.table(table | {"vs": [[float("inf"), 2.0], [], None]}), data / "t.parquet")
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
+    assert result.exit_code == 0, result.output
+    rows = [_strict(line) for line in result.stdout.splitlines()]
+    assert [(r["v"], r["vs"]) for r in rows] == [(None, [None, 2.0]), (None, []), (1.5, None)]
+    assert "3 NaN or infinite values written as null" in result.stderr
+
+
 @pytest.mark.parametrize("shards", [1, 3])
 def test_jsonl_and_csv_are_in_input_order(inputs, tiny_model_dir, tmp_path, shards):
     out = tmp_path / "out"
