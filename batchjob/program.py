@@ -8,7 +8,9 @@ imports the other's commands. Nothing heavy is imported: the command installs it
 from __future__ import annotations
 
 import functools
+import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,6 +39,12 @@ def errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except BatchjobError as e:
             raise Failure(str(e), e.exit_code) from e
+        except BrokenPipeError as e:
+            if not _stdout_gone(e):
+                raise Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
+            # `batchjob export OUT | head`: the reader has all it wanted; say nothing, as cat and grep do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+            raise SystemExit(1) from None
         except OSError as e:  # disk full, permission denied: the world, not a bug
             from batchjob.io.atomic import disk_full_message, is_disk_full
 
@@ -46,6 +54,14 @@ def errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
 
     return wrapper
+
+
+def _stdout_gone(e: BrokenPipeError) -> bool:
+    """Whether a broken pipe is our standard output's (a pipe, and no file named): its reader has gone."""
+    try:
+        return e.filename is None and stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def engine_flags(

@@ -88,6 +88,26 @@ def test_nan_and_infinity_export_as_null_in_standard_json(tiny_model_dir, tmp_pa
     assert "3 NaN or infinite values written as null" in result.stderr
 
 
+@pytest.mark.process
+def test_export_into_a_pipe_its_reader_closes_says_nothing(tiny_model_dir, tmp_path):
+    """`batchjob export OUT | head -1`: the reader had what it wanted; no 'Error: Broken pipe'."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "in"
+    data.mkdir()
+    pq.write_table(
+        pa.table({"rid": [f"r{i}" for i in range(200)], "text": ["x" * 1000] * 200}), data / "t.parquet"
+    )
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    command = [sys.executable, "-m", "batchjob", "export", str(out), "--format", "jsonl"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b'{"rid": "r0"')
+    proc.stdout.close()  # 200 KB of lines, more than the pipe holds: the next write finds no reader
+    assert proc.wait(timeout=120) == 1 and proc.stderr is not None and proc.stderr.read() == b""
+
+
 @pytest.mark.parametrize("shards", [1, 3])
 def test_jsonl_and_csv_are_in_input_order(inputs, tiny_model_dir, tmp_path, shards):
     out = tmp_path / "out"
