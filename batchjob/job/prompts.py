@@ -97,6 +97,8 @@ def plan_prompts(
         need(spec.score_column, "--score-column")
     if spec.image_column is not None:
         need(spec.image_column, "--image-column")
+    if spec.adapter_column is not None:  # else every row would run on the base model, without a word
+        need(spec.adapter_column, "--adapter-column")
     resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)

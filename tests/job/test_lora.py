@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from batchjob.errors import ConfigError
+from batchjob.errors import ConfigError, InputError
 from batchjob.job import make_spec, run_job
 from tests.jobproc import read_results, run_here
 
@@ -123,6 +123,9 @@ def test_refused_before_any_work(rows, tiny_model_dir, adapters, tmp_path):
         make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, {}, lora=["justapath"]))
     with pytest.raises(ConfigError, match="--adapter-column needs adapters"):
         make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, {}, adapter_column="adapter"))
+    # a misspelled column: every row would have run on the base model, without a word
+    with pytest.raises(InputError, match="--adapter-column 'adaptr': the input has no such column"):
+        run_job(make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, adapters, adapter_column="adaptr")))
 
 
 def test_job_file_lora_table_and_openai_body_model(tiny_model_dir, adapters, tmp_path):
