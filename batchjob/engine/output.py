@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchjob.engine import choices
-from batchjob.engine.constraints import GrammarConstraint, normalize_choices
+from batchjob.engine.constraints import ChoiceConstraint, GrammarConstraint, normalize_choices
 from batchjob.engine.request import Request, RequestStatus
 from batchjob.engine.stop_strings import StopScan
 
@@ -27,9 +27,15 @@ FINISH_REASONS = {
 
 
 def cut_short(req: Request) -> str | None:
-    """Why a request that ran out of tokens has no answer: its JSON schema or regex was not complete (a
-    cut answer, ``{"a"``, would read as the model's); None when it has one (or no grammar)."""
+    """Why a constrained request that ran out of tokens (its limit, or the context's end) has no answer: its
+    JSON schema or regex was not complete, or no choice was (a cut answer, ``{"a"`` or ``y`` of ``yes``,
+    would read as the model's); None when it has one, or no constraint."""
     c = req.constraint
+    if isinstance(c, ChoiceConstraint):
+        return (
+            f"the context ended ({req.num_tokens} tokens) before a choice was complete: shorten the prompt "
+            "or raise --max-model-len"
+        )
     if not isinstance(c, GrammarConstraint) or c.matcher.is_accepting():
         return None
     what = "JSON schema" if req.params.json_schema is not None else "regex"
@@ -100,14 +106,14 @@ class OutputProcessor:
         text = self.decode(token_ids) if token_ids else ""
         if req.stop is not None and req.stop.match is not None:
             text = text[: req.stop.match]
-        choice_logprobs = None
+        choice_logprobs, chosen = None, False
         if choices.is_choice(req):
             choice_logprobs, answer = choices.answer(req)
             if answer is not None:
-                token_ids, text = answer
+                (token_ids, text), chosen = answer, True
         req.finish_time = time.monotonic()
         finish, error = FINISH_REASONS.get(req.status, "error"), req.error
-        if finish == "length" and (cut := cut_short(req)) is not None:
+        if finish == "length" and not chosen and (cut := cut_short(req)) is not None:
             finish, error = "error", cut
         return RequestOutput(
             request_id=req.group_id,

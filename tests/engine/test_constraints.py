@@ -192,6 +192,20 @@ def test_an_answer_cut_by_its_token_limit_before_the_grammar_completes_is_an_err
     assert {(o.finish_reason, o.error) for o in free} == {("length", None)}
 
 
+def test_a_choice_the_context_ends_inside_is_an_error(tiny_model_dir):
+    """A choice is written whole: where the context ends first, 'alp' of 'alpha beta gamma' is no answer."""
+    engine = _engine(tiny_model_dir, "float32", max_model_len=40)
+    prompt = [5 + i % 50 for i in range(38)]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            choices=["alpha beta gamma", "delta epsilon zeta"], temperature=temperature, seed=1
+        )
+        [o] = engine.generate([prompt], params)
+        assert o.finish_reason == "error" and o.error.startswith(
+            "the context ended (40 tokens) before a choice"
+        )
+
+
 def test_bad_schema_or_regex_is_a_config_error(engine):
     with pytest.raises(ConfigError, match="json_schema"):
         engine.add_request("bad-schema", [5, 6, 7], SamplingParams(json_schema={"type": "no-such-type"}))

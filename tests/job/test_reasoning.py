@@ -110,6 +110,26 @@ def test_constrained_answer_after_bounded_thinking_is_exact(data, thinker, tmp_p
         assert r["choice_logprobs"] == pytest.approx(answer.choice_logprobs)
 
 
+def test_thinking_longer_than_the_context_allows_leaves_room_for_the_answer(data, thinker, tmp_path):
+    """A --max-reasoning-tokens past the context: the thinking stops where the close tag and an answer still
+    fit, instead of every long thought's answer being refused as a prompt too long for the context."""
+    out = tmp_path / "out"
+    run(
+        data,
+        out,
+        thinker,
+        "--choices",
+        ",".join(LABELS),
+        "--max-reasoning-tokens",
+        "100000",
+        "--max-model-len",
+        "48",
+    )
+    for r in rows(out):
+        assert r["error"] is None and r["generated_text"] in LABELS, r
+        assert r["num_prompt_tokens"] + r["num_generated_tokens"] <= 48
+
+
 def test_thinking_turned_off_by_the_template_and_free_answers(data, thinker, tmp_path):
     off = tmp_path / "off"
     run(

@@ -118,12 +118,17 @@ class RowMaker:
             inside = tags.inside(ids)
             closed = not inside and tags.closed(ids)
             if not closed and (params.constrained or spec.max_reasoning_tokens is not None):
+                prompt = ids if inside else ids + list(tags.open_ids)
+                # the thinking leaves the context room for the close tag and the answer (its max_new_tokens),
+                # or every long thought's answer would be refused as a prompt too long for the context
+                room = self.engine.max_model_len - len(prompt) - len(tags.close_ids) - params.max_new_tokens
+                thinking = min(spec.max_reasoning_tokens or params.max_new_tokens, max(room, 1))
                 return Reasoning(
                     row=row,
                     row_id=row_id,
-                    prompt_ids=ids if inside else ids + list(tags.open_ids),
+                    prompt_ids=prompt,
                     num_prompt_tokens=len(ids),
-                    params=thinking_params(tags, params, spec.max_reasoning_tokens),
+                    params=thinking_params(tags, params, thinking),
                     answer_params=params,
                     tags=tags,
                     inside=inside,
