@@ -189,6 +189,26 @@ def test_classify_equals_hf_forward(classifiers, family, dtype):
     assert eng.block_manager.num_used_blocks == 0
 
 
+def test_a_decoder_head_reads_the_last_token_that_is_no_pad_as_transformers_does(classifiers):
+    """A reward model whose pad token is its EOS: a text ending in it (or holding it) is read at its last
+    token that is not the pad token, the position transformers' head reads (and trained it on)."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = classifiers["qwen2"]
+    hf = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float64).eval()
+    pad = hf.config.pad_token_id
+    eng = Engine.from_pretrained(
+        str(folder), task="classify", device="cpu", dtype="float64", max_num_batched_tokens=8
+    )
+    text = eng.tokenize("the quick brown fox jumps")
+    rows = [text + [pad], text + [pad, pad, pad], text[:3] + [pad] + text[3:], [pad, pad], text]
+    for ids, out in zip(rows, eng.classify(rows), strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].numpy()
+        assert out.error is None and out.score == pytest.approx(float(ref[0]), abs=TOL["float64"]), ids
+    assert eng.classify([text + [pad]])[0].score == pytest.approx(eng.classify([text])[0].score, abs=1e-12)
+
+
 def _hf_logprobs(hf, ids: list[int]) -> np.ndarray:
     """log P(ids[p + 1] | ids[: p + 1]) for every p, from HF's forward at batch size 1."""
     with torch.no_grad():
@@ -264,7 +284,9 @@ def test_refusals(embedders, causal_lm):
         lm.embed(TEXTS)
     with pytest.raises(ConfigError, match="generate\\(\\) needs an engine built with task='generate'"):
         lm.generate(TEXTS)
-    with pytest.raises(ConfigError, match="pooling, normalize, dimensions and prompt_name are options of task embed"):
+    with pytest.raises(
+        ConfigError, match="pooling, normalize, dimensions and prompt_name are options of task embed"
+    ):
         Engine.from_pretrained(str(causal_lm), task="score", device="cpu", pooling="mean")
     with pytest.raises(ConfigError, match="task must be one of generate, embed, classify, score"):
         Engine.from_pretrained(str(causal_lm), task="rerank", device="cpu")

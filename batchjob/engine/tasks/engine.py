@@ -145,7 +145,7 @@ class TaskEngine(Engine):
         req = Request(rid, tokens, min(len(prompt), len(tokens)), SamplingParams(), time.monotonic())
         req.adapter = index  # (before the scheduler: it roots the request's prefix digests)
         req.task = self.tasks.new_state(
-            req.num_prompt_tokens, len(tokens), continuation_ids is not None, token_logprobs
+            req.num_prompt_tokens, tokens, continuation_ids is not None, token_logprobs
         )
         self._requests[rid] = req
         self.stats.prompt_tokens += len(tokens)

@@ -16,8 +16,8 @@ The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for o
   when present, else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option
   given wins. A prompt the pooling leaves out (``include_prompt`` false) is skipped: ``TaskState.pool_from``.
 - ``classify``: ``logits``, a 1-D numpy array of the sequence-classification head's raw outputs, read at the
-  first token for an encoder (through its pooler when it has one, as the model does) and at the last token
-  for a decoder (a reward model); with more than one label also ``probs`` (softmax) and ``label`` (the
+  first token for an encoder (through its pooler when it has one, as the model does) and for a decoder (a
+  reward model) at the last token that is not the pad token, as transformers' head reads it; with more than one label also ``probs`` (softmax) and ``label`` (the
   ``id2label`` name of the largest); with one output ``score`` (that output, a float). As the config's
   ``problem_type`` says (``state.HEADS``): a multi-label head gives ``probs`` (a sigmoid per label) and
   ``labels`` (those above 0.5), a regression head its values alone.
@@ -129,6 +129,7 @@ class TaskRunner:
         self.head_kind = "single"  # classify: how the head's outputs are read (state.HEADS)
         self.position = "cls"
         self.heads: dict[int, Any] = {}  # classify: a LoRA adapter's own head by adapter index (adapters.py)
+        self.pad_id: int | None = None  # classify on a decoder: the pad token its head's position skips
         if task == "embed":
             assert pooling is not None
             self.position = pooling.mode
@@ -136,19 +137,26 @@ class TaskRunner:
             self.head_kind = head_kind(model.config)
             self.position, self.head = classifier(model, encoder)
             self.id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
+            # a decoder's head reads the rightmost token that is not the pad token, as transformers' does
+            # (a reward model whose pad token is its EOS was trained on that position, not the EOS's)
+            self.pad_id = model.config.get_text_config().pad_token_id if self.position == "last" else None
         else:
             self.head = _score_head(model)
             self.position = "all"
             self.vocab = model.get_output_embeddings().weight.shape[0]
 
     def new_state(
-        self, num_prompt: int, num_tokens: int, conditional: bool, token_logprobs: bool
+        self, num_prompt: int, tokens: list[int], conditional: bool, token_logprobs: bool
     ) -> TaskState:
         if self.task == "score":
             score_from = num_prompt if conditional else 1
             return TaskState("score", score_from - 1, score_from, token_logprobs)
-        compute_from = num_tokens - 1 if self.position == "last" else 0
-        return TaskState(self.task, compute_from, pool_from=self.skip)
+        if self.position != "last":
+            return TaskState(self.task, 0, pool_from=self.skip)
+        at = len(tokens) - 1
+        if self.pad_id is not None:  # the rightmost token that is no pad (the first, if all are)
+            at = next((i for i in range(at, -1, -1) if tokens[i] != self.pad_id), 0)
+        return TaskState(self.task, at, pool_from=self.skip, read_at=at)
 
     # -- each step -------------------------------------------------------------------------------------
 
@@ -173,8 +181,8 @@ class TaskRunner:
         for i, req in enumerate(plan.requests):
             if self.position == "cls" and lay.starts[i] <= first < lay.ends[i]:
                 picks.append(int(lay.offsets[i]) + first - int(lay.starts[i]))
-            elif self.position == "last" and lay.ends[i] == req.num_tokens:
-                picks.append(int(lay.offsets[i + 1]) - 1)
+            elif self.position == "last" and lay.starts[i] <= req.task.read_at < lay.ends[i]:
+                picks.append(int(lay.offsets[i]) + req.task.read_at - int(lay.starts[i]))
             else:
                 continue
             owners.append(req)

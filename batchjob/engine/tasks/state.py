@@ -55,6 +55,7 @@ class TaskState:
     score_from: int = 1  # score: first scored position (its token's log-probability given those before)
     keep_token_logprobs: bool = False
     pool_from: int = 0  # embed: first position the pooling takes (after a prompt left out of it)
+    read_at: int = 0  # pooling "last" (embed) or a decoder's head (classify): the position read
     pooled: torch.Tensor | None = None  # embed: running sum (mean) or the row (cls, last); classify: logits
     logprob: float = 0.0  # score: running sum, float64
     num_scored: int = 0
