@@ -176,7 +176,12 @@ def task_model_dirs(tmp_path_factory):
         1: make_classifier(root / "clf1", "bert", 1),
         "multi": make_classifier(root / "multi", "bert", 4, problem_type="multi_label_classification"),
         "chat": make_embedder(
-            root / "chat", "qwen3", "lasttoken", chat=True, prompts={"doc": "Doc: "}, default_prompt_name="doc"
+            root / "chat",
+            "qwen3",
+            "lasttoken",
+            chat=True,
+            prompts={"doc": "Doc: "},
+            default_prompt_name="doc",
         ),
     }
 
@@ -218,6 +223,24 @@ def test_score_job_conditional_with_token_logprobs_equals_engine_score(tiny_mode
     for r, e in zip(ok, expected, strict=True):
         assert r["logprob"] == e.logprob and r["num_scored_tokens"] == e.num_scored_tokens
         assert r["token_logprobs"] == e.token_logprobs and r["perplexity"] == e.perplexity
+
+
+def test_a_scored_text_cut_by_truncate_counts_the_tokens_read(tiny_model_dir, tmp_path):
+    """--truncate cuts a long scored text at the limit: num_prompt_tokens is what was read (64), not the
+    prompt and the whole text (an unconditional row said so already)."""
+    _, rows = job(
+        tmp_path,
+        tiny_model_dir,
+        "score",
+        template="Topic {topic}:",
+        score_column="text",
+        max_model_len=64,
+        truncate=True,
+    )
+    long = next(r for r in rows if r["rid"] == "r05")
+    assert long["error"] is None and long["num_prompt_tokens"] == 64 and long["num_scored_tokens"] < 64
+    short = next(r for r in rows if r["rid"] == "r00")
+    assert short["num_prompt_tokens"] < 64
 
 
 def test_score_job_unconditional_equals_engine_score(tiny_model_dir, tmp_path):
@@ -285,7 +308,12 @@ def test_multi_label_classify_job_writes_labels(task_model_dirs, tmp_path):
 
     spec = make_spec(input=["x.jsonl"], output="o", model=str(model), task="classify")
     assert head_fingerprint(spec) == {"head": "multi"}
-    assert head_fingerprint(make_spec(input=["x.jsonl"], output="o", model=str(task_model_dirs[3]), task="classify")) == {}
+    assert (
+        head_fingerprint(
+            make_spec(input=["x.jsonl"], output="o", model=str(task_model_dirs[3]), task="classify")
+        )
+        == {}
+    )
 
 
 def test_embed_job_makes_each_input_as_the_folder_says(task_model_dirs, tmp_path):

@@ -172,6 +172,8 @@ class RowMaker:
             if continuation is None:
                 return None, error
             n_prompt += len(continuation)
+            if self.spec.engine.truncate:  # the engine cuts the text (prompt and scored text) to its limit
+                n_prompt = min(n_prompt, self.engine.prefill_limit)
         task = self.task
         if inputs is not None:
             return EmbeddingInputs(
