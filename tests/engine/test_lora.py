@@ -240,7 +240,7 @@ def _edited(folder: Path, tmp_path: Path, name: str, **changes) -> Path:
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"bias": "all"}, "base biases"),
         ({"base_model_name_or_path": "someone/Other-Model"}, "made for base model 'someone/Other-Model'"),
-        ({"r": 5}, "made for another base model"),
+        ({"r": 5}, "weights are of rank 4, but its adapter_config.json says r 5"),
     ],
 )
 def test_refused_by_name(adapter_sets, tmp_path, changes, message):
@@ -248,6 +248,21 @@ def test_refused_by_name(adapter_sets, tmp_path, changes, message):
     bad = _edited(folders["qv"], tmp_path, "bad", **changes)
     with pytest.raises(ConfigError, match=message):
         Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"bad": str(bad)})
+
+
+def test_the_base_model_is_known_by_its_hub_name_in_the_cache_and_through_a_link(tmp_path):
+    from batchjob.engine.lora.peft_folder import check_base
+
+    snapshot = tmp_path / "hub" / "models--org--Tiny-Llama" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    link = tmp_path / "mine"
+    link.symlink_to(snapshot)
+    config = {"base_model_name_or_path": "org/Tiny-Llama"}
+    check_base("a", config, str(snapshot))  # the hub cache's own folder
+    check_base("a", config, str(link))
+    check_base("a", config, "org/Tiny-Llama")
+    with pytest.raises(ConfigError, match="name the folder 'tiny-llama'"):  # a copy under another name
+        check_base("a", config, str(tmp_path / "copy"))
 
 
 def test_refused_targets_bases_and_settings(adapter_sets, tiny_model_dirs, tmp_path):

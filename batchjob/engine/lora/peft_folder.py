@@ -132,13 +132,33 @@ def pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 
 
 def check_base(name: str, config: dict[str, Any], model_id: str) -> None:
-    """Refuse an adapter whose config names another base model than the engine's (compared by last path
-    component, so a local copy of the same hub model passes)."""
+    """Refuse an adapter whose config names another base model than the engine's, compared by name (a
+    model's last path component: a local copy of the same hub model passes, and so does the hub cache's
+    ``models--org--name/snapshots/<hash>`` folder, or a link to it); the shapes are checked apart."""
     base = str(config.get("base_model_name_or_path") or "")
     if not base or not model_id:
         return
-    if base.rstrip("/").split("/")[-1].lower() != str(model_id).rstrip("/").split("/")[-1].lower():
-        raise ConfigError(f"LoRA adapter {name!r} was made for base model {base!r}, not {model_id!r}")
+    want = base.rstrip("/").split("/")[-1].lower()
+    if want not in _names(str(model_id)):
+        raise ConfigError(
+            f"LoRA adapter {name!r} was made for base model {base!r} (its adapter_config.json says so), not "
+            f"{model_id!r}: give --model that model; a copy of it in a folder of another name is taken by "
+            f"name only, so name the folder {want!r}"
+        )
+
+
+def _names(model_id: str) -> set[str]:
+    """The names a model goes by: its last path component, that of the folder a link leads to, and the hub
+    repository's name where it is a snapshot of the hub cache."""
+    names = {model_id.rstrip("/").split("/")[-1].lower()}
+    path = Path(model_id)
+    if path.exists():
+        resolved = path.resolve()
+        names.add(resolved.name.lower())
+        for part in resolved.parts:
+            if part.startswith("models--"):
+                names.add(part.split("--")[-1].lower())
+    return names
 
 
 def read_tensors(
@@ -241,6 +261,11 @@ def load_adapter(
         a, b = pair["A"], pair["B"]
         in_f, out_f = module_shape(name, module_name, model)
         rank = int(pattern_value(ranks, module_name, r))
+        if a.shape[1:] == (in_f,) and b.shape[:1] == (out_f,) and a.shape[0] == b.shape[1] != rank:
+            raise ConfigError(  # the layer's shape fits: the config's rank does not
+                f"LoRA adapter {name!r}: {module_name}'s weights are of rank {a.shape[0]}, but its "
+                f"adapter_config.json says r {rank}: the config does not describe these weights"
+            )
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise ConfigError(
                 f"LoRA adapter {name!r}: {module_name} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this "
