@@ -327,9 +327,16 @@ def reconcile(
             records.append(now)
             if grew:
                 again = "" if torn is None else f", and row {torn} again (its line was not finished)"
+                sampled = (
+                    ""
+                    if rec.size <= identity.FULL_BYTES
+                    else f" (its first {_size(rec.size)} were checked in samples, not whole: a row edited in "
+                    "place there keeps its old result)"
+                )
                 taken.append(
                     f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed"
                     + again
+                    + sampled
                 )
             if torn is not None:
                 redo.append(ordinal(rec.seq, torn))

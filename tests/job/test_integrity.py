@@ -189,6 +189,11 @@ def test_large_file_identity_by_samples_and_time_stamp(tmp_path, monkeypatch):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # what the hint says to do, if it is unchanged
     [now] = reconcile(saved, sources, False, tmp_path)[0]
     assert (now.size, now.digest, now.mtime_ns) == (saved[0].size, saved[0].digest, saved[0].mtime_ns)
+    # grown: --append can check the old part only as it was recorded, in samples, and says so
+    with open(path, "a") as f:
+        f.write(line)
+    _, [taken], _ = reconcile(saved, discover([str(path)]), True, tmp_path)
+    assert "checked in samples, not whole: a row edited in place there keeps its old result" in taken
 
 
 def test_files_swapped_by_name_in_one_time_stamp_tick_are_refused(tmp_path, tiny_model_dir):
