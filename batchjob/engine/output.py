@@ -60,6 +60,7 @@ class RequestOutput:
     choice_logprobs: dict[str, float] | None = None  # with choices: log P(choice | prompt), each choice
     logprobs: list[list[tuple[int, float]]] | None = None  # with logprobs=K: per generated token
     first_scheduled_time: float | None = None  # when it first ran in a step (None: it never ran)
+    stopped_at_string: bool = False  # a stop string ended it (``text`` ends before it; the tokens may not)
     # Prefill-only tasks (tasks.py documents each); None for generation and for errors.
     embedding: np.ndarray | None = None  # embed: [D]
     logits: np.ndarray | None = None  # classify: [L] the head's raw outputs
@@ -129,5 +130,6 @@ class OutputProcessor:
             choice_logprobs=choice_logprobs,
             logprobs=None if req.logprobs is None else req.logprobs.top,
             first_scheduled_time=req.first_scheduled_time,
+            stopped_at_string=req.stop is not None and req.stop.match is not None,
             **((req.task.result or {}) if req.task is not None else {}),
         )

@@ -216,3 +216,34 @@ def test_tags_given_by_hand_and_missing_tags(data, tiny_model_dir, tmp_path):
     plain = tmp_path / "c"  # no tags: no reasoning column
     run(data, plain, tiny_model_dir)
     assert "reasoning" not in rows(plain)[0]
+
+
+def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
+    """A close tag of several tokens ends the thinking as a stop string, which may end inside a token the
+    model wrote ('o', 'tral' for 'otra'): the answer follows the model's tokens, with no second tag; a
+    thinking that ran long gets the tag."""
+    from batchjob.engine.output import RequestOutput
+    from batchjob.io.readers import Row
+    from batchjob.job.reasoning import ReasoningTags
+    from batchjob.job.rows.reasoning import Reasoning, thinking_params
+
+    tags = ReasoningTags("<foo>", "otra", (90,), (40, 41))
+    params = SamplingParams(choices=["yes", "no"])
+    row = Reasoning(
+        row=Row(0, "q.jsonl", 0, {"q": "hi"}),
+        row_id="q0",
+        prompt_ids=[5, 6, 90],
+        num_prompt_tokens=2,
+        params=thinking_params(tags, params, 8),
+        answer_params=params,
+        tags=tags,
+    )
+
+    def thought(ids, finish, at_string):
+        return RequestOutput(
+            "q0", [5, 6, 90], ids, "", finish, None, 0.0, None, 0.0, stopped_at_string=at_string
+        )
+
+    assert row._answer(thought([7, 40, 42], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 42]
+    assert row._answer(thought([7, 40, 41], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 41]
+    assert row._answer(thought([7, 8, 9], "length", False)).prompt_ids == [5, 6, 90, 7, 8, 9, 40, 41]

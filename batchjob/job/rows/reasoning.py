@@ -84,7 +84,9 @@ class Reasoning(Samples):
         self.thoughts[k] = thought
         ids = self.prompt_ids + list(thought.token_ids)
         close = list(self.tags.close_ids)
-        if ids[-len(close) :] != close:
+        # the model wrote the tag: as the tag's own tokens, or (a tag of several tokens, ended as a stop
+        # string) inside others, which a second tag after them would repeat; else it ran long: close it
+        if ids[-len(close) :] != close and not thought.stopped_at_string:
             ids += close
         return Ask(answer_request_id(self.row_id, k), ids, self.answer_params.replace(n=1), part=k)
 
