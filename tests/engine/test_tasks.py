@@ -417,3 +417,18 @@ def test_task_floats_never_depend_on_what_shares_the_step_or_the_cache(
             if g is not None:
                 g, w = (np.frombuffer(v[1], dtype=v[0]) for v in (g, w))
                 assert np.allclose(g, w, rtol=1e-4, atol=1e-5), np.abs(g - w).max()
+
+
+def test_a_pad_token_inside_a_roberta_style_text_is_refused(classifiers):
+    """transformers gives it the padding position and the tokens after it positions one lower; this engine
+    counts every token, so such a row is an error, never logits computed at other positions."""
+    eng = Engine.from_pretrained(
+        str(classifiers["xlm-roberta"]), task="classify", device="cpu", dtype="float64"
+    )
+    pad = eng.model.config.pad_token_id
+    text = eng.tokenize("the quick brown fox")
+    bad, good = eng.classify([text[:2] + [pad] + text[2:], text])
+    assert bad.finish_reason == "error" and bad.error.startswith(
+        f"the text holds the pad token (id {pad}, at token 2)"
+    )
+    assert good.error is None

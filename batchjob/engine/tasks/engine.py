@@ -59,6 +59,18 @@ class TaskEngine(Engine):
         if lora:  # every step gathered by adapter; a classifier adapter's own head (adapters.py)
             self.lora = task_adapters.attach_to(self, lora, tensor_parallel is not None)
 
+    def _padded(self, tokens: list[int]) -> str | None:
+        """A RoBERTa-style encoder gives a pad token inside a text the padding position, and the tokens after
+        it positions one lower (transformers counts positions over the tokens that are no pad); this engine
+        counts every token: such a row is refused rather than computed at other positions."""
+        pad = self.model.config.pad_token_id if self.runner.position_offset else None
+        if pad is None or pad not in tokens:
+            return None
+        return (
+            f"the text holds the pad token (id {pad}, at token {tokens.index(pad)}), which this model's positions "
+            "skip: leave it out of the text"
+        )
+
     # -- the core's hooks ------------------------------------------------------------------------------
 
     def _request_limit(self, plan: ModelPlan) -> int:
@@ -151,7 +163,7 @@ class TaskEngine(Engine):
         self.stats.prompt_tokens += len(tokens)
         req.error = check_request(
             req, continuation_ids is not None, self.prefill_limit, self.vocab_size, self.block_manager
-        )
+        ) or self._padded(tokens)
         if req.error is not None:
             self._failed.append(req)
         else:
