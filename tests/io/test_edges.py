@@ -403,3 +403,20 @@ def test_json_text_in_a_column_that_gives_a_key_twice_is_refused_naming_the_key(
         with pytest.raises(ValueError, match=f"key '{key}' appears more than once in an object"):
             loads_text(text)
     assert loads_text('{"a": {"a": 1}}') == {"a": {"a": 1}}
+
+
+@pytest.mark.engine
+def test_a_classifier_whose_labels_skip_a_number_is_refused(tmp_path):
+    """id2label {0, 2, 5} for a head of 3 outputs: output 1 has no name, and would be labelled '1'."""
+    from batchjob import Engine
+    from batchjob.errors import ConfigError
+    from tests.task_models import make_classifier
+
+    folder = make_classifier(tmp_path / "clf", "bert", 3)
+    config = json.loads((folder / "config.json").read_text())
+    config["id2label"] = {"0": "a", "2": "b", "5": "c"}
+    config["label2id"] = {"a": 0, "b": 2, "c": 5}
+    (folder / "config.json").write_text(json.dumps(config))
+    refused = r"numbers its labels \[0, 2, 5\] in id2label: the head's outputs are 0 to 2"
+    with pytest.raises(ConfigError, match=refused):
+        Engine.from_pretrained(str(folder), task="classify", device="cpu")

@@ -137,6 +137,11 @@ class TaskRunner:
             self.head_kind = head_kind(model.config)
             self.position, self.head = classifier(model, encoder)
             self.id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
+            if self.id2label and sorted(self.id2label) != list(range(len(self.id2label))):
+                raise ConfigError(  # else an output without a name would be labelled by its index
+                    f"the model's config.json numbers its labels {sorted(self.id2label)} in id2label: the head's "
+                    f"outputs are 0 to {len(self.id2label) - 1}; number the labels so in id2label"
+                )
             # a decoder's head reads the rightmost token that is not the pad token, as transformers' does
             # (a reward model whose pad token is its EOS was trained on that position, not the EOS's)
             self.pad_id = model.config.get_text_config().pad_token_id if self.position == "last" else None
