@@ -63,8 +63,10 @@ def _last(ids: list[int], sub: tuple[int, ...]) -> int:
 
 def parse_tags(value: str) -> tuple[str, str]:
     parts = [p.strip() for p in value.split(",")]
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--reasoning-tags must be OPEN,CLOSE such as '<think>,</think>', got {value!r}")
+    if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:  # one tag for both: where would it end?
+        raise ConfigError(
+            f"--reasoning-tags must be OPEN,CLOSE, two different tags such as '<think>,</think>', got {value!r}"
+        )
     return parts[0], parts[1]
 
 

@@ -216,6 +216,8 @@ def test_tags_given_by_hand_and_missing_tags(data, tiny_model_dir, tmp_path):
     plain = tmp_path / "c"  # no tags: no reasoning column
     run(data, plain, tiny_model_dir)
     assert "reasoning" not in rows(plain)[0]
+    same = run(data, tmp_path / "d", tiny_model_dir, "--reasoning-tags", "<t>,<t>", "--choices", "a,b", code=2)
+    assert "two different tags" in same  # one tag for both: the thinking would never be told from the answer
 
 
 def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
