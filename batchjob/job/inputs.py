@@ -326,18 +326,7 @@ def reconcile(
         elif now is not None:
             records.append(now)
             if grew:
-                again = "" if torn is None else f", and row {torn} again (its line was not finished)"
-                sampled = (
-                    ""
-                    if rec.size <= identity.FULL_BYTES
-                    else f" (its first {_size(rec.size)} were checked in samples, not whole: a row edited in "
-                    "place there keeps its old result)"
-                )
-                taken.append(
-                    f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed"
-                    + again
-                    + sampled
-                )
+                taken.append(_grew_line(source, rec, now, torn))
             if torn is not None:
                 redo.append(ordinal(rec.seq, torn))
     new = [s for s in sources if s.name not in known]
@@ -363,6 +352,18 @@ def reconcile(
             taken.append(f"{s.path}: new file; its rows will be processed")
             seq += 1
     return records, taken, redo
+
+
+def _grew_line(source: Source, rec: InputRecord, now: InputRecord, torn: int | None) -> str:
+    """What --append says of a file it takes in grown."""
+    again = "" if torn is None else f", and row {torn} again (its line was not finished)"
+    sampled = (
+        ""
+        if rec.size <= identity.FULL_BYTES
+        else f" (its first {_size(rec.size)} were checked in samples, not whole: a row edited in place there "
+        "keeps its old result)"
+    )
+    return f"{source.path}: grew by {_size(now.size - rec.size)}; its new rows will be processed{again}{sampled}"
 
 
 def ordered_sources(sources: list[Source], records: list[InputRecord]) -> list[Source]:
