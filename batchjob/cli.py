@@ -84,8 +84,9 @@ def _shard_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             envvar="BATCHJOB_SHARD_INDEX",
             metavar="I",
             help="This worker's shard, 0..N-1 (env BATCHJOB_SHARD_INDEX). These two options win over "
-            "torchrun's RANK/WORLD_SIZE, then SLURM_PROCID/SLURM_NTASKS, then JOB_COMPLETION_INDEX; a Slurm "
-            "array (SLURM_ARRAY_TASK_ID/_COUNT/_MIN) multiplies with them.",
+            "torchrun's RANK/WORLD_SIZE, then SLURM_PROCID/SLURM_NTASKS (inside srun), then "
+            "JOB_COMPLETION_INDEX; a Slurm array (SLURM_ARRAY_TASK_ID/_COUNT/_MIN) multiplies with those "
+            "three, and inside an array task these options must name one of that task's shards.",
         ),
     ]
     for option in reversed(options):

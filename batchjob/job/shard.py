@@ -15,7 +15,10 @@ Shard index and count come, in this order of precedence, from:
    Kubernetes indexed job (``JOB_COMPLETION_INDEX``, with the count from ``--num-shards`` or
    ``BATCHJOB_NUM_SHARDS``);
 3. a Slurm array (``SLURM_ARRAY_TASK_ID``, ``SLURM_ARRAY_TASK_COUNT``, ``SLURM_ARRAY_TASK_MIN``) multiplies
-   with 2.: array task ``a`` of ``A``, each with ``T`` tasks, runs shards ``a*T .. a*T+T-1`` of ``A*T``.
+   with 2.: array task ``a`` of ``A``, each with ``T`` tasks, runs shards ``a*T .. a*T+T-1`` of ``A*T``; flags
+   given inside an array task (the ``--devices`` launcher's workers) must name a shard of that block.
+
+Slurm tasks count only inside an ``srun`` step: a batch script asking for several tasks is refused.
 
 Nothing found: one shard, the whole job.
 """
@@ -124,11 +127,29 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _within_array(given: Shard, outer: Shard | None) -> Shard:
+    """Explicit shard flags inside a Slurm array task: the ``--devices`` launcher's workers get their shard
+    so, a block of the task's own (array task ``a`` of ``A``, ``D`` workers each: shards ``a*D .. a*D+D-1`` of
+    ``A*D``). Flags that name a shard outside this task's block (the same ``--shard-index`` in every task)
+    would leave the other shards undone: refused."""
+    if outer is None:
+        return given
+    per_task, left = divmod(given.count, outer.count)
+    if left or given.index // per_task != outer.index:
+        raise ConfigError(
+            f"--num-shards {given.count} --shard-index {given.index} in Slurm array task {outer.index} of "
+            f"{outer.count}: each array task must own its own shards (this one {outer.index} of {outer.count}, "
+            "from the array alone); leave --num-shards/--shard-index out of an array job"
+        )
+    return given
+
+
 def _inner(env: Mapping[str, str], num_shards: int | None) -> Shard | None:
     """The rank inside one job: torchrun, Slurm tasks or a Kubernetes indexed job."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return Shard(_int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun RANK/WORLD_SIZE")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
+        _check_srun_step(env)
         return Shard(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), "SLURM_PROCID/SLURM_NTASKS")
     if "JOB_COMPLETION_INDEX" in env:
         if num_shards is None:
@@ -138,6 +159,19 @@ def _inner(env: Mapping[str, str], num_shards: int | None) -> Shard | None:
             )
         return Shard(_int(env, "JOB_COMPLETION_INDEX"), num_shards, "JOB_COMPLETION_INDEX")
     return None
+
+
+def _check_srun_step(env: Mapping[str, str]) -> None:
+    """SLURM_PROCID/SLURM_NTASKS name this worker's task only inside a step ``srun`` started (it sets
+    SLURM_STEP_ID); a batch script asking for several tasks runs once, with SLURM_PROCID 0, and would take
+    shard 0 of them alone: the other shards would never run."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
+    if not step.isdigit() or int(step) >= 0xFFFFFFF0:  # Slurm's batch and extern steps have such ids
+        raise ConfigError(
+            f"SLURM_NTASKS={env['SLURM_NTASKS']} but this is no srun task (no SLURM_STEP_ID): Slurm runs a batch "
+            "script once, so one worker would take the first of the tasks' shares. Start batchjob with srun "
+            "(a worker per task), or ask for one task (a Slurm array gives each array task its share)"
+        )
 
 
 def _array(env: Mapping[str, str]) -> Shard | None:
@@ -164,7 +198,7 @@ def detect_shard(
     if shard_index is not None:
         if num_shards is None:
             raise ConfigError("--shard-index needs --num-shards (the number of workers of the job)")
-        return Shard(shard_index, num_shards, "--num-shards/--shard-index")
+        return _within_array(Shard(shard_index, num_shards, "--num-shards/--shard-index"), _array(env))
     inner, outer = _inner(env, num_shards), _array(env)
     found = outer or inner
     if outer is not None and inner is not None:

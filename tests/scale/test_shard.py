@@ -115,7 +115,7 @@ def test_chunk_rows_adapts_to_small_jobs():
             {},
             (2, 3),
         ),
-        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, {}, (3, 4)),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, {}, (3, 4)),  # an srun task
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, {}, (0, 1)),  # a plain sbatch: one task
         ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, {}, (5, 16)),
         # torchrun under srun: torchrun's global rank, not srun's task id
@@ -129,15 +129,21 @@ def test_chunk_rows_adapts_to_small_jobs():
                 "SLURM_ARRAY_TASK_MIN": "0",
                 "SLURM_PROCID": "1",
                 "SLURM_NTASKS": "4",
+                "SLURM_STEP_ID": "2",
             },
             {},
             (9, 12),
         ),
-        # explicit flags win over the environment
+        # explicit flags win over the environment; in an array task, one of its own block (--devices' workers)
         (
             {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"},
-            {"num_shards": 3, "shard_index": 0},
-            (0, 3),
+            {"num_shards": 4, "shard_index": 3},
+            (3, 4),
+        ),
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
+            {"num_shards": 3, "shard_index": 2},
+            (2, 3),
         ),
         ({"RANK": "1", "WORLD_SIZE": "2"}, {"num_shards": 2}, (1, 2)),
     ],
@@ -151,6 +157,24 @@ def test_detect_shard_from_each_scheduler(env, flags, expected):
     ("env", "flags", "message"),
     [
         ({}, {"shard_index": 1}, "--shard-index needs --num-shards"),
+        # the same explicit index in every array task: the other shards would never run
+        (
+            {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"},
+            {"num_shards": 2, "shard_index": 0},
+            "in Slurm array task 1 of 2: each array task must own its own shards",
+        ),
+        (
+            {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"},
+            {"num_shards": 3, "shard_index": 2},
+            "leave --num-shards/--shard-index out of an array job",
+        ),
+        # a batch script asking for several tasks runs once: it is no task of them
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, {}, "this is no srun task"),
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "4294967294"},
+            {},
+            "Start batchjob with srun",
+        ),
         ({}, {"num_shards": 3, "shard_index": 3}, "shard_index must be in 0..2"),
         ({}, {"num_shards": 3}, "without --shard-index"),
         ({"JOB_COMPLETION_INDEX": "2"}, {}, "BATCHJOB_NUM_SHARDS"),
