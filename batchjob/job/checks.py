@@ -8,10 +8,13 @@ module imports nothing of the spec; the messages name options as the command lin
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
+from dataclasses import Field
 from typing import Any
 
 from batchjob.errors import ConfigError
+from batchjob.job.options import JobOption
 
 # What each task computes, in words (messages).
 TASK_RESULTS = {
@@ -128,3 +131,17 @@ def _check_generation(values: Mapping[str, Any]) -> None:
             f"{flags([name])} is an option of --task {owner}; this job generates text (--task "
             f"generate): give --task {owner.split(',')[0]}, or leave {flags([name])} out"
         )
+
+
+def annotation(f: Field[Any], opt: Any) -> Any:
+    """The type a job takes for the option declared by field ``f``: its own field's, or for an engine
+    option (an ``Option``) its job type (``int | None`` where None is the default: the engine decides)."""
+    if isinstance(opt, JobOption):
+        return f.type
+    return opt.kind.__name__ + (" | None" if f.default is None else "")
+
+
+def home(path: Any) -> Any:
+    """A local path with ``~`` expanded to the home folder (the part files' writer expanded it, the state's
+    paths did not: a job's parts and state went to two places); anything else as it is."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path

@@ -25,7 +25,7 @@ from batchjob.engine.options import EngineOptions, Option, by_engine_name, job_o
 from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
-from batchjob.job.checks import check_task, check_type, finite_float
+from batchjob.job.checks import annotation, check_task, check_type, finite_float, home
 from batchjob.job.jobfile import read_job_file
 from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
@@ -251,6 +251,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         values = checked(self.values())  # the same checks, in the same order, as make_spec's
         self.input, self.stop, self.choices = values["input"], values["stop"], values["choices"]
+        self.output = values["output"]
         self.lora = values["lora"]
         self.checkpoint_interval = values["checkpoint_interval"]
         # A job always wants a pool that fits one request of the full context, however it was sized: a
@@ -413,14 +414,6 @@ class JobSpec:
         return out
 
 
-def _annotation(f: Field[Any], opt: JobOption | Option) -> Any:
-    """The type a job takes for the option declared by field ``f``: its own field's, or for an engine
-    option its job type (``int | None`` where None is the default: the engine decides)."""
-    if isinstance(opt, JobOption):
-        return f.type
-    return opt.kind.__name__ + (" | None" if f.default is None else "")
-
-
 def declared() -> list[tuple[str, Field[Any], JobOption | Option]]:
     """Every option of a job, in order, as ``(job name, field, declaration)``: ``JobSpec``'s own fields
     (``JobOption``), with the engine's (``EngineOptions``' fields, ``Option``) in place of ``engine``."""
@@ -462,12 +455,13 @@ def checked(values: dict[str, Any]) -> dict[str, Any]:
             values[name] = [value]
         elif value is not None and not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a string or a list of strings, got {value!r}")
-    values["input"] = [str(p) for p in values["input"]]
+    values["input"] = [home(str(p)) for p in values["input"]]  # ~ as the home folder, everywhere alike
+    values["output"] = home(values["output"])
     values["stop"] = list(values["stop"] or [])
     if isinstance(values["choices"], str):
         values["choices"] = [c.strip() for c in values["choices"].split(",")]
     for name, f, opt in declared():
-        check_type(name, values[name], _annotation(f, opt))
+        check_type(name, values[name], annotation(f, opt))
     # the sampling values go through sampling.check_number (sampling_params, below), like every row's own
     interval = values["checkpoint_interval"]
     if not isinstance(interval, float) or not math.isfinite(interval):

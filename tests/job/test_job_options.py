@@ -94,3 +94,25 @@ def test_the_declared_checks_keep_their_messages(given, message):
     with pytest.raises(ConfigError) as e:
         JobSpec(**given)
     assert str(e.value) == message
+
+
+def test_a_home_folder_path_is_expanded_for_the_state_and_the_parts_alike(tmp_path, monkeypatch, tiny_model_dir):
+    """'~/out' (quoted on the command line, or in a job file) went to the part writer expanded and to the
+    state folder as is: a literal ./~ held the state, the parts failed to land. Now ~ is the home folder."""
+    import json
+    import os
+
+    from batchjob.job import make_spec, run_job
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "a.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    job = tmp_path / "job.toml"
+    job.write_text('input = "~/a.jsonl"\noutput = "~/out"\nmax-new-tokens = 2\n')
+    spec = make_spec(job, model=str(tiny_model_dir))
+    assert spec.input == [str(home / "a.jsonl")] and spec.output == str(home / "out")
+    assert run_job(spec).status == "complete"
+    assert (home / "out" / "_batchjob" / "job.json").exists() and list((home / "out").glob("part-*.parquet"))
+    assert not os.path.exists(tmp_path / "~")
