@@ -279,3 +279,11 @@ def test_the_run_says_which_input_columns_it_renames(tiny_model_dir, tmp_path, c
     err = capsys.readouterr().err
     assert "input column 'error' is written as 'input_input_error' (it clashes with a result column)" in err
     assert "'input_error' is written" not in err  # kept: no result column has its name
+
+
+def test_validate_estimate_with_no_usable_row_says_the_time_is_unknown(tiny_model_dir, tmp_path):
+    """Every sampled row an error (a prompt longer than the context): nothing to time, not 'inf h'."""
+    data = _rows(tmp_path / "in.jsonl")
+    args = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--max-model-len", "4")
+    code, text = invoke("validate", *args, "--estimate")
+    assert code == 0 and "estimated time: unknown (no usable row among the" in text and "inf" not in text, text

@@ -20,12 +20,14 @@ before a long run.
    doubled), as a small table: the same step costs in a different number of steps. (Timing each setting
    again took longer than the small jobs it estimated, and the fit tells the steps apart already.)
 
-The line ``estimated time: <duration>`` (``41 s``, ``12.5 min``, ``3.2 h``) is for scripts to read.
+The line ``estimated time: <duration>`` (``41 s``, ``12.5 min``, ``3.2 h``, or ``unknown`` when no sampled row
+is usable) is for scripts to read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +161,11 @@ class Estimate:
         if self.samples != self.ok:  # --n, or requests' own n: the outputs to make
             per = self.samples / max(self.ok, 1)
             rows += f", {per:,.1f} samples a usable row ({self.samples:,} in the first {self.sampled:,})"
-        out.append(f"estimated time: {duration(self.seconds(c))}")
+        seconds = self.seconds(c)
+        if math.isfinite(seconds):
+            out.append(f"estimated time: {duration(seconds)}")
+        else:  # no sampled row is usable: nothing to time (the rows above say why)
+            out.append(f"estimated time: unknown (no usable row among the {self.sampled:,} looked at)")
         out.append(
             f"  ({rows}; a step took {1000 * c.alpha:.1f} ms + {1000 * c.beta_prompt:.3f} ms a prompt token + "
             f"{1000 * c.beta_out:.3f} ms a decoded one, "

@@ -96,7 +96,8 @@ def test_json_schema_and_regex_answers_are_valid(data, tiny_model_dir, tmp_path)
         *base(data, out2, tiny_model_dir), "--regex", r"[A-Z]{2}-[0-9]{3}", "--temperature", "1"
     )
     assert code == 0, text
-    assert all(re.fullmatch(r"[A-Z]{2}-[0-9]{3}", r["generated_text"]) for r in rows(out2))
+    got = [(r["generated_text"], r["finish_reason"], r["error"]) for r in rows(out2)]
+    assert all(text is not None and re.fullmatch(r"[A-Z]{2}-[0-9]{3}", text) for text, _, _ in got), got
 
 
 def test_n_samples_with_logprobs(data, tiny_model_dir, tmp_path):
