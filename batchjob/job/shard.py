@@ -121,10 +121,9 @@ def choose_chunk_rows(total_rows: int | None, num_shards: int) -> int:
 
 def _int(env: Mapping[str, str], name: str) -> int:
     value = env[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+    if not value.strip().lstrip("-").isdigit():  # int() would read Slurm's '1_0' (a het job's) as 10
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer")
+    return int(value)
 
 
 def _within_array(given: Shard, outer: Shard | None) -> Shard:

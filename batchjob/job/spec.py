@@ -455,7 +455,7 @@ def checked(values: dict[str, Any]) -> dict[str, Any]:
             values[name] = [value]
         elif value is not None and not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a string or a list of strings, got {value!r}")
-    values["input"] = [home(str(p)) for p in values["input"]]  # ~ as the home folder, everywhere alike
+    values["input"] = [home(str(p)) if isinstance(p, (str, Path)) else p for p in values["input"]]  # ~: home
     values["output"] = home(values["output"])
     values["stop"] = list(values["stop"] or [])
     if isinstance(values["choices"], str):

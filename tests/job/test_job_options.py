@@ -116,3 +116,10 @@ def test_a_home_folder_path_is_expanded_for_the_state_and_the_parts_alike(tmp_pa
     assert run_job(spec).status == "complete"
     assert (home / "out" / "_batchjob" / "job.json").exists() and list((home / "out").glob("part-*.parquet"))
     assert not os.path.exists(tmp_path / "~")
+
+
+def test_an_input_list_holding_a_number_is_a_type_error_not_a_missing_file():
+    from batchjob.job import make_spec
+
+    with pytest.raises(ConfigError, match=r"input must be a list of strings, got \['a.jsonl', 3\]"):
+        make_spec(input=["a.jsonl", 3], output="o")

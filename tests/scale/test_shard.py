@@ -179,6 +179,7 @@ def test_detect_shard_from_each_scheduler(env, flags, expected):
         ({}, {"num_shards": 3}, "without --shard-index"),
         ({"JOB_COMPLETION_INDEX": "2"}, {}, "BATCHJOB_NUM_SHARDS"),
         ({"RANK": "x", "WORLD_SIZE": "2"}, {}, "RANK='x' is not an integer"),
+        ({"SLURM_ARRAY_TASK_ID": "1_0", "SLURM_ARRAY_TASK_COUNT": "12"}, {}, "'1_0' is not an integer"),
         ({"RANK": "1", "WORLD_SIZE": "2"}, {"num_shards": 3}, "disagrees with torchrun"),
         (
             {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1"},
