@@ -60,13 +60,20 @@ def column_type(schema: pa.Schema, name: str | None) -> pa.DataType | None:
     return schema.field(name).type if name is not None and name in schema.names else None
 
 
+def as_text(value: Any) -> str:
+    """What a text column stores for ``value``: a string as it is, any other value as its JSON text."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def id_text(value: Any, type_: pa.DataType | None) -> str:
     """A row id as its column writes it: a text column writes a non-text value as JSON (``true``, ``NaN``), a
     float column an integer as a float, so two ids are one exactly when their written values are one."""
     if type_ is None or isinstance(value, str):
         return str(value)
     if pa.types.is_string(type_) or pa.types.is_large_string(type_):
-        return json.dumps(value, ensure_ascii=False, default=str)
+        return as_text(value)
     if pa.types.is_floating(type_) and isinstance(value, int) and not isinstance(value, bool):
         return str(float(value))
     return str(value)

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from batchjob import faults
 from batchjob.io.atomic import replace_file, writing
-from batchjob.io.fits import fits
+from batchjob.io.fits import as_text, fits
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -184,17 +184,11 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _to_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, default=str)
-
-
 def _coerce(values: list[Any], type_: pa.DataType) -> pa.Array:
     """An array of ``type_`` from ``values``, nulling the ones that do not fit (the reader made their rows
     error rows, ``batchjob.io.fits``): pyarrow itself would store 2.5 in an integer column as 2."""
     if pa.types.is_string(type_) or pa.types.is_large_string(type_):
-        return pa.array([None if v is None else _to_text(v) for v in values], type=type_)
+        return pa.array([None if v is None else as_text(v) for v in values], type=type_)
     if pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_):
         return pa.array([v if fits(v, type_) else None for v in values], type=type_)
     try:
