@@ -39,13 +39,11 @@ def errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except BatchjobError as e:
             raise Failure(str(e), e.exit_code) from e
-        except BrokenPipeError as e:
-            if not _stdout_gone(e):
-                raise Failure(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), 1) from e
-            # `batchjob export OUT | head`: the reader has all it wanted; say nothing, as cat and grep do
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
-            raise SystemExit(1) from None
         except OSError as e:  # disk full, permission denied: the world, not a bug
+            if isinstance(e, BrokenPipeError) and _stdout_gone(e):
+                # `batchjob export OUT | head`: the reader has all it wanted; say nothing, as cat and grep do
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+                raise SystemExit(1) from None
             from batchjob.io.atomic import disk_full_message, is_disk_full
 
             if is_disk_full(e):
