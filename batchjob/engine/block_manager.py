@@ -132,6 +132,8 @@ class BlockManager:
         # A LoRA adapter's prefixes chain from their own root (4 bytes: no length collides with b"" or a
         # 16-byte parent), so a prefix computed under one adapter never serves another.
         root = req.adapter.to_bytes(4, "little") if req.adapter else b""
+        if req.long_rope:  # rotated with a longrope model's long set (rope.py): 1 or 5 bytes, its own roots
+            root += b"L"
         while len(digests) < num_full:
             i = len(digests)
             parent = digests[-1] if digests else root

@@ -107,10 +107,13 @@ class Engine:
             tensor_parallel=tensor_parallel,
         )
         self.scheduler = self._scheduler(plan)
+        self.scheduler.rope = self.runner.rope  # a longrope model's rows, each with its set (rope.py)
         self.stats = EngineStats(max_num_seqs=config.max_num_seqs, num_blocks=num_blocks)
         assert config.num_speculative_tokens is not None
         budget, seats = config.max_num_batched_tokens, config.max_num_seqs
-        self.drafter = speculative.Drafter(config.num_speculative_tokens, self.device.type, budget, seats)
+        # Drafts could verify tokens past a longrope switch before the row is computed again (rope.py).
+        drafts = 0 if self.runner.rope is not None else config.num_speculative_tokens
+        self.drafter = speculative.Drafter(drafts, self.device.type, budget, seats)
 
     # -- hooks a prefill-only engine (engine/tasks/) overrides ----------------------------------------
 

@@ -25,6 +25,7 @@ from batchjob.engine.graphs import ROW_BUCKETS, DecodeGraphs
 from batchjob.engine.lora import LoraStep
 from batchjob.engine.parallel.group import HIDDEN, LOGITS
 from batchjob.engine.request import Request
+from batchjob.engine.rope import LongRope
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.support import attention_features
 
@@ -109,6 +110,8 @@ class ModelRunner:
         if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) == "grouped_mm":
             model.set_experts_implementation("eager")
         self.hand_over = _HandOver.install(model)
+        # A longrope model's frequencies picked per row where its context passes their switch (rope.py).
+        self.rope = LongRope.install(model, max_model_len)
         if compile_model:
             # Attention stays eager (its batch layout is Python data, fresh every step); the layers between
             # attentions compile with dynamic lengths.
@@ -173,6 +176,7 @@ class ModelRunner:
         sample_rows = np.repeat(offsets[1:][sample_mask] - per, per) + ramps(per)
         adapters = None if self.lora is None else np.repeat([r.adapter for r in reqs], n).astype(np.int64)
         images = None if self.vision is None else self.vision.rows(reqs, starts, ends, offsets)
+        long_rope = None if self.rope is None else self.rope.flags(reqs, n)
         return StepLayout(
             np.array(ids, dtype=np.int64),
             positions,
@@ -189,6 +193,7 @@ class ModelRunner:
             adapters,
             images,
             None if images is None else images.key_ends,
+            long_rope,
         )
 
     def _prepare(self, plan: SchedulerOutput | None, lay: StepLayout | None = None):
@@ -251,6 +256,8 @@ class ModelRunner:
     def _hidden(self, lay: StepLayout) -> torch.Tensor:
         if self.lora is not None:
             self.lora.set(lay.adapter_of_row)
+        if self.rope is not None:
+            self.rope.set(lay.long_rope, self.device)
         input_ids, position_ids, meta, _ = self._prepare(None, lay)
         t0 = time.perf_counter()
         if self.position_offset:
@@ -286,7 +293,9 @@ class ModelRunner:
         logits = None
         if self.lora is not None:
             self.lora.set(lay.adapter_of_row)
-        if self.graphs is not None and lay.decode_like and lay.images is None:
+        if self.rope is not None:
+            self.rope.set(lay.long_rope, self.device)
+        if self.graphs is not None and lay.decode_like and lay.images is None and lay.long_rope is None:
             t0 = time.perf_counter()
             logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.table[lay.req_of_row])
             if logits is not None and len(lay.sample_rows) < len(lay.ids):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchjob.engine import rope
 from batchjob.engine.attention.registry import AttentionChoice, choose_attention
 from batchjob.engine.config import EngineConfig, KVShape
 from batchjob.engine.parallel.shard import check_shardable
@@ -60,6 +61,7 @@ def plan_model(model_config, config: EngineConfig, model=None, tensor_parallel: 
     if config.tensor_parallel_size > 1:
         check_shardable(model_config, config.tensor_parallel_size)
     max_model_len = config.resolve_max_model_len(model_config)
+    rope.check(model_config, max_model_len, tensor_parallel or config.tensor_parallel_size > 1)
     features = attention_features(model_config, model)
     encoder = "bidirectional" in features
     if encoder and config.task not in ("embed", "classify"):

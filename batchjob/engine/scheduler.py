@@ -25,9 +25,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from batchjob.engine.rope import LongRope
 
 
 @dataclass
@@ -82,9 +86,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
+        # A longrope model's rows (rope.py, set by the engine): each queued with its set, and computed again
+        # with the long one when its output passes the switch.
+        self.rope: LongRope | None = None
 
     def add(self, req: Request, front: bool = False) -> None:
         req.priority = front
+        if self.rope is not None:
+            self.rope.admit(req)
         if front:
             self.waiting.appendleft(req)
         else:
@@ -112,6 +121,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next forward's plan: running requests first, then admissions (none after a preemption)."""
         out = SchedulerOutput()
+        if self.rope is not None:
+            for req in self.rope.crossed(self.running):  # computed again with the long set
+                self.running.remove(req)
+                self._preempt(req)
+                self.rope.admit(req)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if self.static and not self.running:
             self._admitting = True

@@ -67,6 +67,9 @@ class StepLayout:
     # [T] past the last key position each row sees where a row sees past itself (an image's tokens attending
     # both ways: ``image_both_ways``); None: every row is causal
     key_ends: np.ndarray | None = None
+    long_rope: np.ndarray | None = (
+        None  # [T] rows rotated with a longrope model's long set (rope.py); None: none
+    )
 
     @property
     def decode_like(self) -> bool:
