@@ -80,5 +80,12 @@ def find_tags(tokenizer: Any, given: tuple[str, str] | None) -> ReasoningTags | 
             ids = [tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (open_, close)]
             if not all(ids):
                 raise ConfigError(f"reasoning tag {open_ if not ids[0] else close!r} has no tokens")
+            for tag, tag_ids in zip((open_, close), ids, strict=True):
+                if tag not in tokenizer.decode(list(tag_ids), skip_special_tokens=True):
+                    raise ConfigError(  # the split below is made in that text: it would not see the tag
+                        f"reasoning tag {tag!r} is a special token of this tokenizer: the text batchjob writes "
+                        "leaves special tokens out, so it could not tell the thinking from the answer (not "
+                        "built yet; --reasoning-tags names other tags)"
+                    )
             return ReasoningTags(open_, close, ids[0], ids[1])
     return None

@@ -249,3 +249,22 @@ def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
     assert row._answer(thought([7, 40, 42], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 42]
     assert row._answer(thought([7, 40, 41], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 41]
     assert row._answer(thought([7, 8, 9], "length", False)).prompt_ids == [5, 6, 90, 7, 8, 9, 40, 41]
+
+
+def test_think_tags_that_are_special_tokens_are_refused(tiny_model_dir):
+    """The thinking is told from the answer in the written text, which leaves special tokens out: tags that
+    are special tokens would leave the thinking in the answer (or the answer in the reasoning column)."""
+    from transformers import AutoTokenizer
+
+    from batchjob.errors import ConfigError
+    from batchjob.job.reasoning import find_tags
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(["<think>", "</think>"])
+    assert find_tags(tok, None).open == "<think>"
+    special = AutoTokenizer.from_pretrained(tiny_model_dir)
+    special.add_tokens(["<think>", "</think>"], special_tokens=True)
+    with pytest.raises(ConfigError, match="'<think>' is a special token of this tokenizer"):
+        find_tags(special, None)
+    with pytest.raises(ConfigError, match="'<\\|im_end\\|>' is a special token"):
+        find_tags(tok, ("<think>", "<|im_end|>"))
