@@ -104,7 +104,7 @@ class LongRope:
     def _wrap(self, module) -> None:
         plain = inspect.unwrap(type(module).forward)  # the forward without transformers' per-forward update
         short = module.original_inv_freq.clone()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # heavy: only with a longrope model
 
         # the long set as transformers computes it on a forward past the original length
         long, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, short.device, seq_len=self.original + 1)
