@@ -17,7 +17,7 @@ import numpy as np
 from batchjob.engine import choices
 from batchjob.engine.constraints import ChoiceConstraint, GrammarConstraint, normalize_choices
 from batchjob.engine.request import Request, RequestStatus
-from batchjob.engine.stop_strings import StopScan
+from batchjob.engine.stop_strings import StopScan, window_safe
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -88,6 +88,8 @@ class RequestOutput:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Whether stop strings may be looked for in a window of the latest tokens, else in the whole output
+        self.window_safe = window_safe(tokenizer)  # (stop_strings.py)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -99,7 +101,7 @@ class OutputProcessor:
         if not stops:
             return False
         if req.stop is None:
-            req.stop = StopScan(longest=max(len(s) for s in stops))
+            req.stop = StopScan(longest=max(len(s) for s in stops), whole=not self.window_safe)
         return req.stop.found(req.token_ids, req.num_prompt_tokens, stops, self.decode)
 
     def output(self, req: Request) -> RequestOutput:

@@ -1,6 +1,7 @@
 """The output processor: stop strings found incrementally stop a request at the same token, and cut its text at
 the same place, as decoding the whole output after every token (byte-level BPE with multi-byte characters cut
-between tokens, and a SentencePiece-style tokenizer that drops the first token's leading space)."""
+between tokens, a SentencePiece-style tokenizer that drops the first token's leading space, and WordPiece and
+Unigram tokenizers whose clean-up rewrites the joined text: ``dog ' f`` decodes to ``dog'f``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,38 @@ def metaspace():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
+def _cleanup_tokenizer(kind: str):
+    """A WordPiece (BERT-style) or Unigram (SentencePiece-style) tokenizer with transformers' clean-up, which
+    joins `` ' `` and the words around it, and takes the space before ``.`` and ``,``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["dog", "'", "f", "is", "ok", "the", "cat", "s", "t", ".", ",", "n", "re", "m", "ve"]
+    if kind == "wordpiece":
+        vocab = ["[UNK]", "[SEP]", *words, "##s", "##t", "##og"]
+        tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        special = {"unk_token": "[UNK]", "sep_token": "[SEP]"}
+    else:
+        pieces = ["<unk>", "</s>", *(f"\u2581{w}" for w in words), *words]
+        tok = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(prepend_scheme="always")
+        special = {"unk_token": "<unk>", "eos_token": "</s>"}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=True, **special)
+
+
+@pytest.fixture(scope="module")
+def wordpiece():
+    return _cleanup_tokenizer("wordpiece")
+
+
+@pytest.fixture(scope="module")
+def unigram_cleanup():
+    return _cleanup_tokenizer("unigram")
+
+
 def _naive(tokenizer, output: list[int], stops: list[str]) -> tuple[int, int] | None:
     """(tokens, position): the first prefix of ``output`` whose text holds a stop string, and where."""
     for n in range(1, len(output) + 1):
@@ -58,7 +91,7 @@ def _incremental(tokenizer, prompt: list[int], output: list[int], stops: list[st
     return None
 
 
-@pytest.mark.parametrize("which", ["byte_level", "metaspace"])
+@pytest.mark.parametrize("which", ["byte_level", "metaspace", "wordpiece", "unigram_cleanup"])
 def test_incremental_stop_strings_match_decoding_the_whole_output(which, request):
     tokenizer = request.getfixturevalue(which)
     rng = random.Random(0)
@@ -91,3 +124,76 @@ def test_found_stays_found(byte_level):
     req = Request("r", [1] + ids, 1, SamplingParams(stop=["cat"]), 0.0)
     assert proc.stop_string_found(req) and proc.stop_string_found(req)
     assert req.stop is not None and req.stop.match == 4
+
+
+@pytest.mark.parametrize("which", ["wordpiece", "unigram_cleanup"])
+def test_stop_string_that_only_the_clean_up_makes(which, request):
+    """``dog``, ``'``, ``f`` decode to ``dog'f`` only together (no window of them does): the stop ``g'f`` is
+    found at ``f``, the text cut before it."""
+    tokenizer = request.getfixturevalue(which)
+    pieces = (
+        ["dog", "'", "f", "is", "ok"]
+        if which == "wordpiece"
+        else ["\u2581dog", "\u2581'", "\u2581f", "\u2581is"]
+    )
+    ids = tokenizer.convert_tokens_to_ids(pieces)
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids[:3], skip_special_tokens=True) == "dog'f"
+    for stop, where in [("g'f", 2), ("dog'f", 0), ("'f", 3)]:
+        assert _incremental(tokenizer, [1], ids, [stop]) == _naive(tokenizer, ids, [stop]) == (3, where)
+    assert not OutputProcessor(tokenizer).window_safe  # each check decodes the whole output
+
+
+def test_window_safe_tokenizers_keep_the_short_window(byte_level, metaspace):
+    """Byte-level BPE and SentencePiece-style BPE decode in windows (no whole-output decode per token)."""
+    assert OutputProcessor(byte_level).window_safe and OutputProcessor(metaspace).window_safe
+
+
+def _scripted_model(folder, tokenizer, chain: list[int]) -> None:
+    """A one-layer Llama whose greedy output after ``chain[i]`` is ``chain[i + 1]``, then EOS: attention and
+    MLP outputs zero, one-hot embeddings, and a head that maps slot i to the next token."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer.save_pretrained(folder)
+    eos = tokenizer.eos_token_id
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.unk_token_id,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    seq = [*chain, eos]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.zero_()
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        for i, t in enumerate(seq[:-1]):
+            emb[t, i] = 1.0
+            head[seq[i + 1], i] = 10.0
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(folder)
+
+
+@pytest.mark.engine
+def test_engine_stops_at_a_string_the_clean_up_makes(unigram_cleanup, tmp_path):
+    """End to end: the generated ``the dog ' f is ok`` reads ``the dog'f is ok``; the stop ``g'f`` ends it at
+    ``f`` with the text before it."""
+    from batchjob import Engine
+
+    chain = unigram_cleanup.convert_tokens_to_ids(
+        [f"\u2581{w}" for w in ["the", "dog", "'", "f", "is", "ok"]]
+    )
+    _scripted_model(tmp_path, unigram_cleanup, chain)
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float32", device="cpu")
+    plain = engine.generate([chain[:1]], SamplingParams(max_new_tokens=10, temperature=0))[0]
+    assert plain.token_ids[:5] == chain[1:] and plain.text == "dog'f is ok"
+    out = engine.generate([chain[:1]], SamplingParams(max_new_tokens=10, temperature=0, stop=["g'f"]))[0]
+    assert (out.token_ids, out.text, out.stopped_at_string) == (chain[1:4], "do", True)
