@@ -140,6 +140,41 @@ def _unchecked_window(config, model) -> str | None:
     return f"{detail}, in a family whose window bounds batchjob has not checked against its own mask"
 
 
+def _kv_shape(config, model) -> str | None:
+    # The KV cache holds num_key_value_heads x head_dim per token; these families' layers write others:
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4-MoE-Lite: keys of qk_nope + qk_rope dims per
+    # query head), JetMoE (its KV heads repeated by top_k).
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return f"multi-head latent attention (kv_lora_rank={config.kv_lora_rank})"
+    if config.model_type == "jetmoe":
+        return "its key and value heads repeated by the experts per token"
+    return None
+
+
+# Families whose layers call attention in ways our paged attention does not follow: Doge's learned dynamic
+# mask (passed as the attention mask, which ours leaves aside), DiffLlama's two calls per layer over one cache,
+# HRM's layers run in cycles (each cached at another index than its layer_idx).
+_UNUSUAL_CALLS = {
+    "doge": "a learned dynamic attention mask",
+    "diffllama": "two attention calls per layer",
+    "hrm_text": "layers that run several times a forward",
+}
+# Families whose window reaches attention only through the mask transformers builds, not as each layer's
+# ``sliding_window`` (the one our attention applies).
+_WINDOW_IN_MASK = {"qwen2_moe", "phimoe", "blt"}
+
+
+def _unusual_calls(config, model) -> str | None:
+    if config.model_type in _UNUSUAL_CALLS:
+        return _UNUSUAL_CALLS[config.model_type]
+    window = getattr(config, "sliding_window", None)
+    active = window and getattr(config, "use_sliding_window", True)
+    context = getattr(config, "max_position_embeddings", None) or 0
+    if config.model_type in _WINDOW_IN_MASK and active and window < context:
+        return f"a sliding window of {window} tokens applied only through its attention mask"
+    return None
+
+
 _KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -180,6 +215,18 @@ FEATURES: tuple[Feature, ...] = (
         "uses windowed attention both ways",
         "whose bounds batchjob has checked only for ModernBERT and Gemma-3 (it would risk an off-by-one window)",
         _unchecked_window,
+    ),
+    Feature(
+        "kv_shape",
+        "caches keys and values of another shape than num_key_value_heads x head_dim",
+        "which batchjob's KV cache does not hold",
+        _kv_shape,
+    ),
+    Feature(
+        "unusual_calls",
+        "calls attention in its own way",
+        "which batchjob's paged attention does not follow",
+        _unusual_calls,
     ),
     Feature(
         "layer_types",

@@ -278,6 +278,23 @@ def _configs():
             {"unchecked_window"},
         ),
         "llama4 chunked attention": (tf.Llama4TextConfig(), {"layer_types"}),
+        # layers that write keys and values of another shape than the cache's: multi-head latent attention,
+        # JetMoE's heads repeated by top_k (the first token matched HF, every decoded one after it did not)
+        "deepseek_v3 latent attention": (tf.DeepseekV3Config(), {"kv_shape"}),
+        "deepseek_v2 latent attention": (tf.DeepseekV2Config(), {"kv_shape"}),
+        "jetmoe": (tf.JetMoeConfig(), {"kv_shape"}),
+        # a window only in the mask transformers builds (ours applies each layer's sliding_window), a learned
+        # mask, two calls per layer, layers run in cycles
+        "qwen2_moe window": (tf.Qwen2MoeConfig(use_sliding_window=True, sliding_window=6), {"unusual_calls"}),
+        "qwen2_moe without a window": (tf.Qwen2MoeConfig(), set()),
+        "phimoe window": (tf.PhimoeConfig(sliding_window=6), {"unusual_calls"}),
+        "phimoe window of its context": (
+            tf.PhimoeConfig(sliding_window=4096, max_position_embeddings=4096),
+            set(),
+        ),
+        "doge": (tf.DogeConfig(), {"unusual_calls"}),
+        "diffllama": (tf.DiffLlamaConfig(), {"unusual_calls"}),
+        "hrm_text": (tf.HrmTextConfig(), {"unusual_calls"}),
     }
 
 
