@@ -167,10 +167,10 @@ _WINDOW_IN_MASK = {"qwen2_moe", "phimoe", "blt"}
 def _unusual_calls(config, model) -> str | None:
     if config.model_type in _UNUSUAL_CALLS:
         return _UNUSUAL_CALLS[config.model_type]
-    window = getattr(config, "sliding_window", None)
-    active = window and getattr(config, "use_sliding_window", True)
+    window = getattr(config, "sliding_window", None) or 0
     context = getattr(config, "max_position_embeddings", None) or 0
-    if config.model_type in _WINDOW_IN_MASK and active and window < context:
+    active = getattr(config, "use_sliding_window", True) and 0 < window < context
+    if config.model_type in _WINDOW_IN_MASK and active:
         return f"a sliding window of {window} tokens applied only through its attention mask"
     return None
 
