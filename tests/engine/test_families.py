@@ -346,3 +346,25 @@ def test_validate_and_run_refuse_a_family_before_any_work(folder, tmp_path):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "model family 'bloom'" in result.output, result.output
         assert not list(out.glob("*.parquet"))
+
+
+@pytest.mark.engine
+def test_keys_of_another_shape_than_the_cache_are_refused_at_the_first_forward(tmp_path, monkeypatch):
+    """The KV cache is planned from the config; a family whose layers write keys of another shape (DeepSeek's
+    latent attention, refused by config above) would have its decode read mangled keys: the write refuses it."""
+    import transformers as tf
+
+    from tests.tiny_models import make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    mla = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    config = tf.DeepseekV3Config(vocab_size=len(tok), num_key_value_heads=2, **shape, **mla, **moe)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    monkeypatch.setattr(plan_module, "check_supported", lambda *a, **k: None)  # let it through to its forward
+    monkeypatch.setattr(plan_module, "attention_features", lambda *a: frozenset())
+    monkeypatch.setattr(model_runner, "attention_features", lambda *a: frozenset())
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float64", device="cpu")
+    with pytest.raises(ConfigError, match="writes keys of 4 heads x 16 .* KV cache of 2 x 8"):
+        _generate(engine, [[5, 6, 7, 8]], max_new_tokens=2)

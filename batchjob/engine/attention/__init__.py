@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 
 from batchjob.engine.attention.base import AttentionBackend, AttentionMetadata
 from batchjob.engine.attention.layout import Packer, StepLayout
+from batchjob.errors import ConfigError
 
 __all__ = ["ATTN_NAME", "META_KWARG", "AttentionBackend", "AttentionMetadata", "Packer", "StepLayout"]
 
@@ -52,6 +53,16 @@ def paged_attention(
     meta: AttentionMetadata = kwargs[META_KWARG]
     softcap, sinks, slopes = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("alibi_slopes")
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    if (
+        key.shape[1] != k_cache.shape[2]
+        or key.shape[3] != k_cache.shape[3]
+        or value.shape[3] != v_cache.shape[3]
+    ):
+        raise ConfigError(  # the cache is planned from the config; a layer that writes another shape is refused
+            f"{type(module).__name__} writes keys of {key.shape[1]} heads x {key.shape[3]} and values of "
+            f"{value.shape[3]}, but its config plans a KV cache of {k_cache.shape[2]} x {k_cache.shape[3]}: "
+            "this family's attention is not supported"
+        )
     backend = meta.backend
     if backend.reads_cache:
         backend.write_kv(key, value, meta.slot_mapping, k_cache, v_cache)
