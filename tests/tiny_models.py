@@ -3,7 +3,7 @@
 No downloads: the tokenizer is a byte-level BPE trained on a few sentences; the models are built from
 ``LlamaConfig`` (with grouped-query attention), ``Qwen2Config``, ``MistralConfig`` and ``GPT2Config`` with
 random weights, and for the family matrix (:data:`FAMILIES`, :func:`make_family_model`) from the configs of
-twenty more families, each with its distinctive features turned on.
+twenty-one more families, each with its distinctive features turned on.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def _family_configs() -> dict:
         "starcoder2": lambda c, d: tf.Starcoder2Config(num_key_value_heads=2, sliding_window=WINDOW, **d),
         "cohere": lambda c, d: tf.CohereConfig(  # parallel residual, q/k norms, logit scale
             num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5, **d
+        ),
+        "nemotron": lambda c, d: tf.NemotronConfig(  # its layers drop the keyword arguments attention is given
+            num_key_value_heads=2, partial_rotary_factor=0.5, **d
         ),
         "smollm3": lambda c, d: tf.SmolLM3Config(  # layer 1 without rotary embeddings (NoPE)
             num_key_value_heads=2, no_rope_layers=[1, 0], **d

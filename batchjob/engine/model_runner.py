@@ -32,33 +32,6 @@ from batchjob.engine.support import attention_features
 log = logging.getLogger(__name__)
 
 
-class _HandOver:
-    """Forward pre-hooks that hand the step's metadata to the modules our attention serves (those with a
-    ``layer_idx``) when their caller did not pass it on: some models' layers call their attention without the
-    keyword arguments they were given (StableLM; transformers marks such a model not "backend compatible").
-    Installed once per model; the runner sets ``meta`` for the length of each forward."""
-
-    def __init__(self) -> None:
-        self.meta: AttentionMetadata | None = None
-
-    @classmethod
-    def install(cls, model) -> _HandOver | None:
-        if model.is_backend_compatible():
-            return None
-        hand_over = getattr(model, "_batchjob_hand_over", None)
-        if hand_over is None:
-            hand_over = model._batchjob_hand_over = cls()
-            for module in model.modules():
-                if isinstance(getattr(module, "layer_idx", None), int):
-                    module.register_forward_pre_hook(hand_over, with_kwargs=True)
-        return hand_over
-
-    def __call__(self, module, args, kwargs):
-        if kwargs.get(attention.META_KWARG) is None and self.meta is not None:
-            kwargs[attention.META_KWARG] = self.meta
-        return args, kwargs
-
-
 class ModelRunner:
     """Runs scheduler plans through the model.
 
@@ -109,7 +82,6 @@ class ModelRunner:
         # transformers' MoE experts default to grouped_mm, which has no float64 kernel; its eager loop has.
         if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) == "grouped_mm":
             model.set_experts_implementation("eager")
-        self.hand_over = _HandOver.install(model)
         # A longrope model's frequencies picked per row where its context passes their switch (rope.py).
         self.rope = LongRope.install(model, max_model_len)
         if compile_model:
@@ -225,13 +197,8 @@ class ModelRunner:
     def call_model(self, **kwargs):
         """The model's forward. Should torch.compile fail, the model runs eagerly from then on (one warning):
         a real error of the forward then raises from the eager call, unmasked."""
-        if self.hand_over is None:
+        with attention.in_progress(kwargs[attention.META_KWARG]):
             return self._call_model(**kwargs)
-        self.hand_over.meta = kwargs.get(attention.META_KWARG)
-        try:
-            return self._call_model(**kwargs)
-        finally:
-            self.hand_over.meta = None
 
     def _call_model(self, **kwargs):
         if self.forward is self.model:
@@ -262,18 +229,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.position_offset:
             position_ids = position_ids + self.position_offset
-        if self.hand_over is not None:
-            self.hand_over.meta = meta
-        try:
+        with attention.in_progress(meta):
             out = self.model.base_model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
                 **{attention.META_KWARG: meta},
             )
-        finally:
-            if self.hand_over is not None:
-                self.hand_over.meta = None
         hidden = out.last_hidden_state[0]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -25,6 +25,8 @@ The package, one module per idea:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AttentionInterface
 
@@ -39,6 +41,22 @@ ATTN_NAME_UNCOMPILED = "batchjob_paged_uncompiled"  # the same, kept out of torc
 META_KWARG = "batchjob_meta"
 
 
+# The metadata of the forwards in progress, innermost last: some models' layers call their attention without
+# the keyword arguments they were given (StableLM, whose transformers class says so; Nemotron, whose does not),
+# so the step's metadata is also found here.
+_in_progress: list[AttentionMetadata] = []
+
+
+@contextlib.contextmanager
+def in_progress(meta: AttentionMetadata):
+    """For the length of a forward: ``meta`` for a layer its caller did not pass it to."""
+    _in_progress.append(meta)
+    try:
+        yield
+    finally:
+        _in_progress.pop()
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
@@ -50,7 +68,9 @@ def paged_attention(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata = kwargs[META_KWARG]
+    meta: AttentionMetadata | None = kwargs.get(META_KWARG)
+    if meta is None:  # a layer whose caller did not pass it on
+        meta = _in_progress[-1]
     softcap, sinks, slopes = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("alibi_slopes")
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     if (
