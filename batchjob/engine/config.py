@@ -199,6 +199,8 @@ def cpu_step_tokens(model_config: Any, dtype: torch.dtype) -> int:
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    if isinstance(inner, (list, tuple)):  # a width per layer (Gemma-3n)
+        inner = max(inner)
     small, large = CPU_STEP_TOKENS
     widest = large * int(inner) * dtype.itemsize
     return large if 0 < widest <= MMAP_THRESHOLD_MAX else small

@@ -152,7 +152,7 @@ def test_the_cpu_step_budget_follows_the_models_widest_activation(tiny_model_dir
     """On the CPU a generating engine left to decide takes 2,048 tokens a step where the MLP's inner
     activation over 2,048 tokens fits glibc's largest mmap threshold (32 MiB), else 512; a budget given, or a
     prefill-only task, keeps its own."""
-    from transformers import GPT2Config, Qwen2Config
+    from transformers import Gemma3nTextConfig, GPT2Config, Qwen2Config
 
     from batchjob import Engine
     from batchjob.engine.config import cpu_step_tokens
@@ -162,6 +162,8 @@ def test_the_cpu_step_budget_follows_the_models_widest_activation(tiny_model_dir
     assert cpu_step_tokens(half, torch.float32) == cpu_step_tokens(large, torch.bfloat16) == 512  # 40, 37 MB
     assert cpu_step_tokens(GPT2Config(n_embd=768), torch.float32) == 2048  # n_inner None: 4 x 768, 25 MB
     assert cpu_step_tokens(GPT2Config(n_embd=1280), torch.float32) == 512  # 42 MB
+    per_layer = Gemma3nTextConfig(intermediate_size=[1024, 8960], num_hidden_layers=2)  # the widest counts
+    assert cpu_step_tokens(per_layer, torch.bfloat16) == 512
     decided = Engine.from_pretrained(str(tiny_model_dir), device="cpu", num_blocks=32)
     assert decided.config.max_num_batched_tokens == decided.scheduler.max_num_batched_tokens == 2048
     given = Engine.from_pretrained(
