@@ -14,7 +14,8 @@ from batchjob.engine.request import Request
 def check_request(
     req: Request, max_model_len: int, vocab_size: int, bm: BlockManager, rules: Sequence[StopRule]
 ) -> str | None:
-    """Its error: empty, its prompt past the context, a token outside the vocabulary, or more KV blocks
+    """Its error: empty, its prompt past the context, a token outside the vocabulary, a stop rule that could
+    never act as it asks, or more KV blocks
     than the pool has for its longest output (``max_new_tokens``, or a stop rule's own bound); else None."""
     n = req.num_prompt_tokens
     if n == 0:
@@ -26,6 +27,9 @@ def check_request(
     bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
     if bad:
         return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+    refused = next((e for rule in rules if (e := rule.error(req)) is not None), None)
+    if refused is not None:
+        return refused
     limits = (rule.limit(req) for rule in rules)  # a rule's bound (a choice's longest answer) replaces it
     new = next((b for b in limits if b is not None), req.params.max_new_tokens)
     longest = min(n + new, max_model_len)

@@ -260,6 +260,11 @@ def test_finish_reasons_and_stops(tiny_model_dir):
     assert out.finish_reason == "stop"
     assert out.text == text[: text.find(stop)]
     assert stop not in out.text
+    # a stop string holding a special token (left out of the text) could never be found: that row's error
+    end = engine.tokenizer.eos_token
+    params = SamplingParams(max_new_tokens=4, temperature=0, stop=[f"x{end}"])
+    refused = engine.generate([prompt], params)[0]
+    assert refused.finish_reason == "error" and f"holds the special token {end!r}" in refused.error
 
 
 def test_bad_requests_fail_alone(tiny_model_dir):

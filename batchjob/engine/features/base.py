@@ -27,6 +27,10 @@ class StopRule:
         """The output tokens this rule bounds ``req`` to, instead of ``max_new_tokens``; None: no bound."""
         return None
 
+    def error(self, req: Request) -> str | None:
+        """Why this rule could never act as ``req`` asks (its error at admission), or None."""
+        return None
+
     def stop(self, req: Request, token: int) -> RequestStatus | None:
         """After ``req`` took ``token``: a finished status, ``RUNNING`` (not finished, and no later rule
         asked), or None (the next rule decides)."""

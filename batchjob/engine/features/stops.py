@@ -33,6 +33,18 @@ class StopStrings(StopRule):
             return RequestStatus.FINISHED_STOPPED
         return None
 
+    def error(self, req: Request) -> str | None:
+        """A stop string holding a special token's text: the output text leaves special tokens out, so it
+        would never be found."""
+        for stop in req.params.stop or ():
+            held = next((t for t in self.engine.output.special_tokens if t in stop), None)
+            if held is not None:
+                return (
+                    f"stop string {stop!r} holds the special token {held!r}, which the output text leaves out, so "
+                    "it would never be found: stop on the token's id (stop_token_ids) instead"
+                )
+        return None
+
 
 class Lengths(StopRule):
     """``max_new_tokens`` output tokens, or the model's context, whichever comes first."""
