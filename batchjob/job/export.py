@@ -156,7 +156,7 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         choice: dict[str, Any] = {
             "index": r.row.get("sample_index", 0),
             "finish_reason": r.row["finish_reason"],
-            "logprobs": _openai_logprobs(r.row.get("logprobs"), completions),
+            "logprobs": _openai_logprobs(r.row.get("logprobs"), completions, r.row["generated_text"] or ""),
         }
         if completions:
             choice["text"] = r.row["generated_text"]
@@ -197,24 +197,22 @@ def _embeddings_body(group: list[Result], model: str) -> dict[str, Any]:
     }
 
 
-def _openai_logprobs(tokens: Any, completions: bool) -> dict[str, Any] | None:
+def _openai_logprobs(tokens: Any, completions: bool, text: str = "") -> dict[str, Any] | None:
     """A sample's ``logprobs`` column in OpenAI's shape: chat ``{"content": [{token, logprob, bytes,
-    top_logprobs}]}``, completions ``{tokens, token_logprobs, top_logprobs, text_offset}``. ``bytes`` are
-    the UTF-8 of the token's text (a token that is part of a character reads as U+FFFD there)."""
+    top_logprobs}]}``, completions ``{tokens, token_logprobs, top_logprobs, text_offset}``. A token's text is
+    what it adds to the output's text (docs/labels.md: a special token's is empty, a character made of several
+    tokens is the last one's), so ``bytes``, the UTF-8 of that text, join to the text's; ``text_offset``
+    (``_text_offsets``) is where each token's text starts in ``text``."""
     if tokens is None:
         return None
     if isinstance(tokens, str):  # a part written before the column was structured: JSON of ids only
         return None
     if completions:
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t["token"])
         return {
             "tokens": [t["token"] for t in tokens],
             "token_logprobs": [t["logprob"] for t in tokens],
             "top_logprobs": [{x["token"]: x["logprob"] for x in t["top_logprobs"]} for t in tokens],
-            "text_offset": offsets,
+            "text_offset": _text_offsets([t["token"] for t in tokens], text),
         }
 
     def entry(t: dict[str, Any]) -> dict[str, Any]:
@@ -222,6 +220,20 @@ def _openai_logprobs(tokens: Any, completions: bool) -> dict[str, Any] | None:
 
     content = [entry(t) | {"top_logprobs": [entry(x) for x in t["top_logprobs"]]} for t in tokens]
     return {"content": content, "refusal": None}
+
+
+def _text_offsets(tokens: list[str], text: str) -> list[int]:
+    """Where each token's text starts in ``text`` (characters, as OpenAI's ``text_offset``): the tokens' texts
+    join to the decoded output, which the text begins (a stop string cut it: the tokens from the cut on, the
+    stop string's, are at the text's end) or ends (think tags split it: the reasoning's tokens are at 0).
+    A token whose text is empty (EOS) is where the next one starts; no offset is past the text's end."""
+    joined = "".join(tokens)
+    base = 0 if joined.startswith(text) else max(joined.rfind(text), 0)
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(min(max(at - base, 0), len(text)))
+        at += len(token)
+    return offsets
 
 
 def export(out_dir: Path, fmt: str, to: IO[str]) -> int:

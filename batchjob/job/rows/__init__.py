@@ -19,6 +19,7 @@ from batchjob.job.rows.images import image_request
 from batchjob.job.rows.prompt import model_names, row_request
 from batchjob.job.rows.reasoning import Reasoning, thinking_params
 from batchjob.job.rows.task import TaskRow
+from batchjob.job.rows.token_texts import TokenTexts
 
 if TYPE_CHECKING:
     from batchjob.io.readers import Row
@@ -61,14 +62,8 @@ class RowMaker:
         # --format openai: what body.model may say (the model's names, or a --lora adapter's)
         self.model_names = model_names(spec.model) | set(spec.lora_paths)
         self.models_seen: set[str] = set()
-        self._texts: dict[int, str] = {}  # --logprobs: each token's text, decoded once
-
-    def token_text(self, token_id: int) -> str:
-        if token_id not in self._texts:
-            decoded = self.engine.tokenizer.decode([token_id])
-            assert isinstance(decoded, str)  # one sequence in, one text out
-            self._texts[token_id] = decoded
-        return self._texts[token_id]
+        # --logprobs: each token's text as it stands in the output's text (token_texts.py)
+        self.texts = TokenTexts(engine.tokenizer)
 
     def make(self, row: Row, row_id: str, built: Built | None = None) -> Made:
         """The row (readable, with its id) as its kind, or the reason it is an error row; ``built``: an
@@ -132,7 +127,7 @@ class RowMaker:
                     answer_params=params,
                     tags=tags,
                     inside=inside,
-                    token_text=self.token_text,
+                    spell=self.texts.spell,
                     every=spec.per_row_params,
                 )
         return Samples(
@@ -143,7 +138,7 @@ class RowMaker:
             params=params,
             tags=tags,
             inside=inside,
-            token_text=self.token_text,
+            spell=self.texts.spell,
             every=spec.per_row_params,
         )
 

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from batchjob.job.reasoning import ReasoningTags
     from batchjob.sampling import SamplingParams
 
+# a sample's token texts: ``spell(token_ids, top_ids)`` is the text of each of its tokens in context, and of
+# each of ``top_ids[i]`` in place of token i (--logprobs; ``token_texts.TokenTexts.spell``)
+Spell = Callable[[list[int], list[list[int]]], tuple[list[str], list[list[str]]]]
+
+
+def spell_ids(ids: list[int], tops: list[list[int]]) -> tuple[list[str], list[list[str]]]:
+    """Token texts without a tokenizer: each token's id (a row kind built on its own, as tests do)."""
+    return [str(t) for t in ids], [[str(t) for t in top] for top in tops]
+
 
 @dataclass(eq=False, kw_only=True)
 class Samples(RowWork):
@@ -28,7 +37,7 @@ class Samples(RowWork):
     kind = "generate"
     params: SamplingParams  # of the row's request in the engine (a reasoning row's: of its thinking)
     tags: ReasoningTags | None = None  # the model's think tags: a reasoning column
-    token_text: Callable[[int], str] = str  # a token id's text (--logprobs)
+    spell: Spell = spell_ids  # a sample's token texts (--logprobs): the job's ``TokenTexts.spell``
     every: bool = False  # jobs with per-row parameters save each row's parameters with its checkpoint
     inside: bool = False  # the prompt ends inside a think block (the chat template opened it)
     saved: dict[int, list[int]] = field(default_factory=dict)  # tokens restored from the last checkpoint
@@ -67,7 +76,7 @@ class Samples(RowWork):
             "error": error,
             "reasoning": reasoning,
             "adapter": self.adapter,
-        } | feature_columns(out, params.logprobs, self.token_text)
+        } | feature_columns(out, params.logprobs, self.spell)
 
     def restore(self, saved: InFlight | None) -> None:
         """The saved tokens of each sample, when the record is this row's work (same id, kind, prompt and
@@ -93,9 +102,9 @@ class Samples(RowWork):
         )
 
 
-def feature_columns(out: RequestOutput, top_k: int | None = None, token_text: Any = None) -> dict[str, Any]:
+def feature_columns(out: RequestOutput, top_k: int | None = None, spell: Spell = spell_ids) -> dict[str, Any]:
     """The feature columns of one engine output: ``choice_*`` as ``{label: value}`` (Arrow maps), ``logprobs``
-    as a list of per-token structs (``top_k``: the request's K; ``token_text``: a token id's text)."""
+    as a list of per-token structs (``top_k``: the request's K; ``spell``: the sample's token texts)."""
     choice_lp, choice_p, logprobs = out.choice_logprobs, out.choice_probs, out.logprobs
     return {
         "sample_index": out.sample_index,
@@ -103,21 +112,23 @@ def feature_columns(out: RequestOutput, top_k: int | None = None, token_text: An
         "choice_probs": None if choice_p is None else dict(choice_p),
         "logprobs": None
         if logprobs is None
-        else token_logprobs(logprobs, list(out.token_ids), top_k or 0, token_text or str),
+        else token_logprobs(logprobs, list(out.token_ids), top_k or 0, spell),
     }
 
 
 def token_logprobs(
-    tops: list[list[tuple[int, float]]], token_ids: list[int], k: int, token_text: Any
+    tops: list[list[tuple[int, float]]], token_ids: list[int], k: int, spell: Spell
 ) -> list[dict[str, Any]]:
     """The engine's per-token lists (the top ``k``, best first, then the sampled token's when it is not among
-    them) as one struct per generated token: the sampled token, its log-prob, and the top ``k``."""
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": token_text(token_id), "token_id": token_id, "logprob": logprob}
-
+    them) as one struct per generated token: the sampled token, its log-prob, and the top ``k``. Their texts
+    are spelled once for the sample, each token in the context of those before it (``spell``)."""
+    pairs = list(zip(tops, token_ids, strict=False))
+    texts, top_texts = spell([t for _, t in pairs], [[t for t, _ in top[:k]] for top, _ in pairs])
     out = []
-    for top, token_id in zip(tops, token_ids, strict=False):
+    for (top, token_id), text, alts in zip(pairs, texts, top_texts, strict=True):
         chosen = next((lp for t, lp in reversed(top) if t == token_id), float("nan"))
-        out.append(entry(token_id, chosen) | {"top_logprobs": [entry(t, lp) for t, lp in top[:k]]})
+        entries = [
+            {"token": a, "token_id": t, "logprob": lp} for (t, lp), a in zip(top[:k], alts, strict=True)
+        ]
+        out.append({"token": text, "token_id": token_id, "logprob": chosen, "top_logprobs": entries})
     return out
