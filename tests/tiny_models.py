@@ -149,9 +149,8 @@ def _family_configs() -> dict:
         "cohere": lambda c, d: tf.CohereConfig(  # parallel residual, q/k norms, logit scale
             num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5, **d
         ),
-        "nemotron": lambda c, d: tf.NemotronConfig(  # its layers drop the keyword arguments attention is given
-            num_key_value_heads=2, partial_rotary_factor=0.5, **d
-        ),
+        # its layers drop the keyword arguments attention is given
+        "nemotron": lambda c, d: tf.NemotronConfig(num_key_value_heads=2, partial_rotary_factor=0.5, **d),
         "smollm3": lambda c, d: tf.SmolLM3Config(  # layer 1 without rotary embeddings (NoPE)
             num_key_value_heads=2, no_rope_layers=[1, 0], **d
         ),
@@ -299,3 +298,38 @@ def random_prompts(n_tokens: list[int], vocab: int, seed: int = 0) -> list[list[
     """Token-id prompts of the given lengths, ids 3.. (below are the specials), seeded."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in n_tokens]
+
+
+def make_scripted_model(folder: Path, tokenizer, chain: list[int]) -> Path:
+    """A one-layer Llama whose greedy output after ``chain[i]`` is ``chain[i + 1]``, then EOS (one-hot
+    embeddings, attention and MLP outputs zero, a head mapping slot i to the next token), saved to ``folder``
+    with ``tokenizer``: for tests that need exact tokens from the real engine (a chain of at most 63)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    eos = tokenizer.eos_token_id
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.unk_token_id,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    seq = [*chain, eos]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.zero_()
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        for i, t in enumerate(seq[:-1]):
+            emb[t, i] = 1.0
+            head[seq[i + 1], i] = 10.0
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return Path(folder)

@@ -12,7 +12,7 @@ import pytest
 from batchjob.engine.output import OutputProcessor
 from batchjob.engine.request import Request
 from batchjob.sampling import SamplingParams
-from tests.tiny_models import make_tokenizer
+from tests.tiny_models import make_scripted_model, make_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,39 +149,6 @@ def test_window_safe_tokenizers_keep_the_short_window(byte_level, metaspace):
     assert OutputProcessor(byte_level).window_safe and OutputProcessor(metaspace).window_safe
 
 
-def _scripted_model(folder, tokenizer, chain: list[int]) -> None:
-    """A one-layer Llama whose greedy output after ``chain[i]`` is ``chain[i + 1]``, then EOS: attention and
-    MLP outputs zero, one-hot embeddings, and a head that maps slot i to the next token."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    tokenizer.save_pretrained(folder)
-    eos = tokenizer.eos_token_id
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.unk_token_id,
-        tie_word_embeddings=False,
-    )
-    model = AutoModelForCausalLM.from_config(cfg)
-    seq = [*chain, eos]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.zero_()
-        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        for i, t in enumerate(seq[:-1]):
-            emb[t, i] = 1.0
-            head[seq[i + 1], i] = 10.0
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(folder)
-
-
 @pytest.mark.engine
 def test_engine_stops_at_a_string_the_clean_up_makes(unigram_cleanup, tmp_path):
     """End to end: the generated ``the dog ' f is ok`` reads ``the dog'f is ok``; the stop ``g'f`` ends it at
@@ -191,7 +158,7 @@ def test_engine_stops_at_a_string_the_clean_up_makes(unigram_cleanup, tmp_path):
     chain = unigram_cleanup.convert_tokens_to_ids(
         [f"\u2581{w}" for w in ["the", "dog", "'", "f", "is", "ok"]]
     )
-    _scripted_model(tmp_path, unigram_cleanup, chain)
+    make_scripted_model(tmp_path, unigram_cleanup, chain)
     engine = Engine.from_pretrained(str(tmp_path), dtype="float32", device="cpu")
     plain = engine.generate([chain[:1]], SamplingParams(max_new_tokens=10, temperature=0))[0]
     assert plain.token_ids[:5] == chain[1:] and plain.text == "dog'f is ok"

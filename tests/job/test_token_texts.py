@@ -9,13 +9,13 @@ import json
 
 import pyarrow.dataset as ds
 import pytest
-import torch
 from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.job.export import _openai_logprobs, _text_offsets
 from batchjob.job.rows import generate
 from batchjob.job.rows.token_texts import TokenTexts
+from tests.tiny_models import make_scripted_model
 
 # the generated chain after the prompt "Do": "em😀 Pa日 T." (the emoji and 日 as byte tokens), then EOS
 CHAIN = ["▁Do", "▁em", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁Pa", "<0xE6>", "<0x97>", "<0xA5>", "▁T", "."]
@@ -89,38 +89,6 @@ def sp_tokenizer(folder, legacy: bool):
     return fast
 
 
-def scripted_model(folder, tokenizer, chain: list[int]) -> None:
-    """A tiny Llama whose greedy output follows ``chain`` (next(chain[i]) = chain[i + 1], then EOS): one-hot
-    embeddings, zeroed attention and MLP, a head mapping slot i to the next token."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    eos = tokenizer.eos_token_id
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    model = AutoModelForCausalLM.from_config(cfg)
-    seq = [*chain, eos]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.zero_()
-        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        for i, t in enumerate(seq[:-1]):
-            emb[t, i] = 1.0
-            head[seq[i + 1], i] = 10.0
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(str(folder))
-
-
 @pytest.mark.engine
 @pytest.mark.parametrize("legacy", [True, False])
 def test_token_texts_in_context(tmp_path, legacy):
@@ -190,7 +158,7 @@ def test_logprobs_tokens_spell_the_text(tmp_path):
     OpenAI export's tokens, text_offset and bytes follow the generated text."""
     folder = tmp_path / "model"
     tok = sp_tokenizer(folder, legacy=True)
-    scripted_model(folder, tok, tok.convert_tokens_to_ids(CHAIN))
+    make_scripted_model(folder, tok, tok.convert_tokens_to_ids(CHAIN))
     requests = tmp_path / "requests.jsonl"
     body = {"prompt": "Do", "max_tokens": 20, "temperature": 0, "logprobs": 2}
     lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body}]
