@@ -14,6 +14,7 @@ import torch
 from batchjob.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +34,9 @@ def uniform_noise(
     h = _mix32(h ^ positions)  # [R]
     cols = (torch.arange(vocab, device=h.device, dtype=torch.int64) * 0x9E3779B1) & _M32
     x = _mix32(_mix32(h[:, None] ^ cols[None, :]))
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # The top code's midpoint, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32 (a Gumbel draw of +inf, which
+    # would win over any logit, a masked one too): it takes the largest float32 below 1 instead.
+    return (((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=_BELOW_ONE)
 
 
 def _as_int64(seed: int) -> int:
@@ -121,13 +124,14 @@ def sample(
     if any(p.top_k > 0 or p.top_p < 1.0 for p in sp):
         sorted_x, order = x.sort(dim=-1, descending=True)
         vocab = x.shape[-1]
-        rank = torch.arange(vocab, device=device)[None, :]
         top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in sp], device=device)[:, None]
-        drop = rank >= top_k
+        drop = sorted_x < sorted_x.gather(1, top_k - 1)  # as HF and vLLM: the k-th value's ties stay
         top_p = torch.tensor([p.top_p for p in sp], device=device)[:, None]
         probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-        drop |= before > top_p
+        # the fewest tokens whose mass reaches top_p (HF, vLLM); a row without top_p is never cut by the
+        # cumulative sum's rounding past 1
+        drop |= (before >= top_p) & (top_p < 1.0)
         drop[:, 0] = False
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
 

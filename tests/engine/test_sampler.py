@@ -58,6 +58,38 @@ def test_top_k_and_top_p_keep_only_allowed_tokens():
     assert seen_p == {0, 1}  # 0.5 + 0.3 reaches 0.7; token 2 starts above it
 
 
+def test_top_k_keeps_ties_and_top_p_keeps_the_fewest_tokens_reaching_it_as_hf_does():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    cases = [
+        (torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]]), dict(top_k=2), TopKLogitsWarper(2)),  # three tied second
+        (torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]])), dict(top_p=0.75), TopPLogitsWarper(0.75)),
+        (torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]])), dict(top_p=0.5), TopPLogitsWarper(0.5)),
+    ]
+    for logits, ours, warper in cases:
+        kept = set((warper(None, logits.clone()) > float("-inf")).nonzero()[:, 1].tolist())
+        seen = set()
+        for pos in range(300):
+            seen |= set(sample(logits, [SamplingParams(seed=4, **ours)], [1], [pos]))
+        assert seen == kept, (ours, seen, kept)
+
+
+def test_the_noise_never_reaches_one_so_a_filtered_token_never_wins():
+    """At (seed 1234, key 46317, position 0) the noise's top code falls on column 276: it rounded to 1.0 in
+    float32 before, a Gumbel draw of +inf that won over top_k=1 (and over a mask's -inf: NaN, read as the
+    largest). ~V / 2**24 of all sampled tokens, 0.9% at a 151,936-token vocabulary."""
+    u = uniform_noise(torch.tensor([1234]), torch.tensor([46317]), torch.tensor([0]), 300)
+    assert u.max().item() == 1.0 - 2.0**-24 and u[0].argmax().item() == 276
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1))
+    logits[0, 276] = logits.min() - 1
+    best = logits.argmax(-1).item()
+    for params in (SamplingParams(top_k=1, seed=1234), SamplingParams(min_p=1.0, seed=1234)):
+        assert sample(logits, [params], [46317], [0]) == [best]
+    masked = logits.clone()
+    masked[0, 276] = float("-inf")
+    assert sample(masked, [SamplingParams(seed=1234)], [46317], [0]) != [276]
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log()[None].repeat(64, 1)
