@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
     from batchjob.io.sources import Source
 
-Seen = Callable[[str, bytes], None]  # told each image file read: (path as written, its bytes)
+# told each image file read (path as written, its bytes); returns why the row cannot use it, or None
+Seen = Callable[[str, bytes], str | None]
 Fetch = Callable[[str], tuple[bytes | None, str | None]]  # a remote image's bytes, or why not
 
 
@@ -182,7 +183,7 @@ _PILLOW_LIMIT = _PillowLimit()
 def decode(data: bytes, ref: ImageRef, max_pixels: int) -> tuple[PILImage.Image | None, str | None]:
     """The image as RGB, or why not: not an image, corrupt, or over ``max_pixels`` (checked on its header,
     before its pixels are decoded)."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     try:
         with _PILLOW_LIMIT.off():
@@ -194,7 +195,8 @@ def decode(data: bytes, ref: ImageRef, max_pixels: int) -> tuple[PILImage.Image 
                     f"{max_pixels}"
                 )
             image.load()
-            return image.convert("RGB"), None
+            # turned as its EXIF orientation says, as transformers' load_image and datasets' Image give it
+            return ImageOps.exif_transpose(image).convert("RGB"), None
     except Image.UnidentifiedImageError:
         return None, f"{ref.name}: not an image Pillow can read (corrupt, or a format it does not know)"
     except Exception as e:  # noqa: BLE001 - any decoder failure is this row's, not the job's
@@ -232,7 +234,9 @@ def load_refs(
         if data is None:
             return None, error
         if ref.data is None and ref.path is not None and seen is not None:
-            seen(ref.path, data)
+            error = seen(ref.path, data)
+            if error is not None:
+                return None, error
         image, error = decode(data, ref, max_pixels)
         if image is None:
             return None, error

@@ -353,6 +353,51 @@ def test_image_file_changed_while_running_stops_the_job(llava, tmp_path, monkeyp
     assert target.stat().st_size == 100
 
 
+def test_image_file_that_appears_after_the_job_started_is_an_error_in_every_row(llava, tmp_path, monkeypatch):
+    """A file missing when the job records its images (a downloader still writing) and there when its rows
+    are read: every row naming it is an error in this run, so that no row reads a version the job never
+    recorded (a later resume would not have been told it changed)."""
+    import importlib
+
+    prepare = importlib.import_module("batchjob.job.prepare")  # (batchjob.job.prepare is also a function)
+    folder, _, _ = llava
+    (tmp_path / "imgs").mkdir()
+    record = prepare.record_images
+
+    def record_then_appear(*args, **kwargs):
+        recorded = record(*args, **kwargs)
+        make_image(4).save(tmp_path / "imgs" / "late.png")
+        return recorded
+
+    monkeypatch.setattr(prepare, "record_images", record_then_appear)
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for rid in ("r1", "r2"):
+            f.write(json.dumps({"rid": rid, "prompt": "What is it?", "image": "imgs/late.png"}) + "\n")
+    code, output = run_here(_args(tmp_path / "in.jsonl", tmp_path / "out", folder))
+    assert code == 0, output
+    errors = [r["error"] for r in read_results(tmp_path / "out")]
+    late = "could not be read when the job started and can be now"
+    assert len(errors) == 2 and all(late in e for e in errors)
+
+
+def test_exif_orientation_is_applied_as_transformers_load_image_does(tmp_path):
+    """A phone photo is stored unrotated with an EXIF orientation; transformers' load_image (and datasets'
+    Image) turn it, so the model sees it upright: so does batchjob."""
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    from batchjob.job.images import ImageRef, decode
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to view
+    path = tmp_path / "photo.png"
+    make_image(3, (48, 24)).save(path, exif=exif.tobytes())
+    ours, error = decode(path.read_bytes(), ImageRef(0, None, "photo.png"), 10**6)
+    want = load_image(str(path)).convert("RGB")
+    assert error is None and ours is not None
+    assert ours.size == want.size == (24, 48) and ours.tobytes() == want.tobytes()
+
+
 def _hf_parts(processor, hf, content) -> list[int]:
     """HF generate on the processor's inputs for one user message of content parts (images as Pillow), or
     for a conversation (a list of messages)."""

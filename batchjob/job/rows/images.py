@@ -168,19 +168,29 @@ class ImagePrompts:
         if source is None:
             return img.load_refs(found, None, self.max_pixels, fetch=fetch)
 
-        def seen(path: str, data: bytes) -> None:
-            self._check_recorded(source, path, data)
+        def seen(path: str, data: bytes) -> str | None:
+            return self._check_recorded(source, path, data)
 
         return img.load_refs(found, img.source_folder(source), self.max_pixels, seen, fetch)
 
-    def _check_recorded(self, source: Source, path: str, data: bytes) -> None:
+    def _check_recorded(self, source: Source, path: str, data: bytes) -> str | None:
+        """Stop the job when a recorded file changed; a file unreadable when the job started and readable
+        now is this row's error (its rows are all errors in this run, so that none reads another version)."""
         name = img.key(source, path)
-        was = self.recorded.get(name)
-        if was is not None and img.digest(data) != was:
+        if name not in self.recorded:
+            return None
+        was = self.recorded[name]
+        if was is None:
+            return (
+                f"image file {name} could not be read when the job started and can be now: its rows are "
+                "error rows in this run (--retry-errors redoes them, reading the file as it is then)"
+            )
+        if img.digest(data) != was:
             raise img.ImageChangedError(
                 f"image file {name} changed while the job ran (the rows committed so far are kept); "
                 "run the job again to be told what differs"
             )
+        return None
 
     def _guarded(
         self, row: Row, pictures: list[Any], prompt: Any, system: bool = True
