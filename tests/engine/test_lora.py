@@ -241,6 +241,12 @@ def _edited(folder: Path, tmp_path: Path, name: str, **changes) -> Path:
         ({"bias": "all"}, "base biases"),
         ({"base_model_name_or_path": "someone/Other-Model"}, "made for base model 'someone/Other-Model'"),
         ({"r": 5}, "weights are of rank 4, but its adapter_config.json says r 5"),
+        # PEFT rewrites the base weights to the residual these were trained against (answers moved by ~1 logit)
+        (
+            {"init_lora_weights": "pissa"},
+            "init_lora_weights='pissa' adapters change the base model's weights",
+        ),
+        ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
     ],
 )
 def test_refused_by_name(adapter_sets, tmp_path, changes, message):
@@ -345,3 +351,28 @@ def test_bf16_adapters_beside_the_cpu_bf16_kernel(adapter_sets):
             err,
             gap,
         )  # measured: 0.003-0.005 off, the adapters move 0.54-0.71
+
+
+@pytest.mark.engine
+def test_a_vision_language_models_adapter_is_refused_outside_its_language_model(tmp_path):
+    """PEFT's usual q_proj/v_proj reach LLaVA's vision tower too; the tower runs inside a text step, so its
+    update would follow the step's text rows (a base row beside an adapter row changed its answer): refused,
+    naming the part; an adapter on the language model alone runs."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.vision_models import make_llava
+
+    base = make_llava(tmp_path / "llava")
+    for name, targets in (("both", ["q_proj", "v_proj"]), ("text", r".*language_model.*\.(q_proj|v_proj)")):
+        torch.manual_seed(3)
+        hf = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float64)
+        config = peft.LoraConfig(init_lora_weights=False, r=2, target_modules=targets)
+        peft.get_peft_model(hf, config).save_pretrained(str(tmp_path / name))
+    with pytest.raises(ConfigError, match="targets 'model.vision_tower.*', in the vision_tower"):
+        Engine.from_pretrained(
+            str(base), dtype="float64", device="cpu", lora={"both": str(tmp_path / "both")}
+        )
+    engine = Engine.from_pretrained(
+        str(base), dtype="float64", device="cpu", lora={"t": str(tmp_path / "text")}
+    )
+    assert engine.lora is not None

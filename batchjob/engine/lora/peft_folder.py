@@ -115,6 +115,13 @@ def read_config(name: str, folder: Path, heads: tuple[str, ...] = ()) -> dict[st
             f"LoRA adapter {name!r}: modules_to_save is not supported here (only a classify engine takes "
             "the adapter's own classification head)"
         )
+    init = str(config.get("init_lora_weights", True))
+    if init.startswith(("pissa", "olora", "corda")) or init == "loftq":
+        raise ConfigError(  # PEFT rewrites the base weights to the residual they were trained against
+            f"LoRA adapter {name!r}: init_lora_weights={init!r} adapters change the base model's weights when "
+            "loaded, which batchjob does not; save the adapter converted to plain LoRA (PEFT's "
+            "path_initial_model_for_weight_conversion) and use that"
+        )
     if config.get("bias", "none") != "none":
         raise ConfigError(
             f"LoRA adapter {name!r}: trained base biases (bias={config['bias']!r}) are not supported"
@@ -200,6 +207,12 @@ def module_shape(name: str, module_name: str, model: PreTrainedModel) -> tuple[i
         raise ConfigError(
             f"LoRA adapter {name!r}: the output head ({module_name}) as a target is not supported"
         )
+    outside = _outside_the_language_model(model, module_name)
+    if outside is not None:
+        raise ConfigError(
+            f"LoRA adapter {name!r} targets {module_name!r}, in the {outside} (not supported: its update would "
+            "follow the step's text rows, not each image's own request); target the language model's layers"
+        )
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features
     if isinstance(module, Conv1D):  # GPT-2's layers: weight [in, out] (PEFT's fan_in_fan_out)
@@ -208,6 +221,20 @@ def module_shape(name: str, module_name: str, model: PreTrainedModel) -> tuple[i
     raise ConfigError(
         f"LoRA adapter {name!r} targets {module_name!r} ({kind}): only linear layers are supported"
     )
+
+
+def _outside_the_language_model(model: PreTrainedModel, module_name: str) -> str | None:
+    """Where a vision-language model's module lies when not in its language model (the vision tower, the
+    projector, by the name of its part), else None (a text model: None)."""
+    from batchjob.engine.vision.family import is_vlm  # (the vision package imports this one's neighbours)
+
+    if not is_vlm(model.config):
+        return None
+    decoder = model.get_decoder()
+    prefix = next(n for n, m in model.named_modules() if m is decoder)
+    if module_name.startswith(prefix + "."):
+        return None
+    return module_name.removeprefix("model.").split(".")[0]
 
 
 def _targets(config: dict[str, Any], module_name: str) -> bool:
