@@ -3,7 +3,7 @@
 No downloads: the tokenizer is a byte-level BPE trained on a few sentences; the models are built from
 ``LlamaConfig`` (with grouped-query attention), ``Qwen2Config``, ``MistralConfig`` and ``GPT2Config`` with
 random weights, and for the family matrix (:data:`FAMILIES`, :func:`make_family_model`) from the configs of
-twenty-one more families, each with its distinctive features turned on.
+twenty-two more families, each with its distinctive features turned on.
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ def _family_configs() -> dict:
         "cohere": lambda c, d: tf.CohereConfig(  # parallel residual, q/k norms, logit scale
             num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5, **d
         ),
+        # its logits multiplied by logits_scaling (Granite divides by it)
+        "hyperclovax": lambda c, d: tf.HyperCLOVAXConfig(num_key_value_heads=2, logits_scaling=4.0, **d),
         # its layers drop the keyword arguments attention is given
         "nemotron": lambda c, d: tf.NemotronConfig(num_key_value_heads=2, partial_rotary_factor=0.5, **d),
         "smollm3": lambda c, d: tf.SmolLM3Config(  # layer 1 without rotary embeddings (NoPE)

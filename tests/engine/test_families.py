@@ -368,3 +368,18 @@ def test_keys_of_another_shape_than_the_cache_are_refused_at_the_first_forward(t
     engine = Engine.from_pretrained(str(tmp_path), dtype="float64", device="cpu")
     with pytest.raises(ConfigError, match="writes keys of 4 heads x 16 .* KV cache of 2 x 8"):
         _generate(engine, [[5, 6, 7, 8]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma3_text", "hyperclovax"])
+def test_score_applies_each_familys_logit_transform_as_its_forward_does(folder, family):
+    """score computes logits with its own head (engine/tasks/runner.py): Granite divides by logits_scaling,
+    HyperCLOVA X multiplies by it (the way was once taken for Granite's), Cohere scales, Gemma-3 caps."""
+    path = folder(family)
+    hf = _reference(path)
+    engine = Engine.from_pretrained(str(path), task="score", device="cpu", dtype="float64")
+    ids = _prompts(engine.vocab_size)[0]
+    out = engine.score([ids], token_logprobs=True)[0]
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+    want = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(out.token_logprobs, dtype=torch.float64), want, rtol=0, atol=1e-10)

@@ -99,14 +99,27 @@ def _score_head(model):
     config = model.config.get_text_config()
     cap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None)  # Cohere multiplies
-    divide = getattr(config, "logits_scaling", None)  # Granite divides
+    scaling = getattr(config, "logits_scaling", None)  # Granite (and MiniCPM3) divide, HyperCLOVA X multiplies
+    if scaling is not None and config.model_type.startswith("hyperclovax"):
+        scale, scaling = scaling, None
+    elif scaling is not None and not config.model_type.startswith(("granite", "minicpm3")):
+        raise ConfigError(  # which way another family applies it is not known here
+            f"score: model family {config.model_type!r} has logits_scaling={scaling}, which batchjob's score "
+            "head applies only for the families it knows (Granite, MiniCPM3, HyperCLOVA X)"
+        )
+    for name in ("lm_head_multiplier", "output_multiplier", "logit_scale_factor"):
+        if getattr(config, name, 1) not in (1, 1.0, None):
+            raise ConfigError(
+                f"score: model family {config.model_type!r} scales its logits ({name}="
+                f"{getattr(config, name)}), which batchjob's score head does not apply"
+            )
 
     def apply(h: torch.Tensor) -> torch.Tensor:
         logits = head(h)
         if scale is not None:
             logits = logits * scale
-        if divide is not None:
-            logits = logits / divide
+        if scaling is not None:
+            logits = logits / scaling
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
