@@ -258,6 +258,9 @@ def test_conditional_score_reuses_the_prompt(causal_lm):
         assert out.num_scored_tokens == len(c)
         assert np.abs(np.array(out.token_logprobs) - ref).max() <= 1e-12
         assert out.logprob == pytest.approx(float(ref.sum()), abs=1e-12)
+    # an empty prompt: the continuation's first token has nothing before it (it was left out, or 0.0 scored)
+    empty = eng.score([""], [" positive"])[0]
+    assert empty.error is not None and "empty prompt" in empty.error
     # The three share the prompt: its full blocks were computed once and then taken from the prefix cache
     # (up to the block holding the prompt's last token, whose row predicts the continuation's first).
     assert eng.stats.cached_prompt_tokens >= 2 * ((len(p) - 1) // 4) * 4 > 0

@@ -369,6 +369,8 @@ def check_request(req: Request, conditional: bool, limit: int, vocab_size: int, 
         )
     if conditional and req.num_prompt_tokens >= n:
         return "nothing to score: the continuation has no tokens (or was cut off by truncate)"
+    if conditional and req.num_prompt_tokens == 0:  # its first token would go unscored, without a word
+        return "empty prompt: a continuation's first token needs a token before it (score it as a text alone)"
     if not conditional and req.task is not None and req.task.kind == "score" and n < 2:
         return "nothing to score: one token (the first token of a text is never scored)"
     if req.task is not None and n <= req.task.pool_from:
