@@ -226,3 +226,40 @@ def test_a_hub_models_files_are_asked_of_the_hub_when_not_cached(tmp_path, monke
     with pytest.raises(ConfigError, match="cannot tell whether model 'org/unknown' has .* offline.json"):
         st_file("org/unknown", "offline.json")
     assert st_file(str(tmp_path), "absent.json") is None  # a local folder: absent is absent
+
+
+def test_a_folders_limit_and_truncation_side_are_encodes(folders, tmp_path):
+    """A 5.x folder's max_seq_length past the tokenizer's own limit is the limit (encode takes it over the
+    tokenizer's); a chat folder whose tokenizer truncates on the left loses the render's start, as encode."""
+    import shutil
+
+    longer = tmp_path / "longer"
+    shutil.copytree(folders["bert-mean-noprompt-5x"], longer)
+    (longer / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_LEN + 24}))
+    left = tmp_path / "left"
+    shutil.copytree(folders["qwen3-last-chat"], left)
+    config = json.loads((left / "tokenizer_config.json").read_text())
+    (left / "tokenizer_config.json").write_text(json.dumps(config | {"truncation_side": "left"}))
+    texts = ["word " * (MAX_LEN + 14), "word " * 300, "short"]
+    for folder, limit in ((longer, MAX_LEN + 24), (left, MAX_LEN)):
+        eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64", truncate=True)
+        assert eng.prefill_limit == limit
+        got = np.stack([o.embedding for o in eng.embed(texts)])
+        assert float(np.abs(got - _encode(_st(folder), texts, None)).max()) <= 1e-12, folder.name
+
+
+def test_token_ids_on_a_folder_that_pools_without_its_prompt_are_refused(folders):
+    """Token ids are taken as the whole input, no prompt added; pooling would still leave out the prompt's
+    count of tokens from their start: refused, unless the call takes no prompt."""
+    eng = Engine.from_pretrained(
+        str(folders["bert-mean-noprompt"]), task="embed", device="cpu", dtype="float64"
+    )
+    ids = eng.tokenize(TEXTS[0])
+    with pytest.raises(ConfigError, match="token id lists take no prompt, but this model pools without"):
+        eng.embed([ids])
+    want = _encode(_st(folders["bert-mean-noprompt"]), TEXTS[:1], "")
+    plain = Engine.from_pretrained(
+        str(folders["bert-mean-noprompt"]), task="embed", device="cpu", dtype="float64", prompt_name=""
+    )
+    same = plain.embed([plain.tokenize(TEXTS[0])])[0].embedding
+    assert float(np.abs(same - want[0]).max()) <= 1e-12

@@ -252,6 +252,11 @@ class TaskEngine(Engine):
             raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
 
         names = lora_adapters.per_prompt(adapters, len(items))
+        if task == "embed" and self.tasks.skip and any(not isinstance(x, str) for x, _ in items):
+            raise ConfigError(  # ids are the whole input: which of them would the prompt's be?
+                "embed(): token id lists take no prompt, but this model pools without its prompt's "
+                f"{self.tasks.skip} tokens (include_prompt is off); give texts, or prompt_name='' for none"
+            )
 
         def ids(x, special: bool) -> list[int]:
             return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)

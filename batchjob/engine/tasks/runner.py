@@ -348,7 +348,8 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
         raise ConfigError(
             f"pooling, normalize, dimensions and prompt_name are options of task embed, not {config.task}"
         )
-    if config.task != "score":
+    if config.task != "score" and (pooling is None or pooling.max_seq_length is None):
+        # (a folder's max_seq_length replaces the tokenizer's own limit, as sentence-transformers takes it)
         own = getattr(tokenizer, "model_max_length", None)
         if isinstance(own, int) and 0 < own < 1_000_000:
             limit = min(limit, own)

@@ -245,6 +245,8 @@ def input_ids(tokenizer: Any, text: str, pooling: Pooling, limit: int | None) ->
     ids = _render(tokenizer, pooling, text)
     if limit is None or len(ids) <= limit:
         return ids
+    if getattr(tokenizer, "truncation_side", "right") == "left":  # the render's start goes, as encode cuts it
+        return ids[-limit:]
     # The tail is the tokens two renders with different texts share at their end: the template's, never
     # the text's.
     first, second = _render(tokenizer, pooling, "0"), _render(tokenizer, pooling, "1 2 3 4")
