@@ -102,7 +102,15 @@ def _table_schema(source: Source) -> pa.Schema:
     if source.kind == "parquet":
         schema = _parquet_file(source).schema_arrow
     else:
-        schema = load_hf(source)[0][1].features.arrow_schema
+        splits = [(split, ds.features.arrow_schema) for split, ds in load_hf(source)]
+        schema = splits[0][1]
+        other = next(((split, s) for split, s in splits[1:] if not s.equals(schema)), None)
+        if other is not None:  # the rows of one would be read into the other's columns
+            raise InputError(
+                f"input {source.path}: its splits {splits[0][0]!r} and {other[0]!r} have different columns "
+                f"or types ({_columns(schema)}; {_columns(other[1])}); give one split's folder as the input, "
+                f"e.g. {source.path}/{other[0]}"
+            )
     repeated = sorted({n for n in schema.names if schema.names.count(n) > 1})
     if repeated:
         raise RepeatedColumnError(
@@ -110,6 +118,10 @@ def _table_schema(source: Source) -> pa.Schema:
             "can't hold two values under one name. Rename them in the file, or leave the file out"
         )
     return schema
+
+
+def _columns(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name} {f.type}" for f in schema)
 
 
 def _read_failed(source: Source, e: Exception) -> InputError:

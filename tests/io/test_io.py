@@ -253,6 +253,25 @@ def test_parquet_and_hf_folder_and_skip(tmp_path):
     assert stop.value.value == [3000, 2]  # rows per source
 
 
+def test_a_dataset_dict_whose_splits_differ_is_refused_naming_a_split_to_give(tmp_path):
+    """All of a saved DatasetDict's splits are read, under the first's columns: a split with other columns or
+    types had them dropped or nulled, without a word."""
+    import datasets
+
+    same = {"test": {"prompt": ["T0"], "score": [1]}, "train": {"prompt": ["R0", "R1"], "score": [2, 3]}}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict(v) for k, v in same.items()}).save_to_disk(
+        tmp_path / "a"
+    )
+    assert input_schema(discover([str(tmp_path / "a")])).names == ["prompt", "score"]
+    assert len(list(iter_rows(discover([str(tmp_path / "a")])))) == 3
+    other = {**same, "train": {"prompt": ["R0"], "score": ["high"], "label": [0]}}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict(v) for k, v in other.items()}).save_to_disk(
+        tmp_path / "b"
+    )
+    with pytest.raises(InputError, match="splits 'test' and 'train' have different columns .*b/train"):
+        input_schema(discover([str(tmp_path / "b")]))
+
+
 def test_corrupt_parquet_file_is_an_error_row(tmp_path):
     pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "a.parquet")
     (tmp_path / "b.parquet").write_bytes(b"PAR1 this is not parquet")
