@@ -16,6 +16,7 @@ import numpy as np
 
 from batchjob.engine import choices
 from batchjob.engine.constraints import ChoiceConstraint, GrammarConstraint, normalize_choices
+from batchjob.engine.grammar import answer_error
 from batchjob.engine.request import Request, RequestStatus
 from batchjob.engine.stop_strings import StopScan, window_safe
 
@@ -123,6 +124,10 @@ class OutputProcessor:
         finish, error = FINISH_REASONS.get(req.status, "error"), req.error
         if finish == "length" and not chosen and (cut := cut_short(req)) is not None:
             finish, error = "error", cut
+        elif error is None and isinstance(req.constraint, GrammarConstraint):
+            p = req.params
+            if (bad := answer_error(p.json_schema, p.regex, text)) is not None:
+                finish, error = "error", bad
         return RequestOutput(
             request_id=req.group_id,
             prompt_ids=req.prompt_ids,

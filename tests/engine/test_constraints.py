@@ -357,3 +357,39 @@ def test_sampling_params_carry_the_new_fields():
     ]:
         with pytest.raises(ConfigError, match=field):
             SamplingParams(**bad)
+
+
+def test_a_finished_answer_is_checked_against_the_users_own_schema_or_regex():
+    """The grammar checks tokens; the text is their decoding, and llguidance's checks are not all the
+    schema's: a text its schema or regex does not allow is an error naming why, never a finished answer."""
+    from batchjob.engine.grammar import answer_error
+
+    no_backslash = json.dumps({"type": "string", "pattern": "^[^\\\\]+$"})
+    assert answer_error(no_backslash, None, '"xy"') is None
+    assert "does not satisfy the JSON schema" in answer_error(no_backslash, None, '"x\\\\"')
+    date = json.dumps({"type": "string", "format": "date"})
+    assert answer_error(date, None, '"2024-02-29"') is None
+    assert "does not satisfy the JSON schema" in answer_error(date, None, '"2023-02-29"')
+    assert "is not JSON" in answer_error(date, None, '"2023-')
+    assert answer_error(None, r"\s[a-z]+", " yes") is None
+    assert "does not match the regex" in answer_error(None, r"\s[a-z]+", "yes")  # a first space dropped
+    assert answer_error(None, r"\p{L}+", "é1") is None  # a regex Python's re cannot read is left unchecked
+
+
+@pytest.mark.engine
+def test_an_answer_the_grammar_let_through_and_the_schema_does_not_is_an_error(tmp_path):
+    """llguidance 1.9 lets an escaped backslash through a pattern's negated class (``[^\\\\]``): sampled
+    answers of a model that likes backslashes are each valid under the schema, or an error naming it."""
+    from tests.tiny_models import make_scripted_model, make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    first = tok("Q", add_special_tokens=False).input_ids[0]
+    make_scripted_model(tmp_path, tok, [first, *tok('"x\\\\"', add_special_tokens=False).input_ids])
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float32", device="cpu")
+    schema = {"type": "string", "pattern": "^[^\\\\]+$"}
+    params = [
+        SamplingParams(max_new_tokens=64, temperature=1.0, seed=s, json_schema=schema) for s in range(20)
+    ]
+    for out in engine.generate([[first]] * 20, params):
+        valid = out.error is None and jsonschema.Draft202012Validator(schema).is_valid(json.loads(out.text))
+        assert valid or "does not satisfy the JSON schema" in (out.error or ""), (out.text, out.error)
