@@ -349,8 +349,25 @@ def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None
             except Exception as e:  # noqa: BLE001
                 yield None, f"cannot convert its values ({type(e).__name__}: {e})"
         return
-    for values in rows:
-        yield values, ""
+    lost = _lost_nanoseconds(batch)
+    for j, values in enumerate(rows):
+        yield (None, lost[j]) if j in lost else (values, "")
+
+
+def _lost_nanoseconds(batch: pa.RecordBatch) -> dict[int, str]:
+    """The rows of a time64[ns] column whose nanoseconds a Python time (microseconds) would drop: why each
+    is an error row (timestamps and durations keep them, as pandas values)."""
+    lost: dict[int, str] = {}
+    for field, column in zip(batch.schema, batch.columns, strict=True):
+        if field.type != pa.time64("ns"):
+            continue
+        for j, ns in enumerate(column.cast(pa.int64()).to_pylist()):
+            if ns is not None and ns % 1000 and j not in lost:
+                lost[j] = (
+                    f"column {field.name!r} holds a time of {ns} ns after midnight, whose nanoseconds batchjob "
+                    "would write back as microseconds; cast the column to time64[us] or to text"
+                )
+    return lost
 
 
 def _id_only(obj: dict[str, Any], id_column: str | None) -> dict[str, Any] | None:

@@ -379,3 +379,13 @@ def test_reader_memory_is_flat(tmp_path):
         assert count == n * k
     # 60k more rows (~5 MB of JSON, far more as Python objects) must not show up in peak memory
     assert peaks[4] < peaks[1] + 1_000_000, peaks
+
+
+def test_a_time_with_nanoseconds_is_an_error_row_not_written_back_as_microseconds(tmp_path):
+    """A Python time holds microseconds: a time64[ns] value with nanoseconds was echoed cut to them."""
+    times = pa.array([1, 3_600_000_000_000, None], pa.time64("ns"))
+    pq.write_table(pa.table({"text": ["a", "b", "c"], "t": times}), tmp_path / "a.parquet")
+    rows = list(iter_rows(discover([str(tmp_path / "a.parquet")])))
+    assert rows[0].values is None and "column 't' holds a time of 1 ns after midnight" in rows[0].error
+    assert rows[1].error is None and rows[1].values["text"] == "b"
+    assert rows[2].error is None and rows[2].values["t"] is None
