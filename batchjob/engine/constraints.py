@@ -131,13 +131,20 @@ class ChoiceConstraint:
         return self.trie.nodes[self.node].choice if self.done else None
 
     def choice_logprobs(self) -> dict[str, float]:
-        """log P(choice | prompt) for each choice, under the model (not renormalised over the choices)."""
+        """log P(choice | prompt) for each choice, under the model (not renormalised over the choices). A
+        choice that a longer one goes on from ('yes' of 'yes!') is the answer only where the model does not
+        go on: its probability leaves out the longer choices' next tokens there (else it would hold theirs,
+        and always win over them)."""
         out = {}
         for name, toks in zip(self.trie.choices, self.trie.token_ids, strict=True):
             total, node = 0.0, 0
             for t in toks:
                 total += self.node_logprobs.get(node, {}).get(t, math.nan)
                 node = self.trie.nodes[node].children[t]
+            if self.trie.nodes[node].children:
+                seen = self.node_logprobs.get(node)
+                on = math.nan if seen is None else sum(math.exp(v) for v in seen.values())
+                total += math.log1p(-on) if on < 1 else -math.inf if on >= 1 else math.nan
             out[name] = total
         return out
 

@@ -110,11 +110,15 @@ def test_choices_are_always_exactly_one_label(engine32, temperature):
 def test_choice_logprobs_agree_with_the_models_logits(engine, hf):
     prompts = _prompts(5, engine.vocab_size, seed=2)
     outs = engine.generate(prompts, SamplingParams(choices=CHOICES, seed=3))
+    ids = [engine.tokenizer(c, add_special_tokens=False).input_ids for c in CHOICES]
     for prompt, o in zip(prompts, outs, strict=True):
         for choice in CHOICES:
             toks = engine.tokenizer(choice, add_special_tokens=False).input_ids
             lp = _hf_logprobs(hf, prompt + toks)
             want = sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(toks))
+            # a choice longer ones go on from: where the model does not go on into them
+            on = {c[len(toks)] for c in ids if len(c) > len(toks) and c[: len(toks)] == toks}
+            want += math.log1p(-sum(lp[-1, t].exp().item() for t in on)) if on else 0.0
             assert o.choice_logprobs[choice] == pytest.approx(want, abs=1e-8), choice
         total = sum(math.exp(v) for v in o.choice_logprobs.values())  # renormalised over the choices
         assert o.choice_probs == pytest.approx({k: math.exp(v) / total for k, v in o.choice_logprobs.items()})
@@ -393,3 +397,18 @@ def test_an_answer_the_grammar_let_through_and_the_schema_does_not_is_an_error(t
     for out in engine.generate([[first]] * 20, params):
         valid = out.error is None and jsonschema.Draft202012Validator(schema).is_valid(json.loads(out.text))
         assert valid or "does not satisfy the JSON schema" in (out.error or ""), (out.text, out.error)
+
+
+@pytest.mark.engine
+def test_a_longer_choice_than_another_can_be_the_answer(tmp_path):
+    """'yes' ends where 'yes!' goes on: its probability held the longer one's, so greedy never answered 'yes!'
+    (-0.29 against -0.43 for a model that says 'yes!' then stops: HF gives 'yes' + EOS -8.4)."""
+    from tests.tiny_models import make_scripted_model, make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    first = tok("Q", add_special_tokens=False).input_ids[0]
+    make_scripted_model(tmp_path, tok, [first, *tok("yes!", add_special_tokens=False).input_ids])
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float64", device="cpu")
+    out = engine.generate([[first]], SamplingParams(choices=["yes", "yes!"], temperature=0))[0]
+    assert out.text == "yes!" and out.choice_logprobs["yes!"] > out.choice_logprobs["yes"]
+    assert sum(math.exp(v) for v in out.choice_logprobs.values()) <= 1 + 1e-12  # no mass counted twice
