@@ -69,12 +69,33 @@ def _part_rows(out_dir: Path, record: PartRecord) -> Iterator[Result]:
                 "name); exporting it would drop one. Run the job again into a new --output, or read the part "
                 "by column position with pyarrow.parquet"
             )
-        for row in batch.to_pylist(maps_as_pydicts="lossy"):  # --choices maps as objects
+        for row in _rows(batch, record.name):
             if row.get("sample_index", 0) == 0:  # --n: a row's samples follow it; an error row has one
                 current = next(ordinals, None)
                 if current is None:
                     raise DamagedPartError(out_dir, record.name, "holds more rows than its record lists")
             yield Result(current, row)
+
+
+def _rows(batch: pa.RecordBatch, part: str) -> list[dict[str, Any]]:
+    """The rows of a batch, maps as objects (--choices'); a map that holds a key twice (an input's) as a list
+    of [key, value] pairs, said on stderr, rather than an object keeping one of them."""
+    try:
+        return batch.to_pylist(maps_as_pydicts="strict")
+    except KeyError:
+        rows = []
+        for j in range(batch.num_rows):
+            one = batch.slice(j, 1)
+            try:
+                rows.append(one.to_pylist(maps_as_pydicts="strict")[0])
+            except KeyError:
+                print(
+                    f"batchjob export: part {part} row {j}: a map holds a key twice, so its maps are written as "
+                    "lists of [key, value] pairs",
+                    file=sys.stderr,
+                )
+                rows.append(one.to_pylist()[0])
+        return rows
 
 
 def iter_results(out_dir: Path) -> tuple[JobInfo, Iterator[Result]]:

@@ -159,6 +159,22 @@ def test_binary_dates_and_decimals_export_as_json_can_read_them(tiny_model_dir, 
     assert base64.b64decode(got[0]["blob"]) == blob and json.loads(got[0]["meta"]) == {"raw": "AP8="}
 
 
+def test_a_map_that_holds_a_key_twice_exports_every_entry(tiny_model_dir, tmp_path):
+    """An input map may hold a key twice (Arrow's can); as a JSON object one entry was dropped, with a
+    pyarrow warning only: such a row's maps are lists of [key, value] pairs, said on stderr."""
+    data = tmp_path / "in"
+    data.mkdir()
+    maps = pa.array([[("k", 0), ("k", 1)], [("a", 2)]], pa.map_(pa.string(), pa.int64()))
+    pq.write_table(pa.table({"rid": ["x", "y"], "text": ["one", "two"], "m": maps}), data / "t.parquet")
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["m"] for r in rows] == [[["k", 0], ["k", 1]], {"a": 2}]
+    assert "row 0: a map holds a key twice" in result.stderr
+
+
 def test_openai_output_one_line_per_request_with_its_samples(inputs, tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     run(inputs, out, model=str(tiny_model_dir), n=2, temperature=1.0, seed=3)
