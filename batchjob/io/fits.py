@@ -53,7 +53,20 @@ def fits(value: Any, type_: pa.DataType) -> bool:
         ValueError,
     ):
         return False
-    return back == value or _both_nan(back, value)
+    return back == value or back == _filled(value, type_) or _both_nan(back, value)
+
+
+def _filled(value: Any, type_: pa.DataType) -> Any:
+    """``value`` with the struct fields it lacks as None, as its column gives them back: a field another
+    file's struct has (a column that gained a field) is null in this file's rows, their values unchanged."""
+    if isinstance(value, dict) and pa.types.is_struct(type_):
+        names = [type_.field(i).name for i in range(type_.num_fields)]
+        if not set(value) <= set(names):
+            return value
+        return {n: _filled(value.get(n), type_.field(n).type) for n in names}
+    if isinstance(value, list) and (pa.types.is_list(type_) or pa.types.is_large_list(type_)):
+        return [_filled(v, type_.value_type) for v in value]
+    return value
 
 
 def column_type(schema: pa.Schema, name: str | None) -> pa.DataType | None:

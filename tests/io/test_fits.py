@@ -36,6 +36,10 @@ FITS = [
     ([1, 2], pa.list_(pa.int64()), True),
     ([1.5], pa.list_(pa.int64()), False),
     (None, pa.int64(), True),
+    # a struct column that gained a field in another file: this file's rows hold it as null, unchanged
+    ({"src": "x"}, pa.struct([("src", pa.string()), ("lang", pa.string())]), True),
+    ([{"src": "x"}], pa.list_(pa.struct([("src", pa.string()), ("lang", pa.string())])), True),
+    ({"src": "x", "other": 1}, pa.struct([("src", pa.string()), ("lang", pa.string())]), False),
 ]
 
 
