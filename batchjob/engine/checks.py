@@ -15,8 +15,8 @@ def check_request(
     req: Request, max_model_len: int, vocab_size: int, bm: BlockManager, rules: Sequence[StopRule]
 ) -> str | None:
     """Its error: empty, its prompt past the context, a token outside the vocabulary, a stop rule that could
-    never act as it asks, or more KV blocks
-    than the pool has for its longest output (``max_new_tokens``, or a stop rule's own bound); else None."""
+    never act as it asks, or more KV blocks than the pool has for its longest output (``max_new_tokens``, or
+    a stop rule's own bound); else None."""
     n = req.num_prompt_tokens
     if n == 0:
         return "empty prompt: no tokens"
