@@ -173,6 +173,7 @@ class GrammarConstraint:
         self.num_tokens = 0
         self.in_string = False
         self.escaped = False
+        self.steered = False  # finishing took away a token the grammar allowed: the engine closed the answer
 
     def advance(self, token: int) -> bool:
         ok = bool(self.matcher.consume_token(token)) and not self.matcher.is_error()
@@ -197,20 +198,24 @@ class GrammarConstraint:
 
     def narrow(self, words: np.ndarray) -> None:
         """Keep, in place, only the best tier of the allowed tokens (``words``: one bitmask row as uint32);
-        when no tier is allowed (a key or a literal the grammar forces), the longest allowed tokens."""
+        when no tier is allowed (a key or a literal the grammar forces), the longest allowed tokens. Sets
+        ``steered`` when that takes a token away (the answer is then the engine's doing, not the model's)."""
         t = self.tables
         assert t is not None
+        before = words.copy()
         for tier in t.in_string if self.in_string else t.outside:
             kept = words & tier
             if kept.any():
                 words[:] = kept
-                return
-        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(t.lengths)].astype(bool)
-        if allowed.any():
-            longest = allowed & (t.lengths == t.lengths[allowed].max())
-            packed = np.packbits(longest, bitorder="little")
-            words[:] = 0
-            words.view(np.uint8)[: len(packed)] = packed
+                break
+        else:
+            allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(t.lengths)].astype(bool)
+            if allowed.any():
+                longest = allowed & (t.lengths == t.lengths[allowed].max())
+                packed = np.packbits(longest, bitorder="little")
+                words[:] = 0
+                words.view(np.uint8)[: len(packed)] = packed
+        self.steered |= not np.array_equal(before, words)
 
 
 class _Tables:
@@ -311,6 +316,13 @@ class GrammarCompiler:
             if not c.advance(int(allowed[np.argmax(lengths[allowed])])):
                 return n
         return limit
+
+    def replay_steering(self, c: GrammarConstraint) -> None:
+        """A resumed answer's token where it was finishing: whether narrowing took a token away there
+        (``steered``), as in the run that wrote it."""
+        bitmask = allocate_bitmask(1, self._vocab)
+        self.fill([c], bitmask, [0])
+        c.narrow(bitmask[0].numpy().view(np.uint32))
 
     def fill(self, constraints: list[GrammarConstraint], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``constraints[i]``: the whole batch in one call, on llguidance's

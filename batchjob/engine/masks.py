@@ -15,6 +15,7 @@ from batchjob.engine.constraints import (
     ChoiceTrie,
     Constraint,
     GrammarCompiler,
+    GrammarConstraint,
     fill_bitmask,
 )
 from batchjob.engine.feature import RequestFeature
@@ -43,6 +44,9 @@ class Constraints(RequestFeature):
         if c is None:
             return None
         for i, tok in enumerate(req.output_ids):
+            if isinstance(c, GrammarConstraint) and c.finishing and not c.steered:
+                assert self._grammars is not None
+                self._grammars.replay_steering(c)
             if not c.advance(tok):
                 return f"resumed output token {tok} at position {i} breaks the request's constraint"
         return None

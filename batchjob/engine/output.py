@@ -128,6 +128,8 @@ class OutputProcessor:
             p = req.params
             if (bad := answer_error(p.json_schema, p.regex, text)) is not None:
                 finish, error = "error", bad
+            elif req.constraint.steered:  # closed by the engine near max_new_tokens, not by the model
+                finish = "length"
         return RequestOutput(
             request_id=req.group_id,
             prompt_ids=req.prompt_ids,

@@ -129,8 +129,8 @@ def test_json_schema_answers_always_validate(engine32):
     engine = engine32
     prompts = _prompts(10, engine.vocab_size, seed=4)
     outs = engine.generate(prompts, SamplingParams(json_schema=SCHEMA, max_new_tokens=160, seed=7))
-    for o in outs:
-        assert o.finish_reason == "stop", o.text
+    for o in outs:  # (length: closed by the engine near its token limit)
+        assert o.finish_reason in ("stop", "length") and o.error is None, o.text
         jsonschema.validate(json.loads(o.text), SCHEMA)
     greedy = engine.generate(
         prompts[:3], SamplingParams(json_schema=json.dumps(SCHEMA), max_new_tokens=160, temperature=0)
@@ -162,8 +162,8 @@ def test_json_answers_close_within_the_token_budget(engine32, max_new_tokens):
         )
         for o in engine32.generate(prompts, params):
             assert len(o.token_ids) <= max_new_tokens
-            if max_new_tokens >= 120:
-                assert o.finish_reason == "stop", o.text
+            if max_new_tokens >= 120:  # a random model's strings are closed by the engine: length, said so
+                assert o.finish_reason in ("stop", "length") and o.error is None, o.text
                 answer = json.loads(o.text)
                 jsonschema.validate(answer, UNBOUNDED)
                 assert set(answer) == set(UNBOUNDED["properties"])  # no keys of the model's own
@@ -412,3 +412,25 @@ def test_a_longer_choice_than_another_can_be_the_answer(tmp_path):
     out = engine.generate([[first]], SamplingParams(choices=["yes", "yes!"], temperature=0))[0]
     assert out.text == "yes!" and out.choice_logprobs["yes!"] > out.choice_logprobs["yes"]
     assert sum(math.exp(v) for v in out.choice_logprobs.values()) <= 1 + 1e-12  # no mass counted twice
+
+
+def test_an_answer_the_engine_closed_near_its_token_limit_says_length(engine32):
+    """Near max_new_tokens a JSON answer is steered to close, the engine picking among the tokens the grammar
+    allows: such an answer is the engine's doing, and finishes 'length' (a resumed row says the same);
+    with room, the same rows are the model's own and finish 'stop'."""
+    schema = {"enum": ["alpha", "beta", "gamma"]}
+    prompts = _prompts(8, engine32.vocab_size, seed=12)
+    short = [SamplingParams(json_schema=schema, max_new_tokens=10, temperature=0)] * len(prompts)
+    roomy = [SamplingParams(json_schema=schema, max_new_tokens=64, temperature=0)] * len(prompts)
+    want = _run(engine32, prompts, short)
+    assert {o.finish_reason for o in want.values()} == {"length"}
+    assert {o.finish_reason for o in _run(engine32, prompts, roomy).values()} == {"stop"}
+    _run(engine32, prompts, short, stop_after=2)
+    states = engine32.snapshot()
+    for i in range(len(prompts)):
+        engine32.abort(f"row-{i}")
+    for st in states:
+        engine32.add_request(st.request_id, st.prompt_ids, st.params, st.output_ids)
+    resumed = _run(engine32, [], [])
+    assert resumed and len(states) == len(resumed)
+    assert {k: o.finish_reason for k, o in resumed.items()} == {k: want[k].finish_reason for k in resumed}
