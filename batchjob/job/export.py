@@ -322,8 +322,8 @@ def _nulled(value: Any, nulled: list[int]) -> Any:
 def _csv_value(value: Any) -> Any:
     if isinstance(value, (dict, list)):
         return json.dumps(value, ensure_ascii=False, default=_json_default)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return _json_default(value)
+    if isinstance(value, (bytes, bytearray, memoryview)) or hasattr(value, "isoformat"):
+        return _json_default(value)  # base64; dates, times and durations in ISO 8601, as jsonl writes them
     return value
 
 

@@ -145,6 +145,8 @@ def test_binary_dates_and_decimals_export_as_json_can_read_them(tiny_model_dir, 
         "day": pa.array([datetime.date(2026, 12, 7), None]),
         "price": pa.array([decimal.Decimal("1.50"), None], pa.decimal128(5, 2)),
         "meta": pa.array([{"raw": b"\x00\xff"}, None]),
+        "at": pa.array([1_796_639_400_000_000_001, None], pa.timestamp("ns")),
+        "took": pa.array([1_500_000_000, None], pa.duration("ns")),
     }
     pq.write_table(pa.table(table), data / "t.parquet")
     out = tmp_path / "out"
@@ -157,6 +159,9 @@ def test_binary_dates_and_decimals_export_as_json_can_read_them(tiny_model_dir, 
     CliRunner().invoke(main, ["export", str(out), "--format", "csv", "--to", str(target)])
     got = list(csv.DictReader(io.StringIO(target.read_text())))
     assert base64.b64decode(got[0]["blob"]) == blob and json.loads(got[0]["meta"]) == {"raw": "AP8="}
+    # csv's scalar dates, times and durations in ISO 8601 too, as jsonl's (not Python's or pandas' text)
+    assert (got[0]["day"], got[0]["at"], got[0]["took"]) == (rows[0]["day"], rows[0]["at"], rows[0]["took"])
+    assert got[0]["at"] == "2026-12-07T10:30:00.000000001" and got[0]["took"] == "P0DT0H0M1.5S"
 
 
 def test_a_map_that_holds_a_key_twice_exports_every_entry(tiny_model_dir, tmp_path):
