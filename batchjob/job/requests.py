@@ -56,20 +56,28 @@ def _check_type(name: str, value: Any, where: str) -> str | None:
     return None
 
 
+# A body field that turns a job option off (response_format text, logprobs false): not "left out" (None),
+# which takes the job's.
+OFF = object()
+
+
 def with_params(
     base: SamplingParams, given: dict[str, Any], where: str
 ) -> tuple[SamplingParams | None, str | None]:
-    """``base`` with the fields in ``given`` replaced: ``(params, None)`` or ``(None, why not)``."""
+    """``base`` with the fields in ``given`` replaced (``OFF``: back to the field's default, off):
+    ``(params, None)`` or ``(None, why not)``."""
     for name, value in given.items():
         if name not in PARAM_NAMES:
             return (
                 None,
                 f"{where}unknown sampling parameter {name!r} (known: {', '.join(sorted(PARAM_NAMES))})",
             )
-        problem = _check_type(name, value, where)
+        problem = None if value is OFF else _check_type(name, value, where)
         if problem:
             return None, problem
-    merged = base.to_dict() | {k: v for k, v in given.items() if v is not None}
+    merged = base.to_dict() | {k: v for k, v in given.items() if v is not None and v is not OFF}
+    for k in [k for k, v in given.items() if v is OFF]:
+        merged.pop(k, None)
     if any(given.get(k) is not None for k in ("choices", "json_schema", "regex")):  # one constraint at most
         for k in ("choices", "json_schema", "regex"):
             if given.get(k) is None:
@@ -189,7 +197,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | None, 
         return {"logprobs": body.get("top_logprobs") or 0}, None
     if body.get("top_logprobs") is not None:
         return None, "body.top_logprobs needs body.logprobs: true"
-    return {}, None
+    return ({} if flag is None else {"logprobs": OFF}), None  # false: off, whatever the job's --logprobs
 
 
 def _response_format(fmt: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -206,7 +214,7 @@ def _response_format(fmt: Any) -> tuple[dict[str, Any] | None, str | None]:
         return {"json_schema": {"type": "object"}}, None
     if kind != "text":
         return None, f"body.response_format.type {kind!r} is not supported (json_schema, json_object, text)"
-    return {}, None
+    return {"choices": OFF, "json_schema": OFF, "regex": OFF}, None  # text: no constraint, the job's neither
 
 
 def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:

@@ -120,6 +120,19 @@ def test_openai_request_lines():
         assert req is None and message in err, (line, err)
 
 
+def test_a_body_that_turns_a_job_option_off_gets_it_off():
+    """What a body leaves out takes the job's options; what it turns off is off: response_format text under
+    --json-schema (the answer was held to the job's schema), logprobs false under --logprobs."""
+    user = [{"role": "user", "content": "hi"}]
+    job = BASE.replace(json_schema={"type": "object"}, logprobs=2)
+    _, p, err = parse_request(chat(user, response_format={"type": "text"}, logprobs=False), job, None)
+    assert err is None and (p.json_schema, p.regex, p.choices, p.logprobs) == (None, None, None, None)
+    _, p, err = parse_request(chat(user, response_format={"type": "text"}, stop=["\n"]), job, None)
+    assert err is None and p.stop == ["\n"]  # a stop with the job's schema would be refused
+    _, p, err = parse_request(chat(user), job, None)
+    assert err is None and p.json_schema is not None and p.logprobs == 2  # left out: the job's
+
+
 def test_openai_request_line_fields_and_roles():
     user = [{"role": "user", "content": "hi"}]
     for role in ("system", "developer", "user", "assistant", "tool"):
