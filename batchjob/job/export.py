@@ -156,17 +156,19 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         "error": None,
     }
     failed = next((r.row for r in group if r.row.get("error") is not None), None)
-    if failed is not None and "embedding" in first:  # one input of an embeddings request failed: all did
-        first = failed
-    if first.get("error") is not None:
-        # as OpenAI and vLLM write a failed request: its HTTP status and error body in ``response``; a
-        # request refused (a bad row, a prompt too long, refused by the engine at admission) is a bad request
-        # (400); only one the engine failed to run is the server's failure (500)
-        status = 500 if first["error"] == ENGINE_FAILURE else 400
+    if failed is not None:
+        # One failed sample (or embeddings input) fails the request, as OpenAI has no error per choice; as
+        # OpenAI and vLLM write a failed request: its HTTP status and error body in ``response``. A request
+        # refused (a bad row, a prompt too long, refused by the engine at admission) is a bad request (400);
+        # only one the engine failed to run is the server's failure (500).
+        message = failed["error"]
+        if len(group) > 1 and "embedding" not in first:
+            message = f"sample {failed.get('sample_index', 0)} of {len(group)}: {message}"
+        status = 500 if failed["error"] == ENGINE_FAILURE else 400
         kind = "invalid_request_error" if status == 400 else "server_error"
-        error = {"message": first["error"], "type": kind, "param": None, "code": "batchjob_error"}
+        error = {"message": message, "type": kind, "param": None, "code": "batchjob_error"}
         line["response"] = {"status_code": status, "request_id": digest, "body": {"error": error}}
-        line["error"] = {"code": "batchjob_error", "message": first["error"]}
+        line["error"] = {"code": "batchjob_error", "message": message}
         return line
     if "embedding" in first:  # --task embed: an embeddings response, an object per input
         line["response"] = {"status_code": 200, "request_id": digest, "body": _embeddings_body(group, model)}
@@ -232,7 +234,11 @@ def _openai_logprobs(tokens: Any, completions: bool, text: str = "") -> dict[str
         return {
             "tokens": [t["token"] for t in tokens],
             "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [{x["token"]: x["logprob"] for x in t["top_logprobs"]} for t in tokens],
+            # the chosen token's too, as OpenAI's (a text two tokens share is one key there)
+            "top_logprobs": [
+                {x["token"]: x["logprob"] for x in t["top_logprobs"]} | {t["token"]: t["logprob"]}
+                for t in tokens
+            ],
             "text_offset": _text_offsets([t["token"] for t in tokens], text),
         }
 

@@ -352,3 +352,34 @@ def test_a_copied_output_folder_is_read_whole_once_then_trusted_by_its_stamps(
     flip_a_byte(out / records[0].name, at=20)  # a data page: and a change is still caught
     status = CliRunner().invoke(main, ["status", str(out)])
     assert f"missing or damaged: {records[0].name} is damaged" in status.output, status.output
+
+
+def test_a_request_whose_sample_failed_is_a_failed_request_and_completions_list_the_chosen_token():
+    """OpenAI has no error per choice: a request of n samples one of which failed was a 200 with a choice
+    finished 'error' (not an OpenAI value), or, when sample 0 failed, a 400 naming sample 0 only; now any
+    failed sample fails the request, naming it. Completions' top_logprobs hold the chosen token, as OpenAI's."""
+    from batchjob.job.export import Result, _openai_line, _openai_logprobs
+    from batchjob.job.state import JobInfo
+
+    info = JobInfo(fingerprint={}, job_seed=1, schema=pa.schema([]))
+
+    def row(i, error):
+        text = None if error else "hi"
+        return {
+            "custom_id": "c",
+            "sample_index": i,
+            "error": error,
+            "generated_text": text,
+            "finish_reason": "error" if error else "stop",
+            "num_prompt_tokens": 3,
+            "num_generated_tokens": 1,
+        }
+
+    for failing in (0, 1):
+        group = [Result(0, row(i, "cut" if i == failing else None)) for i in range(2)]
+        line = _openai_line(group, info, None, "m", 0)
+        assert line["response"]["status_code"] == 400
+        assert line["error"]["message"] == f"sample {failing} of 2: cut"
+    tokens = [{"token": "a", "logprob": -2.0, "top_logprobs": [{"token": "b", "logprob": -1.0}]}]
+    lp = _openai_logprobs(tokens, completions=True, text="a")
+    assert lp is not None and lp["top_logprobs"] == [{"b": -1.0, "a": -2.0}]
