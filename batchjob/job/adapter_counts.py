@@ -17,12 +17,13 @@ import pyarrow.parquet as pq
 from batchjob.job.verify import DamagedPartError, read_batches
 
 BASE = ""  # the base model's key: a row with no adapter (null or empty in the adapter column)
-_COLUMNS = ("adapter", "error", "num_prompt_tokens", "num_generated_tokens")
+_COLUMNS = ("adapter", "error", "num_prompt_tokens", "num_generated_tokens", "sample_index")
 
 
 @dataclass
 class AdapterCounts:
-    """One adapter's committed rows (an error row counts under the adapter its result names)."""
+    """One adapter's committed rows (an error row counts under the adapter its result names): input rows, not
+    their --n samples' result rows, and each prompt's tokens once, as the prompt is computed once."""
 
     rows: int = 0
     errors: int = 0
@@ -45,9 +46,10 @@ def adapter_counts(out_dir: Path, parts: Iterable[str], names: Iterable[str]) ->
         for batch in read_batches(out_dir, name, batch_size=4096, columns=columns):
             for r in batch.to_pylist():
                 c = counts.setdefault(r["adapter"] or BASE, AdapterCounts())
-                c.rows += 1
-                c.errors += r.get("error") is not None
-                c.prompt_tokens += r.get("num_prompt_tokens") or 0
+                first = not r.get("sample_index")  # a row's first sample (a row of one has none)
+                c.rows += first
+                c.errors += first and r.get("error") is not None
+                c.prompt_tokens += (r.get("num_prompt_tokens") or 0) if first else 0
                 c.generated_tokens += r.get("num_generated_tokens") or 0
     return counts
 

@@ -356,6 +356,20 @@ def _counts(results) -> dict[str, list[int]]:
     return want
 
 
+def test_status_counts_an_adapters_input_rows_not_their_samples(rows, tiny_model_dir, adapters, tmp_path):
+    """With --n 3 a row writes three result rows; status said '3 rows' of an adapter beside 'rows: 1 of 1'."""
+    out = tmp_path / "job"
+    spec = _spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter", n=3, temperature=1.0, seed=1)
+    assert run_job(make_spec(**spec)).status == "complete"
+    results = read_results(out)
+    want = _counts(r for r in results if r["sample_index"] == 0)
+    for name, c in want.items():  # tokens out: every sample's
+        c[2] = sum(
+            r["num_generated_tokens"] or 0 for r in results if (r["adapter"] or "(base model)") == name
+        )
+    assert sum(c[0] for c in want.values()) == N_ROWS and _status_adapters(out) == want
+
+
 def test_status_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
     """``batchjob status``: each adapter's committed rows, errors and generated tokens, as the results say;
     a deleted part's rows are not counted (under any adapter)."""
