@@ -143,8 +143,11 @@ class ChoiceConstraint:
                 node = self.trie.nodes[node].children[t]
             if self.trie.nodes[node].children:
                 seen = self.node_logprobs.get(node)
-                on = math.nan if seen is None else sum(math.exp(v) for v in seen.values())
-                total += math.log1p(-on) if on < 1 else -math.inf if on >= 1 else math.nan
+                if seen is None:  # not scored (as a token's missing log-probability above)
+                    total = math.nan
+                else:
+                    on = sum(math.exp(v) for v in seen.values())
+                    total += math.log1p(-on) if on < 1 else -math.inf
             out[name] = total
         return out
 
