@@ -147,6 +147,7 @@ def _json_default(value: Any) -> Any:
 def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, model: str, created: int) -> dict:
     """One OpenAI Batch output line for a request: its samples are the choices of one response."""
     first = group[0].row
+    model = first.get("adapter") or model  # a LoRA row answers as its adapter's name, as vLLM names it
     custom_id = _id_of(group[0], info, "custom_id" if "custom_id" in first else id_column)
     digest = hashlib.sha256(f"{info.job_seed}:{custom_id}".encode()).hexdigest()[:24]
     line: dict[str, Any] = {

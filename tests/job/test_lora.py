@@ -4,6 +4,7 @@ identity, and a kill -9 then resume equal to an uninterrupted run."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import shutil
@@ -14,6 +15,7 @@ import pytest
 
 from batchjob.errors import ConfigError, InputError
 from batchjob.job import make_spec, run_job
+from batchjob.job.export import export
 from tests.jobproc import read_results, run_here
 
 peft = pytest.importorskip("peft")
@@ -155,6 +157,14 @@ def test_job_file_lora_table_and_openai_body_model(tiny_model_dir, adapters, tmp
     got = {r["custom_id"]: r for r in read_results_by(tmp_path / "out", "custom_id")}
     assert [got[f"c{i}"]["adapter"] for i in range(5)] == ["qv", "rs", None, None, "qv"]
     assert got["c0"]["generated_text"] == got["c4"]["generated_text"]
+    # the export answers each request as the model it ran on: its adapter's name, else the base model's
+    text = io.StringIO()
+    export(tmp_path / "out", "openai", text)
+    models = {
+        x["custom_id"]: x["response"]["body"]["model"] for x in map(json.loads, text.getvalue().splitlines())
+    }
+    base = models["c2"]
+    assert base not in adapters and [models[f"c{i}"] for i in range(5)] == ["qv", "rs", base, base, "qv"]
 
 
 def read_results_by(out, key):
