@@ -16,6 +16,7 @@ and ``rows/reasoning.py``'s (which also holds ``think_tags``, a job's tags from 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +32,21 @@ class ReasoningTags:
     open_ids: tuple[int, ...]
     close_ids: tuple[int, ...]
 
-    def inside(self, prompt_ids: list[int]) -> bool:
-        """Whether the prompt ends inside an open thinking block (the template opened it)."""
-        return _last(prompt_ids, self.open_ids) > _last(prompt_ids, self.close_ids)
-
-    def closed(self, prompt_ids: list[int]) -> bool:
-        """Whether the prompt holds a closed thinking block after its last open one (the template turned
-        thinking off, e.g. Qwen3's ``enable_thinking=False`` writes an empty one)."""
-        return _last(prompt_ids, self.close_ids) > _last(prompt_ids, self.open_ids) >= 0
+    def opened(self, prompt_ids: list[int], blank: Callable[[list[int]], bool]) -> bool | None:
+        """How the prompt's end leaves thinking: True when it ends inside an open block (the template opened
+        it), False when it ends with an empty closed one (the template turned thinking off, as Qwen3's
+        ``enable_thinking=False``), None otherwise. Only the end counts (``blank``: whether ids are
+        whitespace alone): a tag in a message or an earlier turn's thinking is the conversation's text."""
+        start = _last(prompt_ids, self.open_ids)
+        if start < 0:
+            return None
+        tail = prompt_ids[start + len(self.open_ids) :]
+        if blank(tail):
+            return True
+        end = _last(tail, self.close_ids)
+        if end >= 0 and blank(tail[:end]) and blank(tail[end + len(self.close_ids) :]):
+            return False
+        return None
 
     def split(self, text: str, inside: bool) -> tuple[str | None, str]:
         """``(reasoning, answer)`` of a generated text; reasoning None when the model did not think."""

@@ -216,7 +216,9 @@ def test_tags_given_by_hand_and_missing_tags(data, tiny_model_dir, tmp_path):
     plain = tmp_path / "c"  # no tags: no reasoning column
     run(data, plain, tiny_model_dir)
     assert "reasoning" not in rows(plain)[0]
-    same = run(data, tmp_path / "d", tiny_model_dir, "--reasoning-tags", "<t>,<t>", "--choices", "a,b", code=2)
+    same = run(
+        data, tmp_path / "d", tiny_model_dir, "--reasoning-tags", "<t>,<t>", "--choices", "a,b", code=2
+    )
     assert "two different tags" in same  # one tag for both: the thinking would never be told from the answer
 
 
@@ -249,6 +251,53 @@ def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
     assert row._answer(thought([7, 40, 42], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 42]
     assert row._answer(thought([7, 40, 41], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 41]
     assert row._answer(thought([7, 8, 9], "length", False)).prompt_ids == [5, 6, 90, 7, 8, 9, 40, 41]
+    # the model ended (its EOS, 2) while thinking: the answer follows the thought, not the EOS
+    assert row._answer(thought([7, 8, 2], "stop", False)).prompt_ids == [5, 6, 90, 7, 8, 40, 41]
+
+
+def test_samples_of_a_row_in_two_requests_keep_their_index(data, thinker, tmp_path):
+    """--n with a bounded thinking: each sample's answer runs as its own request (sample 0 of it); the row's
+    samples are 0..n-1, and the job exports (a part holding one key twice is refused as damaged)."""
+    out = tmp_path / "out"
+    run(data, out, thinker, "--n", "3", "--max-reasoning-tokens", "3", "--temperature", "1", "--seed", "1")
+    got = rows(out)
+    assert len(got) == 3 * 6
+    for rid in {r["rid"] for r in got}:
+        assert sorted(r["sample_index"] for r in got if r["rid"] == rid) == [0, 1, 2]
+    result = CliRunner().invoke(main, ["export", str(out), "--format", "jsonl"])
+    assert result.exit_code == 0, result.output
+
+
+def test_think_tags_in_the_conversation_are_its_text(thinker, tmp_path):
+    """Only the prompt's end says whether the template opened the thinking or turned it off: a tag in a
+    message (a question about the tag, an earlier turn's thinking) is text, and the row still thinks first."""
+    from transformers import AutoTokenizer
+
+    from batchjob.job.reasoning import find_tags
+
+    tok = AutoTokenizer.from_pretrained(thinker)
+    tags = find_tags(tok, None)
+
+    def opened(messages, **kwargs):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return tags.opened(ids, lambda x: not tok.decode(x).strip())
+
+    user = {"role": "user", "content": "Is it positive?"}
+    assert opened([user]) is None
+    assert opened([user], enable_thinking=False) is False
+    assert opened([{"role": "user", "content": "What does <think> mean?"}]) is None
+    earlier = [user, {"role": "assistant", "content": "<think>\n\n</think>\n\nyes"}, user]
+    assert opened(earlier) is None
+    text = tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False) + "<think>\n"
+    assert tags.opened(tok(text, add_special_tokens=False)["input_ids"], lambda x: not tok.decode(x).strip())
+    # end to end: a question holding a closed block still thinks before its answer
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"rid": "q0", "question": "Think first, inside <think> </think>."}) + "\n")
+    out = tmp_path / "out"
+    run(path, out, thinker, "--choices", ",".join(LABELS), "--max-reasoning-tokens", "3")
+    [r] = rows(out)
+    assert r["reasoning"] is not None and r["generated_text"] in LABELS, r
 
 
 def test_think_tags_that_are_special_tokens_are_refused(tiny_model_dir):

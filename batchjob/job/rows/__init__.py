@@ -110,9 +110,9 @@ class RowMaker:
         answer, unless the chat template turned its thinking off."""
         tags, inside, spec = self.tags, False, self.spec
         if tags is not None:
-            inside = tags.inside(ids)
-            closed = not inside and tags.closed(ids)
-            if not closed and (params.constrained or spec.max_reasoning_tokens is not None):
+            opened = tags.opened(ids, self._blank)
+            inside = opened is True
+            if opened is not False and (params.constrained or spec.max_reasoning_tokens is not None):
                 prompt = ids if inside else ids + list(tags.open_ids)
                 # the thinking leaves the context room for the close tag and the answer (its max_new_tokens),
                 # or every long thought's answer would be refused as a prompt too long for the context
@@ -141,6 +141,9 @@ class RowMaker:
             spell=self.texts.spell,
             every=spec.per_row_params,
         )
+
+    def _blank(self, ids: list[int]) -> bool:
+        return not self.engine.tokenizer.decode(ids).strip()
 
     def _task_row(self, row: Row, row_id: str) -> Made:
         """A prefill-only row: an OpenAI embeddings request line's inputs, or one request (--task score:

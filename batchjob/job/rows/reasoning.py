@@ -82,8 +82,11 @@ class Reasoning(Samples):
         """Sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
         k = thought.sample_index
         self.thoughts[k] = thought
-        ids = self.prompt_ids + list(thought.token_ids)
-        close = list(self.tags.close_ids)
+        thinking, close = list(thought.token_ids), list(self.tags.close_ids)
+        ended = thought.finish_reason == "stop" and not thought.stopped_at_string
+        if ended and thinking[-len(close) :] != close:  # the model's EOS ended it still thinking: left out
+            thinking = thinking[:-1]
+        ids = self.prompt_ids + thinking
         # the model wrote the tag: as the tag's own tokens, or (a tag of several tokens, ended as a stop
         # string) inside others, which a second tag after them would repeat; else it ran long: close it
         if ids[-len(close) :] != close and not thought.stopped_at_string:
@@ -101,7 +104,8 @@ class Reasoning(Samples):
                 n_gen += len(thought.token_ids)
             else:
                 reasoning, text = self.tags.split(text, self.inside)
-        return self._columns(out, text, reasoning, n_gen, error, self.answer_params)
+        # the answer ran as sample 0 of its own request: the row's sample is k
+        return self._columns(out, text, reasoning, n_gen, error, self.answer_params) | {"sample_index": k}
 
     def restore(self, saved: InFlight | None) -> None:
         super().restore(saved)
