@@ -175,18 +175,7 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
         line["response"] = {"status_code": 200, "request_id": digest, "body": _embeddings_body(group, model)}
         return line
     completions = str(first.get("url") or "").endswith("/v1/completions")
-    choices = []
-    for r in group:
-        choice: dict[str, Any] = {
-            "index": r.row.get("sample_index", 0),
-            "finish_reason": r.row["finish_reason"],
-            "logprobs": _openai_logprobs(r.row.get("logprobs"), completions, r.row["generated_text"] or ""),
-        }
-        if completions:
-            choice["text"] = r.row["generated_text"]
-        else:
-            choice["message"] = {"role": "assistant", "content": r.row["generated_text"], "refusal": None}
-        choices.append(choice)
+    choices = [_openai_choice(r.row, completions) for r in group]
     prompt = first.get("num_prompt_tokens") or 0
     generated = sum(r.row.get("num_generated_tokens") or 0 for r in group)
     body = {
@@ -203,6 +192,23 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
     }
     line["response"] = {"status_code": 200, "request_id": digest, "body": body}
     return line
+
+
+def _openai_choice(row: dict[str, Any], completions: bool) -> dict[str, Any]:
+    """One sample as a choice: its text (a chat message: with a reasoning model's thinking as
+    ``reasoning_content``, as vLLM's and DeepSeek's servers write it), finish reason and log-probabilities."""
+    choice: dict[str, Any] = {
+        "index": row.get("sample_index", 0),
+        "finish_reason": row["finish_reason"],
+        "logprobs": _openai_logprobs(row.get("logprobs"), completions, row["generated_text"] or ""),
+    }
+    if completions:
+        choice["text"] = row["generated_text"]
+    else:
+        choice["message"] = {"role": "assistant", "content": row["generated_text"], "refusal": None}
+        if row.get("reasoning") is not None:
+            choice["message"]["reasoning_content"] = row["reasoning"]
+    return choice
 
 
 def _embeddings_body(group: list[Result], model: str) -> dict[str, Any]:

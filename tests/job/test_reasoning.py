@@ -268,6 +268,14 @@ def test_samples_of_a_row_in_two_requests_keep_their_index(data, thinker, tmp_pa
     assert result.exit_code == 0, result.output
 
 
+def test_the_openai_export_carries_the_thinking():
+    from batchjob.job.export import _openai_choice
+
+    row = {"generated_text": "yes", "finish_reason": "stop", "reasoning": "it says good", "sample_index": 1}
+    assert _openai_choice(row, completions=False)["message"]["reasoning_content"] == "it says good"
+    assert "reasoning_content" not in _openai_choice(row | {"reasoning": None}, completions=False)["message"]
+
+
 def test_think_tags_in_the_conversation_are_its_text(thinker, tmp_path):
     """Only the prompt's end says whether the template opened the thinking or turned it off: a tag in a
     message (a question about the tag, an earlier turn's thinking) is text, and the row still thinks first."""
