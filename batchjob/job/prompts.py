@@ -19,6 +19,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
+from batchjob.job.requests import ONLY_ROLE_AND_CONTENT, extra_key
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
     TEMPLATE_RULES,
@@ -328,6 +329,13 @@ class PromptBuilder:
         )
         if not ok:
             return None, f"column {col!r} is not a non-empty list of {{role, content}} messages"
+        for i, m in enumerate(value):  # as an OpenAI request's messages
+            other = extra_key(m)
+            if other is not None:
+                return (
+                    None,
+                    f"column {col!r}: message {i}'s {other!r} is not supported ({ONLY_ROLE_AND_CONTENT})",
+                )
         messages = [{"role": m["role"], "content": m["content"]} for m in value]
         if self.plan.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.plan.system})

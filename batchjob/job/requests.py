@@ -302,6 +302,15 @@ def _request_body(
     return body, None
 
 
+ONLY_ROLE_AND_CONTENT = "a message has only role and content here: the prompt would be built without it"
+
+
+def extra_key(message: dict[str, Any]) -> str | None:
+    """A message's key besides role and content (name, tool_calls, ...), refused rather than dropped; a null
+    one is absent (a Parquet struct gives every message every key)."""
+    return next((k for k, v in message.items() if k not in ("role", "content") and v is not None), None)
+
+
 def _chat_messages(messages: Any) -> tuple[list[dict[str, str]] | None, str | None]:
     """A chat body's ``messages`` as role and text (``developer`` is ``system``), or the error."""
     if not isinstance(messages, list) or not messages:
@@ -315,14 +324,9 @@ def _chat_messages(messages: Any) -> tuple[list[dict[str, str]] | None, str | No
         text, error = _message_text(m.get("content"), i)
         if text is None:
             return None, error
-        # a field the prompt would be built without (name, tool_calls, ...) is refused, not dropped; null is
-        # absent (a Parquet struct gives every message every key)
-        other = [k for k, v in m.items() if k not in ("role", "content") and v is not None]
-        if other:
-            return None, (
-                f"body.messages[{i}].{other[0]} is not supported by batchjob (a message has only role and "
-                "content here: the prompt would be built without it)"
-            )
+        other = extra_key(m)
+        if other is not None:
+            return None, f"body.messages[{i}].{other} is not supported by batchjob ({ONLY_ROLE_AND_CONTENT})"
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": text})
     return out, None

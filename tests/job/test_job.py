@@ -101,6 +101,16 @@ def test_prompts(tiny_model_dir):
     assert err is None and text.startswith("<|im_start|>system\nBe brief.") and text.endswith("assistant\n")
     assert b.text({"m": '[{"role": "user", "content": "hi"}]'})[0] == text  # JSON text works too
     assert "not a non-empty list" in b.build({"m": [{"role": "user"}]})[1]
+    # a key the prompt would be built without is the row's error, as in an OpenAI request; null is absent
+    tool = {"role": "tool", "content": "4", "tool_call_id": "c1"}
+    assert (
+        "message 1's 'tool_call_id' is not supported"
+        in b.build({"m": [{"role": "user", "content": "hi"}, tool]})[1]
+    )
+    assert b.text({"m": [{"role": "user", "content": "hi", "name": None}]}) == (text, None)
+    # --system goes first unless the conversation has its own system message
+    own = [{"role": "system", "content": "Be long."}, {"role": "user", "content": "hi"}]
+    assert "Be brief." not in b.text({"m": own})[0]
     assert "is null" in b.build({"m": None})[1]
     assert "does not fit" in b.build({"m": [{"role": "user", "content": "great " * 200}]})[1]
     plain = PromptBuilder(plan_prompts(JobSpec(chat=False), ["text"], True), tok, 64)
