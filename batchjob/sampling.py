@@ -32,6 +32,7 @@ NUMBERS: dict[str, tuple[bool, Callable[[float], bool], str]] = {
     "seed": (True, lambda v: v >= 0, "an integer >= 0 (of any size: it is taken modulo 2**64)"),
     "logprobs": (True, lambda v: 0 <= v <= 100, "an integer in [0, 100]"),
     "n": (True, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
+    "repetition_penalty": (False, lambda v: v > 0, "a finite number > 0 (1 is none)"),
 }
 
 
@@ -93,6 +94,7 @@ class SamplingParams:
     regex: str | None = None
     logprobs: int | None = None  # top-K per generated token; None: off
     n: int = 1
+    repetition_penalty: float | None = None  # None: the model's (its generation config's), else 1 (off)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,7 +106,7 @@ class SamplingParams:
             if type(value).__module__ == "numpy" and hasattr(value, "item"):  # np.int64(4): Python's 4
                 value = value.item()
                 setattr(self, name, value)
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in ("seed", "logprobs", "repetition_penalty"):
                 continue
             problem = check_number(name, value)
             if problem:
@@ -209,7 +211,7 @@ class SamplingParams:
         """Every field, except the constraint and sample fields left at their defaults (so the dict, and
         the fingerprint of a job made from it, is what it was before those fields existed)."""
         d = dataclasses.asdict(self)
-        for name in ("choices", "json_schema", "regex", "logprobs"):
+        for name in ("choices", "json_schema", "regex", "logprobs", "repetition_penalty"):
             if d[name] is None:
                 del d[name]
         if d["n"] == 1:

@@ -35,6 +35,7 @@ from batchjob.engine.kv_cache import allocate_kv_cache, plan_pool
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.options import EngineOptions
 from batchjob.engine.output import OutputProcessor, RequestOutput
+from batchjob.engine.penalties import model_penalty
 from batchjob.engine.plan import ModelPlan, plan_model
 from batchjob.engine.request import Request, RequestState, RequestStatus
 from batchjob.engine.sampler import sample
@@ -70,7 +71,13 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
         # The request features beside the core, in the order their hooks run (features/).
-        self.features: list[RequestFeature] = step_features(tokenizer, self.vocab_size, self.eos_token_ids)
+        # (a generating model's repetition penalty, penalties.py: its generation config may ask for it)
+        penalty = (
+            model_penalty(getattr(model, "generation_config", None)) if config.task == "generate" else 1.0
+        )
+        self.features: list[RequestFeature] = step_features(
+            tokenizer, self.vocab_size, self.eos_token_ids, penalty
+        )
         self.output = OutputProcessor(tokenizer)
         self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text
         self.helpers = Helpers(self._requests, self.scheduler, self._check)  # features/helpers.py

@@ -111,6 +111,7 @@ class Request:
     adapter: int = 0  # lora/: the LoRA adapter it runs under (0: the base model); roots its block digests
     images: Images | None = None  # vision/: its images (pixels, image-token positions, features once encoded)
     long_rope: bool = False  # rope.py: its tokens take a longrope model's long set; roots its block digests
+    penalty: float | None = None  # penalties.py: its repetition penalty (None: none)
 
     def __post_init__(self) -> None:
         self.key = request_key(self.request_id)

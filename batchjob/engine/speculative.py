@@ -113,6 +113,7 @@ def can_draft(req: Request) -> bool:
         and req.constraint is None
         and req.logprobs is None
         and req.owner is None
+        and req.penalty is None  # each drafted position would need its own context's penalty
     )
 
 

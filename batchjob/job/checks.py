@@ -29,6 +29,7 @@ GENERATION_ONLY = (
     "top_p",
     "top_k",
     "min_p",
+    "repetition_penalty",
     "seed",
     "stop",
     "choices",

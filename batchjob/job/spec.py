@@ -33,7 +33,9 @@ from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
 
 FORMAT_CHOICES = ("rows", "openai")
-PILLOW_MAX_PIXELS = 89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS, its decompression-bomb warning (not imported)
+PILLOW_MAX_PIXELS = (
+    89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS, its decompression-bomb warning (not imported)
+)
 
 
 @dataclass
@@ -177,6 +179,11 @@ class JobSpec:
     top_p: float = job_option(1.0, "Nucleus sampling threshold in (0, 1]")
     top_k: int = job_option(0, "Keep the k most likely tokens; 0 keeps all")
     min_p: float = job_option(0.0, "Drop tokens below min_p x the top probability")
+    repetition_penalty: float | None = job_option(
+        None,
+        "HF's repetition penalty on the tokens already in the context (prompt and output); 1 is none",
+        default_help="the model's generation_config.json's, as transformers' generate, else 1",
+    )
     seed: int | None = job_option(None, "Sampling seed; each row mixes in its id", default_help="one per job")
     stop: list[str] = job_option(list, "Stop string (repeatable); the text is cut before it.", multiple=True)
     # constraints and samples
@@ -275,11 +282,8 @@ class JobSpec:
 
     def _check_openai(self) -> None:
         """``--format openai``: the prompt, parameters and id come from each request."""
-        given = [
-            n
-            for n in ("prompt_column", "messages_column", "template", "params_column")
-            if getattr(self, n) is not None
-        ]
+        names = ("prompt_column", "messages_column", "template", "params_column")
+        given = [n for n in names if getattr(self, n) is not None]
         if given:
             raise ConfigError(
                 f"--format openai takes the prompt and parameters from each request's body; leave out "
@@ -343,6 +347,7 @@ class JobSpec:
             top_k=self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed if self.seed is not None else job_seed,
             stop=self.stop or None,
             choices=self.choices,
@@ -404,7 +409,7 @@ class JobSpec:
         out = {k: getattr(self, k) for k in keys} | {"temperature": self.effective_temperature}
         # Constraints and samples only when given, so a job without them keeps its old identity.
         extra = self.sampling_params(0).to_dict()
-        for k in ("choices", "json_schema", "regex", "logprobs", "n"):
+        for k in ("choices", "json_schema", "regex", "logprobs", "n", "repetition_penalty"):
             if k in extra:
                 out[k] = extra[k]  # the schema's content, not its path
         if self.engine.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")

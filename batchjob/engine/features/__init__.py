@@ -14,15 +14,24 @@ from batchjob.engine.features.base import Limits, StopRule
 from batchjob.engine.features.limits import ConstraintLimits
 from batchjob.engine.features.stops import EndOfSequence, Lengths, StopStrings
 from batchjob.engine.masks import Constraints
+from batchjob.engine.penalties import RepetitionPenalty
 from batchjob.engine.request import Request
 
 __all__ = ["Limits", "StopRule", "output_to_resume", "step_features", "stop_rules"]
 
 
-def step_features(tokenizer, vocab_size: int, eos_token_ids: set[int]) -> list[RequestFeature]:
-    """The per-step features in the order their hooks run: log-probabilities first (a resumed request's
-    replayed tokens replace the draw before a constraint takes them), constraints, choice scores."""
-    return [logprobs.Logprobs(), Constraints(tokenizer, vocab_size, eos_token_ids), ChoiceScores()]
+def step_features(
+    tokenizer, vocab_size: int, eos_token_ids: set[int], penalty: float = 1.0
+) -> list[RequestFeature]:
+    """The per-step features in the order their hooks run: log-probabilities first (of the model's own
+    distribution; a resumed request's replayed tokens replace the draw before a constraint takes them), the
+    repetition penalty (``penalty``: the model's), constraints, choice scores."""
+    return [
+        logprobs.Logprobs(),
+        RepetitionPenalty(penalty),
+        Constraints(tokenizer, vocab_size, eos_token_ids),
+        ChoiceScores(),
+    ]
 
 
 def output_to_resume(req: Request) -> list[int]:

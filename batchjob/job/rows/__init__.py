@@ -143,7 +143,7 @@ class RowMaker:
         )
 
     def _blank(self, ids: list[int]) -> bool:
-        return not self.engine.tokenizer.decode(ids).strip()
+        return not str(self.engine.tokenizer.decode(ids)).strip()
 
     def _task_row(self, row: Row, row_id: str) -> Made:
         """A prefill-only row: an OpenAI embeddings request line's inputs, or one request (--task score:

@@ -1,0 +1,76 @@
+"""A model's generation config: its repetition penalty applied as transformers' generate applies it, the
+processors batchjob does not build refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from batchjob.engine import Engine
+from batchjob.errors import ConfigError
+from batchjob.sampling import SamplingParams
+from tests.tiny_models import hf_greedy, random_prompts
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def penalised(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a generation config asking for a repetition penalty of 1.3."""
+    folder = tmp_path_factory.mktemp("penalised") / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    config = (
+        GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").exists() else None
+    )
+    config = config or GenerationConfig()
+    config.repetition_penalty = 1.3
+    config.save_pretrained(folder)
+    return folder
+
+
+def _hf(folder, prompt, penalty):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, repetition_penalty=penalty
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_the_models_repetition_penalty_is_applied_as_generate_applies_it(penalised):
+    hf = AutoModelForCausalLM.from_pretrained(penalised, dtype=torch.float64)
+    prompts = random_prompts([5, 9, 13, 40], hf.config.vocab_size, seed=3)
+    want = [_hf(penalised, p, 1.3) for p in prompts]
+    plain = [hf_greedy(hf, p, NEW) for p in prompts]  # (hf_greedy passes no penalty: the model's applies)
+    without = [_hf(penalised, p, 1.0) for p in prompts]
+    assert want == plain and want != without  # the penalty changes these answers
+    # chunked prefill, drafts asked for (off for penalised rows) and a small pool that preempts
+    engine = Engine.from_pretrained(
+        str(penalised), dtype="float64", max_num_batched_tokens=8, num_blocks=20, block_size=4
+    )
+    greedy = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    assert [list(o.token_ids) for o in engine.generate(prompts, greedy)] == want
+    assert engine.stats.preemptions > 0
+    # a request's own value wins: 1 is none
+    off = greedy.replace(repetition_penalty=1.0)
+    assert [list(o.token_ids) for o in engine.generate(prompts, off)] == without
+    # the log-probabilities reported are the model's own, whatever the penalty
+    lp = engine.generate(prompts[:1], greedy.replace(logprobs=1, repetition_penalty=1.0))[0].logprobs
+    lp_pen = engine.generate(prompts[:1], greedy.replace(logprobs=1))[0].logprobs
+    assert lp[0] == lp_pen[0]
+
+
+def test_generation_config_processors_not_built_are_refused(tiny_model_dir, tmp_path):
+    for setting, value in [("no_repeat_ngram_size", 3), ("suppress_tokens", [5]), ("min_new_tokens", 4)]:
+        folder = tmp_path / setting
+        shutil.copytree(tiny_model_dir, folder)
+        path = folder / "generation_config.json"
+        config = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(config | {setting: value}))
+        with pytest.raises(ConfigError, match=f"generation_config.json sets {setting} = "):
+            Engine.from_pretrained(str(folder), dtype="float64")
+        Engine.from_pretrained(str(folder), dtype="float64", task="embed")  # a task draws nothing: runs
