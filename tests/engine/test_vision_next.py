@@ -85,3 +85,31 @@ def test_prefix_cache_keys_on_the_image(next_model):
     before = engine.stats.cached_prompt_tokens
     _same(_run(engine, [other]), [_hf_greedy(hf, other)])
     assert engine.stats.cached_prompt_tokens - before <= image_start
+
+
+def test_a_processor_cutting_another_grid_than_the_models_is_the_rows_error(next_model):
+    """A folder whose processor tiles on other image_grid_pinpoints than the model unpacks: the image's tiles
+    are not the model's (too few failed the whole tower call and the job with it, too many were cut without a
+    word): that row's error, naming both; the other rows run."""
+    import copy
+
+    from tests.engine.test_vision_qwen import GREEDY
+
+    folder, processor, hf = next_model
+    other = copy.deepcopy(processor)
+    other.image_processor.image_grid_pinpoints = [[16, 16], [16, 64], [64, 16], [32, 32], [16, 48], [48, 16]]
+    rows = [
+        _inputs(other, [make_image(9, (10, 10))], "What is it?"),  # 2 tiles, where the model takes 3
+        _inputs(other, [make_image(9, (100, 5))], "What is it?"),  # 5 tiles, where the model takes 3
+        _inputs(processor, [make_image(1, (24, 20))], "What is it?"),
+    ]
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=128, block_size=8)
+    for i, inputs in enumerate(rows):
+        images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        engine.add_request(f"r{i}", inputs["input_ids"][0].tolist(), GREEDY, images=images)
+    outs = {}
+    while engine.has_unfinished():
+        outs |= {o.request_id: o for o in engine.step()}
+    assert "the processor cut 2 tiles where the model's image_grid_pinpoints give 3" in outs["r0"].error
+    assert "the processor cut 5 tiles" in outs["r1"].error
+    assert outs["r2"].error is None and outs["r2"].token_ids

@@ -161,6 +161,9 @@ class VisionStep:
         ids = np.asarray(prompt_ids, dtype=np.int64)
         positions = np.flatnonzero(ids == self.image_token_id).astype(np.int64)
         images = Images(inputs, positions, np.cumsum([0, *counts]).astype(np.int64), digests)
+        images.error = self.family.check(inputs)
+        if images.error is not None:
+            return images
         if len(positions) != sum(counts):
             each = f"{counts[0]} tokens each" if len(set(counts)) == 1 else f"{counts} tokens"
             images.error = (

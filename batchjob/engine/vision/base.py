@@ -69,6 +69,10 @@ class Family:
         """Per request of ``batch`` (one vision-tower call for all): its feature rows ``[tokens, hidden]``."""
         raise NotImplementedError
 
+    def check(self, inputs: Inputs) -> str | None:
+        """Why a request's images are not what the model reads (the request's error), or None."""
+        return None
+
     def positions(self, ids: np.ndarray, inputs: Inputs) -> tuple[np.ndarray, int] | None:
         """A prompt's own position ids ``[3, L]`` and the shift of every later token, or None (plain)."""
         return None

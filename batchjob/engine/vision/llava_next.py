@@ -52,11 +52,22 @@ class LlavaNext(Family):
 
     def _images(self, inputs: Inputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per image: its real tiles ``[n, C, H, W]`` (the processor pads to the batch's most) and its size."""
-        pixels = need(inputs, "pixel_values", 5, "LLaVA-NeXT")  # [N, tiles, C, H, W]
-        sizes = need(inputs, "image_sizes", 2, "LLaVA-NeXT")  # [N, 2]: height, width
-        if len(sizes) != len(pixels):
-            raise ConfigError(f"LLaVA-NeXT images: {len(sizes)} image_sizes for {len(pixels)} images")
+        pixels, sizes = _pixels_and_sizes(inputs)
         return [(p[: self._tiles(s)], s) for p, s in zip(pixels, sizes, strict=True)]
+
+    def check(self, inputs: Inputs) -> str | None:
+        """The processor's tiles of each image (the rest is the padding to a batch's most: zeros) against the
+        model's grid: a processor whose image_grid_pinpoints differ from the model config's cuts other tiles
+        than the model unpacks (too few failed the whole tower call; too many were cut silently)."""
+        for i, (pixels, size) in enumerate(zip(*_pixels_and_sizes(inputs), strict=True)):
+            made = int((pixels.flatten(1) != 0).any(dim=1).sum())
+            if made != self._tiles(size):
+                return (
+                    f"image {i} ({int(size[0])}x{int(size[1])}): the processor cut {made} tiles where the model's "
+                    f"image_grid_pinpoints give {self._tiles(size)}: the folder's preprocessor_config.json and "
+                    "config.json disagree on the grid"
+                )
+        return None
 
     def units(self, inputs: Inputs) -> tuple[list[int], list[bytes]]:
         if not inputs:
@@ -83,3 +94,11 @@ class LlavaNext(Family):
             features.append(torch.cat(per_image[at : at + len(request)]))
             at += len(request)
         return features
+
+
+def _pixels_and_sizes(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    pixels = need(inputs, "pixel_values", 5, "LLaVA-NeXT")  # [N, tiles, C, H, W]
+    sizes = need(inputs, "image_sizes", 2, "LLaVA-NeXT")  # [N, 2]: height, width
+    if len(sizes) != len(pixels):
+        raise ConfigError(f"LLaVA-NeXT images: {len(sizes)} image_sizes for {len(pixels)} images")
+    return pixels, sizes
