@@ -151,6 +151,12 @@ def test_families_without_a_plan_or_divisible_heads_are_refused_by_name(tiny_mod
         check_shardable(LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=6), 4)
     check_shardable(GPT2Config(), 1)
     check_shardable(LlamaConfig(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64), 4)
+    # Cohere's q/k norms hold a weight a head, left whole by its plan (a rank with half the heads crashed)
+    from transformers import CohereConfig
+
+    with pytest.raises(ConfigError, match=r"'cohere' with use_qk_norm: its per-head norm weights"):
+        check_shardable(CohereConfig(num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True), 2)
+    check_shardable(CohereConfig(num_attention_heads=4, num_key_value_heads=2), 2)
     # From the engine: refused from the config, before a rank is started or a weight read.
     with pytest.raises(ConfigError, match=r"'gpt2' has no tensor-parallel plan"):
         Engine.from_pretrained(str(tiny_model_dirs["gpt2"]), tensor_parallel_size=2, device="cpu")

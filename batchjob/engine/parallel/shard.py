@@ -49,6 +49,11 @@ def plan_of(config) -> dict[str, str]:
     return plan
 
 
+# family -> the config setting that gives it per-head weights its tensor-parallel plan leaves whole (Cohere's
+# q/k LayerNorms of [heads, head_dim]: a rank's share of the heads would meet every head's weights)
+_PER_HEAD_OUTSIDE_PLAN = {"cohere": "use_qk_norm"}
+
+
 def check_shardable(config, n: int) -> None:
     """Raise ``ConfigError`` unless the model can run on ``n`` tensor-parallel ranks."""
     if n == 1:
@@ -67,6 +72,13 @@ def check_shardable(config, n: int) -> None:
         raise ConfigError(
             f"model family {family!r}: its tensor-parallel plan uses {', '.join(other)}, which batchjob does "
             f"not implement; run it with --tensor-parallel-size 1"
+        )
+    setting = _PER_HEAD_OUTSIDE_PLAN.get(family)
+    if setting is not None and getattr(text, setting, False):
+        raise ConfigError(  # each rank would keep every head's weights for its share of the heads
+            f"model family {family!r} with {setting}: its per-head norm weights are outside its tensor-parallel "
+            f"plan (transformers leaves them whole), so it cannot run with tensor_parallel_size {n}; run it "
+            "with --tensor-parallel-size 1 (use --devices for data parallelism)"
         )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
