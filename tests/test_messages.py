@@ -256,6 +256,23 @@ def test_estimate_table_is_left_out_when_the_steps_cannot_tell_settings_apart():
     )
 
 
+def test_the_estimate_counts_the_samples_the_kv_pool_holds_at_once():
+    """A pool that holds fewer samples than --max-num-seqs bounds the batch: the estimate was 2.5-3.6x too
+    fast (it took 64 seats where 4 fit), and its table showed --max-num-seqs changing what it cannot."""
+    from batchjob.job.estimate import Calibration, Estimate
+
+    c = Calibration("s", 64, 1.0, 2048, 2048, 0.01, 1e-5, 1e-5, max_num_seqs=64, budget=2048)
+    c.pool_tokens = 192  # 3 samples of 32 prompt + 32 output tokens
+    assert c.seats(300 * 32, 300 * 32, 300) == 3
+    free = c.with_settings("free", None, None)
+    free.pool_tokens = 0
+    assert c.job_seconds(300 * 32, 300 * 32, 300) > 10 * free.job_seconds(300 * 32, 300 * 32, 300)
+    more = [("--max-num-seqs 128", c.with_settings("--max-num-seqs 128", 128, None))]
+    text = "\n".join(Estimate(300, 300, [32] * 300, 0, 0, 1024, 300, 300 * 32, c, more).lines())
+    assert "the KV pool holds about 3 samples at once (of --max-num-seqs 64)" in text
+    assert text.count(text.split("estimated time: ")[1].split("\n")[0]) == 2  # 128 seats: the same time
+
+
 def test_a_template_typed_on_the_command_line_reads_its_escapes_as_a_job_file_does(tiny_model_dir, tmp_path):
     from batchjob.cli import _unescape
 
@@ -286,4 +303,6 @@ def test_validate_estimate_with_no_usable_row_says_the_time_is_unknown(tiny_mode
     data = _rows(tmp_path / "in.jsonl")
     args = ("--model", tiny_model_dir, "--input", data, "--output", tmp_path / "out", "--max-model-len", "4")
     code, text = invoke("validate", *args, "--estimate")
-    assert code == 0 and "estimated time: unknown (no usable row among the" in text and "inf" not in text, text
+    assert code == 0 and "estimated time: unknown (no usable row among the" in text and "inf" not in text, (
+        text
+    )

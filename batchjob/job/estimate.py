@@ -63,6 +63,7 @@ class Calibration:
     max_num_seqs: int = 1
     budget: int = 1  # max_num_batched_tokens
     computed_share: float = 1.0  # prompt tokens computed per prompt token of the rows (prefix cache, choices)
+    pool_tokens: int = 0  # the KV pool's tokens at most (0: not bounded here)
 
     @property
     def rows_per_s(self) -> float:
@@ -92,16 +93,25 @@ class Calibration:
             budget=budget or self.budget,
         )
 
-    def job_seconds(self, budget_tokens: float, prompt_tokens: float) -> float:
-        """A job of ``prompt_tokens`` prompt tokens whose samples may generate ``budget_tokens`` in all, in
-        steps of this calibration's cost: as many steps as its tokens fill at the step budget, or as its
-        outputs need at max_num_seqs samples a step, whichever is more, and the last batch's drain."""
+    def seats(self, budget_tokens: float, prompt_tokens: float, samples: float) -> float:
+        """Samples running at once: max_num_seqs, or fewer where the KV pool holds fewer samples of the
+        job's mean length (prompt and output, each at its longest: the slow side)."""
+        if not self.pool_tokens or samples <= 0:
+            return self.max_num_seqs
+        each = (prompt_tokens + budget_tokens * self.fill) / samples
+        return max(1.0, min(self.max_num_seqs, self.pool_tokens / max(each, 1.0)))
+
+    def job_seconds(self, budget_tokens: float, prompt_tokens: float, samples: float = 0) -> float:
+        """A job of ``prompt_tokens`` prompt tokens whose ``samples`` may generate ``budget_tokens`` in all,
+        in steps of this calibration's cost: as many steps as its tokens fill at the step budget, or as its
+        outputs need at ``seats`` samples a step, whichever is more, and the last batch's drain."""
         if self.rows <= 0:
             return float("inf")
+        seats = self.seats(budget_tokens, prompt_tokens, samples)
         generated = budget_tokens * self.fill
         prompt_tokens *= self.computed_share  # a shared prefix is computed once; choices score their labels
         tokens = prompt_tokens + generated
-        steps = max(tokens / self.budget, generated / self.max_num_seqs) + self.output_per_row
+        steps = max(tokens / self.budget, generated / seats) + self.output_per_row
         return steps * self.alpha + prompt_tokens * self.beta_prompt + generated * self.beta_out
 
 
@@ -128,7 +138,7 @@ class Estimate:
         extrapolated) with the sample's mean prompt length."""
         rows = self.total if self.total is not None else self.sampled
         scale = rows / max(self.sampled, 1)  # the whole job from the rows looked at
-        return c.job_seconds(scale * self.budget_tokens, scale * sum(self.lengths))
+        return c.job_seconds(scale * self.budget_tokens, scale * sum(self.lengths), scale * self.samples)
 
     def lines(self) -> list[str]:
         out = [
@@ -172,6 +182,11 @@ class Estimate:
             f"{c.output_per_row:.1f} tokens out a sample, {c.computed_share:.2f} prompt tokens computed a prompt "
             "token (prefix cache, choices); this machine, today's settings; plus model loading)"
         )
+        seats = c.seats(self.budget_tokens, sum(self.lengths), self.samples)
+        if seats < c.max_num_seqs:  # then more seats change nothing: the pool bounds the batch
+            out.append(
+                f"  the KV pool holds about {seats:.0f} samples at once (of --max-num-seqs {c.max_num_seqs})"
+            )
         if self.alternatives and c.alpha <= 0:
             # the settings change the number of steps, and only a step's own cost makes that matter
             out.append(
@@ -268,9 +283,7 @@ def _calibrate(engine: Any, prompts: list[Prompt], seconds: float) -> Calibratio
     )
 
 
-def _warm_then_time(
-    engine: Any, prompts: list[Prompt], warm: float, timed: float
-) -> Calibration:
+def _warm_then_time(engine: Any, prompts: list[Prompt], warm: float, timed: float) -> Calibration:
     """A first pass over a few prompts warms the kernels up (new batch shapes are slow the first time) and is
     not timed; the prefix cache is emptied after it, so the timed pass computes its prompts."""
     if prompts:
@@ -293,12 +306,15 @@ def estimate(
     plan = prep.plan.for_tokenizer(spec, bool(getattr(tokenizer, "chat_template", None)))
     builder = prompt_builder(spec, plan, engine)
     images = image_prompts(spec, plan, engine, prep)  # image rows: the processor's ids, image tokens counted
-    prefill = spec.engine.task != "generate"  # a prefill-only task: no output; longer than the engine's limit fails
+    prefill = (
+        spec.engine.task != "generate"
+    )  # a prefill-only task: no output; longer than the engine's limit fails
     context = engine.prefill_limit if prefill else engine.max_model_len
     seen = _Sample(prefill=prefill, context=context)
     seen.read(prep, builder, max_rows, calibration_rows, images)
     # each pass may end a step over its share, at most
     main = _warm_then_time(engine, seen.prompts, 0.15 * seconds, 0.65 * seconds)
+    main.pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
     alternatives = _alternatives(main, engine.config) if seen.prompts else []
     return Estimate(
         seen.sampled,
