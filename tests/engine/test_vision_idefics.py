@@ -111,3 +111,21 @@ def test_prefix_cache_keys_on_the_image(idefics):
     before = engine.stats.cached_prompt_tokens
     _same(_run(engine, [other]), [_hf_greedy(hf, other)])
     assert engine.stats.cached_prompt_tokens - before <= image_start
+
+
+def test_crops_larger_than_the_towers_image_size_equal_hf_generate(idefics):
+    """A processor cropping at twice the tower's image_size (max_image_size, image_seq_len 16): the tower takes
+    any size (its position buckets), so HF answers; a crop's tokens follow its pixels, not the config (every
+    image row was an error, its tokens counted at 4 a crop)."""
+    import copy
+
+    folder, processor, hf = idefics
+    big = copy.deepcopy(processor)
+    crop = 2 * hf.config.vision_config.image_size
+    big.image_processor.max_image_size = {"longest_edge": crop}
+    big.image_processor.size = {"longest_edge": 2 * crop}
+    big.image_seq_len = 16
+    rows = [_inputs(big, [make_image(s, size) for s, size in images], text) for images, text in ROWS]
+    assert rows[0]["pixel_values"].shape[-1] == crop
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=128, block_size=8)
+    _same(_run(engine, rows), [_hf_greedy(hf, inputs) for inputs in rows])

@@ -15,11 +15,13 @@ from batchjob.engine.vision.base import Family, Inputs, digest, need
 class Idefics3(Family):
     name = "idefics3"
 
-    def tokens_per_crop(self) -> int:
-        """A crop's patches, pixel-shuffled: (image_size / patch_size)² / scale_factor²."""
+    def tokens_per_crop(self, crops: torch.Tensor) -> int:
+        """A crop's patches, pixel-shuffled: (height / patch_size) x (width / patch_size) / scale_factor², of
+        the processor's crops (its max_image_size), which the tower takes at any size (its position buckets),
+        not only at its config's image_size."""
         config = self.model.config
-        side = config.vision_config.image_size // config.vision_config.patch_size
-        return side * side // config.scale_factor**2
+        patch = config.vision_config.patch_size
+        return (crops.shape[-2] // patch) * (crops.shape[-1] // patch) // config.scale_factor**2
 
     def _crops(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The real crops ``[n, C, H, W]`` and their pixel masks ``[n, H, W]`` (all-zero crops: padding)."""
@@ -35,9 +37,9 @@ class Idefics3(Family):
             return [], []
         crops, masks = self._crops(inputs)
         if masks is None:
-            return [self.tokens_per_crop()] * len(crops), [digest(c) for c in crops]
+            return [self.tokens_per_crop(crops)] * len(crops), [digest(c) for c in crops]
         digests = [digest(c, m) for c, m in zip(crops, masks, strict=True)]
-        return [self.tokens_per_crop()] * len(crops), digests
+        return [self.tokens_per_crop(crops)] * len(crops), digests
 
     def encode(self, batch: Sequence[Inputs], device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         parts = [self._crops(inputs) for inputs in batch]
@@ -47,4 +49,4 @@ class Idefics3(Family):
             masks = torch.cat([m for _, m in parts if m is not None])[None].to(device)
         out = self.model.get_image_features(pixel_values=pixels, pixel_attention_mask=masks, return_dict=True)
         (rows,) = out.pooler_output  # [crops * tokens, hidden]
-        return list(rows.split([len(c) * self.tokens_per_crop() for c, _ in parts]))
+        return list(rows.split([len(c) * self.tokens_per_crop(c) for c, _ in parts]))
