@@ -298,6 +298,34 @@ def test_the_run_says_which_input_columns_it_renames(tiny_model_dir, tmp_path, c
     assert "'input_error' is written" not in err  # kept: no result column has its name
 
 
+def test_the_run_says_what_it_takes_of_the_models_generation_config(tiny_model_dir, tmp_path, capsys):
+    """Its repetition penalty applies (as generate's), its sampling settings do not: each said once."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from batchjob.job import make_spec, run_job
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    GenerationConfig(
+        do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05
+    ).save_pretrained(model)
+    data = _rows(tmp_path / "in.jsonl")
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "out"), model=str(model), max_new_tokens=2)
+    assert run_job(spec).status == "complete"
+    err = capsys.readouterr().err
+    assert "generation_config.json sets repetition_penalty 1.05: it applies to every row" in err
+    assert (
+        "generation_config.json samples (temperature 0.7, top_p 0.8, top_k 20); this job decodes greedily"
+        in err
+    )
+    given = make_spec(input=[str(data)], output=str(tmp_path / "o2"), model=str(model), max_new_tokens=2)
+    given.repetition_penalty, given.temperature = 1.0, 0.0
+    assert run_job(given).status == "complete"
+    assert "generation_config.json" not in capsys.readouterr().err  # the job's own settings: nothing to say
+
+
 def test_validate_estimate_with_no_usable_row_says_the_time_is_unknown(tiny_model_dir, tmp_path):
     """Every sampled row an error (a prompt longer than the context): nothing to time, not 'inf h'."""
     data = _rows(tmp_path / "in.jsonl")

@@ -110,6 +110,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
                 engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
         _settle_model(prep, engine)
+        _say_generation_config(prep, engine)
         if not prep.resumed and not state.create_job(prep.info):
             # another worker of the job created it first: take its seed and chunk size, if it is the same job
             prep = reload(prep)
@@ -186,6 +187,27 @@ def _say_dtype_hint(prep: Prepared) -> None:
         return  # a bad device: the engine's load says so
     if line is not None:
         print(f"batchjob: {line}", file=sys.stderr)
+
+
+def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
+    """A new generation job's lines on what the model's generation_config.json asks of decoding: its
+    repetition penalty applies, as generate applies it; its sampling settings do not (a job's are its own)."""
+    spec, config = prep.spec, getattr(engine.model, "generation_config", None)
+    if prep.resumed or spec.engine.task != "generate" or config is None:
+        return
+    penalty = getattr(config, "repetition_penalty", None)
+    if spec.repetition_penalty is None and penalty not in (None, 1.0):
+        say = (
+            f"the model's generation_config.json sets repetition_penalty {penalty}: it applies to every row, "
+        )
+        print(
+            f"batchjob: {say}as transformers' generate applies it (--repetition-penalty 1: none)",
+            file=sys.stderr,
+        )
+    if getattr(config, "do_sample", False) and spec.temperature is None and spec.format == "rows":
+        named = ", ".join(f"{k} {getattr(config, k)}" for k in ("temperature", "top_p", "top_k"))
+        say = f"the model's generation_config.json samples ({named}); this job decodes greedily, the default "
+        print(f"batchjob: {say}for labels (--temperature, --top-p, --top-k sample)", file=sys.stderr)
 
 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:
