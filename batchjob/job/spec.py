@@ -366,15 +366,16 @@ class JobSpec:
     def prompt_fingerprint(self) -> dict[str, Any]:
         keys = ("prompt_column", "messages_column", "template", "system", "chat", "id_column")
         out = {k: getattr(self, k) for k in keys}
-        if self.format != "rows":
-            out["format"] = self.format
-        if self.params_column is not None:  # per-row parameters: the rows themselves are identified
-            out["params_column"] = self.params_column
-        if self.template_kwargs:
-            out["chat_template_kwargs"] = self.template_kwargs
-        if self.reasoning_tags is not None:
-            out["reasoning_tags"] = self.reasoning_tags
-        if self.image_column is not None:  # named only when given, so a text job keeps its identity
+        optional = {  # named only when given, so a job without them keeps its identity
+            "format": None if self.format == "rows" else self.format,
+            "params_column": self.params_column,  # per-row parameters: the rows themselves are identified
+            "chat_template_kwargs": self.template_kwargs or None,
+            "reasoning_tags": self.reasoning_tags,
+            "adapter_column": self.adapter_column,  # which row takes which adapter
+            "check_model_name": self.check_model_name or None,  # a request for another model: an error row
+        }
+        out |= {k: v for k, v in optional.items() if v is not None}
+        if self.image_column is not None or self.max_image_pixels != PILLOW_MAX_PIXELS:  # (OpenAI image parts)
             out |= {"image_column": self.image_column, "max_image_pixels": self.max_image_pixels}
         return out
 

@@ -108,6 +108,10 @@ def test_adapter_column_one_adapter_and_identity(rows, tiny_model_dir, adapters,
     spec = _spec(rows, alone, tiny_model_dir, {"mlp": changed})
     code, text = run_here(_args(spec))
     assert code != 0 and "lora.mlp" in text
+    # Which row takes which adapter is the job's too: a column given on resume is refused by name (rows
+    # finished, and rows saved mid-answer, under the one adapter would have mixed with the column's).
+    code, text = run_here(_args(_spec(rows, alone, tiny_model_dir, one, adapter_column="adapter")))
+    assert code != 0 and "prompt.adapter_column" in text, text
 
 
 def _args(spec: dict) -> list[str]:

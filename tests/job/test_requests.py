@@ -540,6 +540,11 @@ def test_check_model_name(requests_file, tiny_model_dir, tmp_path):
         r for r in got if r["error"] and "body.model 'gpt-4o-mini' is not this job's model" in r["error"]
     ]
     assert len(wrong) == 7  # the six chat requests and the completion name gpt-4o-mini
+    # whether it checks is the job's: a resume without the check is refused (its rows would mix both)
+    code, text = invoke(
+        "run", "--input", requests_file, "--output", out, "--model", tiny_model_dir, "--format", "openai"
+    )
+    assert code != 0 and "prompt.check_model_name" in text, text
 
 
 def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
