@@ -326,6 +326,29 @@ def test_the_run_says_what_it_takes_of_the_models_generation_config(tiny_model_d
     assert "generation_config.json" not in capsys.readouterr().err  # the job's own settings: nothing to say
 
 
+def test_a_job_left_to_the_default_dtype_resumes_only_where_it_resolves_the_same(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """--dtype auto is float32 on the CPU and bf16 on a GPU: a job started on one and resumed on the other
+    would mix rows of both dtypes (the record said 'auto' both times). What it ran in is kept and checked."""
+    import torch
+
+    from batchjob.engine import config
+    from batchjob.job import make_spec, run_job
+    from batchjob.job.prepare import prepare
+    from batchjob.job.state import JobMismatchError
+
+    data = _rows(tmp_path / "in.jsonl")
+    spec = make_spec(
+        input=[str(data)], output=str(tmp_path / "out"), model=str(tiny_model_dir), max_new_tokens=2
+    )
+    assert run_job(spec).status == "complete"
+    prepare(spec)  # the same machine: the same job
+    monkeypatch.setattr(config, "resolve_dtype", lambda dtype, device: torch.bfloat16)  # as on a GPU
+    with pytest.raises(JobMismatchError, match="model.dtype: 'auto' ran in float32, is bfloat16 here"):
+        prepare(spec)
+
+
 def test_validate_estimate_with_no_usable_row_says_the_time_is_unknown(tiny_model_dir, tmp_path):
     """Every sampled row an error (a prompt longer than the context): nothing to time, not 'inf h'."""
     data = _rows(tmp_path / "in.jsonl")

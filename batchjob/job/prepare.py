@@ -8,6 +8,7 @@ identified once per start; ``reload`` checks the same start again against a job.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchjob.errors import InputError, StateError
+from batchjob.errors import BatchjobError, InputError, StateError
 from batchjob.io.readers import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
@@ -75,6 +76,20 @@ def model_fingerprint(model: str | None) -> dict[str, Any]:
     return model_identity.identity(model_identity.model_files(resolved), resolved, model)
 
 
+def _model_entry(spec: JobSpec) -> dict[str, Any]:
+    """The model by content and its dtype as given; ``auto`` also as what it resolves to here (``runs_in``,
+    per device: a job started in float32 on the CPU would go on in bf16 on a GPU). ``_changes`` compares it
+    where the saved job has it."""
+    from batchjob.engine.config import resolve_device, resolve_dtype  # (torch: a run loads it anyway)
+
+    entry: dict[str, Any] = {"identity": model_fingerprint(spec.model), "dtype": spec.engine.dtype}
+    if spec.engine.dtype in (None, "auto"):
+        with contextlib.suppress(BatchjobError):  # a bad device: the run itself says what is wrong with it
+            device = resolve_device(spec.engine.device)
+            entry["runs_in"] = str(resolve_dtype("auto", device)).removeprefix("torch.")
+    return entry
+
+
 def _check_output(out_dir: Path) -> None:
     check_output(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -123,7 +138,13 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[
 
     a, b = without_identity(saved), without_identity(now)
     defaults = resolved_defaults(spec) if differing(a, b) and not model else {}  # only a refusal pays for it
-    return ([model] if model else []) + fingerprint_changes(a, b, defaults)
+    runs = [fp.get("model", {}).get("runs_in") for fp in (saved, now)]
+    moved = (
+        []
+        if None in runs or runs[0] == runs[1]
+        else [f"model.dtype: 'auto' ran in {runs[0]}, is {runs[1]} here"]
+    )
+    return ([model] if model else []) + moved + fingerprint_changes(a, b, defaults)
 
 
 def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:
@@ -144,7 +165,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         plan = plan_prompts(spec, schema.names, has_chat_template, schema)
         check_column_types(spec, plan, schema)
         fingerprint = {
-            "model": {"identity": model_fingerprint(spec.model), "dtype": spec.engine.dtype},
+            "model": _model_entry(spec),
             "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},
             "sampling": spec.sampling_fingerprint(),
             "sharding": {"num_shards": shard.count},
