@@ -21,7 +21,7 @@ import torch
 
 from batchjob.engine.constraints import ChoiceConstraint
 from batchjob.engine.feature import RequestFeature
-from batchjob.engine.request import Request
+from batchjob.engine.request import Request, helper_id
 from batchjob.engine.sampler import log_softmax
 from batchjob.sampling import SamplingParams
 
@@ -47,7 +47,7 @@ def scoring_requests(req: Request) -> list[Request]:
     for node in c.missing_nodes:
         prefix = list(c.trie.nodes[node].prefix)
         scorer = Request(
-            f"{req.request_id}@{node}",
+            helper_id(req.request_id, f"choice{node}"),
             req.prompt_ids + prefix,
             req.num_prompt_tokens + len(prefix),
             SamplingParams(max_new_tokens=1, temperature=0.0),

@@ -15,6 +15,7 @@ the next step. The engine knows token ids, KV blocks, the model and the device, 
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from batchjob.engine.options import EngineOptions
 from batchjob.engine.output import OutputProcessor, RequestOutput
 from batchjob.engine.penalties import model_penalty
 from batchjob.engine.plan import ModelPlan, plan_model
-from batchjob.engine.request import Request, RequestState, RequestStatus
+from batchjob.engine.request import INTERNAL, Request, RequestState, RequestStatus
 from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.stats import EngineStats, eos_token_ids
@@ -71,12 +72,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
         # The request features beside the core, in the order their hooks run (features/).
-        # (a generating model's repetition penalty, penalties.py: its generation config may ask for it)
-        penalty = (
-            model_penalty(getattr(model, "generation_config", None)) if config.task == "generate" else 1.0
-        )
         self.features: list[RequestFeature] = step_features(
-            tokenizer, self.vocab_size, self.eos_token_ids, penalty
+            tokenizer, self.vocab_size, self.eos_token_ids, model_penalty(model, config.task)
         )
         self.output = OutputProcessor(tokenizer)
         self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text
@@ -213,17 +210,32 @@ class Engine:
         """
         if continuation_ids is not None or token_logprobs:
             raise ConfigError("continuation_ids and token_logprobs are for task='score'")
-        params = SamplingParams() if params is None else params
+        params = (
+            SamplingParams() if params is None else copy.copy(params)
+        )  # its own: a caller may reuse theirs
         if params.seed is None and not params.greedy:
-            params = params.replace(seed=random.getrandbits(63))
+            params.seed = random.getrandbits(63)
         index = lora_adapters.index_of(self.lora, adapter)
         shown = vision.admit(self.vision, images, prompt_ids)  # its images (None: a text request)
+        several = samples(request_id, params.n, key, sample_index)
+        self._check_ids(request_id, [s.request_id for s in several])
         leader = None  # the first sample computes the prompt; the others wait for it (features/samples.py)
-        for s in samples(request_id, params.n, key, sample_index):
+        for s in several:
             req = self._add(
                 s.request_id, request_id, s.index, prompt_ids, params, output_ids, s.key, leader, index, shown
             )
             leader = leader or req
+
+    def _check_ids(self, request_id: str, ids: list[str]) -> None:
+        """Every id a request takes is free, checked before any of its samples is added (a refused request
+        leaves nothing behind); ``INTERNAL`` is the engine's own."""
+        if INTERNAL in request_id:
+            raise ConfigError(
+                f"request id {request_id!r} holds a NUL character, which the engine's own ids use"
+            )
+        taken = next((i for i in (request_id, *ids) if i in self._requests), None)
+        if taken is not None:
+            raise ConfigError(f"request id {taken!r} is already in the engine")
 
     def _add(
         self,
@@ -238,8 +250,6 @@ class Engine:
         adapter: int = 0,
         images: vision.Images | None = None,
     ) -> Request:
-        if rid in self._requests:
-            raise ConfigError(f"request id {rid!r} is already in the engine")
         prompt = offline.token_ids(prompt_ids, f"request {rid!r}'s prompt")
         output = offline.token_ids(output_ids, f"request {rid!r}'s output") if output_ids else []
         req = Request(rid, prompt + output, len(prompt), params, time.monotonic(), group_id=group_id)
@@ -463,7 +473,8 @@ class Engine:
         """Run every prompt (raw text, or token ids) to completion; outputs in input order (a prompt's n
         samples in a row). An instruct model's questions go through :meth:`chat` (offline.py). ``adapters``:
         each prompt's LoRA adapter name (None: the base model), as ``add_request`` takes it."""
-        names = lora_adapters.per_prompt(adapters, len(prompts))
+        prompts = offline.prompt_list(prompts, "generate")
+        names = lora_adapters.per_prompt(self.lora, adapters, len(prompts))
         return offline.generate(self, prompts, offline.params_for(prompts, sampling_params), names)
 
     def chat(
@@ -475,6 +486,7 @@ class Engine:
     ) -> list[RequestOutput]:
         """:meth:`generate` over each conversation (a user message, or a list of ``{role, content}``
         messages) rendered through the tokenizer's chat template, as ``batchjob run`` renders prompts."""
+        conversations = offline.prompt_list(conversations, "chat")
         params = offline.params_for(conversations, sampling_params)
         return offline.generate(self, offline.chat_prompts(self.tokenizer, conversations, system), params)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from batchjob.engine.output import RequestOutput
@@ -37,6 +37,22 @@ class _Engine(Protocol):  # what the loop uses of the engine (engine.py imports 
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
+
+
+def prompt_list(prompts: Any, what: str) -> list[Any]:
+    """The prompts of ``generate``/``chat``: a list (one text, or one conversation's messages, is one prompt,
+    as vLLM takes it; a string was read as a prompt per character)."""
+    if isinstance(prompts, str) or (what == "chat" and prompts and isinstance(prompts[0], dict)):
+        return [prompts]
+    if isinstance(prompts, Mapping) or not hasattr(prompts, "__len__"):
+        raise ConfigError(f"{what}() takes a list of prompts, got {type(prompts).__name__}")
+    bare = next((p for p in prompts if isinstance(p, int) or getattr(p, "ndim", None) == 0), None)
+    if bare is not None:
+        raise ConfigError(
+            f"{what}() takes a list of prompts, each a text or a list of token ids; got the integer {bare!r} "
+            "as a prompt (one prompt's ids go in a list of their own: [[ids...]])"
+        )
+    return list(prompts)
 
 
 def params_for(

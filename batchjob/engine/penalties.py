@@ -40,9 +40,11 @@ _NOT_BUILT = {
 }
 
 
-def model_penalty(generation_config: Any) -> float:
-    """The model's repetition penalty (1: none); refuses a config asking for a processor not built here."""
-    if generation_config is None:
+def model_penalty(model: Any, task: str) -> float:
+    """A generating model's repetition penalty (1: none; a prefill-only task draws nothing); refuses a
+    generation config asking for a processor not built here."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None or task != "generate":
         return 1.0
     for name, neutral in _NOT_BUILT.items():
         value = getattr(generation_config, name, None)

@@ -41,6 +41,14 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+INTERNAL = "\x00"  # in the ids of the requests the engine runs for others (helpers); never in a caller's
+
+
+def helper_id(owner_id: str, what: str) -> str:
+    """The id of a request a feature runs for ``owner_id``: apart from every id a caller may give."""
+    return f"{owner_id}{INTERNAL}{what}"
+
+
 def request_key(request_id: str) -> int:
     """A stable 31-bit integer for a request id: the sampler mixes it with the seed and the position."""
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF

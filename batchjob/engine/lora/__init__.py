@@ -132,9 +132,12 @@ def index_of(adapters: Adapters | None, name: str | None) -> int:
     return adapters.index(name)
 
 
-def per_prompt(adapters: Sequence[str | None] | None, count: int) -> list[str | None]:
-    """One adapter name per prompt of ``Engine.generate`` (None: the base model)."""
+def per_prompt(held: Adapters | None, adapters: Sequence[str | None] | None, count: int) -> list[str | None]:
+    """One adapter name per prompt of ``Engine.generate`` (None: the base model), each one the engine holds
+    (checked before any prompt is added: a refused batch leaves the engine idle)."""
     names: list[str | None] = [None] * count if adapters is None else list(adapters)
     if len(names) != count:
         raise ConfigError(f"got {len(names)} adapters for {count} prompts")
+    for name in set(names):
+        index_of(held, name)
     return names

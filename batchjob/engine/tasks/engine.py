@@ -251,7 +251,7 @@ class TaskEngine(Engine):
         if self.has_unfinished():
             raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
 
-        names = lora_adapters.per_prompt(adapters, len(items))
+        names = lora_adapters.per_prompt(self.lora, adapters, len(items))
         if task == "embed" and self.tasks.skip and any(not isinstance(x, str) for x, _ in items):
             raise ConfigError(  # ids are the whole input: which of them would the prompt's be?
                 "embed(): token id lists take no prompt, but this model pools without its prompt's "
