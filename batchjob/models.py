@@ -293,19 +293,24 @@ def _from_pretrained(auto: Any, resolved: str, task: str, **kwargs: Any) -> Any:
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: ("weight" not in m[0], m[0]))
     if task == "classify" and mismatched:
         raise _head_mismatch(resolved, mismatched)
-    # no embedding reads the body's pooler (BERT's pooler.dense; a classifier's head does). generate and
-    # score keep transformers' report: an encoder's folder loaded for them (a random LM head) is refused
-    # after the load, by name (plan.py), which says more than the missing head would.
+    # no embedding reads the body's pooler (BERT's pooler.dense; a classifier's head does). For generate
+    # and score the refusal waits for the engine's plan (``MADE_UP``): an encoder's folder loaded for them (a
+    # random LM head) is refused there by name, which says more than the missing head would.
     missing = sorted(
         k for k in info.get("missing_keys") or () if task != "embed" or not k.startswith("pooler.")
     )
     if missing and task in ("embed", "classify"):
         raise _made_up(resolved, task, missing)
+    if missing:
+        setattr(model, MADE_UP, _made_up(resolved, task, missing))
     head_only = task == "embed" and all(k.startswith("lm_head.") for k in info.get("unexpected_keys") or ())
     if not (head_only and not info.get("missing_keys") and not info.get("error_msgs")):
         for record in held.records:
             logger.handle(record)
     return model
+
+
+MADE_UP = "_batchjob_made_up"  # on a model whose checkpoint lacked weights: the refusal the engine raises
 
 
 def _made_up(resolved: str, task: str, missing: list[str]) -> ModelNotFoundError:

@@ -43,7 +43,7 @@ from batchjob.engine.sampler import sample
 from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.stats import EngineStats, eos_token_ids
 from batchjob.errors import ConfigError
-from batchjob.models import load_model_and_tokenizer
+from batchjob.models import MADE_UP, load_model_and_tokenizer
 from batchjob.sampling import SamplingParams
 
 
@@ -55,6 +55,8 @@ class Engine:
         its shard (``from_pretrained`` with ``tensor_parallel_size`` > 1 builds it). ``lora``: LoRA adapters
         to hold resident, name -> PEFT folder or hub id (engine/lora/)."""
         plan = plan_model(model.config, config, model, tensor_parallel is not None)  # every refusal (plan.py)
+        if getattr(model, MADE_UP, None) is not None:  # weights its checkpoint lacks, made up at random
+            raise getattr(model, MADE_UP)
         config.decide_step_tokens(model.config)  # the CPU's step budget, where the engine decides it
         self.model = model
         self.tokenizer = tokenizer

@@ -11,6 +11,7 @@ from batchjob.engine import logprobs
 from batchjob.engine.choices import ChoiceScores
 from batchjob.engine.feature import RequestFeature
 from batchjob.engine.features.base import Limits, StopRule
+from batchjob.engine.features.finite import FiniteLogits
 from batchjob.engine.features.limits import ConstraintLimits
 from batchjob.engine.features.stops import EndOfSequence, Lengths, StopStrings
 from batchjob.engine.masks import Constraints
@@ -25,9 +26,11 @@ def step_features(
 ) -> list[RequestFeature]:
     """The per-step features in the order their hooks run: log-probabilities first (of the model's own
     distribution; a resumed request's replayed tokens replace the draw before a constraint takes them), the
-    repetition penalty (``penalty``: the model's), constraints, choice scores."""
+    check that the drawn token's logit is finite, the repetition penalty (``penalty``: the model's),
+    constraints, choice scores."""
     return [
         logprobs.Logprobs(),
+        FiniteLogits(),
         RepetitionPenalty(penalty),
         Constraints(tokenizer, vocab_size, eos_token_ids),
         ChoiceScores(),
