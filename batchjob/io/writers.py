@@ -109,6 +109,12 @@ EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
 RENAMED_KEY = b"batchjob.renamed"  # part schema metadata: JSON {output name: input name} of renamed inputs
 
 
+# Result columns that export and status read as batchjob's own wherever a part has them (a row's samples, its
+# adapter, an embeddings response, a reasoning model's thinking): an input column of one of these names is
+# renamed even in a job that does not write it (an input 'sample_index' reordered the export and merged rows).
+READ_BACK = {"sample_index", "adapter", "embedding", "reasoning"}
+
+
 def output_names(
     input_names: list[str], extra: tuple[pa.Field, ...] = (), result: list[pa.Field] | None = None
 ) -> dict[str, str]:
@@ -116,7 +122,9 @@ def output_names(
     default generation's; ``extra``: its feature columns)."""
     if len(set(input_names)) != len(input_names):  # readers.input_schema refuses such inputs first
         raise ValueError(f"input columns repeat a name: {input_names}")
-    reserved = {f.name for f in (RESULT_FIELDS if result is None else result)} | {f.name for f in extra}
+    reserved = (
+        {f.name for f in (RESULT_FIELDS if result is None else result)} | {f.name for f in extra} | READ_BACK
+    )
     taken = set(input_names) | reserved
     out = {}
     for column in input_names:

@@ -383,3 +383,27 @@ def test_a_request_whose_sample_failed_is_a_failed_request_and_completions_list_
     tokens = [{"token": "a", "logprob": -2.0, "top_logprobs": [{"token": "b", "logprob": -1.0}]}]
     lp = _openai_logprobs(tokens, completions=True, text="a")
     assert lp is not None and lp["top_logprobs"] == [{"b": -1.0, "a": -2.0}]
+
+
+def test_input_columns_named_as_results_export_reads_are_renamed(tiny_model_dir, tmp_path):
+    """An input 'sample_index', 'adapter' or 'embedding' in a job that writes none of them was kept under its
+    name, and export took it for batchjob's own: rows out of order and merged into one request's choices, an
+    embeddings response from the input's numbers, 'model' from its adapter text."""
+    data = tmp_path / "in"
+    data.mkdir()
+    rows = [
+        {"rid": f"r{i:02d}", "text": f"row {i}", "sample_index": i % 3, "adapter": "x", "embedding": [0.5]}
+        for i in range(12)
+    ]
+    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    run(data, out, shards=2, model=str(tiny_model_dir))
+    assert [json.loads(x)["rid"] for x in export(out, "jsonl").splitlines()] == [r["rid"] for r in rows]
+    lines = [json.loads(x) for x in export(out, "openai").splitlines()]
+    assert [x["custom_id"] for x in lines] == [r["rid"] for r in rows]
+    for x in lines:
+        body = x["response"]["body"]
+        assert body["object"] == "text_completion" or body["object"] == "chat.completion", body
+        assert len(body["choices"]) == 1 and body["model"] != "x"
+    got = ds.dataset(out, format="parquet").to_table()
+    assert {"input_sample_index", "input_adapter", "input_embedding"} <= set(got.column_names)
