@@ -291,7 +291,9 @@ def export(out_dir: Path, fmt: str, to: IO[str]) -> int:
         writer: Any = None
         for r in results:
             if writer is None:
-                writer = csv.DictWriter(to, fieldnames=list(r.row), lineterminator="\n")
+                # RFC 4180's line end: a value holding a lone \r is then quoted too (with \n alone it was not,
+                # and readers split the row there)
+                writer = csv.DictWriter(to, fieldnames=list(r.row), lineterminator="\r\n")
                 writer.writeheader()
             writer.writerow({k: _csv_value(v) for k, v in r.row.items()})
             written += 1

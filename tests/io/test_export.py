@@ -407,3 +407,23 @@ def test_input_columns_named_as_results_export_reads_are_renamed(tiny_model_dir,
         assert len(body["choices"]) == 1 and body["model"] != "x"
     got = ds.dataset(out, format="parquet").to_table()
     assert {"input_sample_index", "input_adapter", "input_embedding"} <= set(got.column_names)
+
+
+def test_csv_quotes_a_value_holding_a_lone_carriage_return(tiny_model_dir, tmp_path):
+    """With '\\n' line ends a value holding '\\r' went out unquoted, and csv readers (Python's, pandas')
+    split the row there: 3 result rows read back as 6."""
+    data = tmp_path / "in"
+    data.mkdir()
+    notes = ["one\rtwo", "three\r\nfour", "five"]
+    (data / "a.jsonl").write_text(
+        "".join(json.dumps({"rid": f"r{i}", "text": "hi", "note": n}) + "\n" for i, n in enumerate(notes))
+    )
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    target = tmp_path / "out.csv"
+    assert (
+        CliRunner().invoke(main, ["export", str(out), "--format", "csv", "--to", str(target)]).exit_code == 0
+    )
+    with open(target, newline="", encoding="utf-8") as f:
+        got = list(csv.DictReader(f))
+    assert [r["note"] for r in got] == notes
