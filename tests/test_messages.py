@@ -349,6 +349,44 @@ def test_a_job_left_to_the_default_dtype_resumes_only_where_it_resolves_the_same
         prepare(spec)
 
 
+def test_a_resumed_runs_token_count_leaves_out_the_tokens_it_restored(tiny_model_dir, tmp_path):
+    """A row saved mid-answer resumes from its tokens: the resumed run did not generate them (its tok/s was
+    nearly twice what it ran at, counting them)."""
+    import pyarrow.dataset as ds
+
+    from batchjob.io.atomic import read_json
+    from batchjob.job import make_spec, run_job
+    from tests.jobproc import sigterm_after_steps
+
+    data, out = _rows(tmp_path / "in.jsonl", n=12), tmp_path / "out"
+    spec = make_spec(
+        input=[str(data)],
+        output=str(out),
+        model=str(tiny_model_dir),
+        max_new_tokens=24,
+        max_num_seqs=4,
+        chat=False,
+        checkpoint_interval=0.001,
+        num_speculative_tokens=0,
+    )
+
+    def generated():
+        parts = [str(p) for p in out.glob("*.parquet")]
+        return (
+            sum(ds.dataset(parts, format="parquet").to_table().column("num_generated_tokens").to_pylist())
+            if parts
+            else 0
+        )
+
+    with sigterm_after_steps(10):
+        assert run_job(spec).status == "interrupted"
+    restored = sum(len(r["output_ids"]) for r in read_json(out / "_batchjob" / "inflight.json")["requests"])
+    before = generated()
+    assert restored > 0
+    assert run_job(spec).status == "complete"
+    assert read_json(out / "_batchjob" / "stats.json")["generated_tokens"] == generated() - before - restored
+
+
 def test_validate_estimate_with_no_usable_row_says_the_time_is_unknown(tiny_model_dir, tmp_path):
     """Every sampled row an error (a prompt longer than the context): nothing to time, not 'inf h'."""
     data = _rows(tmp_path / "in.jsonl")

@@ -290,7 +290,9 @@ class JobLoop:
         del self.pending[work.row_id]
         for request_id in work.request_ids:
             self.routes.pop(request_id, None)
-        self._finish_samples(work.row, work.num_prompt_tokens, work.results(), work.num_images)
+        self._finish_samples(
+            work.row, work.num_prompt_tokens, work.results(), work.num_images, work.restored_tokens
+        )
 
     # -- committing and checkpointing ------------------------------------------------------------
 
@@ -300,14 +302,15 @@ class JobLoop:
         self._finish_samples(row, 0, [sample | {"sample_index": 0}])
 
     def _finish_samples(
-        self, row: Row, n_prompt: int, samples: list[dict[str, Any]], images: int = 0
+        self, row: Row, n_prompt: int, samples: list[dict[str, Any]], images: int = 0, restored: int = 0
     ) -> None:
         """Buffer an input row's result rows, one per sample (``generated_text``, ``finish_reason``,
         ``num_generated_tokens``, ``error`` and the feature columns each), and count it: one input row, its
-        prompt once, however many samples (--n) it has; an error in any sample makes it a failed row."""
+        prompt once, however many samples (--n) it has; an error in any sample makes it a failed row. The
+        run's tokens leave out the ``restored`` ones: an earlier run generated them."""
         self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples)
         failed = any(s["error"] is not None for s in samples)
-        tokens = sum(s["num_generated_tokens"] for s in samples)
+        tokens = sum(s["num_generated_tokens"] for s in samples) - restored
         self.stats.row(n_prompt, tokens, failed, len(samples), images)
         self.bar.row(failed)
 

@@ -89,6 +89,11 @@ class RowWork:
     def restore(self, saved: InFlight | None) -> None:
         """Take the last checkpoint's work on this row, when it is this row's (by default there is none)."""
 
+    @property
+    def restored_tokens(self) -> int:
+        """Generated tokens it took from the last checkpoint (an earlier run's work, not this run's)."""
+        return 0
+
     def in_flight(self, states: list[tuple[int | None, RequestState]]) -> InFlight | None:
         """What a checkpoint saves of the row: its requests in the engine (``states``, with their parts), or
         with none, what it restored and has not yet given the engine. None: nothing (it is computed again)."""

@@ -78,6 +78,10 @@ class Samples(RowWork):
             "adapter": self.adapter,
         } | feature_columns(out, params.logprobs, self.spell)
 
+    @property
+    def restored_tokens(self) -> int:
+        return sum(len(ids) for ids in self.saved.values())
+
     def restore(self, saved: InFlight | None) -> None:
         """The saved tokens of each sample, when the record is this row's work (same id, kind, prompt and
         parameters, and as many samples); else the row starts afresh."""
