@@ -24,6 +24,7 @@ from batchjob.errors import InputError
 from batchjob.io.fits import Fit
 from batchjob.io.jsontext import parse_line
 from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
+from batchjob.io.values import batch_values
 from batchjob.io.watch import check_unchanged, stamp
 
 _PARQUET_BATCH_ROWS = 1024
@@ -91,6 +92,17 @@ def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
                 for k, v in obj.items():
                     columns.setdefault(str(k), set()).add(type(v))
     return columns
+
+
+UNREAD = "cannot read the rest of the file"  # a read that failed past a file's start: one error row for it
+
+
+class UnreadRestError(InputError):
+    """A worker of several could not read the rest of a file: another worker's share may hold the row for it,
+    and this one's rows past it would go unread while it says complete; it stops, and a rerun reads again."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(f"{error}: this worker stops (its rows past there are unread); run it again to read on")
 
 
 class RepeatedColumnError(InputError):
@@ -303,11 +315,8 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
                     continue
                 obj, error = parse_line(text)
                 yield lineno, obj, None if error is None else f"{where}: {error}"
-    except (OSError, EOFError, ValueError) as e:
-        # a truncated .gz, a corrupt .zst, a file that vanished: one error row, then the next source
-        yield lineno + 1, None, f"{source.name} line {lineno + 1}: cannot read the rest of the file ({e})"
-    except Exception as e:  # noqa: BLE001 - zstandard raises its own ZstdError
-        yield lineno + 1, None, f"{source.name} line {lineno + 1}: cannot read the rest of the file ({e})"
+    except Exception as e:  # noqa: BLE001 - a truncated .gz, a corrupt .zst (its own ZstdError), a vanished file
+        yield lineno + 1, None, f"{source.name} line {lineno + 1}: {UNREAD} ({e})"  # then the next source
 
 
 class _Unread(NamedTuple):
@@ -337,39 +346,6 @@ def _batches(source: Source) -> Iterator[pa.RecordBatch | _Unread]:
             )
 
 
-def _batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None, str]]:
-    """Each row of ``batch`` as Python values, or None and why it can't be (a date beyond Python's, say):
-    a value one row can't convert is that row's error, not the rest of the file's."""
-    try:
-        rows = batch.to_pylist()
-    except Exception:  # noqa: BLE001 - row by row, to find the rows at fault
-        for j in range(batch.num_rows):
-            try:
-                yield batch.slice(j, 1).to_pylist()[0], ""
-            except Exception as e:  # noqa: BLE001
-                yield None, f"cannot convert its values ({type(e).__name__}: {e})"
-        return
-    lost = _lost_nanoseconds(batch)
-    for j, values in enumerate(rows):
-        yield (None, lost[j]) if j in lost else (values, "")
-
-
-def _lost_nanoseconds(batch: pa.RecordBatch) -> dict[int, str]:
-    """The rows of a time64[ns] column whose nanoseconds a Python time (microseconds) would drop: why each
-    is an error row (timestamps and durations keep them, as pandas values)."""
-    lost: dict[int, str] = {}
-    for field, column in zip(batch.schema, batch.columns, strict=True):
-        if field.type != pa.time64("ns"):
-            continue
-        for j, ns in enumerate(column.cast(pa.int64()).to_pylist()):
-            if ns is not None and ns % 1000 and j not in lost:
-                lost[j] = (
-                    f"column {field.name!r} holds a time of {ns} ns after midnight, whose nanoseconds batchjob "
-                    "would write back as microseconds; cast the column to time64[us] or to text"
-                )
-    return lost
-
-
 def _id_only(obj: dict[str, Any], id_column: str | None) -> dict[str, Any] | None:
     """Of a line that failed but parsed once decoded leniently (invalid UTF-8), only its ``id_column`` value,
     and only when no replaced byte is in it: the error row can then say whose row it is, and no other value
@@ -392,6 +368,7 @@ def _table_rows(
     on_skipped: IdHook | None,
     id_column: str | None,
     fit: Fit | None,
+    stop_unread: bool,
 ) -> Generator[Row, None, int]:
     """Rows of a Parquet file or saved dataset; returns how many rows (ordinals) the source took."""
     start, index = source.base, 0
@@ -418,7 +395,7 @@ def _table_rows(
                         on_skipped(start + index + j, value)
                 index += n
                 continue
-            for values, error in _batch_values(batch):
+            for values, error in batch_values(batch):
                 where = f"{source.name} row {index}: "
                 failed = where + error if values is None else None
                 if values is not None and fit is not None and (why := fit.why(values)) is not None:
@@ -433,10 +410,11 @@ def _table_rows(
         raise
     except Exception as e:
         # the unreadable rest of the file takes one row (and one ordinal), whether or not it is skipped
+        error = f"{source.name} row {index}: {UNREAD} ({e})"
+        if stop_unread:
+            raise UnreadRestError(error) from e
         if not skip(start + index):
-            yield Row(
-                start + index, source.name, index, None, f"{source.name} row {index}: cannot read ({e})"
-            )
+            yield Row(start + index, source.name, index, None, error)
         index += 1
     return index
 
@@ -460,6 +438,7 @@ def iter_rows(
     on_skipped: IdHook | None = None,
     id_column: str | None = None,
     schema: pa.Schema | None = None,
+    stop_unread: bool = False,
 ) -> Generator[Row, None, list[int]]:
     """All rows of ``sources`` in order, leaving out ordinals for which ``skip`` is true; returns the number
     of rows of each source.
@@ -471,7 +450,8 @@ def iter_rows(
 
     A local file that changes while it is read (``batchjob.io.watch``) stops the reader at its end with an
     InputChangedWhileReadError naming it. With the job's ``schema``, a row holding a value its column can't
-    store unchanged is an error row (``batchjob.io.fits``).
+    store unchanged is an error row (``batchjob.io.fits``). A file whose rest can't be read is one error row,
+    or with ``stop_unread`` (a worker of several) an ``UnreadRestError``.
     """
     counts = []
     for source in sources:
@@ -483,6 +463,8 @@ def iter_rows(
                     obj = _id_only(obj, id_column)
                 elif obj is not None and fit is not None and (why := fit.why(obj)) is not None:
                     error, obj = f"{source.name} line {lineno}: {why}", fit.kept(obj)
+                elif stop_unread and obj is None and error is not None and UNREAD in error:
+                    raise UnreadRestError(error)
                 if not skip(source.base + i):
                     yield Row(source.base + i, source.name, i, obj, error, lineno)
                 elif on_skipped is not None:
@@ -493,7 +475,7 @@ def iter_rows(
                     on_skipped(source.base + i, value)
                 index = i + 1
         else:
-            index = yield from _table_rows(source, skip, covered, on_skipped, id_column, fit)
+            index = yield from _table_rows(source, skip, covered, on_skipped, id_column, fit, stop_unread)
         check_unchanged(source, before)
         counts.append(index)
     return counts

@@ -58,6 +58,7 @@ def read_rows(prep: Prepared, done: IntervalSet, ids: IdIndex | None) -> Iterato
         on_skipped=on_skipped,
         id_column=prep.spec.id_column,
         schema=prep.info.schema,
+        stop_unread=not prep.shard.single,  # a file's unread rest may hold this worker's rows: stop, say so
     )
 
 

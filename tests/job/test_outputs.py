@@ -175,6 +175,27 @@ def test_retry_errors_redoes_rows_that_failed(
     assert "already complete" in run(reviews, out, tiny_model_dir, *sampling, "--retry-errors")
 
 
+def test_a_worker_of_several_stops_where_a_file_cannot_be_read(
+    reviews, tiny_model_dir, tmp_path, reference, monkeypatch
+):
+    """The unread rest of a file is one error row, which one worker's share holds: the other said complete
+    without its rows past it (no rerun or --retry-errors ever read them). Each worker stops there instead,
+    saying so, and a rerun reads on."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
+    for shard in ("0", "1"):
+        code, text = invoke(
+            "run", *args(reviews, out, tiny_model_dir, "--num-shards", "2", "--shard-index", shard)
+        )
+        assert code == 2 and "line 30: cannot read the rest of the file" in text and "run it again" in text, (
+            text
+        )
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    for shard in ("0", "1"):
+        run(reviews, out, tiny_model_dir, "--num-shards", "2", "--shard-index", shard)
+    assert_same_rows(out, reference)
+
+
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
 def test_a_crash_in_the_middle_of_a_rewrite_loses_and_doubles_nothing(
     launch, reviews, tiny_model_dir, tmp_path, reference, point, monkeypatch
