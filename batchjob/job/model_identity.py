@@ -1,7 +1,8 @@
 """A model's identity by content, so that a job never mixes the answers of two models.
 
 The identity is a digest over the model folder's files (config, tokenizer, chat template, weights, code): each
-file by its size and content digest (``batchjob.io.identity``: small files whole, weight files by samples).
+file by its size and content digest (``batchjob.io.identity``: small files whole, weight files by samples,
+and those also whole, read once per file and machine: ``weight_digests.py``).
 It does not depend on how the model was named: the embedded default model is the same model whether it is
 given as nothing, ``default`` or its hub id, and a folder moved elsewhere is still the same model. Weights
 replaced at the same path are a different model.
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.io.identity import combine, folder_digest
+from batchjob.job.weight_digests import whole_digests
 
 _NOT_MODEL = ("readme", "license", "notice", "changelog")
 
@@ -51,15 +53,24 @@ def display_name(model: str | None) -> str:
 
 
 def identity(files: dict[str, str] | None, resolved: str, model: str | None = None) -> dict[str, Any]:
-    """The model part of a job's fingerprint (``name`` is for display only: it is never compared)."""
+    """The model part of a job's fingerprint (``name`` is for display only: it is never compared). ``whole``:
+    the sampled files' whole digests (weight_digests.py), beside ``content``, which keeps its old meaning."""
     name = display_name(model if model is not None else resolved)
     if files is None:
         return {"hub_id": resolved, "name": name}
-    return {"content": combine(files), "files": files, "name": name}
+    out = {"content": combine(files), "files": files, "name": name}
+    sampled = [rel for rel, digest in files.items() if ":sampled:" in digest]
+    folder = local_folder(resolved) if sampled else None
+    return out | ({"whole": whole_digests(folder, sampled)} if folder is not None else {})
 
 
 def changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """What changed between two model identities, in words (None when they are the same model)."""
+    """What changed between two model identities, in words (None when they are the same model). A file
+    both record whole (a job made before recorded only samples of its weights) is compared whole."""
+    old_whole, new_whole = saved.get("whole") or {}, now.get("whole") or {}
+    edited = sorted(f for f in set(old_whole) & set(new_whole) if old_whole[f] != new_whole[f])
+    if edited:
+        return "model files: " + ", ".join(f"{f} changed (same size and sampled bytes)" for f in edited)
     if saved.get("content") == now.get("content") and saved.get("hub_id") == now.get("hub_id"):
         return None
     old, new = saved.get("files") or {}, now.get("files") or {}
