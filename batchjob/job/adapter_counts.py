@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from batchjob.job.verify import DamagedPartError, read_batches
 
 BASE = ""  # the base model's key: a row with no adapter (null or empty in the adapter column)
+UNRUN = "\x00"  # the key of error rows that failed before any request (no prompt, an unknown adapter...)
 _COLUMNS = ("adapter", "error", "num_prompt_tokens", "num_generated_tokens", "sample_index")
 
 
@@ -45,7 +46,9 @@ def adapter_counts(out_dir: Path, parts: Iterable[str], names: Iterable[str]) ->
             continue
         for batch in read_batches(out_dir, name, batch_size=4096, columns=columns):
             for r in batch.to_pylist():
-                c = counts.setdefault(r["adapter"] or BASE, AdapterCounts())
+                # a row that failed before it ran has no adapter, and is not the base model's either
+                unrun = not r["adapter"] and r.get("error") is not None and not r.get("num_prompt_tokens")
+                c = counts.setdefault(UNRUN if unrun else r["adapter"] or BASE, AdapterCounts())
                 first = not r.get("sample_index")  # a row's first sample (a row of one has none)
                 c.rows += first
                 c.errors += first and r.get("error") is not None
@@ -56,4 +59,4 @@ def adapter_counts(out_dir: Path, parts: Iterable[str], names: Iterable[str]) ->
 
 def adapter_label(name: str) -> str:
     """How an adapter is named to the user."""
-    return name if name != BASE else "(base model)"
+    return {BASE: "(base model)", UNRUN: "(no adapter: failed before it ran)"}.get(name, name)

@@ -321,11 +321,12 @@ def test_report_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
     assert run_job(make_spec(**_spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter"))).status
     want: dict[str, list[int]] = {}
     for r in read_results(out):
-        counts = want.setdefault(r["adapter"] or "(base model)", [0, 0, 0])
+        counts = want.setdefault(_key(r), [0, 0, 0])
         counts[0] += 1
         counts[1] += r["error"] is not None
         counts[2] += r["num_generated_tokens"] or 0
-    assert len(want) == 1 + len(NAMES) and all(c[2] > 0 for c in want.values())
+    assert want[UNRUN] == [1, 1, 0]
+    assert len(want) == 2 + len(NAMES) and all(c[2] > 0 for n, c in want.items() if "failed" not in n)
     page = build([out]).read_text()
     table = page[page.index('<table id="adapters">') :]
     table = table[: table.index("</table>")]
@@ -360,10 +361,21 @@ def _status_adapters(out) -> dict[str, list[int]]:
     return got
 
 
+UNRUN = "(no adapter: failed before it ran)"
+
+
+def _key(r) -> str:
+    """A result row's adapter as status names it: a row that failed before it ran (r007 names an adapter
+    the job lacks) is not the base model's."""
+    if r["adapter"] is None and r["error"] is not None and not r["num_prompt_tokens"]:
+        return UNRUN
+    return r["adapter"] or "(base model)"
+
+
 def _counts(results) -> dict[str, list[int]]:
-    want = {name: [0, 0, 0] for name in ("(base model)", *NAMES)}
+    want = {name: [0, 0, 0] for name in ("(base model)", *NAMES)}  # (and rows that never ran, if any)
     for r in results:
-        counts = want[r["adapter"] or "(base model)"]
+        counts = want.setdefault(_key(r), [0, 0, 0])
         counts[0] += 1
         counts[1] += r["error"] is not None
         counts[2] += r["num_generated_tokens"] or 0
@@ -378,9 +390,7 @@ def test_status_counts_an_adapters_input_rows_not_their_samples(rows, tiny_model
     results = read_results(out)
     want = _counts(r for r in results if r["sample_index"] == 0)
     for name, c in want.items():  # tokens out: every sample's
-        c[2] = sum(
-            r["num_generated_tokens"] or 0 for r in results if (r["adapter"] or "(base model)") == name
-        )
+        c[2] = sum(r["num_generated_tokens"] or 0 for r in results if _key(r) == name)
     assert sum(c[0] for c in want.values()) == N_ROWS and _status_adapters(out) == want
 
 
@@ -393,7 +403,7 @@ def test_status_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
     spec = _spec(rows, out, tiny_model_dir, adapters, adapter_column="adapter", checkpoint_interval=0.05)
     assert run_job(make_spec(**spec)).status == "complete"
     want = _counts(read_results(out))
-    assert all(c[0] > 0 for c in want.values()) and want["(base model)"][1] == 1  # r007's unknown adapter
+    assert all(c[0] > 0 for c in want.values()) and want[UNRUN] == [1, 1, 0]  # r007's unknown adapter
     assert _status_adapters(out) == want
     parts = sorted(p for p in out.glob("*.parquet"))
     gone, kept = parts[0], parts[1:]
