@@ -206,9 +206,13 @@ def bench(**params: Any) -> None:
     ignored), after a short warm-up. Prints output and total tokens/s, ratios ours/theirs, where our time
     goes, and how many greedy outputs agree token for token.
     """
+    from batchjob.job.owned import check_target
+
     opts = BenchOptions.from_params(params)
     if opts.adapters and opts.task != "generate":
         raise click.UsageError(f"--adapters runs generation; it does not go with --task {opts.task}")
+    if opts.json_path is not None:  # before any work, for every workload: never over a job's files
+        check_target(opts.json_path, "--json")
     if opts.task != "generate":  # the prefill-only tasks have their own runs and report
         from batchjob.bench.tasks import task_bench
 
@@ -227,10 +231,6 @@ def bench(**params: Any) -> None:
             opts.repeat,
         )
         return
-    from batchjob.job.owned import check_target
-
-    if opts.json_path is not None:
-        check_target(opts.json_path, "--json")  # before any work: never over a job's files
     if opts.image_sizes is not None:  # image rows: their own runs and report (bench/images.py)
         from batchjob.bench.images import image_bench
 
@@ -264,7 +264,11 @@ def _bench_generate(opts: BenchOptions) -> None:
             return
         notes: list[str] = []
         runs = _runs(opts, engine, work, used_threads, notes)
-        limits = _limits(engine, work) if opts.roofline and "ours" in opts.baselines else None
+        left_out = roofline.uncounted(engine.model) if opts.roofline else None
+        if left_out is not None:
+            notes.append(f"roofline left out: {left_out}")
+        counts = opts.roofline and "ours" in opts.baselines and left_out is None
+        limits = _limits(engine, work) if counts else None
         results = _run_rounds(runs, opts.repeat, opts.worker_thread)
         figures = _roofline(engine, work, results, limits)
     finally:

@@ -64,6 +64,30 @@ def _linears(model: Any) -> tuple[list[Any], Any]:
     return body, head if isinstance(head, torch.nn.Linear) else None
 
 
+def uncounted(model: Any) -> str | None:
+    """Why the roofline can't count this model's work (None: it can): weights outside ``nn.Linear`` (GPT-2's
+    ``Conv1D``, fused MoE experts), which its FLOP and byte counts would leave out."""
+    import torch
+
+    counted = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+        for p in m.parameters()
+    }
+    other = {type(m).__name__: 0 for m in model.modules()}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if p.dim() >= 2 and id(p) not in counted:
+                other[type(m).__name__] += p.numel()
+    left = sum(other.values())
+    body = sum(m.weight.numel() for m in _linears(model)[0])
+    if left <= 0.02 * max(body, 1):
+        return None
+    kinds = ", ".join(name for name, n in other.items() if n)
+    return f"{left:,} of the model's weights are in modules other than nn.Linear ({kinds}), which it does not count"
+
+
 def model_shape(model: Any) -> Shape:
     import torch
 
@@ -213,12 +237,16 @@ def prefill_pass(engine: Any, prompts: list[list[int]]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in ("forward_seconds", "steps", "batched_tokens")}
 
 
-def prefill_flops(shape: Shape, prompt_lens: list[int]) -> float:
+def prefill_flops(shape: Shape, prompt_lens: list[int], computed: float = 1.0) -> float:
     """Linears: 2 FLOPs per weight per prompt token, the head once per request; causal attention: QK^T and
-    PV, 2 x L^2/2 x query_dim each per layer for a prompt of L tokens."""
+    PV, 2 x L^2/2 x query_dim each per layer for a prompt of L tokens. ``computed``: the share of the prompt
+    tokens the pass computed (the rest came from the prefix cache), scaling both (for attention a floor: a
+    cached prefix's suffix attends to it all)."""
     tokens = sum(prompt_lens)
     attention = 2 * shape.layers * shape.query_dim * sum(n * n for n in prompt_lens)
-    return 2.0 * shape.body_params * tokens + 2.0 * shape.head_params * len(prompt_lens) + attention
+    return computed * (2.0 * shape.body_params * tokens + attention) + 2.0 * shape.head_params * len(
+        prompt_lens
+    )
 
 
 def decode_kv_tokens(prompt_lens: list[int], output_lens: list[int]) -> int:
@@ -242,7 +270,8 @@ def shares(
     ``output_lens`` (each request's tokens, all generated: EOS ignored) the decode bytes count the KV cache
     each row reads beside the weights, which long prompts make the larger part (1,000-token prompts at
     SmolLM2-135M in bf16: 368 MB of keys and values a 16-row step against 270 MB of weights)."""
-    flops = prefill_flops(shape, prompt_lens)
+    computed = min(1.0, prefill["batched_tokens"] / max(sum(prompt_lens), 1))  # (shared prefixes: cached)
+    flops = prefill_flops(shape, prompt_lens, computed)
     prefill_s = prefill["forward_seconds"]
     decode_s = run["forward_seconds"] - prefill_s
     decode_steps = max(int(run["steps"] - prefill["steps"]), 0)

@@ -28,6 +28,7 @@ import torch
 
 from batchjob.bench.engines import header as bench_header
 from batchjob.bench.engines import load_average
+from batchjob.errors import ConfigError
 
 # Packages whose docstrings make the texts: installed with batchjob, prose of every length.
 _PACKAGES = (
@@ -145,12 +146,21 @@ def run_task_bench(
 ) -> list[TaskResult]:
     """Time ours and the anchors of ``task`` on ``texts``; every baseline loads its own unmodified copy."""
     ids = [engine.tokenize(t) for t in texts]
+    # a text past the model's limit with its prompt (a sentence-transformers prompt is added) is no one's work
+    keep = [i for i, x in enumerate(ids) if len(x) <= engine.prefill_limit]
+    texts, ids = [texts[i] for i in keep], [ids[i] for i in keep]
     tokens = sum(len(x) for x in ids)
     warm = texts[:4]
     run = {"embed": engine.embed, "classify": engine.classify, "score": engine.score}[task]
     run(warm)
     progress(f"ours: {len(texts)} texts, {tokens} tokens")
-    runs: Runs = [("ours", lambda: run(ids))]
+
+    def ours() -> None:  # a text ours refused would be credited as done
+        failed = [o for o in run(ids) if o.finish_reason == "error"]
+        if failed:
+            raise ConfigError(f"ours failed {len(failed)} of {len(ids)} texts: {failed[0].error}")
+
+    runs: Runs = [("ours", ours)]
     if task == "embed":
         runs += _embed_anchors(engine, texts, st_batch_sizes, hf_batch_size)
     else:
@@ -167,16 +177,18 @@ def _embed_anchors(engine, texts: list[str], st_batch_sizes: list[int], hf_batch
     device, dtype = engine.device, engine.dtype
     st = SentenceTransformer(engine.model_id, device=str(device))
     st.to(dtype)
-    st.encode(texts[:4])
+    prompt = engine.tasks.pooling.prompt or ""  # the prompt ours adds (a folder's default, or --prompt-name)
+    st.encode(texts[:4], prompt=prompt)
     runs: Runs = [
-        (f"st-encode batch={b}", lambda b=b: st.encode(texts, batch_size=b))
+        (f"st-encode batch={b}", lambda b=b: st.encode(texts, batch_size=b, prompt=prompt))
         for b in dict.fromkeys([32, *st_batch_sizes])
     ]
     body = st[0].auto_model if hasattr(st[0], "auto_model") else AutoModel.from_pretrained(engine.model_id)
     pooling = engine.tasks.pooling
 
     def hf_embed() -> None:
-        for enc in _padded_batches(engine.tokenizer, texts, hf_batch_size, engine.prefill_limit, device):
+        prompted = [prompt + t for t in texts]
+        for enc in _padded_batches(engine.tokenizer, prompted, hf_batch_size, engine.prefill_limit, device):
             h = body(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
             if pooling.mode == "mean":

@@ -251,6 +251,15 @@ def test_roofline_arithmetic():
         {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
     )
     assert figures["prefill_share"] == 0.5
+    # a prefill pass that computed half the prompt tokens (shared prefixes from the cache) did half the FLOPs
+    half = shares(
+        shape,
+        limits,
+        [3, 5],
+        {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24},
+        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 4},
+    )
+    assert half["prefill_flops"] == 0.5 * (2 * 1000 * 8 + 2 * 2 * 8 * (9 + 25)) + 2 * 100 * 2
     assert figures["decode_steps"] == 8 and figures["decode_weight_bytes"] == 8 * 4400
     assert figures["decode_seconds"] == 3.0 and figures["decode_share"] == 8 * 4400 / (11000 * 3.0)
     assert figures["decode_tokens"] == 16 and figures["decode_flops"] == 2 * 1100 * 16
@@ -313,3 +322,17 @@ def test_roofline_counts_the_model_linears_and_measures_its_limits(tiny_model_di
     assert limits.peak_flops > 0 and limits.bandwidth > 0 and limits.features.startswith("cpu")
     biggest = max((m for m in linears if m is not head), key=lambda m: m.weight.numel())
     assert limits.gemm_shape == (biggest.in_features, biggest.out_features)  # not the output head
+
+
+def test_the_roofline_is_left_out_where_weights_are_not_linears(tiny_model_dirs, tmp_path):
+    """GPT-2's Conv1D and fused MoE experts are no nn.Linear: the roofline counted 0 of GPT-2's body and a
+    fifth of Mixtral's active weights, and printed shares of that."""
+    from transformers import AutoModelForCausalLM
+
+    from batchjob.bench.roofline import uncounted
+    from tests.tiny_models import make_family_model
+
+    assert uncounted(AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])) is None
+    assert "(Conv1D)" in uncounted(AutoModelForCausalLM.from_pretrained(tiny_model_dirs["gpt2"]))
+    mixtral = AutoModelForCausalLM.from_pretrained(make_family_model(tmp_path / "m", "mixtral"))
+    assert "MixtralExperts" in uncounted(mixtral)

@@ -308,8 +308,9 @@ def test_outputs_never_land_on_the_jobs_own_files(inputs, tiny_model_dir, tmp_pa
             result = CliRunner().invoke(main, [str(a) for a in argv])
             assert result.exit_code == 2, (argv, result.output)
             assert f"--to {target} is" in result.output and why in result.output, result.output
-    result = CliRunner().invoke(main, ["bench", "--json", str(manifest)])
-    assert result.exit_code == 2 and f"--json {manifest} is the state of" in result.output, result.output
+    for task in ("generate", "score"):  # (a task's bench wrote it, before its own work)
+        result = CliRunner().invoke(main, ["bench", "--task", task, "--json", str(manifest)])
+        assert result.exit_code == 2 and f"--json {manifest} is the state of" in result.output, result.output
     assert {p: p.read_bytes() for p in saved} == saved and not (data / "new.jsonl").exists()
     assert CliRunner().invoke(main, ["status", str(out)]).exit_code == 0
     nested = out / "_batchjob" / "again"  # nor a job inside a job's folder
