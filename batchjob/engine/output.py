@@ -122,6 +122,7 @@ class OutputProcessor:
                 (token_ids, text), chosen = answer, True
         req.finish_time = time.monotonic()
         finish, error = FINISH_REASONS.get(req.status, "error"), req.error
+        finish = "error" if error is not None else finish  # (a helper's finding, after its owner stopped)
         if finish == "length" and not chosen and (cut := cut_short(req)) is not None:
             finish, error = "error", cut
         elif error is None and isinstance(req.constraint, GrammarConstraint):

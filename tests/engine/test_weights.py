@@ -54,3 +54,24 @@ def test_logits_past_the_dtypes_range_are_the_rows_error(tiny_model_dir, tmp_pat
         )
     for out in outs[2:]:
         assert out.error is None and len(out.token_ids) == 4
+
+
+def test_a_constrained_or_reported_row_with_some_logits_past_the_range_is_the_rows_error(
+    tiny_model_dir, tmp_path
+):
+    """One output-head row made infinite: a constraint masks that token away, so the drawn token's logit is
+    finite, but the row's log-probabilities (and each choice's) were NaN, written with error null."""
+
+    def loud(w):
+        w["lm_head.weight"][300] = float("inf")
+
+    folder = _edited(tiny_model_dir, tmp_path / "m", loud)
+    engine = Engine.from_pretrained(str(folder), dtype="float64", num_speculative_tokens=0)
+    prompts = [[5, 6, 7], [8, 9]]
+    for params in (
+        SamplingParams(choices=["yes", "no"], temperature=0),
+        SamplingParams(regex="[a-z]+", max_new_tokens=4, temperature=0),
+        GREEDY.replace(logprobs=2, max_new_tokens=2),
+    ):
+        for out in engine.generate(prompts, params):
+            assert out.finish_reason == "error" and "logits are not finite" in out.error, (params, out)
