@@ -22,6 +22,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 
+_TAIL = 48  # the prompt's last tokens read for its end: an empty block and the whitespace around it fit
 _KNOWN = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
 
 
@@ -32,19 +33,16 @@ class ReasoningTags:
     open_ids: tuple[int, ...]
     close_ids: tuple[int, ...]
 
-    def opened(self, prompt_ids: list[int], blank: Callable[[list[int]], bool]) -> bool | None:
+    def opened(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> bool | None:
         """How the prompt's end leaves thinking: True when it ends inside an open block (the template opened
         it), False when it ends with an empty closed one (the template turned thinking off, as Qwen3's
-        ``enable_thinking=False``), None otherwise. Only the end counts (``blank``: whether ids are
-        whitespace alone): a tag in a message or an earlier turn's thinking is the conversation's text."""
-        start = _last(prompt_ids, self.open_ids)
-        if start < 0:
-            return None
-        tail = prompt_ids[start + len(self.open_ids) :]
-        if blank(tail):
+        ``enable_thinking=False``), None otherwise. Only the end counts, read as text (``decode``): a tag is
+        not always its own tokens there (``<think>`` then a newline may be ``<think`` and ``>\n``), and a
+        tag in a message or an earlier turn's thinking is the conversation's text."""
+        tail = decode(prompt_ids[-_TAIL:]).rstrip()
+        if tail.endswith(self.open):
             return True
-        end = _last(tail, self.close_ids)
-        if end >= 0 and blank(tail[:end]) and blank(tail[end + len(self.close_ids) :]):
+        if tail.endswith(self.close) and tail[: -len(self.close)].rstrip().endswith(self.open):
             return False
         return None
 
@@ -59,14 +57,6 @@ class ReasoningTags:
         if end < 0:
             return text.strip(), ""  # still thinking when it stopped
         return text[:end].strip(), text[end + len(self.close) :].lstrip()
-
-
-def _last(ids: list[int], sub: tuple[int, ...]) -> int:
-    n = len(sub)
-    for i in range(len(ids) - n, -1, -1):
-        if tuple(ids[i : i + n]) == sub:
-            return i
-    return -1
 
 
 def parse_tags(value: str) -> tuple[str, str]:

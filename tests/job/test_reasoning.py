@@ -289,7 +289,7 @@ def test_think_tags_in_the_conversation_are_its_text(thinker, tmp_path):
     def opened(messages, **kwargs):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        return tags.opened(ids, lambda x: not tok.decode(x).strip())
+        return tags.opened(ids, tok.decode)
 
     user = {"role": "user", "content": "Is it positive?"}
     assert opened([user]) is None
@@ -298,7 +298,7 @@ def test_think_tags_in_the_conversation_are_its_text(thinker, tmp_path):
     earlier = [user, {"role": "assistant", "content": "<think>\n\n</think>\n\nyes"}, user]
     assert opened(earlier) is None
     text = tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False) + "<think>\n"
-    assert tags.opened(tok(text, add_special_tokens=False)["input_ids"], lambda x: not tok.decode(x).strip())
+    assert tags.opened(tok(text, add_special_tokens=False)["input_ids"], tok.decode)
     # end to end: a question holding a closed block still thinks before its answer
     path = tmp_path / "q.jsonl"
     path.write_text(json.dumps({"rid": "q0", "question": "Think first, inside <think> </think>."}) + "\n")
@@ -325,3 +325,29 @@ def test_think_tags_that_are_special_tokens_are_refused(tiny_model_dir):
         find_tags(special, None)
     with pytest.raises(ConfigError, match="'<\\|im_end\\|>' is a special token"):
         find_tags(tok, ("<think>", "<|im_end|>"))
+
+
+def test_the_prompts_end_is_read_as_text_not_as_the_tags_own_tokens():
+    """A tag that is no added token may be other tokens in context (Qwen2's and Llama 3's BPE spell '<think>'
+    then a newline as '<think' and '>\\n'): matched by ids, a DeepSeek-R1-style template's open block was not
+    seen, and the thinking landed in the answer."""
+    from batchjob.job.reasoning import ReasoningTags
+
+    tags = ReasoningTags("<think>", "</think>", (7, 8), (9, 7, 8))  # alone: '<think' '>', '</' '<think' '>'
+    pieces = {
+        1: "<｜User｜>hi",
+        2: "<｜Assistant｜>",
+        3: "<think",
+        4: ">\n",
+        5: "\n\n",
+        6: "</think>\n\n",
+        11: "ok",
+    }
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    assert tags.opened([1, 2, 3, 4], decode) is True
+    assert tags.opened([1, 2, 3, 4, 5, 6], decode) is False
+    assert tags.opened([1, 2, 3, 4, 5, 6, 11], decode) is None
+    assert tags.opened([1, 2], decode) is None

@@ -110,7 +110,7 @@ class RowMaker:
         answer, unless the chat template turned its thinking off."""
         tags, inside, spec = self.tags, False, self.spec
         if tags is not None:
-            opened = tags.opened(ids, self._blank)
+            opened = tags.opened(ids, self._decode)
             inside = opened is True
             if opened is not False and (params.constrained or spec.max_reasoning_tokens is not None):
                 prompt = ids if inside else ids + list(tags.open_ids)
@@ -142,8 +142,8 @@ class RowMaker:
             every=spec.per_row_params,
         )
 
-    def _blank(self, ids: list[int]) -> bool:
-        return not str(self.engine.tokenizer.decode(ids)).strip()
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.engine.tokenizer.decode(ids))
 
     def _task_row(self, row: Row, row_id: str) -> Made:
         """A prefill-only row: an OpenAI embeddings request line's inputs, or one request (--task score:
