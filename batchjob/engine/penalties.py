@@ -37,6 +37,10 @@ _NOT_BUILT = {
     "exponential_decay_length_penalty": None,
     "guidance_scale": 1.0,
     "watermarking_config": None,
+    "encoder_repetition_penalty": 1.0,  # (generate applies it to a decoder's prompt tokens too)
+    "num_beams": 1,  # beam search, not a processor: another decoding altogether
+    "penalty_alpha": None,  # contrastive search
+    "dola_layers": None,
 }
 
 

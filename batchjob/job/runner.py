@@ -53,7 +53,9 @@ def check_engine(spec: JobSpec) -> str:
         from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
 
         width = model_config.get_text_config().hidden_size
-        resolve_pooling(resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name)
+        resolve_pooling(
+            resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name
+        )
     tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
     kv = plan_kv(model_config, config, max_len, tp)
     blocks = kv.num_blocks
@@ -205,7 +207,8 @@ def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
             file=sys.stderr,
         )
     if getattr(config, "do_sample", False) and spec.temperature is None and spec.format == "rows":
-        named = ", ".join(f"{k} {getattr(config, k)}" for k in ("temperature", "top_p", "top_k"))
+        set_ = [(k, getattr(config, k, None)) for k in ("temperature", "top_p", "top_k")]
+        named = ", ".join(f"{k} {v}" for k, v in set_ if v is not None)
         say = f"the model's generation_config.json samples ({named}); this job decodes greedily, the default "
         print(f"batchjob: {say}for labels (--temperature, --top-p, --top-k sample)", file=sys.stderr)
 

@@ -65,7 +65,8 @@ def test_the_models_repetition_penalty_is_applied_as_generate_applies_it(penalis
 
 
 def test_generation_config_processors_not_built_are_refused(tiny_model_dir, tmp_path):
-    for setting, value in [("no_repeat_ngram_size", 3), ("suppress_tokens", [5]), ("min_new_tokens", 4)]:
+    refused = [("no_repeat_ngram_size", 3), ("suppress_tokens", [5]), ("min_new_tokens", 4), ("num_beams", 4)]
+    for setting, value in [*refused, ("encoder_repetition_penalty", 1.3)]:
         folder = tmp_path / setting
         shutil.copytree(tiny_model_dir, folder)
         path = folder / "generation_config.json"
