@@ -61,11 +61,20 @@ def _resolve_paths(out: dict[str, Any], base: Path) -> dict[str, Any]:
         out["output"] = rel(out["output"])
     if "json_schema" in out:
         out["json_schema"] = rel(out["json_schema"])
-    if isinstance(out.get("lora"), dict):  # [lora]: adapter folders next to the job file
-        near = ("./", "../")  # (else: the working directory's folder, or a hub id)
-        out["lora"] = {
-            k: rel(v) if str(v).startswith(near) or _is_folder(rel(v)) else v for k, v in out["lora"].items()
-        }
+
+    def adapter(v: Any) -> Any:  # a folder next to the job file (else: the working directory's, or a hub id)
+        return rel(v) if str(v).startswith(("./", "../")) or _is_folder(rel(v)) else v
+
+    lora = out.get("lora")
+    if isinstance(lora, dict):  # [lora]
+        out["lora"] = {k: adapter(v) for k, v in lora.items()}
+    elif isinstance(lora, list):  # lora = ["NAME=PATH", ...], as the command line gives them
+        out["lora"] = [
+            f"{item.split('=', 1)[0]}={adapter(item.split('=', 1)[1])}"
+            if isinstance(item, str) and "=" in item
+            else item
+            for item in lora
+        ]
     model = out.get("model")
     # a folder next to the job file (else: the working directory's, or a hub id)
     if isinstance(model, str) and (model.startswith(("./", "../")) or _is_folder(rel(model))):

@@ -5,6 +5,7 @@ identity by content, part of the job's fingerprint (a changed or renamed adapter
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from batchjob.errors import ConfigError
@@ -38,6 +39,6 @@ def lora_identity(paths: dict[str, str]) -> dict[str, Any]:
     """Each adapter's files by content (a hub id not on this machine: by its id), by name."""
     out: dict[str, Any] = {}
     for name, path in paths.items():
-        folder = local_folder(path)
+        folder = local_folder(os.path.expanduser(path))  # as the engine loads it: '~/ad' is a folder
         out[name] = f"hub:{path}" if folder is None else combine(folder_digest(folder))
     return out

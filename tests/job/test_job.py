@@ -64,6 +64,21 @@ def test_job_file_fields_and_paths(tmp_path):
         JobSpec(max_new_tokens="7")
 
 
+def test_a_job_files_adapters_are_found_next_to_it_in_either_form_and_known_by_content(tmp_path, monkeypatch):
+    """lora = ["a=ad"] (the command line's form) took 'ad' from the working directory where [lora] took it
+    from the job file's folder; '~/ad' was known by its name, not its files (a replaced adapter resumed)."""
+    from batchjob.job.lora import lora_identity
+
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter_config.json").write_text("{}")
+    (tmp_path / "j.toml").write_text('lora = ["a=ad"]\n')
+    monkeypatch.chdir(tmp_path.parent)
+    assert load_job_file(tmp_path / "j.toml")["lora"] == [f"a={tmp_path / 'ad'}"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    by_home, by_path = lora_identity({"a": "~/ad"}), lora_identity({"a": str(tmp_path / "ad")})
+    assert by_home == by_path and not by_home["a"].startswith("hub:")
+
+
 def test_job_file_refuses_one_field_given_twice(tmp_path):
     (tmp_path / "j.toml").write_text('input = "a.jsonl"\nmax_new_tokens = 7\nmax-new-tokens = 9\n')
     with pytest.raises(
