@@ -155,12 +155,14 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
         value = given.get(k)
         if isinstance(value, str):
             given[k] = _unescape(value)
+        elif isinstance(value, list):  # --stop, repeated
+            given[k] = [_unescape(v) if isinstance(v, str) else v for v in value]
     return make_spec(job_file, **given)
 
 
 # Text options whose \n and \t a shell passes on as typed: read as a job file's TOML string reads them, so
 # the prompt a user copies from a job file to the command line is the same prompt.
-_ESCAPED = ("template", "system")
+_ESCAPED = ("template", "system", "stop")  # as a job file's TOML strings read them
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
+from batchjob.io.atomic import read_json
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -282,6 +283,11 @@ def test_a_template_typed_on_the_command_line_reads_its_escapes_as_a_job_file_do
     job.write_text(f'input = "{data}"\noutput = "{tmp_path / "out"}"\nmodel = "{tiny_model_dir}"\n')
     code, text = invoke("validate", job, "--template", r"Q: {prompt}\nA:")
     assert code == 0 and repr("Q: {prompt}\nA:") in text, text
+    # --stop too: '\n' typed was a backslash and an n, where a job file's "\n" is a newline
+    code, text = invoke("run", job, "--stop", r"\n", "--stop", "x", "--max-new-tokens", "2")
+    assert code == 0, text
+    saved = read_json(tmp_path / "out" / "_batchjob" / "job.json")["fingerprint"]["sampling"]["stop"]
+    assert saved == ["\n", "x"]
 
 
 def test_the_run_says_which_input_columns_it_renames(tiny_model_dir, tmp_path, capsys):

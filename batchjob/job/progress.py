@@ -38,7 +38,7 @@ class Progress:
         self.tokens = 0
         self.start = time.monotonic()
         self.tty = sys.stderr.isatty()
-        self.every = float(os.environ.get("BATCHJOB_PROGRESS_SECONDS", "30"))
+        self.every = _seconds(os.environ.get("BATCHJOB_PROGRESS_SECONDS", "30"))
         self.last_line = self.start
         self.bar = (
             tqdm(total=total, initial=done, unit="row", dynamic_ncols=True, desc="batchjob")
@@ -103,3 +103,18 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _seconds(value: str) -> float:
+    """``BATCHJOB_PROGRESS_SECONDS``: a number of seconds; anything else is the default's 30 (a log line's
+    interval is not worth stopping a job for), said once."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        print(
+            f"batchjob: BATCHJOB_PROGRESS_SECONDS={value!r} is not a number of seconds: 30 s", file=sys.stderr
+        )
+        return 30.0
+    return seconds

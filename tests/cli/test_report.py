@@ -237,3 +237,15 @@ def test_report_of_a_folder_with_math_in_its_name_and_torn_stats(reviews, tiny_m
     assert code == 0 and "unavailable until the next" in (out / "_batchjob" / "report.html").read_text()
     code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--choices", r"$\frac{$,b$ad$,meh"))
     assert code == 0 and "already complete" in text, text
+
+
+def test_a_progress_interval_that_is_not_a_number_is_the_default(monkeypatch, capsys):
+    """BATCHJOB_PROGRESS_SECONDS=abc stopped the job with a traceback."""
+    from batchjob.job import progress
+
+    monkeypatch.setenv("BATCHJOB_PROGRESS_SECONDS", "abc")
+    bar = progress.Progress(total=10, done=0, errors=0)
+    assert (
+        bar.every == 30.0
+        and "BATCHJOB_PROGRESS_SECONDS='abc' is not a number of seconds" in capsys.readouterr().err
+    )
