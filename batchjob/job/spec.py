@@ -15,7 +15,6 @@ Job files are read by ``jobfile.py``; the checks that need no spec (types, the t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import Field, dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from batchjob.job.checks import annotation, check_task, check_type, finite_float
 from batchjob.job.jobfile import read_job_file
 from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
+from batchjob.job.templates import template_kwargs
 from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
 
@@ -266,7 +266,7 @@ class JobSpec:
         self.engine = dataclasses.replace(
             self.engine, static_batching=self.admission == "static", check_kv_pool=True
         )
-        self.template_kwargs = self._template_kwargs()
+        self.template_kwargs = template_kwargs(self.chat_template_kwargs)
         self.lora_paths = lora_paths(self.lora, self.adapter_column, self.format)
         if self.reasoning_tags is not None:
             from batchjob.job.reasoning import parse_tags
@@ -310,22 +310,6 @@ class JobSpec:
             raise ConfigError(
                 f"json_schema file {path} cannot be read: {getattr(e, 'strerror', None) or e}"
             ) from e
-
-    def _template_kwargs(self) -> dict[str, Any]:
-        value = self.chat_template_kwargs
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except (ValueError, RecursionError) as e:
-                why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-                raise ConfigError(
-                    f"chat_template_kwargs must be a JSON object, got {value[:200]!r} ({why})"
-                ) from e
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r}")
-        return value
 
     @property
     def effective_temperature(self) -> float:
@@ -375,7 +359,9 @@ class JobSpec:
             "check_model_name": self.check_model_name or None,  # a request for another model: an error row
         }
         out |= {k: v for k, v in optional.items() if v is not None}
-        if self.image_column is not None or self.max_image_pixels != PILLOW_MAX_PIXELS:  # (OpenAI image parts)
+        if (
+            self.image_column is not None or self.max_image_pixels != PILLOW_MAX_PIXELS
+        ):  # (OpenAI image parts)
             out |= {"image_column": self.image_column, "max_image_pixels": self.max_image_pixels}
         return out
 

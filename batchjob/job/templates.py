@@ -244,3 +244,44 @@ def _empty(names: list[str]) -> str:
         ]
     listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
     return f"{listed} {'is' if len(names) == 1 else 'are'} empty"
+
+
+# apply_chat_template's own arguments, which batchjob sets for every prompt: given again, every row failed
+_RENDER_ARGUMENTS = {
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "chat_template",
+    "tools",
+    "documents",
+    "padding",
+    "truncation",
+    "max_length",
+}
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """--chat-template-kwargs (a JSON object, or its text) as the chat template's keyword arguments; one of
+    ``apply_chat_template``'s own arguments is refused before any work."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ConfigError(
+                f"chat_template_kwargs must be a JSON object, got {value[:200]!r} ({why})"
+            ) from e
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r}")
+    own = sorted(set(value) & _RENDER_ARGUMENTS)
+    if own:
+        raise ConfigError(
+            f"chat_template_kwargs: {own[0]!r} is an argument batchjob gives apply_chat_template itself (every "
+            "prompt is rendered with the assistant's turn opened, as text); keep only the template's own keys"
+        )
+    return value

@@ -804,6 +804,16 @@ def test_whatever_one_row_raises_is_that_rows_error(tiny_model_dir, tmp_path):
     assert "no boom here" in errors[0]
 
 
+def test_chat_template_kwargs_that_are_apply_chat_templates_own_arguments_are_refused_before_work():
+    """'{"add_generation_prompt": false}' passed validate, then every row was an error naming a TypeError."""
+    for key in ("add_generation_prompt", "tokenize", "continue_final_message"):
+        with pytest.raises(ConfigError, match=f"chat_template_kwargs: '{key}' is an argument batchjob gives"):
+            make_spec(input=["x.jsonl"], output="o", chat_template_kwargs=json.dumps({key: True}))
+    assert make_spec(
+        input=["x.jsonl"], output="o", chat_template_kwargs='{"enable_thinking": false}'
+    ).template_kwargs
+
+
 def test_json_nested_too_deeply_in_any_option_or_field_is_an_error_not_a_crash(tmp_path):
     deep = "[" * 100_000 + "]" * 100_000
     assert params_from_column(deep, "p", BASE) == (None, "params column 'p': not JSON (nested too deeply)")
