@@ -243,22 +243,11 @@ def test_roofline_arithmetic():
     limits = Limits(
         peak_flops=17488.0, bandwidth=11000.0, gemm_tokens=8, gemm_shape=(4, 8), features="cpu: avx2"
     )
-    figures = shares(
-        shape,
-        limits,
-        [3, 5],
-        {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24},
-        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8},
-    )
+    run = {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24}
+    figures = shares(shape, limits, [3, 5], run, {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 8})
     assert figures["prefill_share"] == 0.5
     # a prefill pass that computed half the prompt tokens (shared prefixes from the cache) did half the FLOPs
-    half = shares(
-        shape,
-        limits,
-        [3, 5],
-        {"forward_seconds": 5.0, "steps": 10, "batched_tokens": 24},
-        {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 4},
-    )
+    half = shares(shape, limits, [3, 5], run, {"forward_seconds": 2.0, "steps": 2, "batched_tokens": 4})
     assert half["prefill_flops"] == 0.5 * (2 * 1000 * 8 + 2 * 2 * 8 * (9 + 25)) + 2 * 100 * 2
     assert figures["decode_steps"] == 8 and figures["decode_weight_bytes"] == 8 * 4400
     assert figures["decode_seconds"] == 3.0 and figures["decode_share"] == 8 * 4400 / (11000 * 3.0)
