@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchjob.engine.engine import Engine
-from batchjob.errors import ConfigError
+from batchjob.errors import ConfigError, ModelNotFoundError
 from tests.task_models import make_classifier, make_embedder
 from tests.tiers import engine_fixture
 from tests.tiny_models import make_model
@@ -208,6 +208,9 @@ def test_refused_by_name(scorer, classifiers, tmp_path):
     # A classifier adapter's head on a score engine: modules_to_save only with classify.
     clf, clf_folders = classifiers["qwen2"]
     with pytest.raises(ConfigError, match="modules_to_save is not supported here"):
+        Engine.from_pretrained(str(base), task="score", device="cpu", lora={"a": str(clf_folders["a"])})
+    # (a classifier's checkpoint has no LM head to score with: refused before any adapter is read)
+    with pytest.raises(ModelNotFoundError, match="its checkpoint has no lm_head.weight"):
         Engine.from_pretrained(str(clf), task="score", device="cpu", lora={"a": str(clf_folders["a"])})
     # A saved module other than the task head.
     load = lambda: AutoModelForSequenceClassification.from_pretrained(str(clf))  # noqa: E731

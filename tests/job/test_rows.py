@@ -87,7 +87,7 @@ def test_a_reasoning_sample_asks_for_its_answer_after_its_thinking():
         tags=TAGS,
         inside=True,
     )
-    (ask,) = row.finished(out([5, 6, 7], "hmm ok"), None)  # ran long: the close tag is added
+    (ask,) = row.finished(out([5, 6, 7], "hmm ok", reason="length"), None)  # ran long: the close tag is added
     assert ask.request_id == answer_request_id("r7", 0) and ask.part == 0
     assert ask.prompt_ids == [1, 2, 90, 5, 6, 7, 91] and ask.params == answer.replace(n=1)
     state = RequestState(ask.request_id, ask.prompt_ids, [], ask.params, 0)
