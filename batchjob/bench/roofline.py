@@ -244,9 +244,8 @@ def prefill_flops(shape: Shape, prompt_lens: list[int], computed: float = 1.0) -
     cached prefix's suffix attends to it all)."""
     tokens = sum(prompt_lens)
     attention = 2 * shape.layers * shape.query_dim * sum(n * n for n in prompt_lens)
-    return computed * (2.0 * shape.body_params * tokens + attention) + 2.0 * shape.head_params * len(
-        prompt_lens
-    )
+    head = 2.0 * shape.head_params * len(prompt_lens)  # the head once per request: cached prefixes or not
+    return computed * (2.0 * shape.body_params * tokens + attention) + head
 
 
 def decode_kv_tokens(prompt_lens: list[int], output_lens: list[int]) -> int:

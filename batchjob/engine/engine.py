@@ -212,9 +212,8 @@ class Engine:
         """
         if continuation_ids is not None or token_logprobs:
             raise ConfigError("continuation_ids and token_logprobs are for task='score'")
-        params = (
-            SamplingParams() if params is None else copy.copy(params)
-        )  # its own: a caller may reuse theirs
+        # its own copy: a caller may change theirs after adding it
+        params = SamplingParams() if params is None else copy.copy(params)
         if params.seed is None and not params.greedy:
             params.seed = random.getrandbits(63)
         index = lora_adapters.index_of(self.lora, adapter)
