@@ -21,6 +21,8 @@ runpy.run_module("batchjob", run_name="__main__", alter_sys=True)' "$code" \
     python - "$code" "$r" "$json" <<'PY'
 import json, sys
 res = json.load(open(sys.argv[3]))["results"][0]
+if res.get("error"):  # a failed run of ours has no figure to quote
+    sys.exit(f"round {sys.argv[2]}  {sys.argv[1]}: ours failed: {res['error']}")
 print(f"round {sys.argv[2]}  {sys.argv[1]}: {res['total_tokens_per_s']:.1f} total tok/s, {res['wall_s']:.1f} s")
 PY
   done
