@@ -306,9 +306,8 @@ def estimate(
     plan = prep.plan.for_tokenizer(spec, bool(getattr(tokenizer, "chat_template", None)))
     builder = prompt_builder(spec, plan, engine)
     images = image_prompts(spec, plan, engine, prep)  # image rows: the processor's ids, image tokens counted
-    prefill = (
-        spec.engine.task != "generate"
-    )  # a prefill-only task: no output; longer than the engine's limit fails
+    # a prefill-only task: no output; longer than the engine's limit fails
+    prefill = spec.engine.task != "generate"
     context = engine.prefill_limit if prefill else engine.max_model_len
     seen = _Sample(prefill=prefill, context=context)
     seen.read(prep, builder, max_rows, calibration_rows, images)

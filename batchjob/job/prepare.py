@@ -139,12 +139,10 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[
     a, b = without_identity(saved), without_identity(now)
     defaults = resolved_defaults(spec) if differing(a, b) and not model else {}  # only a refusal pays for it
     runs = [fp.get("model", {}).get("runs_in") for fp in (saved, now)]
-    moved = (
-        []
-        if None in runs or runs[0] == runs[1]
-        else [f"model.dtype: 'auto' ran in {runs[0]}, is {runs[1]} here"]
-    )
-    return ([model] if model else []) + moved + fingerprint_changes(a, b, defaults)
+    out = [model] if model else []
+    if None not in runs and runs[0] != runs[1]:
+        out.append(f"model.dtype: 'auto' ran in {runs[0]}, is {runs[1]} here")
+    return out + fingerprint_changes(a, b, defaults)
 
 
 def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:

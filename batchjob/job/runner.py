@@ -199,11 +199,9 @@ def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
         return
     penalty = getattr(config, "repetition_penalty", None)
     if spec.repetition_penalty is None and penalty not in (None, 1.0):
-        say = (
-            f"the model's generation_config.json sets repetition_penalty {penalty}: it applies to every row, "
-        )
+        say = f"the model's generation_config.json sets repetition_penalty {penalty}: it applies to every row"
         print(
-            f"batchjob: {say}as transformers' generate applies it (--repetition-penalty 1: none)",
+            f"batchjob: {say}, as transformers' generate applies it (--repetition-penalty 1: none)",
             file=sys.stderr,
         )
     if getattr(config, "do_sample", False) and spec.temperature is None and spec.format == "rows":

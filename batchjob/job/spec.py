@@ -33,9 +33,8 @@ from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling import SamplingParams
 
 FORMAT_CHOICES = ("rows", "openai")
-PILLOW_MAX_PIXELS = (
-    89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS, its decompression-bomb warning (not imported)
-)
+# Pillow's Image.MAX_IMAGE_PIXELS, its decompression-bomb warning (not imported)
+PILLOW_MAX_PIXELS = 89_478_485
 
 
 @dataclass
@@ -359,9 +358,8 @@ class JobSpec:
             "check_model_name": self.check_model_name or None,  # a request for another model: an error row
         }
         out |= {k: v for k, v in optional.items() if v is not None}
-        if (
-            self.image_column is not None or self.max_image_pixels != PILLOW_MAX_PIXELS
-        ):  # (OpenAI image parts)
+        # images: an image column's, or an OpenAI job's image parts (named when the bound is not the default)
+        if self.image_column is not None or self.max_image_pixels != PILLOW_MAX_PIXELS:
             out |= {"image_column": self.image_column, "max_image_pixels": self.max_image_pixels}
         return out
 
