@@ -325,3 +325,25 @@ def test_the_roofline_is_left_out_where_weights_are_not_linears(tiny_model_dirs,
     assert "(Conv1D)" in uncounted(AutoModelForCausalLM.from_pretrained(tiny_model_dirs["gpt2"]))
     mixtral = AutoModelForCausalLM.from_pretrained(make_family_model(tmp_path / "m", "mixtral"))
     assert "MixtralExperts" in uncounted(mixtral)
+
+
+@pytest.mark.engine
+def test_the_embed_bench_times_the_same_texts_everywhere(tmp_path):
+    """With the model's default prompt, a text near the limit went past it in ours only: ours refused it (an
+    error row, thrown away) and was credited with it all the same ('3.57x'). A text past the limit with the
+    prompt is now no one's, and every engine embeds the rest with the prompt."""
+    from batchjob.bench.tasks import run_task_bench
+    from batchjob.engine import Engine
+    from tests.task_models import MAX_LEN, make_embedder
+
+    folder = make_embedder(
+        tmp_path / "emb", "bert", "mean", prompts={"query": "query: " * 6}, default_prompt_name="query"
+    )
+    engine = Engine.from_pretrained(str(folder), task="embed", dtype="float32")
+    alone = lambda text: len(engine.tokenizer(text).input_ids)  # noqa: E731 - without the prompt
+    near = next("x" * k for k in range(1, 4 * MAX_LEN) if alone("x" * k) == MAX_LEN)  # fits alone only
+    words = ["one short text", near, "another short one"]
+    assert len(engine.tokenize(near)) > MAX_LEN
+    results = run_task_bench("embed", engine, words, [2], 2, progress=lambda _: None)
+    assert {r.texts for r in results} == {2}
+    assert results[0].tokens == len(engine.tokenize(words[0])) + len(engine.tokenize(words[2]))
