@@ -181,6 +181,7 @@ def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
         config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise _load_error(name, resolved, e, "the config of model") from e
+    _refuse_quantized(resolved, config)
     if not trust_remote_code:
         _refuse_own_code(
             resolved, getattr(config, "auto_map", None), "config.json", getattr(config, "model_type", None)
@@ -193,6 +194,23 @@ def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
                 auto_map = None  # the tokenizer's own load says what is wrong with it
             _refuse_own_code(resolved, auto_map, "tokenizer_config.json", None)
     return config
+
+
+def _refuse_quantized(resolved: str, config: Any) -> None:
+    """Refuse a checkpoint its config says is quantized (GPTQ, AWQ, bitsandbytes, FP8, ...). Its layers are
+    a quantizer's modules, not the Linear layers the engine runs and checks (packed weights, LoRA, shards),
+    and a method transformers does not know is skipped: the packed weights would be read as plain ones."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    quant = getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None)
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    where = f"model folder {resolved}" if Path(resolved).is_dir() else f"model {resolved!r}"
+    raise ModelNotFoundError(
+        f"{where} is quantized (quantization_config, quant_method {str(method)!r}): batchjob runs "
+        "unquantized checkpoints only; use the model's unquantized weights (--dtype bfloat16 halves their "
+        "memory)"
+    )
 
 
 def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> Any:

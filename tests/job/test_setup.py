@@ -292,6 +292,22 @@ def test_a_known_model_type_that_ships_its_own_code_is_refused(
     assert not marker.exists() and parts(out) == []
 
 
+@pytest.mark.parametrize("method", ["gptq", "a_method_transformers_skips"])
+def test_a_quantized_checkpoint_is_refused_by_name(method, tiny_model_dir, data, tmp_path):
+    """validate said ok and run died in transformers' ImportError (GPTQ without optimum); a quant_method
+    transformers does not know was skipped and the job ran the folder's weights as if unquantized."""
+    folder = tmp_path / "quantized"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    for command in ("validate", "run"):
+        code, text = invoke(command, *job_args(data, tmp_path / "out", folder, "--device", "cpu"))
+        assert code == 2, text
+        assert f"model folder {folder} is quantized (quantization_config, quant_method '{method}')" in text
+    assert parts(tmp_path / "out") == []
+
+
 @pytest.mark.process  # `yes y | python -m batchjob ...`
 def test_trust_remote_code_runs_it_and_is_not_part_of_the_identity(custom_code_model, data, tmp_path):
     folder, marker = custom_code_model
