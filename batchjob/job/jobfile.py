@@ -21,6 +21,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# A job file given where an input was meant: the refusal says so (the command's one argument is a job file).
+_INPUT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv")
+
 
 def read_job_file(path: str | Path, known: Collection[str]) -> dict[str, Any]:
     """The fields of the TOML job file at ``path``, keys normalized to underscores (each one of ``known``),
@@ -31,7 +34,10 @@ def read_job_file(path: str | Path, known: Collection[str]) -> dict[str, Any]:
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"job file {path} is not valid TOML: {e}") from e
+        hint = ""
+        if path.suffix.lower() in _INPUT_SUFFIXES or path.name.lower().endswith((".jsonl.gz", ".jsonl.zst")):
+            hint = f" (an input file? give it as --input {path})"
+        raise ConfigError(f"job file {path} is not valid TOML{hint}: {e}") from e
     out: dict[str, Any] = {}
     keys: dict[str, str] = {}  # field name -> the key that gave it
     for key, value in raw.items():

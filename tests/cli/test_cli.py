@@ -175,6 +175,10 @@ def test_status_and_validate_errors(tmp_path):
     bad.write_text("max_new_tokenz = 3\n")
     code, text = invoke("validate", bad)
     assert code == 2 and "unknown field 'max_new_tokenz'" in text
+    rows = tmp_path / "rows.parquet"  # an input given where the job file goes: the refusal says which option
+    rows.write_bytes(b"PAR1\x00\xac")
+    code, text = invoke("run", rows)
+    assert code == 2 and f"an input file? give it as --input {rows}" in text
 
 
 @pytest.mark.timeout(300)
