@@ -93,7 +93,6 @@ class JobSpec:
         "Fetch images named by a URL (http(s)://, or s3://, gs://, hf://... with fsspec's package for it), "
         "once a run (30 s timeout), recorded by content as a path is",
         default_help="off: such an image is its row's error",
-        switch=True,
     )
     image_workers: int | None = job_option(
         None,
@@ -147,7 +146,6 @@ class JobSpec:
         False,
         "--format openai: a request whose body.model is not this job's model becomes an error row",
         default_help="the name is ignored, with one warning listing the names seen",
-        switch=True,
     )
     # model
     model: str | None = job_option(
@@ -157,7 +155,6 @@ class JobSpec:
         False,
         "Let a model folder run the Python code its config's auto_map names",
         default_help="off: such a model is refused",
-        switch=True,
     )
     lora: list[str] = job_option(  # a job file's [lora] table {name = path} comes as NAME=PATH entries
         list,
