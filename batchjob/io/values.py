@@ -12,16 +12,19 @@ import pyarrow as pa
 def batch_values(batch: pa.RecordBatch) -> Iterator[tuple[dict[str, Any] | None, str]]:
     """Each row of ``batch`` as Python values, or None and why it can't be (a date beyond Python's, say):
     a value one row can't convert is that row's error, not the rest of the file's."""
+    lost = _lost_nanoseconds(batch)
     try:
         rows = batch.to_pylist()
     except Exception:  # noqa: BLE001 - row by row, to find the rows at fault
         for j in range(batch.num_rows):
+            if j in lost:
+                yield None, lost[j]
+                continue
             try:
                 yield batch.slice(j, 1).to_pylist()[0], ""
             except Exception as e:  # noqa: BLE001
                 yield None, f"cannot convert its values ({type(e).__name__}: {e})"
         return
-    lost = _lost_nanoseconds(batch)
     for j, values in enumerate(rows):
         yield (None, lost[j]) if j in lost else (values, "")
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from batchjob.io.fits import column_type, id_text
 from batchjob.io.readers import Row, iter_rows
+from batchjob.io.sources import ORDINAL_BITS, Source
 
 if TYPE_CHECKING:
     from batchjob.job.ids import IdIndex
@@ -41,6 +42,13 @@ def read_rows(prep: Prepared, done: IntervalSet, ids: IdIndex | None) -> Iterato
     """This worker's rows not yet ``done``, in input order (with --id-column, the rows it skips still
     record their ids in ``ids``, so a duplicate is found whichever worker holds its first use)."""
     skip, covered = prep.shard.filters(done)
+    counts = prep.info.row_counts  # each file's rows as recorded: counted cheaply, or where a read ended
+
+    def read_past(source: Source, index: int) -> bool:  # did an earlier run read the file past row index?
+        if counts.get(source.base >> ORDINAL_BITS) == index + 1:  # the file ends there: nothing past it
+            return False  # (an earlier run's unread rest of it, done as its error row, ended it there too)
+        return done.meets(source.base + index, source.base + (1 << ORDINAL_BITS))
+
     on_skipped = None
     if ids is not None:
         index, seen_to = ids, ids.seen_to
@@ -59,6 +67,7 @@ def read_rows(prep: Prepared, done: IntervalSet, ids: IdIndex | None) -> Iterato
         id_column=prep.spec.id_column,
         schema=prep.info.schema,
         stop_unread=not prep.shard.single,  # a file's unread rest may hold this worker's rows: stop, say so
+        read_past=read_past,  # a resumed job whose file can't be read where it was read before: stop too
     )
 
 

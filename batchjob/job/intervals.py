@@ -43,6 +43,11 @@ class IntervalSet:
         i = bisect.bisect_right(self._starts, a) - 1
         return i >= 0 and b <= self._ends[i]
 
+    def meets(self, a: int, b: int) -> bool:
+        """Whether any integer of ``[a, b)`` is in the set."""
+        i = bisect.bisect_right(self._ends, a)  # the first range ending past a
+        return i < len(self._starts) and self._starts[i] < b
+
     def __len__(self) -> int:
         return sum(b - a for a, b in zip(self._starts, self._ends, strict=True))
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from batchjob.errors import BatchjobError, InputError, StateError
-from batchjob.io.readers import compatible, input_schema
+from batchjob.io.schema import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
 from batchjob.job.defaults import resolved_defaults

@@ -172,7 +172,7 @@ def _check_template_field(part: TemplateField, field: Any) -> None:
     ``pyarrow.Field``), as deep as the type tells."""
     import pyarrow as pa
 
-    from batchjob.io.readers import is_text_only
+    from batchjob.io.schema import is_text_only
 
     t, where = field.type, part.column
     for depth, key in enumerate(part.path):

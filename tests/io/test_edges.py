@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.errors import InputError
-from batchjob.io.readers import input_schema
+from batchjob.io.schema import input_schema
 from batchjob.io.sources import discover
 from batchjob.io.writers import RENAMED_KEY, input_column, output_names, output_schema, task_fields
 from batchjob.job import make_spec, run_job

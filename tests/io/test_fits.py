@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.io.fits import Fit, fits, id_text
-from batchjob.io.readers import input_schema, iter_rows
+from batchjob.io.readers import iter_rows
+from batchjob.io.schema import input_schema
 from batchjob.io.sources import discover
 from batchjob.io.writers import build_table
 
@@ -116,6 +117,31 @@ def test_parquet_values_that_dont_fit_the_merged_column_are_error_rows_and_take_
     )
     assert list(rows) == []
     assert sorted(v for v in skipped.values() if v is not None) == [1.5, 2, 3.0, 4]  # error rows: no id
+
+
+def test_rows_passed_over_unread_report_the_ids_the_rows_would_have(tmp_path):
+    """A batch passed over whole (a resumed job's done rows, another worker's) reported the id of a row that
+    is an error row when read (its time64[ns] value): another worker's row of that id was then a duplicate
+    of no row; an id that is no UTF-8 stopped the reader there, and the resumed job said complete without
+    the rest of the file."""
+    ids = pa.array([b"a", b"b", b"c\xff", b"d"], pa.binary())
+    table = pa.table(
+        {
+            "id": pa.Array.from_buffers(pa.string(), len(ids), ids.buffers()),
+            "t": pa.array([1000, 1, 2000, 3000], pa.time64("ns")),  # row 1: nanoseconds a time would drop
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    sources = discover([str(tmp_path / "a.parquet")])
+
+    def ids_passed(covered):
+        seen = {}
+        assert list(iter_rows(sources, lambda o: True, covered, seen.__setitem__, "id")) == []
+        return seen
+
+    by_row = ids_passed(lambda a, b: False)
+    assert list(by_row.values()) == ["a", None, None, "d"]
+    assert ids_passed(lambda a, b: True) == by_row
 
 
 def test_the_writer_never_stores_a_value_changed(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 
 from batchjob.errors import InputError
 from batchjob.io.jsontext import MAX_DEPTH
-from batchjob.io.readers import input_schema, iter_rows
+from batchjob.io.readers import iter_rows
+from batchjob.io.schema import input_schema
 from batchjob.io.sources import count_rows, discover
 from batchjob.io.writers import PartWriter, build_table, output_schema
 from batchjob.job.intervals import IntervalSet

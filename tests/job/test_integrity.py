@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.errors import InputError
 from batchjob.io import identity
-from batchjob.io.readers import input_schema, iter_rows
+from batchjob.io.readers import iter_rows
+from batchjob.io.schema import input_schema
 from batchjob.io.sources import discover
 from batchjob.job import make_spec, run_job
 from batchjob.job.inputs import InputChangedError, new_records, reconcile
@@ -244,6 +245,7 @@ def test_appended_file_with_other_columns_is_refused(tmp_path, tiny_model_dir):
     write_rows(folder / "b.jsonl", [{"text": "hi", "extra": 1}])
     with pytest.raises(InputChangedError, match=r"b\.jsonl: column 'extra' is new"):
         run_job(spec(folder, out, tiny_model_dir, append=True))
+
 
 
 # -- ids unique job-wide ----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ def test_interval_set():
     assert s.ranges() == [[0, 6], [10, 12]] and len(s) == 8
     assert 4 in s and 6 not in s and 11 in s and 12 not in s
     assert s.covers(1, 6) and not s.covers(5, 11)
+    assert s.meets(5, 7) and s.meets(7, 11) and s.meets(11, 99) and not s.meets(6, 10) and not s.meets(12, 99)
 
 
 def test_manifest_torn_tail_is_dropped_but_corruption_raises(tmp_path):

@@ -20,6 +20,7 @@ from batchjob.job.manifest import _digest as manifest_digest
 from batchjob.job.state import JobInfo, StateDir
 from batchjob.job.verify import check_parts, repair_outputs
 from tests.jobproc import read_results as results
+from tests.jobproc import sigterm_after_steps
 from tests.tiers import engine_fixture
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,6 +194,26 @@ def test_a_worker_of_several_stops_where_a_file_cannot_be_read(
     monkeypatch.delenv("BATCHJOB_FAULT_EIO")
     for shard in ("0", "1"):
         run(reviews, out, tiny_model_dir, "--num-shards", "2", "--shard-index", shard)
+    assert_same_rows(out, reference)
+
+
+def test_a_resumed_job_stops_where_a_file_it_read_cannot_be_read_now(
+    reviews, tiny_model_dir, tmp_path, reference, monkeypatch
+):
+    """A passing read error at a line an earlier run read made the rest of the file one error row, or none
+    at a done line: the file's count dropped to it and the job said complete with the rest never read (64 of
+    400 rows exported, 'complete: 64 of 2 rows done'). The run stops instead, saying so; a rerun reads on."""
+    out = tmp_path / "out"
+    with sigterm_after_steps(20):
+        code, text = invoke("run", *args(reviews, out, tiny_model_dir))
+    done = sorted(int(r["rid"][1:]) for r in results(out))
+    assert code == 75 and 0 < len(done) < N_ROWS, text
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", f"reviews.jsonl:{done[-1] + 1}")  # the line of a done row
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir))
+    assert code == 2 and f"line {done[-1] + 1}: cannot read the rest of the file" in text, text
+    assert "an earlier run of the job read this file past there" in text
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    run(reviews, out, tiny_model_dir)
     assert_same_rows(out, reference)
 
 

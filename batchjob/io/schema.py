@@ -1,0 +1,231 @@
+"""The columns of a job's inputs: each file's schema (Parquet and saved datasets their own, JSONL inferred from
+its first 1,000 objects), their union over the files of one job, and whether a file added later fits it.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Any
+
+import pyarrow as pa
+
+from batchjob.errors import InputError
+from batchjob.io.jsontext import parse_line
+from batchjob.io.sources import Source, _fsspec, load_hf, open_binary
+
+_SCHEMA_SAMPLE_ROWS = 1000
+
+
+def parquet_file(source: Source) -> Any:
+    import pyarrow.parquet as pq
+
+    if source.remote:
+        return pq.ParquetFile(_fsspec().open(source.path, "rb").open())
+    return pq.ParquetFile(source.path)
+
+
+def _json_type(kinds: set[type]) -> pa.DataType:
+    kinds = kinds - {type(None)}
+    if not kinds:
+        return pa.null()
+    if kinds == {bool}:
+        return pa.bool_()
+    if kinds == {int}:
+        return pa.int64()
+    if kinds <= {int, float}:
+        return pa.float64()
+    # strings, and anything nested or mixed: stored as (JSON) text
+    return pa.string()
+
+
+def strip_bom(raw: bytes, lineno: int) -> bytes:
+    return raw[len(codecs.BOM_UTF8) :] if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else raw
+
+
+def _jsonl_kinds(source: Source) -> dict[str, set[type]]:
+    """The value types of each key over the first 1,000 objects of a JSONL file, keys in order of first sight."""
+    columns: dict[str, set[type]] = {}
+    n = 0
+    with open_binary(source) as f:
+        for lineno, raw in enumerate(f, 1):
+            if n >= _SCHEMA_SAMPLE_ROWS:
+                break
+            obj, error = parse_line(strip_bom(raw, lineno))
+            if obj is not None and error is None:  # an error row's keys are no columns
+                n += 1
+                for k, v in obj.items():
+                    columns.setdefault(str(k), set()).add(type(v))
+    return columns
+
+
+class RepeatedColumnError(InputError):
+    """An input file with two columns of one name: its rows can't be read as name -> value, so the job stops
+    before work (not an error row, as another unreadable file is)."""
+
+
+def table_schema(source: Source) -> pa.Schema:
+    if source.kind == "parquet":
+        schema = parquet_file(source).schema_arrow
+    else:
+        splits = [(split, ds.features.arrow_schema) for split, ds in load_hf(source)]
+        schema = splits[0][1]
+        other = next(((split, s) for split, s in splits[1:] if not s.equals(schema)), None)
+        if other is not None:  # the rows of one would be read into the other's columns
+            raise InputError(
+                f"input {source.path}: its splits {splits[0][0]!r} and {other[0]!r} have different columns "
+                f"or types ({_columns(schema)}; {_columns(other[1])}); give one split's folder as the input, "
+                f"e.g. {source.path}/{other[0]}"
+            )
+    repeated = sorted({n for n in schema.names if schema.names.count(n) > 1})
+    if repeated:
+        raise RepeatedColumnError(
+            f"input {source.path} has more than one column named {', '.join(map(repr, repeated))}: a row "
+            "can't hold two values under one name. Rename them in the file, or leave the file out"
+        )
+    return schema
+
+
+def _columns(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name} {f.type}" for f in schema)
+
+
+def _read_failed(source: Source, e: Exception) -> InputError:
+    return InputError(f"cannot read input {source.path}: {e}")
+
+
+def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
+    """One schema over named schemas (integers widen, nulls take the other type); a real conflict is an
+    InputError naming the column, two files and their types."""
+    try:
+        return pa.unify_schemas([s for _, s in schemas], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        pass
+    first: dict[str, tuple[str, pa.DataType]] = {}
+    for name, schema in schemas:
+        for f in schema:
+            if f.name not in first:
+                first[f.name] = (name, f.type)
+                continue
+            other, type_ = first[f.name]
+            try:
+                pa.unify_schemas(
+                    [pa.schema([pa.field(f.name, type_)]), pa.schema([f])], promote_options="permissive"
+                )
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                raise InputError(
+                    f"column {f.name!r} is {type_} in {other} but {f.type} in {name}: the inputs of one job "
+                    "must agree on each column's type"
+                ) from None
+    raise InputError(f"the inputs' schemas cannot be combined: {', '.join(n for n, _ in schemas)}")
+
+
+def source_schema(source: Source) -> pa.Schema:
+    """The columns of one source (JSONL: inferred from its first 1,000 rows, see ``input_schema``)."""
+    return input_schema([source])
+
+
+def _jsonl_schema(sources: list[Source], kinds: dict[str, set[type]]) -> tuple[str, pa.Schema]:
+    """The JSONL inputs' columns from the value types seen of each key, named for ``_unify``'s messages."""
+    text = pa.schema(
+        [
+            pa.field(k, _json_type(v), metadata=TEXT_ONLY if v - {type(None)} == {str} else None)
+            for k, v in kinds.items()
+        ]
+    )
+    jsonl_name = (
+        "the JSONL inputs"
+        if sum(s.kind == "jsonl" for s in sources) > 1
+        else next(s.path for s in sources if s.kind == "jsonl")
+    )
+    return jsonl_name, text
+
+
+def input_schema(sources: list[Source]) -> pa.Schema:
+    """The input columns of a job: the union of its sources' columns, in order of first appearance.
+
+    Parquet and saved datasets: their own schema (integer columns widen across files; a type conflict is an
+    InputError). JSONL: the keys of the first 1,000 rows of each file; a column of booleans, integers or
+    numbers keeps that type, anything else (strings, nested values, mixed types) is stored as text, nested
+    values as JSON. An empty JSONL file adds nothing (a Parquet file without rows still has its schema).
+    """
+    kinds: dict[str, set[type]] = {}
+    named: list[tuple[str, pa.Schema]] = []
+    jsonl_at: int | None = None  # where the JSONL columns sit among the table schemas
+    failed: list[InputError] = []
+    for source in sources:
+        try:
+            if source.kind == "jsonl":
+                for k, v in _jsonl_kinds(source).items():
+                    kinds.setdefault(k, set()).update(v)
+                if jsonl_at is None:
+                    jsonl_at = len(named)
+            else:
+                table = table_schema(source)
+                named.append(
+                    (source.path, pa.schema([_mark_text(f) for f in table], metadata=table.metadata))
+                )
+        except RepeatedColumnError:
+            raise
+        except InputError as e:
+            failed.append(e)
+        except Exception as e:
+            failed.append(_read_failed(source, e))
+    if failed and len(failed) == len(sources):
+        raise failed[0]  # nothing readable at all; otherwise an unreadable file becomes an error row
+    if kinds:
+        named.insert(jsonl_at or 0, _jsonl_schema(sources, kinds))
+    if not named:
+        return pa.schema([])
+    schema = _unify(named) if len(named) > 1 else named[0][1]
+    # text only where every input that has the column says so
+    text = {f.name for f in schema} - {f.name for _, s in named for f in s if not is_text_only(f)}
+    # a column that is null everywhere we looked is kept as text (of unknown content)
+    return pa.schema(
+        [
+            pa.field(f.name, pa.string())
+            if pa.types.is_null(f.type)
+            else _mark_text(f)
+            if f.name in text
+            else f.remove_metadata()
+            for f in schema
+        ],
+        metadata=schema.metadata,
+    )
+
+
+TEXT_ONLY = {b"batchjob": b"text"}  # field metadata: the column holds text (not JSON text of nested values)
+
+
+def _mark_text(f: pa.Field) -> pa.Field:
+    t = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return f.with_metadata(TEXT_ONLY)
+    return f
+
+
+def is_text_only(f: pa.Field) -> bool:
+    """Whether a column of the job's input schema is known to hold only text: a string column of a Parquet
+    file or dataset, a JSONL key whose values (in the rows the schema was inferred from) were all strings.
+    A JSONL key with nested or mixed values is stored as (JSON) text too, but its rows hold the values."""
+    return (f.metadata or {}).get(b"batchjob") == b"text"
+
+
+def compatible(saved: pa.Schema, source: Source) -> str | None:
+    """Why a file added to a job (``--append``) does not fit the job's columns, or None when it does."""
+    schema = source_schema(source)
+    names = set(saved.names)
+    for f in schema:
+        if f.name not in names:
+            return f"column {f.name!r} is new (the job's columns: {', '.join(saved.names)})"
+        want = saved.field(f.name).type
+        if pa.types.is_string(want) or pa.types.is_large_string(want) or f.type == want:
+            continue
+        try:
+            merged = pa.unify_schemas(
+                [pa.schema([pa.field(f.name, want)]), pa.schema([f])], promote_options="permissive"
+            )
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            merged = None
+        if merged is None or merged.field(f.name).type != want:
+            return f"column {f.name!r} is {f.type} here but {want} in the job"
+    return None
