@@ -248,6 +248,24 @@ def test_appended_file_with_other_columns_is_refused(tmp_path, tiny_model_dir):
 
 
 
+def test_an_appended_parquet_file_is_held_to_the_columns_a_job_of_both_would_have(tmp_path, tiny_model_dir):
+    """A new file's int column beside the job's text column was taken and its 3 written as '3'; a fresh job
+    of both files is refused ("column 'x' is string in ... but int64 in ..."), and so is the append now. A
+    JSONL file's value goes into a text column as its JSON text, as a JSONL key's mixed values do."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["a", "b"], "x": ["s", "t"]}), folder / "a.parquet")
+    out = tmp_path / "out"
+    run_job(spec(folder, out, tiny_model_dir))
+    pq.write_table(pa.table({"text": ["c"], "x": [3]}), folder / "b.parquet")
+    with pytest.raises(InputChangedError, match=r"b\.parquet: column 'x' is int64 here but string in the job"):
+        run_job(spec(folder, out, tiny_model_dir, append=True))
+    (folder / "b.parquet").unlink()
+    write_rows(folder / "c.jsonl", [{"text": "c", "x": 3}])
+    run_job(spec(folder, out, tiny_model_dir, append=True))
+    assert sorted(ds.dataset(out, format="parquet").to_table()["x"].to_pylist()) == ["3", "s", "t"]
+
+
 # -- ids unique job-wide ----------------------------------------------------------------------------------
 
 
