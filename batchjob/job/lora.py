@@ -10,12 +10,13 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 from batchjob.io.identity import combine, folder_digest
-from batchjob.job.model_identity import local_folder
+from batchjob.job.model_identity import local_folder, model_names
 
 
-def lora_paths(entries: list[str], column: str | None, fmt: str) -> dict[str, str]:
+def lora_paths(entries: list[str], column: str | None, fmt: str, model: str | None) -> dict[str, str]:
     """``{name: path}`` of ``--lora`` entries, in the order given; refuses a malformed or repeated entry, an
-    adapter column without adapters, several adapters with nothing to pick them by. Any task takes them
+    adapter column without adapters, several adapters with nothing to pick them by, and with --format openai
+    an adapter known by a name of the base ``model`` (its requests would be the base's). Any task takes them
     (generate, and embed, classify and score: engine/tasks/adapters.py)."""
     paths: dict[str, str] = {}
     for entry in entries:
@@ -28,6 +29,12 @@ def lora_paths(entries: list[str], column: str | None, fmt: str) -> dict[str, st
         paths[name] = path
     if column is not None and not paths:
         raise ConfigError("--adapter-column needs adapters: give --lora NAME=PATH")
+    clash = sorted(set(paths) & model_names(model)) if fmt == "openai" and column is None else []
+    if clash:
+        raise ConfigError(
+            f"--lora adapter {clash[0]!r} has a name of the base model: with --format openai a request's "
+            "body.model picks its adapter, and the base model's name its base; give the adapter another name"
+        )
     if len(paths) > 1 and column is None and fmt != "openai":
         raise ConfigError(
             f"{len(paths)} --lora adapters ({', '.join(paths)}): give --adapter-column to pick each row's"

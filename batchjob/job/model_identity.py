@@ -52,6 +52,18 @@ def display_name(model: str | None) -> str:
     return Path(str(model)).name if Path(str(model)).exists() else str(model)
 
 
+def model_names(model: str | None) -> set[str]:
+    """The names a request may give this job's model (``--check-model-name``; a LoRA adapter takes none)."""
+    from batchjob.models import DEFAULT_MODEL  # (as display_name: models.py is only needed here)
+
+    names = {display_name(model)}
+    if model not in (None, "", "default"):
+        names.add(str(model))
+    if DEFAULT_MODEL in names:
+        names.add(f"HuggingFaceTB/{DEFAULT_MODEL}")
+    return names
+
+
 def identity(files: dict[str, str] | None, resolved: str, model: str | None = None) -> dict[str, Any]:
     """The model part of a job's fingerprint (``name`` is for display only: it is never compared). ``whole``:
     the sampled files' whole digests (weight_digests.py), beside ``content``, which keeps its old meaning."""

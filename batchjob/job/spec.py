@@ -263,7 +263,7 @@ class JobSpec:
             self.engine, static_batching=self.admission == "static", check_kv_pool=True
         )
         self.template_kwargs = template_kwargs(self.chat_template_kwargs)
-        self.lora_paths = lora_paths(self.lora, self.adapter_column, self.format)
+        self.lora_paths = lora_paths(self.lora, self.adapter_column, self.format, self.model)
         if self.reasoning_tags is not None:
             from batchjob.job.reasoning import parse_tags
 

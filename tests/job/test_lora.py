@@ -169,6 +169,9 @@ def test_job_file_lora_table_and_openai_body_model(tiny_model_dir, adapters, tmp
     }
     base = models["c2"]
     assert base not in adapters and [models[f"c{i}"] for i in range(5)] == ["qv", "rs", base, base, "qv"]
+    # an adapter known by the base model's name took the base's requests without a word
+    with pytest.raises(ConfigError, match=f"--lora adapter '{base}' has a name of the base model"):
+        make_spec(job, lora=[f"{base}={adapters['qv']}"])
 
 
 def read_results_by(out, key):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from batchjob.job import model_identity
 from batchjob.job.requests import parse_embeddings_request
 from batchjob.job.rows.adapter import row_adapter
 from batchjob.job.rows.base import RowWork
 from batchjob.job.rows.embeddings import EmbeddingInputs
 from batchjob.job.rows.generate import Samples
 from batchjob.job.rows.images import image_request
-from batchjob.job.rows.prompt import model_names, row_request
+from batchjob.job.rows.prompt import row_request
 from batchjob.job.rows.reasoning import Reasoning, thinking_params
 from batchjob.job.rows.task import TaskRow
 from batchjob.job.rows.token_texts import TokenTexts
@@ -60,7 +61,7 @@ class RowMaker:
         self.images = images
         self.task = spec.engine.task  # generate, or a prefill-only task: which kinds the rows are
         # --format openai: what body.model may say (the model's names, or a --lora adapter's)
-        self.model_names = model_names(spec.model) | set(spec.lora_paths)
+        self.model_names = model_identity.model_names(spec.model) | set(spec.lora_paths)
         self.models_seen: set[str] = set()
         # --logprobs: each token's text as it stands in the output's text (token_texts.py)
         self.texts = TokenTexts(engine.tokenizer)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchjob.job import model_identity
 from batchjob.job.requests import params_from_column, parse_request
 
 if TYPE_CHECKING:
@@ -14,18 +13,6 @@ if TYPE_CHECKING:
     from batchjob.job.prompts import PromptBuilder
     from batchjob.job.spec import JobSpec
     from batchjob.sampling import SamplingParams
-
-
-def model_names(model: str | None) -> set[str]:
-    """The names a request may give this job's model (``--check-model-name``)."""
-    from batchjob.models import DEFAULT_MODEL
-
-    names = {model_identity.display_name(model)}
-    if model not in (None, "", "default"):
-        names.add(str(model))
-    if DEFAULT_MODEL in names:
-        names.add(f"HuggingFaceTB/{DEFAULT_MODEL}")
-    return names
 
 
 def row_request(
