@@ -183,7 +183,17 @@ def _ours_with(
     from batchjob import Engine
 
     engine = Engine.from_pretrained(model_id, lora=paths, **by_engine_name(opts.engine_options))
-    return _fastest(lambda: run_ours(engine, work, int(engine.vocab_size), adapters=names), opts.repeat)
+    return _checked(
+        _fastest(lambda: run_ours(engine, work, int(engine.vocab_size), adapters=names), opts.repeat),
+        f"{len(paths)} adapter(s)",
+    )
+
+
+def _checked(result: Result, what: str) -> Result:
+    """``result``, unless some of our requests failed: a rate over fewer rows is no figure (the bench stops)."""
+    if result.error is not None:
+        raise ConfigError(f"ours failed with {what}: {result.error}; no figure is printed")
+    return result
 
 
 def _cell(
@@ -225,9 +235,15 @@ def lora_bench(opts: BenchOptions, engine: Any, work: Workload, threads: int) ->
     assert opts.adapters
     load_before = load_average()
     hf = _hf_model(engine)
+    targets = sorted({name.rsplit(".", 1)[-1] for name in target_shapes(hf, TARGETS)})  # before any run
+    if not targets:
+        raise ConfigError(
+            f"{engine.model_id}: the bench puts its random adapters on Linear layers named "
+            f"{', '.join(TARGETS)}, and this model has none"
+        )
     _progress("running ours, the base model alone ...")
     vocab = int(engine.vocab_size)
-    base_ours = _fastest(lambda: run_ours(engine, work, vocab), opts.repeat)
+    base_ours = _checked(_fastest(lambda: run_ours(engine, work, vocab), opts.repeat), "the base model alone")
     _progress("running static generate, the base model alone ...")
     pad = _pad_id(engine)
     base_static = _fastest(lambda: run_static(hf, work, opts.static_batch_size, pad, vocab), opts.repeat)
@@ -237,7 +253,7 @@ def lora_bench(opts: BenchOptions, engine: Any, work: Workload, threads: int) ->
             for count in opts.adapters:
                 cells.append(_cell(opts, engine, hf, work, count, rank, Path(tmp), base_ours))
     header = bench_header("batchjob bench --adapters", engine, threads, load_before)
-    click.echo(format_lora_report(header, work, base_ours, base_static, cells))
+    click.echo(format_lora_report(header, work, base_ours, base_static, cells, targets))
     if opts.json_path is not None:
         body = {
             "model": engine.model_id,
@@ -294,14 +310,14 @@ def _row(cell: Cell, base: Result) -> list[str]:
 
 
 def format_lora_report(
-    header: str, work: Workload, base_ours: Result, base_static: Result, cells: list[Cell]
+    header: str, work: Workload, base_ours: Result, base_static: Result, cells: list[Cell], targets: list[str]
 ) -> str:
     batch = base_static.settings["batch_size"]
     lines = [
         header,
         f"workload: {len(work.prompts)} requests ({work.source}), {work.prompt_tokens} prompt tokens, "
         f"{work.output_tokens} output tokens; greedy, EOS ignored; rows dealt round-robin over the adapters",
-        f"adapters: random A and B on {', '.join(TARGETS)}, alpha = 2 x rank; peft: PEFT's mixed batch "
+        f"adapters: random A and B on {', '.join(targets)}, alpha = 2 x rank; peft: PEFT's mixed batch "
         f"(adapter_names) in static batches of {batch}; merged: PEFT merge_and_unload per adapter, then static "
         f"generate (batches of {batch}) on its rows, one adapter after another (merges timed)",
         f"base model alone: ours {base_ours.output_tps:.1f} tok/s, static generate "

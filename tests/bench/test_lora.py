@@ -25,6 +25,7 @@ def test_adapters_workload_table_and_json(tiny_model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     text = result.output
     assert re.search(r"base model alone: ours [\d.]+ tok/s, static generate [\d.]+ tok/s", text)
+    assert "random A and B on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj," in text
     header = next(line for line in text.splitlines() if line.split()[:2] == ["adapters", "rank"])
     assert "ours/peft" in header and "ours/merged" in header and "agree peft" in header
     rows = [line.split() for line in text.splitlines() if re.match(r"\s+\d+\s+\d+\s+[\d.]+\s", line)]
@@ -63,3 +64,15 @@ def test_bad_adapters_options_exit_2(extra, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(240)
+def test_a_run_of_ours_with_failed_requests_prints_no_figure(tiny_model_dir):
+    """4 of 6 requests failed (a pool too small for them) and the table printed ours' tok/s and its ratios
+    all the same, over the rows that ran: the bench stops instead, naming the failure."""
+    args = ["bench", "--model", str(tiny_model_dir), *SMALL, "--threads", "1", "--adapters", "1"]
+    args += ["--num-blocks", "4", "--block-size", "4", "--prompt-len", "10,40"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "ours failed with the base model alone: " in result.output and "request(s) failed" in result.output
+    assert "tok/s" not in result.output and "Traceback" not in result.output
