@@ -267,10 +267,17 @@ def _expand_local(value: str, exclude: Path | None, skipped: list[Skipped]) -> l
         value = value[len("file://") :]
     if glob.has_magic(value):
         root, pats = _glob_root(value)
-        if not Path(root).is_dir():
-            return []
-        found = _walk(Path(root), pats, exclude, skipped)
-        return [(os.path.normpath(f), name) for f, name in found]
+        found = _walk(Path(root), pats, exclude, skipped) if Path(root).is_dir() else []
+        matched = [(os.path.normpath(f), name) for f, name in found]
+        if not os.path.exists(value):
+            return matched
+        # a name holding [, ] or *: the path itself, unless as a glob it means other files too
+        others = [f for f, _ in matched if f != os.path.normpath(value)]
+        if others:
+            raise InputError(
+                f"input {value} names a file, and read as a glob it matches {others[0]} too: give "
+                f"{glob.escape(value)} to read that file alone"
+            )
     path = Path(value)
     if not path.exists():
         raise InputError(f"input {value} does not exist")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 from pathlib import Path
@@ -123,6 +124,20 @@ def test_discover_errors(tmp_path):
         discover([str(tmp_path / "x.csv")])
     with pytest.raises(InputError, match="matches no"):
         discover([str(tmp_path / "*.parquet")])
+
+
+def test_a_file_named_like_a_glob_is_that_file(tmp_path):
+    """'x[1].jsonl' was read as a glob: it read x1.jsonl instead, or without one refused a file that exists."""
+    named, other = tmp_path / "x[1].jsonl", tmp_path / "x1.jsonl"
+    named.write_text('{"text": "named"}\n')
+    other.write_text('{"text": "other"}\n')
+    with pytest.raises(
+        InputError, match=r"x\[1\]\.jsonl names a file, and read as a glob it matches .*x1\.jsonl"
+    ):
+        discover([str(named)])
+    assert [s.path for s in discover([glob.escape(str(named))])] == [str(named)]  # as the message says
+    other.unlink()
+    assert [s.path for s in discover([str(named)])] == [str(named)]
 
 
 def test_dirty_jsonl_becomes_error_rows_with_file_and_line(tmp_path):
