@@ -98,6 +98,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     if (done := _already_complete(prep)) is not None:
         return done
     _say_dtype_hint(prep)
+    _say_skipped(prep)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
     state = prep.state
@@ -171,6 +172,18 @@ def _say_renamed(writer: PartWriter) -> None:
                 f"batchjob: input column {column!r} is written as {name!r} (it clashes with a result column)",
                 file=sys.stderr,
             )
+
+
+def _say_skipped(prep: Prepared) -> None:
+    """One line where the --input folders or globs left out files of a format batchjob does not read (a
+    folder of .csv or .json.gz files beside the .jsonl ones would otherwise go unprocessed without a word)."""
+    other = [s for s in prep.skipped if s.reason.startswith("not .parquet")]
+    if other:
+        print(
+            f"batchjob: the inputs left out {len(other)} file(s) of another format, e.g. {other[0].path} "
+            "(`batchjob validate` lists them)",
+            file=sys.stderr,
+        )
 
 
 def _say_dtype_hint(prep: Prepared) -> None:

@@ -61,6 +61,15 @@ def test_run_status_validate_and_job_file(data, tiny_model_dir, tmp_path):
     assert code == 2 and "max_new_tokens: was 5, now 3" in text
 
 
+def test_a_folder_s_files_of_another_format_are_named_when_the_job_starts(data, tiny_model_dir, tmp_path):
+    """A folder of .jsonl and .csv files: the .csv rows went unprocessed without a word (validate lists it)."""
+    (tmp_path / "more.csv").write_text("review\nfine\n")
+    args = ["--input", tmp_path, "--output", tmp_path / "out", "--model", tiny_model_dir, "--max-new-tokens", "2"]
+    code, text = invoke("run", *args, "--template", "{review}")
+    assert code == 0, text
+    assert f"the inputs left out 1 file(s) of another format, e.g. {tmp_path / 'more.csv'}" in text
+
+
 def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join('{"text": null}\n' if i % 2 else '{"text": "ok"}\n' for i in range(40)))
