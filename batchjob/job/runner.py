@@ -98,7 +98,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     if (done := _already_complete(prep)) is not None:
         return done
     _say_dtype_hint(prep)
-    _say_skipped(prep)
+    _say_inputs(prep)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     prep.state.create()
     state = prep.state
@@ -174,14 +174,22 @@ def _say_renamed(writer: PartWriter) -> None:
             )
 
 
-def _say_skipped(prep: Prepared) -> None:
-    """One line where the --input folders or globs left out files of a format batchjob does not read (a
-    folder of .csv or .json.gz files beside the .jsonl ones would otherwise go unprocessed without a word)."""
+def _say_inputs(prep: Prepared) -> None:
+    """A line where the --input folders or globs left out files of a format batchjob does not read (a folder
+    of .csv files beside the .jsonl ones would otherwise go unprocessed without a word), and one where they
+    are partitioned as key=value folders, which are no columns here (as they are in Spark or Ray Data)."""
     other = [s for s in prep.skipped if s.reason.startswith("not .parquet")]
     if other:
         print(
             f"batchjob: the inputs left out {len(other)} file(s) of another format, e.g. {other[0].path} "
             "(`batchjob validate` lists them)",
+            file=sys.stderr,
+        )
+    hive = next((s for s in prep.sources if any("=" in part for part in s.name.split("/")[:-1])), None)
+    if hive is not None:
+        print(
+            f"batchjob: {hive.name}: a folder named key=value (a hive partition) is no column here; a row's "
+            "file is in its derived id, and a value the prompt or the output needs must be a column of the files",
             file=sys.stderr,
         )
 

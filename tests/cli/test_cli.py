@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pyarrow.dataset as ds
 import pytest
@@ -68,6 +69,12 @@ def test_a_folder_s_files_of_another_format_are_named_when_the_job_starts(data, 
     code, text = invoke("run", *args, "--template", "{review}")
     assert code == 0, text
     assert f"the inputs left out 1 file(s) of another format, e.g. {tmp_path / 'more.csv'}" in text
+    hive = tmp_path / "hive" / "lang=en"  # Spark's and Ray Data's partition folders: not read as columns
+    hive.mkdir(parents=True)
+    shutil.copy(data, hive / "part.jsonl")
+    args[1], args[3] = tmp_path / "hive", tmp_path / "out2"
+    code, text = invoke("run", *args, "--template", "{review}")
+    assert code == 0 and "lang=en/part.jsonl: a folder named key=value (a hive partition) is no column" in text
 
 
 def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
