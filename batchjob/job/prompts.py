@@ -360,6 +360,11 @@ class PromptBuilder:
         """An OpenAI request's prompt (``requests.parse_request``): chat messages through the chat template,
         a completions prompt as it is."""
         if "prompt" in request:
+            if self.plan.system is not None:  # it was dropped from such a request without a word
+                return None, (
+                    "--system is a system message, which a completions request (a 'prompt') has no place for: "
+                    "send it as a chat request (messages), or leave out --system"
+                )
             return self._tokens(request["prompt"], chat=False)
         if not self.plan.chat:
             return None, "a chat request needs a model whose tokenizer has a chat template; this one has none"

@@ -285,6 +285,11 @@ class JobSpec:
                 f"--format openai takes the prompt and parameters from each request's body; leave out "
                 f"{', '.join('--' + g.replace('_', '-') for g in given)}"
             )
+        if self.chat is not None:  # ignored: each request's kind (messages or a prompt) says it
+            raise ConfigError(
+                "--format openai: a chat request's messages go through the chat template and a completions "
+                "request's prompt does not; leave out --chat/--no-chat"
+            )
         if self.id_column not in (None, "custom_id"):
             raise ConfigError(
                 "--format openai: the row id is each request's custom_id; leave out --id-column"

@@ -568,6 +568,7 @@ def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
     for extra, message in [
         (["--template", "{x}"], "--format openai takes the prompt and parameters from each request's body"),
         (["--id-column", "rid"], "the row id is each request's custom_id"),
+        (["--no-chat"], "leave out --chat/--no-chat"),  # was ignored: chat requests went through the template
     ]:
         code, text = invoke(
             "run",
@@ -582,6 +583,13 @@ def test_openai_format_usage_errors(requests_file, tiny_model_dir, tmp_path):
             *extra,
         )
         assert code == 2 and message in text, text
+    # --system was dropped from a completions request without a word (a chat request takes it)
+    args = ["--input", requests_file, "--model", tiny_model_dir, "--format", "openai", "--max-new-tokens", "2"]
+    code, text = invoke("run", *args, "--output", tmp_path / "system", "--system", "Be brief.")
+    assert code == 0, text
+    got = {r["custom_id"]: r for r in ds.dataset(tmp_path / "system", format="parquet").to_table().to_pylist()}
+    assert "--system is a system message, which a completions request" in got["completion-0"]["error"]
+    assert got["chat-0"]["error"] is None
 
 
 def test_estimate_counts_each_requests_samples_and_tokens(tiny_model_dir, tmp_path):
