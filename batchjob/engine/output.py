@@ -86,16 +86,21 @@ class RequestOutput:
         return None if self.choice_logprobs is None else normalize_choices(self.choice_logprobs)
 
 
+def special_token_texts(tokenizer) -> list[str]:
+    """The texts of the special tokens the output text leaves out (not a lone space or letter)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {str(t) for t in added.values() if getattr(t, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_tokens", ()))
+    return sorted(t for t in special if len(t.strip()) > 1)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         # Whether stop strings may be looked for in a window of the latest tokens, else in the whole output
         self.window_safe = window_safe(tokenizer)  # (stop_strings.py)
         # The texts of the tokens the output text leaves out (a stop string holding one is refused)
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        special = {str(t) for t in added.values() if getattr(t, "special", False)}
-        special |= set(getattr(tokenizer, "all_special_tokens", ()))
-        self.special_tokens = sorted(t for t in special if len(t.strip()) > 1)  # not a lone space or letter
+        self.special_tokens = special_token_texts(tokenizer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

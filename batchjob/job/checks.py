@@ -146,3 +146,13 @@ def home(path: Any) -> Any:
     """A local path with ``~`` expanded to the home folder (the part files' writer expanded it, the state's
     paths did not: a job's parts and state went to two places); anything else as it is."""
     return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
+
+
+def check_stops(stops: list[str] | None, tokenizer: Any) -> None:
+    """Refuse a job whose --stop holds a special token's text before work (every row was its error)."""
+    from batchjob.engine.features.stops import special_in_stop  # (the engine's package imports torch)
+    from batchjob.engine.output import special_token_texts
+
+    why = special_in_stop(stops, special_token_texts(tokenizer))
+    if why is not None:
+        raise ConfigError(f"--stop: {why}")

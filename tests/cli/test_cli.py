@@ -77,6 +77,18 @@ def test_a_folder_s_files_of_another_format_are_named_when_the_job_starts(data, 
     assert code == 0 and "lang=en/part.jsonl: a folder named key=value (a hive partition) is no column" in text
 
 
+def test_a_stop_string_holding_a_special_token_is_refused_before_work(data, tiny_model_dir, tmp_path):
+    """validate said ok and every row was its error: the output text leaves the token out."""
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token
+    args = ["--input", data, "--output", tmp_path / "out", "--model", tiny_model_dir, "--template", "{review}"]
+    for command in ("validate", "run"):
+        code, text = invoke(command, *args, "--stop", f"x{end}")
+        assert code == 2 and f"--stop: stop string 'x{end}' holds the special token {end!r}" in text, text
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("part-*"))
+
+
 def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join('{"text": null}\n' if i % 2 else '{"text": "ok"}\n' for i in range(40)))

@@ -34,16 +34,20 @@ class StopStrings(StopRule):
         return None
 
     def error(self, req: Request) -> str | None:
-        """A stop string holding a special token's text: the output text leaves special tokens out, so it
-        would never be found."""
-        for stop in req.params.stop or ():
-            held = next((t for t in self.engine.output.special_tokens if t in stop), None)
-            if held is not None:
-                return (
-                    f"stop string {stop!r} holds the special token {held!r}, which the output text leaves out, so "
-                    "it would never be found: stop on the token's id (stop_token_ids) instead"
-                )
-        return None
+        return special_in_stop(req.params.stop, self.engine.output.special_tokens)
+
+
+def special_in_stop(stops: list[str] | None, special_tokens: list[str]) -> str | None:
+    """Why a stop string holding a special token's text is refused (the output text leaves special tokens
+    out, so it would never be found), or None."""
+    for stop in stops or ():
+        held = next((t for t in special_tokens if t in stop), None)
+        if held is not None:
+            return (
+                f"stop string {stop!r} holds the special token {held!r}, which the output text leaves out, so "
+                "it would never be found: stop on the token's id (stop_token_ids) instead"
+            )
+    return None
 
 
 class Lengths(StopRule):
