@@ -127,6 +127,11 @@ class SamplingParams:
             ):
                 raise ConfigError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
             self.stop_token_ids = list(ids)
+        if self.n > 1 and self.temperature == 0:  # as vLLM refuses it: n copies of one answer, as samples
+            raise ConfigError(
+                f"n={self.n} with temperature 0 (greedy) gives {self.n} identical answers: give a temperature "
+                "above 0 for samples, or n 1"
+            )
         self._check_constraints()
 
     def _check_constraints(self) -> None:

@@ -156,3 +156,20 @@ def check_stops(stops: list[str] | None, tokenizer: Any) -> None:
     why = special_in_stop(stops, special_token_texts(tokenizer))
     if why is not None:
         raise ConfigError(f"--stop: {why}")
+
+
+def check_unused(values: Mapping[str, Any], default_pixels: int) -> None:
+    """Refuse options a job would accept and never use (they were taken without a word): the name check of
+    OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's."""
+    unused = []
+    if values["check_model_name"] and values["format"] != "openai":
+        unused.append("--check-model-name (it checks each request's body.model: --format openai)")
+    given = {
+        "--max-image-pixels": values["max_image_pixels"] != default_pixels,
+        "--allow-remote-images": values["allow_remote_images"],
+        "--image-workers": values["image_workers"] is not None,
+    }
+    if any(given.values()) and values["image_column"] is None and values["format"] == "rows":
+        unused.append(f"{', '.join(k for k, v in given.items() if v)} (a row's images: --image-column)")
+    if unused:
+        raise ConfigError(f"this job has no use for {'; '.join(unused)}: leave it out")

@@ -24,7 +24,7 @@ from batchjob.engine.options import EngineOptions, Option, by_engine_name, job_o
 from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
-from batchjob.job.checks import annotation, check_task, check_type, finite_float, home
+from batchjob.job.checks import annotation, check_task, check_type, check_unused, finite_float, home
 from batchjob.job.jobfile import read_job_file
 from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
@@ -272,6 +272,7 @@ class JobSpec:
             self._check_openai()
         if self.image_column is not None and (self.format != "rows" or self.engine.task != "generate"):
             raise ConfigError("--image-column is for generation over rows (not --format openai, not --task)")
+        check_unused(self.values(), PILLOW_MAX_PIXELS)
         check_task(self.values(), _DEFAULTS)
         self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints

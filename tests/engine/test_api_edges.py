@@ -43,10 +43,10 @@ def test_a_choices_requests_helpers_never_take_a_callers_id(engine):
 def test_a_request_id_in_use_is_refused_before_any_sample_is_added(engine):
     engine.add_request("a", [5, 6, 7], GREEDY)
     with pytest.raises(ConfigError, match="request id 'a' is already in the engine"):
-        engine.add_request("a", [9, 9, 9], GREEDY.replace(n=2))  # (two results under one id)
+        engine.add_request("a", [9, 9, 9], GREEDY.replace(n=2, temperature=1.0))  # (two results under one id)
     engine.add_request("x#1", [5, 6], GREEDY)
     with pytest.raises(ConfigError, match="request id 'x#1' is already in the engine"):
-        engine.add_request("x", [7, 8], GREEDY.replace(n=2))
+        engine.add_request("x", [7, 8], GREEDY.replace(n=2, temperature=1.0))
     assert sorted(_drain(engine)) == [("a", 0), ("x#1", 0)]  # no x#0 left behind
 
 

@@ -48,8 +48,10 @@ def results(out):
 def test_params_column_values():
     p, err = params_from_column('{"max_new_tokens": 3, "temperature": 0.7}', "p", BASE)
     assert err is None and (p.max_new_tokens, p.temperature, p.seed) == (3, 0.7, 11)
-    p, err = params_from_column({"n": 2, "stop": "x"}, "p", BASE)  # a struct column
+    p, err = params_from_column({"n": 2, "stop": "x", "temperature": 1}, "p", BASE)  # a struct column
     assert err is None and p.n == 2 and p.stop == ["x"] and p.max_new_tokens == 8
+    p, err = params_from_column({"n": 2}, "p", BASE)  # greedy: n copies of one answer, refused as vLLM does
+    assert p is None and "n=2 with temperature 0 (greedy) gives 2 identical answers" in err
     assert params_from_column(None, "p", BASE) == (BASE, None)
     for value, message in [
         ('{"temperature": "hot"}', f"params column 'p': {TEMPERATURE_RULE}, got 'hot'"),
@@ -237,6 +239,7 @@ def params_data(tmp_path_factory):
     rows = []
     for i in range(12):
         params = [{"max_new_tokens": 2}, {"max_new_tokens": 6, "temperature": 0.9}, None, {"n": 2}][i % 4]
+        params = {"n": 2, "temperature": 0.8} if i % 4 == 3 else params  # n greedy copies are refused
         rows.append({"rid": f"r{i:02d}", "review": f"review {i} was fine", "p": json.dumps(params)})
     rows[5]["p"] = '{"temperature": "hot"}'
     with open(folder / "rows.jsonl", "w") as f:
@@ -245,7 +248,10 @@ def params_data(tmp_path_factory):
         {
             "rid": ["s0", "s1"],
             "review": ["a", "b"],
-            "p": [{"max_new_tokens": 1, "n": None}, {"max_new_tokens": None, "n": 3}],
+            "p": [
+                {"max_new_tokens": 1, "n": None, "temperature": None},
+                {"max_new_tokens": None, "n": 3, "temperature": 0.5},
+            ],
         }
     )
     pq.write_table(struct, folder / "struct.parquet")
@@ -545,6 +551,21 @@ def test_check_model_name(requests_file, tiny_model_dir, tmp_path):
         "run", "--input", requests_file, "--output", out, "--model", tiny_model_dir, "--format", "openai"
     )
     assert code != 0 and "prompt.check_model_name" in text, text
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"check_model_name": True}, "--check-model-name (it checks each request's body.model"),
+        ({"image_workers": 0}, "--image-workers (a row's images: --image-column)"),
+        ({"max_image_pixels": 10, "allow_remote_images": True}, "--max-image-pixels, --allow-remote-images ("),
+    ],
+)
+def test_an_option_the_job_has_no_use_for_is_refused(given, named):
+    """They were taken without a word (and --check-model-name, --max-image-pixels were in the identity)."""
+    with pytest.raises(ConfigError, match=re.escape(f"this job has no use for {named}")):
+        make_spec(input="x.jsonl", output="o", **given)
+    make_spec(input="x.jsonl", output="o", format="openai", **given)  # OpenAI requests' names and images
 
 
 def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
