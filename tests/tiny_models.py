@@ -302,13 +302,12 @@ def random_prompts(n_tokens: list[int], vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in n_tokens]
 
 
-def make_scripted_model(folder: Path, tokenizer, chain: list[int]) -> Path:
-    """A one-layer Llama whose greedy output after ``chain[i]`` is ``chain[i + 1]``, then EOS (one-hot
-    embeddings, attention and MLP outputs zero, a head mapping slot i to the next token), saved to ``folder``
-    with ``tokenizer``: for tests that need exact tokens from the real engine (a chain of at most 63)."""
+def _one_layer_llama(tokenizer):
+    """A one-layer Llama with every weight zero but the norms (one-hot embeddings then read as 8 * one-hot
+    after the norm, attention and MLP outputs zero): its logits after a token are the head's column for the
+    token's embedding slot, times 8."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    eos = tokenizer.eos_token_id
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -318,20 +317,45 @@ def make_scripted_model(folder: Path, tokenizer, chain: list[int]) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=eos,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.unk_token_id,
         tie_word_embeddings=False,
     )
     model = AutoModelForCausalLM.from_config(cfg)
-    seq = [*chain, eos]
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.zero_()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def make_scripted_model(folder: Path, tokenizer, chain: list[int]) -> Path:
+    """A one-layer Llama whose greedy output after ``chain[i]`` is ``chain[i + 1]``, then EOS (one-hot
+    embeddings, attention and MLP outputs zero, a head mapping slot i to the next token), saved to ``folder``
+    with ``tokenizer``: for tests that need exact tokens from the real engine (a chain of at most 63)."""
+    model = _one_layer_llama(tokenizer)
+    seq = [*chain, tokenizer.eos_token_id]
+    with torch.no_grad():
         emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         for i, t in enumerate(seq[:-1]):
             emb[t, i] = 1.0
             head[seq[i + 1], i] = 10.0
-    model.generation_config.eos_token_id = eos
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return Path(folder)
+
+
+def make_bigram_model(folder: Path, tokenizer, logits: dict[int, dict[int, float]]) -> Path:
+    """A one-layer Llama whose next token depends on the last one only: after token ``a`` the logit of ``b``
+    is ``logits[a][b]`` and every other token's 0 (after a token not in ``logits``: all 0), saved to
+    ``folder`` with ``tokenizer``: for tests that need a distribution set by hand (at most 64 keys)."""
+    model = _one_layer_llama(tokenizer)
+    with torch.no_grad():
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        for slot, (a, row) in enumerate(logits.items()):
+            emb[a, slot] = 1.0
+            for b, value in row.items():
+                head[b, slot] = value / 8
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return Path(folder)

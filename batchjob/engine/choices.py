@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -79,14 +80,46 @@ def record(rows: list[Request], logits: torch.Tensor) -> None:
             r.constraint.record(lp[j])
 
 
-def answer(req: Request) -> tuple[dict[str, float], tuple[list[int], str] | None]:
-    """The choices' log-probabilities, and the answer (its token ids and text) if the request has one."""
+class Answer(NamedTuple):
+    """What a finished choice request reports: each choice's log-probability (None with no answer), the
+    answer's token ids and text (None: no answer, the request's error or ``cut_short`` says why), and an
+    error of the choices' own."""
+
+    logprobs: dict[str, float] | None
+    token_ids: list[int] | None = None
+    text: str | None = None
+    error: str | None = None
+
+
+def answer(req: Request) -> Answer:
+    """The choices' log-probabilities and the answer: the sampled choice, or with greedy sampling the most
+    likely whole choice. A choice that could not be scored makes the row an error: the most likely one is
+    then unknown, and the probabilities renormalised over the rest would overstate them."""
     c = req.constraint
     assert isinstance(c, ChoiceConstraint)
+    if not c.done:
+        return Answer(None)
     logprobs = c.choice_logprobs()
+    unscored = [i for i, name in enumerate(c.trie.choices) if math.isnan(logprobs[name])]
+    if unscored:
+        return Answer(None, error=unscored_error(req, c, unscored[0]))
     best = c.choice
-    if req.params.greedy and all(math.isfinite(v) for v in logprobs.values()):
+    if req.params.greedy:
         best = max(range(len(c.trie.choices)), key=lambda i: logprobs[c.trie.choices[i]])
-    if best is None:
-        return logprobs, None
-    return logprobs, (list(c.trie.token_ids[best]), c.trie.choices[best])
+    assert best is not None
+    return Answer(logprobs, list(c.trie.token_ids[best]), c.trie.choices[best])
+
+
+def unscored_error(req: Request, c: ChoiceConstraint, choice: int) -> str:
+    """Why choice ``choice`` has no log-probability: the scoring request of a node on its path did not fit
+    the context (features/helpers.py skips it)."""
+    node, prefix = 0, 0
+    for t in c.trie.token_ids[choice]:
+        if node not in c.node_logprobs:
+            break
+        node, prefix = c.trie.nodes[node].children[t], prefix + 1
+    return (
+        f"the choice {c.trie.choices[choice]!r} could not be scored: the prompt's {req.num_prompt_tokens} "
+        f"tokens and the choice's first {prefix} reach the end of the model's context; shorten the prompt "
+        "or raise --max-model-len"
+    )

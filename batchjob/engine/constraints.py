@@ -90,6 +90,8 @@ class ChoiceConstraint:
         self.node = 0
         self.done = False
         self.node_logprobs: dict[int, dict[int, float]] = {}  # node -> {child token: log-prob}
+        # node where a choice ends and a longer one goes on -> log P(the model does not go on into a child)
+        self.node_rest: dict[int, float] = {}
         # The trie bounds the answer (``max_new_tokens`` does not cut it): its longest choice and a stop.
         self.output_limit: int | None = trie.max_tokens + 1
 
@@ -120,6 +122,12 @@ class ChoiceConstraint:
         if children and node not in self.node_logprobs:
             values = logprobs_row[children].tolist()
             self.node_logprobs[node] = dict(zip(children, values, strict=True))
+            if self.trie.nodes[node].choice is not None:
+                # Summed in log space over the other tokens: 1 - P(children) rounds to 0 (and the choice's
+                # log-probability to -inf) once the children hold all but ~1e-16 of the mass.
+                rest = logprobs_row.clone()
+                rest[children] = -math.inf
+                self.node_rest[node] = torch.logsumexp(rest.double(), 0).item()
 
     @property
     def missing_nodes(self) -> list[int]:
@@ -141,13 +149,8 @@ class ChoiceConstraint:
             for t in toks:
                 total += self.node_logprobs.get(node, {}).get(t, math.nan)
                 node = self.trie.nodes[node].children[t]
-            if self.trie.nodes[node].children:
-                seen = self.node_logprobs.get(node)
-                if seen is None:  # not scored (as a token's missing log-probability above)
-                    total = math.nan
-                else:
-                    on = sum(math.exp(v) for v in seen.values())
-                    total += math.log1p(-on) if on < 1 else -math.inf
+            if self.trie.nodes[node].children:  # not scored: NaN, as a token's missing log-probability above
+                total += self.node_rest.get(node, math.nan)
             out[name] = total
         return out
 

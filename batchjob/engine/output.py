@@ -120,13 +120,14 @@ class OutputProcessor:
         text = self.decode(token_ids) if token_ids else ""
         if req.stop is not None and req.stop.match is not None:
             text = text[: req.stop.match]
-        choice_logprobs, chosen = None, False
+        choice_logprobs, chosen, error = None, False, req.error
         if choices.is_choice(req):
-            choice_logprobs, answer = choices.answer(req)
-            if answer is not None:
-                (token_ids, text), chosen = answer, True
+            answer = choices.answer(req)
+            choice_logprobs, error = answer.logprobs, error or answer.error
+            if answer.token_ids is not None and answer.text is not None:
+                token_ids, text, chosen = answer.token_ids, answer.text, True
         req.finish_time = time.monotonic()
-        finish, error = FINISH_REASONS.get(req.status, "error"), req.error
+        finish = FINISH_REASONS.get(req.status, "error")
         finish = "error" if error is not None else finish  # (a helper's finding, after its owner stopped)
         if finish == "length" and not chosen and (cut := cut_short(req)) is not None:
             finish, error = "error", cut

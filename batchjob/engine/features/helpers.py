@@ -28,7 +28,7 @@ class Helpers:
         for feature in features:
             for helper in feature.helpers(req):
                 if self.check(helper) is not None:
-                    continue  # cannot run (past the context): the feature goes without (choices: NaN)
+                    continue  # cannot run (past the context): the feature goes without (choices: an error row)
                 helper.owner = req
                 helper.adapter = req.adapter  # it runs under its owner's LoRA adapter (and prefix)
                 req.pending_helpers += 1

@@ -1,0 +1,78 @@
+"""Choices on bigram models whose distributions are set by hand: the answer greedy picks, each label's
+log-probability where the model puts almost all its mass on going on, and a label that cannot be scored."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchjob import Engine, SamplingParams
+from tests.tiny_models import make_bigram_model, make_tokenizer
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    """After 'x': 'a' 0.5, 'b' 0.3, 'd' 0.2; after 'a': 'c' 0.5, 'd' 0.5; after 'c': '!' all but ~1e-41;
+    after 'b': 'c' all but ~1e-41 (each to within ~1e-6: the other tokens share what the logit 20 leaves)."""
+    folder = tmp_path_factory.mktemp("bigram")
+    tok = make_tokenizer(folder)
+    x, a, b, c, d, bang = (tok(s, add_special_tokens=False).input_ids[0] for s in "xabcd!")
+    logits = {
+        x: {a: 20 + math.log(0.5), b: 20 + math.log(0.3), d: 20 + math.log(0.2)},
+        a: {c: 20 + math.log(0.5), d: 20 + math.log(0.5)},
+        c: {bang: 100.0},
+        b: {c: 100.0},
+    }
+    make_bigram_model(folder, tok, logits)
+    return folder, tok, x
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def test_greedy_answers_the_most_likely_label_when_a_longer_one_holds_nearly_all_of_a_shorter_ones_mass(
+    bigram,
+):
+    """'ac' ends where 'ac!' goes on with all but e^-100 of the mass: 1 - P('!') rounded to 0, 'ac' read -inf,
+    and greedy fell back to the token walk, answering 'ac!' (0.25) over 'b' (0.3, its own choice_probs 0.545).
+    'ac' keeps its true small probability, summed in log space over the tokens that do not go on."""
+    folder, tok, x = bigram
+    engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
+    [out] = engine.generate([[x]], SamplingParams(temperature=0, choices=["ac", "ac!", "b"]))
+    assert out.text == "b" and out.finish_reason == "stop"
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float64)
+    with torch.no_grad():
+        lp = hf(torch.tensor([[x, *_ids(tok, "ac")]])).logits[0].log_softmax(-1)
+    a, c = _ids(tok, "ac")
+    rest = lp[2].clone()
+    rest[_ids(tok, "!")[0]] = -math.inf
+    want = lp[0, a].item() + lp[1, c].item() + torch.logsumexp(rest, 0).item()
+    assert want < -90
+    assert out.choice_logprobs["ac"] == pytest.approx(want, abs=1e-8)
+    assert out.choice_logprobs["b"] == pytest.approx(math.log(0.3), abs=1e-5)
+    assert max(out.choice_probs, key=out.choice_probs.get) == "b"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_label_that_does_not_fit_the_context_makes_the_row_an_error(bigram, temperature):
+    """'a' is answered; the scoring requests of 'b c b c''s nodes past its 3rd token do not fit a context of 16
+    after 12 prompt tokens: its log-probability was NaN, written without a word, beside a finished answer."""
+    folder, tok, x = bigram
+    engine = Engine.from_pretrained(
+        str(folder), dtype="float64", device="cpu", max_model_len=16, block_size=4
+    )
+    params = SamplingParams(temperature=temperature, seed=1, choices=["a", "b c b c"])
+    [out] = engine.generate([[x] * 12], params)
+    assert out.finish_reason == "error" and out.choice_logprobs is None and out.choice_probs is None
+    assert out.error == (
+        "the choice 'b c b c' could not be scored: the prompt's 12 tokens and the choice's first 4 reach the "
+        "end of the model's context; shorten the prompt or raise --max-model-len"
+    )
+    [fits] = engine.generate([[x] * 8], params)  # 8 + 6: every node is scored
+    assert fits.error is None and all(math.isfinite(v) for v in fits.choice_logprobs.values())
