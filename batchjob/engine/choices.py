@@ -74,10 +74,10 @@ def record(rows: list[Request], logits: torch.Tensor) -> None:
         r = rows[i]
         if r.score_node is not None:
             assert r.owner is not None and isinstance(r.owner.constraint, ChoiceConstraint)
-            r.owner.constraint.record(lp[j], node=r.score_node)
+            r.owner.constraint.record(lp[j], node=r.score_node, top_k=r.owner.params.logprobs)
         else:
             assert isinstance(r.constraint, ChoiceConstraint)
-            r.constraint.record(lp[j])
+            r.constraint.record(lp[j], top_k=r.params.logprobs)
 
 
 class Answer(NamedTuple):
@@ -89,6 +89,7 @@ class Answer(NamedTuple):
     token_ids: list[int] | None = None
     text: str | None = None
     error: str | None = None
+    top: list[list[tuple[int, float]]] | None = None  # with logprobs=K: the answer's tokens' top K
 
 
 def answer(req: Request) -> Answer:
@@ -107,7 +108,10 @@ def answer(req: Request) -> Answer:
     if req.params.greedy:
         best = max(range(len(c.trie.choices)), key=lambda i: logprobs[c.trie.choices[i]])
     assert best is not None
-    return Answer(logprobs, list(c.trie.token_ids[best]), c.trie.choices[best])
+    # The log-probabilities along the answer's own path: greedy's answer need not be the walk's tokens, and
+    # a choice that a longer one goes on from ends with a stop token that is not among its tokens.
+    top = None if req.params.logprobs is None else c.path_logprobs(best)
+    return Answer(logprobs, list(c.trie.token_ids[best]), c.trie.choices[best], top=top)
 
 
 def unscored_error(req: Request, c: ChoiceConstraint, choice: int) -> str:

@@ -92,6 +92,7 @@ class ChoiceConstraint:
         self.node_logprobs: dict[int, dict[int, float]] = {}  # node -> {child token: log-prob}
         # node where a choice ends and a longer one goes on -> log P(the model does not go on into a child)
         self.node_rest: dict[int, float] = {}
+        self.node_tops: dict[int, list[tuple[int, float]]] = {}  # with logprobs=K: node -> its top K
         # The trie bounds the answer (``max_new_tokens`` does not cut it): its longest choice and a stop.
         self.output_limit: int | None = trie.max_tokens + 1
 
@@ -114,20 +115,36 @@ class ChoiceConstraint:
             return True
         return False
 
-    def record(self, logprobs_row: torch.Tensor, node: int | None = None) -> None:
+    def record(self, logprobs_row: torch.Tensor, node: int | None = None, top_k: int | None = None) -> None:
         """Keep the children's log-probabilities at ``node`` (default: the current one) from the model's
-        distribution there (``logprobs_row``: [V] log-softmax)."""
+        distribution there (``logprobs_row``: [V] log-softmax), and its ``top_k`` tokens when the request
+        asked for log-probabilities (the answer's own, along its path: :meth:`path_logprobs`)."""
         node = self.node if node is None else node
         children = list(self.trie.nodes[node].children)
         if children and node not in self.node_logprobs:
             values = logprobs_row[children].tolist()
             self.node_logprobs[node] = dict(zip(children, values, strict=True))
+            if top_k is not None:
+                top, ids = logprobs_row.topk(top_k) if top_k > 0 else (logprobs_row[:0], logprobs_row[:0])
+                self.node_tops[node] = list(zip(ids.long().tolist(), top.tolist(), strict=True))
             if self.trie.nodes[node].choice is not None:
                 # Summed in log space over the other tokens: 1 - P(children) rounds to 0 (and the choice's
                 # log-probability to -inf) once the children hold all but ~1e-16 of the mass.
                 rest = logprobs_row.clone()
                 rest[children] = -math.inf
                 self.node_rest[node] = torch.logsumexp(rest.double(), 0).item()
+
+    def path_logprobs(self, choice: int) -> list[list[tuple[int, float]]]:
+        """Per token of choice ``choice``: the top K at its node, best first, then the token's own when it is
+        not among them (as ``sampler.top_logprobs`` gives a sampled token's); needs ``top_k`` recorded."""
+        out, node = [], 0
+        for t in self.trie.token_ids[choice]:
+            top = list(self.node_tops[node])
+            if all(u != t for u, _ in top):
+                top.append((t, self.node_logprobs[node][t]))
+            out.append(top)
+            node = self.trie.nodes[node].children[t]
+        return out
 
     @property
     def missing_nodes(self) -> list[int]:

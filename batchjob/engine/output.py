@@ -121,11 +121,13 @@ class OutputProcessor:
         if req.stop is not None and req.stop.match is not None:
             text = text[: req.stop.match]
         choice_logprobs, chosen, error = None, False, req.error
+        logprobs = None if req.logprobs is None else req.logprobs.top
         if choices.is_choice(req):
             answer = choices.answer(req)
             choice_logprobs, error = answer.logprobs, error or answer.error
             if answer.token_ids is not None and answer.text is not None:
                 token_ids, text, chosen = answer.token_ids, answer.text, True
+                logprobs = logprobs if answer.top is None else answer.top
         req.finish_time = time.monotonic()
         finish = FINISH_REASONS.get(req.status, "error")
         finish = "error" if error is not None else finish  # (a helper's finding, after its owner stopped)
@@ -149,7 +151,7 @@ class OutputProcessor:
             finish_time=req.finish_time,
             sample_index=req.sample_index,
             choice_logprobs=choice_logprobs,
-            logprobs=None if req.logprobs is None else req.logprobs.top,
+            logprobs=logprobs,
             first_scheduled_time=req.first_scheduled_time,
             stopped_at_string=req.stop is not None and req.stop.match is not None,
             **((req.task.result or {}) if req.task is not None else {}),

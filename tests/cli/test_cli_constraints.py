@@ -256,3 +256,38 @@ def test_a_job_with_json_text_choice_columns_is_refused_not_mixed(data, tiny_mod
     assert Manifest(out / "_batchjob" / "manifest.jsonl").parts == records  # nothing added
     code, text = invoke("export", out, "--to", tmp_path / "old.jsonl")
     assert code == 0, text
+
+
+@pytest.mark.engine
+def test_choices_logprobs_are_the_answers_own(tmp_path):
+    """Greedy answers 'bc!' (0.3) where the token walk took 'a' (0.5, then 'c' 0.5): the logprobs column
+    held the walk's two entries for the answer's three tokens, 'c' read P('c' | 'a') = -0.69 with 'a''s top
+    tokens, and the OpenAI export the same. Now one per answer token, each at its own place in the answer."""
+    from tests.tiny_models import make_bigram_model, make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    x, a, b, c, d, bang = (tok(s, add_special_tokens=False).input_ids[0] for s in "xabcd!")
+    logits = {
+        x: {a: 20 + math.log(0.5), b: 20 + math.log(0.3), d: 20 + math.log(0.2)},
+        a: {c: 20 + math.log(0.5), d: 20 + math.log(0.5)},
+        b: {c: 100.0},
+        c: {bang: 100.0},
+    }
+    make_bigram_model(tmp_path / "m", tok, logits)
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": "r", "prompt": "x"}\n')
+    out = tmp_path / "out"
+    args = ["--id-column", "id", "--no-chat", "--dtype", "float64", "--choices", "ac,bc!", "--logprobs", "2"]
+    code, text = invoke("run", "--input", data, "--output", out, "--model", tmp_path / "m", *args)
+    assert code == 0, text
+    [r] = rows(out)
+    assert r["generated_text"] == "bc!" and r["num_generated_tokens"] == 3
+    assert [t["token"] for t in r["logprobs"]] == ["b", "c", "!"]
+    assert [t["logprob"] for t in r["logprobs"]] == pytest.approx([math.log(0.3), 0, 0], abs=1e-5)
+    assert [t["top_logprobs"][0]["token"] for t in r["logprobs"]] == ["a", "c", "!"]
+    code, text = invoke("export", out, "--format", "openai")
+    assert code == 0, text
+    [line] = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+    body = line["response"]["body"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == ["b", "c", "!"]

@@ -1,5 +1,6 @@
-"""Choices on bigram models whose distributions are set by hand: the answer greedy picks, each label's
-log-probability where the model puts almost all its mass on going on, and a label that cannot be scored."""
+"""Choices on a bigram model whose distributions are set by hand: the answer greedy picks, each label's
+log-probability where the model puts almost all its mass on going on, a label that cannot be scored, and the
+answer's own token log-probabilities where it is not the token walk's."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
-    """After 'x': 'a' 0.5, 'b' 0.3, 'd' 0.2; after 'a': 'c' 0.5, 'd' 0.5; after 'c': '!' all but ~1e-41;
+    """After 'x': 'a' 0.5, 'b' 0.3, 'd' 0.2; after 'a': 'c' 0.3, 'd' 0.7; after 'c': '!' all but ~1e-41;
     after 'b': 'c' all but ~1e-41 (each to within ~1e-6: the other tokens share what the logit 20 leaves)."""
     folder = tmp_path_factory.mktemp("bigram")
     tok = make_tokenizer(folder)
     x, a, b, c, d, bang = (tok(s, add_special_tokens=False).input_ids[0] for s in "xabcd!")
     logits = {
         x: {a: 20 + math.log(0.5), b: 20 + math.log(0.3), d: 20 + math.log(0.2)},
-        a: {c: 20 + math.log(0.5), d: 20 + math.log(0.5)},
+        a: {c: 20 + math.log(0.3), d: 20 + math.log(0.7)},
         c: {bang: 100.0},
         b: {c: 100.0},
     }
@@ -40,7 +41,7 @@ def test_greedy_answers_the_most_likely_label_when_a_longer_one_holds_nearly_all
     bigram,
 ):
     """'ac' ends where 'ac!' goes on with all but e^-100 of the mass: 1 - P('!') rounded to 0, 'ac' read -inf,
-    and greedy fell back to the token walk, answering 'ac!' (0.25) over 'b' (0.3, its own choice_probs 0.545).
+    and greedy fell back to the token walk, answering 'ac!' (0.15) over 'b' (0.3, its own choice_probs 0.67).
     'ac' keeps its true small probability, summed in log space over the tokens that do not go on."""
     folder, tok, x = bigram
     engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
@@ -76,3 +77,33 @@ def test_a_label_that_does_not_fit_the_context_makes_the_row_an_error(bigram, te
     )
     [fits] = engine.generate([[x] * 8], params)  # 8 + 6: every node is scored
     assert fits.error is None and all(math.isfinite(v) for v in fits.choice_logprobs.values())
+
+
+def _hf_logprobs(folder, ids: list[int]) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float64)
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+
+
+@pytest.mark.parametrize(
+    ("labels", "want"),
+    # 'ac' 0.15, 'bc' 0.3, 'bc!' 0.3: the walk takes 'a' (0.5 against 0.3) and greedy answers 'b...';
+    # 'a' 0.35 against 'ac' 0.15: the walk takes 'c' (the stop token's logit is 0), greedy answers 'a'.
+    [(["ac", "bc"], "bc"), (["ac", "bc!"], "bc!"), (["a", "ac"], "a")],
+)
+def test_logprobs_follow_the_answers_own_tokens(bigram, labels, want):
+    """Greedy answers the most likely whole label, which need not be the token walk's: the logprobs were the
+    walk's ('c' of 'bc' read -1.2, P('c' | 'a'), with 'a''s top tokens; 'bc!' had 2 entries for 3 tokens;
+    'a' had 2, the walk's 'a' and 'c'). Now one per answer token, the model's own top K at it."""
+    folder, tok, x = bigram
+    engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
+    [out] = engine.generate([[x]], SamplingParams(temperature=0, choices=labels, logprobs=2))
+    assert out.text == want and out.token_ids == _ids(tok, want)
+    assert len(out.logprobs) == len(out.token_ids)
+    lp = _hf_logprobs(folder, [x, *out.token_ids])
+    for i, (t, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        values, ids = lp[i].topk(2)  # the second of 'bc''s 'c' is a tie among the other tokens
+        assert top[0][0] == ids[0].item() and len(top) == 2 + (t not in [u for u, _ in top[:2]])
+        assert [v for _, v in top[:2]] == pytest.approx(values.tolist(), abs=1e-8)
+        assert [v for _, v in top] == pytest.approx([lp[i, u].item() for u, _ in top], abs=1e-8)
+        assert t in [u for u, _ in top]

@@ -140,6 +140,14 @@ def test_token_logprobs_spells_a_sample_once():
     assert [t["token"] for t in generate.token_logprobs(tops, [9, 7], 1, generate.spell_ids)] == ["9", "7"]
 
 
+def test_token_logprobs_refuse_a_list_that_is_not_one_a_token():
+    """A per-token list one short of the tokens (a choice's answer beside its token walk's list) was cut to
+    the shorter silently: a token's entry could belong to another place."""
+    tops = [[(5, -0.1)], [(7, -0.5)]]
+    with pytest.raises(ValueError):
+        generate.token_logprobs(tops, [5, 7, 9], 1, generate.spell_ids)
+
+
 def test_text_offsets():
     tokens = ["em", "", "", "", "😀", " Pa", "", "", "日", " T", ".", ""]
     assert _text_offsets(tokens, TEXT) == [0, 2, 2, 2, 2, 3, 6, 6, 6, 7, 9, 10]

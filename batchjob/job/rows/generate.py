@@ -126,7 +126,7 @@ def token_logprobs(
     """The engine's per-token lists (the top ``k``, best first, then the sampled token's when it is not among
     them) as one struct per generated token: the sampled token, its log-prob, and the top ``k``. Their texts
     are spelled once for the sample, each token in the context of those before it (``spell``)."""
-    pairs = list(zip(tops, token_ids, strict=False))
+    pairs = list(zip(tops, token_ids, strict=True))  # one each: a list off by one would shift every token
     texts, top_texts = spell([t for _, t in pairs], [[t for t, _ in top[:k]] for top, _ in pairs])
     out = []
     for (top, token_id), text, alts in zip(pairs, texts, top_texts, strict=True):
