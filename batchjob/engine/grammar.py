@@ -13,48 +13,87 @@ import re
 
 from batchjob.errors import ConfigError
 
+# Keys beside ``properties`` by which an object's schema may admit keys of its own (a branch of ``allOf``, a
+# ``$ref``'s properties): closing the object there would refuse them, and the schema could become
+# unsatisfiable.
+_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "dependencies")
+# As written: JSON values, not schemas; and the schemas whose matches an answer must avoid, or that only
+# pick a branch (closing them would let through answers that the schema as written refuses).
+_AS_WRITTEN = ("enum", "const", "default", "examples", "not", "if")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
-def _no_extra_keys(schema: object) -> object:
+
+def _no_extra_keys(schema: object, close: bool = True) -> object:
     """The schema with ``additionalProperties: false`` on every object that lists its properties and says
     nothing about others: the answer holds the keys the schema names (still valid against the original),
-    and a model cannot pad it with keys of its own."""
+    and a model cannot pad it with keys of its own (a JSON answer near its token budget is steered to close,
+    which a model that may add keys for ever can defeat). A key it requires without listing it is listed,
+    with any value. Left open: an object whose schema composes others (``_COMPOSED``), and the branches of
+    an ``allOf``, which name each other's keys (``close`` False)."""
     if isinstance(schema, list):
         return [_no_extra_keys(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {
-        k: _no_extra_keys(v) if k not in ("enum", "const", "default", "examples") else v
-        for k, v in schema.items()
-    }
+    out = {k: _rewrite(k, v) for k, v in schema.items()}
+    props = out.get("properties")
     if (
-        isinstance(out.get("properties"), dict)
-        and "additionalProperties" not in out
-        and "patternProperties" not in out
+        close
+        and isinstance(props, dict)
+        and not any(k in out for k in ("additionalProperties", "patternProperties", *_COMPOSED))
     ):
+        required = out.get("required")
+        if isinstance(required, list):
+            out["properties"] = props | {k: {} for k in required if isinstance(k, str) and k not in props}
         out["additionalProperties"] = False
     return out
 
 
-def grammar_of(json_schema: str | None, regex: str | None) -> tuple[str, str, str]:
-    """(kind, text, llguidance grammar) of a json_schema or else a regex; raises ConfigError if invalid."""
+def _rewrite(key: str, value: object) -> object:
+    """The value of ``key`` in a schema, its objects closed where ``_no_extra_keys`` closes them."""
+    if key in _AS_WRITTEN:
+        return value
+    if key == "allOf" and isinstance(value, list):
+        return [_no_extra_keys(branch, close=False) for branch in value]
+    if key in _NAMED and isinstance(value, dict):  # names to schemas: a key named "not" is no keyword
+        return {name: _no_extra_keys(sub) for name, sub in value.items()}
+    return _no_extra_keys(value)
+
+
+def _compile(kind: str, text: str) -> tuple[str, str | None]:
+    """(llguidance grammar, its error or None) of a json_schema or a regex."""
     import llguidance  # an optional, heavy package: loaded when a row first asks for a grammar
 
     M = llguidance.LLMatcher
-    if json_schema is not None:
-        kind, text = "json_schema", json_schema
-    else:
-        assert regex is not None
-        kind, text = "regex", regex
+    grammar = ""
     try:
         if kind == "json_schema":
-            schema = _no_extra_keys(json.loads(text))
-            grammar = M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+            grammar = M.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
         else:
             grammar = M.grammar_from_regex(text)
         error = M.validate_grammar(grammar)
     except (ValueError, RuntimeError) as e:
         error = str(e)
-    if error and not error.startswith("WARNING"):
+    return grammar, error if error and not error.startswith("WARNING") else None
+
+
+def grammar_of(json_schema: str | None, regex: str | None) -> tuple[str, str, str]:
+    """(kind, text, llguidance grammar) of a json_schema or else a regex; raises ConfigError if invalid. A
+    schema compiles with its objects closed to keys it does not name (``_no_extra_keys``); where that makes
+    one llguidance refuses (one that closing leaves no answer), it compiles as written."""
+    if json_schema is not None:
+        kind, text = "json_schema", json_schema
+        try:
+            closed = json.dumps(_no_extra_keys(json.loads(text)))
+        except ValueError:
+            closed = text  # not JSON: llguidance says why
+        grammar, error = _compile(kind, closed)
+        if error is not None:
+            grammar, error = _compile(kind, text)
+    else:
+        assert regex is not None
+        kind, text = "regex", regex
+        grammar, error = _compile(kind, text)
+    if error is not None:
         raise ConfigError(f"{kind} could not be compiled: {' '.join(error.split())}; got {text[:200]!r}")
     return kind, text, grammar
 

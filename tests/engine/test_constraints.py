@@ -380,6 +380,50 @@ def test_a_finished_answer_is_checked_against_the_users_own_schema_or_regex():
     assert answer_error(None, r"\p{L}+", "é1") is None  # a regex Python's re cannot read is left unchecked
 
 
+REQUIRED_UNLISTED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+ALL_OF = {
+    "allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+    ]
+}
+
+
+def test_objects_are_closed_to_keys_the_schema_does_not_name_without_losing_its_answers():
+    """Closing objects (additionalProperties: false) refused valid schemas as unsatisfiable: 'required
+    property 'b' is unsatisfiable' for a key required and not listed, and for two allOf branches each
+    naming its own key. The required key is listed (any value); an allOf's branches stay open; under 'not'
+    closing would let answers through, so it is left as written; a property named like a keyword is one; a
+    schema closing still leaves without an answer compiles as written."""
+    from batchjob.engine.grammar import _no_extra_keys
+
+    for schema in (REQUIRED_UNLISTED, ALL_OF):
+        SamplingParams(json_schema=schema)  # compiles
+    # one closing still leaves no answer to (a key beyond 'a'): compiled as written
+    more = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2}
+    SamplingParams(json_schema=more)
+    assert _no_extra_keys(REQUIRED_UNLISTED) == REQUIRED_UNLISTED | {
+        "properties": {"a": {"type": "integer"}, "b": {}},
+        "additionalProperties": False,
+    }
+    assert _no_extra_keys(ALL_OF) == ALL_OF
+    negated = {"type": "object", "not": {"properties": {"a": {"type": "string"}}, "required": ["a"]}}
+    assert _no_extra_keys(negated) == negated
+    named = {"type": "object", "properties": {"not": {"type": "object", "properties": {"x": {}}}}}
+    assert _no_extra_keys(named)["properties"]["not"]["additionalProperties"] is False
+
+
+def test_answers_to_schemas_closing_would_refuse_are_valid_and_hold_only_the_named_keys(engine32):
+    prompts = _prompts(6, engine32.vocab_size, seed=13)
+    for schema in (REQUIRED_UNLISTED, ALL_OF):
+        params = SamplingParams(json_schema=schema, max_new_tokens=40, temperature=1.0, seed=2)
+        for o in engine32.generate(prompts, params):
+            assert o.error is None, o.error
+            answer = json.loads(o.text)
+            jsonschema.validate(answer, schema)
+            assert set(answer) == {"a", "b"}, o.text
+
+
 @pytest.mark.engine
 def test_an_answer_the_grammar_let_through_and_the_schema_does_not_is_an_error(tmp_path):
     """llguidance 1.9 lets an escaped backslash through a pattern's negated class (``[^\\\\]``): sampled
