@@ -92,10 +92,46 @@ def grammar_of(json_schema: str | None, regex: str | None) -> tuple[str, str, st
     else:
         assert regex is not None
         kind, text = "regex", regex
+        gap = _dialect_gap(regex)
+        if gap is not None:
+            raise ConfigError(
+                f"regex {regex[:200]!r} reads differently in llguidance, which writes the answer, and in "
+                f"Python's re, which checks it: {gap}; write the class out ([A-Za-z] for [[:alpha:]]) or "
+                "escape the character (\\[)"
+            )
         grammar, error = _compile(kind, text)
     if error is not None:
         raise ConfigError(f"{kind} could not be compiled: {' '.join(error.split())}; got {text[:200]!r}")
     return kind, text, grammar
+
+
+def _dialect_gap(regex: str) -> str | None:
+    """Where llguidance (Rust's regex syntax) and Python's re read a regex differently, in words; else None.
+    Inside [...], Rust reads an unescaped '[' as a nested class or a POSIX class ([:alpha:]) and '&&', '--',
+    '~~' as set operations; Python reads them as literal characters (a set, then a literal ']'): the answers
+    would fail Python's check, every row an error blaming the tokenizer."""
+    i, in_set = 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if not in_set:
+            if ch == "[":
+                in_set, i = True, i + 1
+                i += regex.startswith("^", i)
+                i += regex.startswith("]", i)  # a first ']' is a literal in both
+                continue
+        elif ch == "]":
+            in_set = False
+        elif ch == "[":
+            posix = re.match(r"\[:\^?([a-z]+):\]", regex[i:])
+            what = f"the POSIX class {posix.group(0)}" if posix else "a nested set"
+            return f"{what} at position {i} (Python: a literal '[' in a set)"
+        elif regex[i : i + 2] in ("&&", "--", "~~"):
+            return f"the set operation {regex[i : i + 2]!r} at position {i} (Python: literal characters)"
+        i += 1
+    return None
 
 
 @functools.lru_cache(maxsize=64)

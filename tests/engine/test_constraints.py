@@ -380,6 +380,23 @@ def test_a_finished_answer_is_checked_against_the_users_own_schema_or_regex():
     assert answer_error(None, r"\p{L}+", "é1") is None  # a regex Python's re cannot read is left unchecked
 
 
+def test_a_regex_llguidance_and_pythons_re_read_differently_is_refused():
+    """'[[:alpha:]]{3}' is three letters to llguidance and, to Python's re, a set of '[:alph' then a ']':
+    every answer failed the check, each row an error blaming the tokenizer. Refused before any work."""
+    for pattern, what in [
+        ("[[:alpha:]]{3}", "the POSIX class [:alpha:] at position 1"),
+        ("[^[:digit:]]+", "the POSIX class [:digit:] at position 2"),
+        ("[a[bc]]", "a nested set at position 2"),
+        ("[a-z&&[^aeiou]]", "the set operation '&&' at position 4"),
+        (r"[\w--\d]", "the set operation '--' at position 3"),
+    ]:
+        with pytest.raises(ConfigError, match="reads differently in llguidance") as e:
+            SamplingParams(regex=pattern)
+        assert what in str(e.value) and repr(pattern) in str(e.value)
+    for fine in [r"\[[a-z]\]", "[]a]", r"[\[]", "[a|b]", "[^]x]+", "a[b]c[d]", REGEX]:
+        SamplingParams(regex=fine)
+
+
 REQUIRED_UNLISTED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
 ALL_OF = {
     "allOf": [
