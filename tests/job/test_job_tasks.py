@@ -357,6 +357,9 @@ def test_resume_with_another_task_or_embed_option_is_refused_naming_it(tiny_mode
     assert code == 2 and "task.chunks.tokens: was None, now 64" in text, text
     code, text = invoke(*base, "--task", "embed", "--pooling", "mean", "--max-num-batched-tokens", "2048")
     assert code == 0 and "already complete" in text, text
+    # ...and so could another backend (up to 3e-8 apart, written beside the first run's floats)
+    code, text = invoke(*base, "--task", "embed", "--pooling", "mean", "--attention-backend", "flex")
+    assert code == 2 and "task.kernels.attention_backend: was None, now 'flex'" in text, text
     code, text = invoke(*base, "--task", "embed", "--pooling", "mean")
     assert code == 0 and "already complete" in text
     code, text = invoke("status", out)
