@@ -49,3 +49,18 @@ def lora_identity(paths: dict[str, str]) -> dict[str, Any]:
         folder = local_folder(os.path.expanduser(path))  # as the engine loads it: '~/ad' is a folder
         out[name] = f"hub:{path}" if folder is None else combine(folder_digest(folder))
     return out
+
+
+def check_adapters(paths: dict[str, str], config: Any, model_id: str) -> None:
+    """What the engine refuses of the adapters at load, checked before it (``validate``): adapters with
+    tensor parallelism or compile, a folder that is not PEFT's LoRA or holds what is not built (DoRA, trained
+    biases, ...), an adapter made for another base model. ``config``: the ``EngineConfig``."""
+    from batchjob.engine import lora  # (the engine's package imports torch)
+    from batchjob.engine.lora.peft_folder import check_base, read_config, resolve_folder
+
+    if not paths:
+        return
+    lora.refuse(config, config.tensor_parallel_size > 1)
+    heads = () if config.task == "generate" else ("head",)  # a task engine's head: checked at load
+    for name, path in paths.items():
+        check_base(name, read_config(name, resolve_folder(name, os.path.expanduser(path)), heads), model_id)

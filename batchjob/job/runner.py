@@ -18,6 +18,7 @@ from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
 from batchjob.job.checks import check_stops
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
+from batchjob.job.lora import check_adapters
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared, prepare, reload
 from batchjob.job.prompts import PromptBuilder
@@ -50,6 +51,7 @@ def check_engine(spec: JobSpec) -> str:
     check_image_model(spec, model_config)
     config = EngineConfig(**spec.engine.as_keywords())
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
+    check_adapters(spec.lora_paths, config, resolved)  # and the adapters' (engine/lora/)
     if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses
         from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
 

@@ -134,6 +134,27 @@ def test_refused_before_any_work(rows, tiny_model_dir, adapters, tmp_path):
         run_job(make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, adapters, adapter_column="adaptr")))
 
 
+def test_validate_refuses_what_the_engine_refuses_of_adapters(rows, tiny_model_dir, adapters, tmp_path):
+    """validate said ok where run refused at load: an adapter that is no folder, a DoRA one, adapters under
+    --compile (each before any weight is read now)."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["rs"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(cfg | {"use_dora": True}))
+    for lora, extra, message in [
+        (tmp_path / "missing", [], "is not a folder"),
+        (dora, [], "DoRA (use_dora) is not supported"),
+        (adapters["rs"], ["--compile"], "LoRA adapters with compile are not supported"),
+    ]:
+        spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"a": lora})
+        result = CliRunner().invoke(main, ["validate", *_args(spec), *extra])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_job_file_lora_table_and_openai_body_model(tiny_model_dir, adapters, tmp_path):
     lines = [
         {
