@@ -87,6 +87,9 @@ def test_a_stop_string_holding_a_special_token_is_refused_before_work(data, tiny
         code, text = invoke(command, *args, "--stop", f"x{end}")
         assert code == 2 and f"--stop: stop string 'x{end}' holds the special token {end!r}" in text, text
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("part-*"))
+    # and so is --max-reasoning-tokens for a model whose tokenizer names no think tags (validate said ok)
+    code, text = invoke("validate", *args, "--max-reasoning-tokens", "5")
+    assert code == 2 and "--max-reasoning-tokens needs the model's think tags" in text, text
 
 
 def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
