@@ -43,8 +43,6 @@ def _job_flag(f: Field[Any], opt: JobOption) -> Callable[[Callable[..., Any]], C
     run in ``JobSpec``, with the messages the library gives."""
     flag = "--" + f.name.replace("_", "-")
     kw: dict[str, Any] = {"help": shown_help(f), "default": None, "metavar": opt.metavar}
-    if opt.switch:
-        return click.option(flag, f.name, is_flag=True, **kw)
     if str(f.type).startswith("bool"):
         return click.option(f"{flag}/--no-{flag[2:]}", f.name, **kw)
     kind = opt.cli_type or {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)

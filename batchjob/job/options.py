@@ -27,7 +27,6 @@ class JobOption:
     choices: tuple[str, ...] = ()  # str options with a fixed set of values
     metavar: str | None = None
     multiple: bool = False  # the flag may be repeated (a list of strings)
-    switch: bool = False  # a bool given as ``--name`` alone (else ``--name/--no-name``)
     flag_value: Any = None  # the value of the flag given alone, for an option that may take one (--logprobs)
     cli_type: type | None = None  # the command line's type where it differs from the field's
 

@@ -233,7 +233,6 @@ class JobSpec:
         False,
         "The inputs grew since the job ran (rows appended to JSONL files, new files): process the new rows, "
         "keep what is done. Any other change to the inputs is still refused.",
-        switch=True,
     )
     checkpoint_interval: float = job_option(
         30.0,
@@ -248,7 +247,6 @@ class JobSpec:
         False,
         "Redo the rows already written with an error (e.g. after raising --num-blocks); the same job, "
         "resumed, even when it was complete.",
-        switch=True,
     )
 
     def __post_init__(self) -> None:
