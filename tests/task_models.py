@@ -108,14 +108,17 @@ def make_embedder(
     return folder
 
 
-def make_classifier(folder: Path, family: str, num_labels: int, seed: int = 0, **config) -> Path:
+def make_classifier(
+    folder: Path, family: str, num_labels: int, seed: int = 0, *, chat: bool = False, **config
+) -> Path:
     """A sequence-classification model folder with ``num_labels`` outputs (labels named ``L0``, ...);
-    ``config``: more of the family's config (ModernBERT's ``classifier_pooling``)."""
+    ``chat``: the tokenizer keeps its chat template (a reward model's); ``config``: more of the family's
+    config (ModernBERT's ``classifier_pooling``)."""
     from transformers import AutoModelForSequenceClassification
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(folder)
+    tok = _tokenizer(folder, chat)
     labels = {i: f"L{i}" for i in range(num_labels)}
     cfg = _config(
         family,

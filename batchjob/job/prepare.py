@@ -122,6 +122,14 @@ def _check_job_file(out_dir: Path) -> None:
         )
 
 
+def _render_entry(plan: PromptPlan) -> dict[str, Any]:
+    """A conversation rendered without the generation prompt (a task that reads it as it is) says so in the
+    job's identity: such a job started when every render ended with one is refused on resume, by name,
+    rather than written half one way and half the other (a job that renders no conversation is unchanged)."""
+    reads_as_is = plan.kind != "openai" and plan.chat and not plan.generation_prompt
+    return {"generation_prompt": False} if reads_as_is else {}
+
+
 def input_paths(spec: JobSpec) -> list[str]:
     """The --input values, local ones made absolute: where ``batchjob status`` looks at the inputs again."""
     return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in spec.input]
@@ -164,7 +172,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         check_column_types(spec, plan, schema)
         fingerprint = {
             "model": _model_entry(spec),
-            "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column},
+            "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column} | _render_entry(plan),
             "sampling": spec.sampling_fingerprint(),
             "sharding": {"num_shards": shard.count},
         }

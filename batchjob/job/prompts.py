@@ -3,9 +3,10 @@
 Exactly one source of text per job: ``--prompt-column`` (the column's text), ``--messages-column`` (a list of
 ``{"role", "content"}`` messages, or its JSON text) or ``--template`` (text with ``{column}`` fields).
 Without any, a column named ``prompt`` or ``text`` is the prompt (or ``messages`` the messages). ``--chat``
-(default: on when the tokenizer has a chat template) wraps a plain prompt as a user message, after the
-``--system`` message if one is given. A row's problem is returned as an error string, never raised: a bad row
-must not stop the job.
+(default: on when the tokenizer has a chat template and the task generates) wraps a plain prompt as a user
+message, after the ``--system`` message if one is given. A chat render ends with the generation prompt only
+where a continuation follows (``PromptPlan.generation_prompt``). A row's problem is returned as an error
+string, never raised: a bad row must not stop the job.
 
 Templates (``templates.py``) are parsed when the spec is checked, and their columns' types checked here against
 the input's schema before any work.
@@ -44,6 +45,11 @@ class PromptPlan:
     # a template's columns and their pyarrow types, where the input's schema is known: Arrow gives a map's
     # value as a list of (key, value) pairs, and only the type tells it from a list of pairs
     types: tuple[tuple[str, Any], ...] = ()
+    # whether a chat render ends with the template's generation prompt (the assistant's header): only where a
+    # continuation follows it (generate, score with --score-column); a classifier, an embedding or a whole
+    # text's log-likelihood reads the conversation as it is, as apply_chat_template(conv) renders it (a
+    # reward model's usage; a header after it would be read, or scored, as part of the text)
+    generation_prompt: bool = True
 
     @property
     def columns(self) -> list[str]:
@@ -53,15 +59,17 @@ class PromptPlan:
         """This plan for the model's tokenizer, with or without a chat template (what the plan assumed
         before the tokenizer was known); raises for what a tokenizer without one cannot do."""
         chat = resolve_chat(spec, has_chat_template)
-        if self.kind == "openai":  # each request's messages go through the template when there is one
-            return replace(self, chat=has_chat_template)
-        if self.kind == "messages":
+        follows = spec.engine.task == "generate" or spec.score_column is not None  # a continuation
+        plan = replace(self, generation_prompt=follows)
+        if plan.kind == "openai":  # each request's messages go through the template when there is one
+            return replace(plan, chat=has_chat_template)
+        if plan.kind == "messages":
             if not has_chat_template:
                 raise ConfigError(
                     f"messages column {self.column!r} needs a tokenizer with a chat template; this one has none"
                 )
-            return replace(self, chat=True)
-        return replace(self, chat=chat)
+            return replace(plan, chat=True)
+        return replace(plan, chat=chat)
 
 
 def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
@@ -346,7 +354,10 @@ class PromptBuilder:
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+            messages,
+            add_generation_prompt=self.plan.generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
         )
 
     def build(self, values: dict[str, Any]) -> tuple[list[int] | None, str | None]:

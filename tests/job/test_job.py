@@ -129,6 +129,12 @@ def test_prompts(tiny_model_dir):
     assert "Be brief." not in b.text({"m": own})[0]
     assert "is null" in b.build({"m": None})[1]
     assert "does not fit" in b.build({"m": [{"role": "user", "content": "great " * 200}]})[1]
+    # a continuation follows the render (generation above; the scored column): it keeps the assistant's header
+    scored = make_spec(task="score", score_column="a", messages_column="m")
+    then = PromptBuilder(plan_prompts(scored, ["m", "a"], True), tok, None)
+    assert then.text({"m": [{"role": "user", "content": "hi"}]})[0].endswith("<|im_start|>assistant\n")
+    whole = PromptBuilder(plan_prompts(make_spec(task="score", messages_column="m"), ["m"], True), tok, None)
+    assert whole.text({"m": [{"role": "user", "content": "hi"}]})[0].endswith("hi<|im_end|>\n")
     plain = PromptBuilder(plan_prompts(JobSpec(chat=False), ["text"], True), tok, 64)
     assert plain.text({"text": "hello"}) == ("hello", None)
     assert "not text" in plain.build({"text": 5})[1] and "empty" in plain.build({"text": "  "})[1]

@@ -12,11 +12,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
+import torch
 from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.engine.engine import Engine
 from batchjob.errors import ConfigError
+from batchjob.io.atomic import read_json, write_json
 from batchjob.job import make_spec, run_job
 from tests.task_models import make_classifier, make_embedder
 from tests.tiers import engine_fixture
@@ -283,6 +285,39 @@ def test_classify_job_equals_engine_classify(task_model_dirs, tmp_path, num_labe
         assert code == 0, text
         html = page.read_text()
         assert "labels" in html and "finish reasons" not in html and "output lengths" not in html
+
+
+@pytest.mark.parametrize("task", ["classify", "embed", "score"])
+def test_a_conversation_is_read_as_it_is_without_a_generation_prompt(tiny_model_dir, tmp_path, task):
+    """--messages-column with a task that reads the text (a reward model's score, an embedding, a whole text's
+    log-likelihood) renders the conversation as transformers' apply_chat_template(conv) does: no assistant
+    header after it, which a reward model would read as the end of the text (its score was -2.06 where
+    transformers gives -2.30)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = make_classifier(tmp_path / "rm", "qwen2", 1, chat=True) if task == "classify" else tiny_model_dir
+    conv = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital of France."},
+    ]
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"rid": "a", "messages": conv}) + "\n")
+    out, (row,) = job(tmp_path, model, task, messages_column="messages")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    ids = tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+    assert row["error"] is None and row["num_prompt_tokens"] == len(ids)
+    if task == "classify":
+        rm = AutoModelForSequenceClassification.from_pretrained(str(model), dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = rm(torch.tensor([ids])).logits[0, 0].item()
+        assert abs(row["score"] - want) < 1e-4, (row["score"], want)
+    # a job saved when every render ended with the generation prompt is refused on resume, by name
+    saved = read_json(out / "_batchjob" / "job.json")
+    del saved["fingerprint"]["prompt"]["generation_prompt"]
+    write_json(out / "_batchjob" / "job.json", saved)
+    data = tmp_path / "rows.jsonl"
+    base = ["run", "--input", data, "--output", out, "--model", model, "--id-column", "rid", "--task", task]
+    code, text = invoke(*base, "--messages-column", "messages")
+    assert code == 2 and "prompt.generation_prompt: was None, now False" in text, text
 
 
 def test_multi_label_classify_job_writes_labels(task_model_dirs, tmp_path):
