@@ -171,6 +171,20 @@ def test_what_batchjob_cannot_follow_is_refused_by_name(folders, tmp_path):
             "format 'auto'",
         ),
         "task": (lambda c: c | {"transformer_task": "fill-mask"}, "transformer_task 'fill-mask'"),
+        # what sentence-transformers loads the model's config and tokenizer with (a hub key, which it
+        # replaces with its own, is no refusal)
+        "config_kwargs": (
+            lambda c: c | {"config_kwargs": {"layer_norm_eps": 0.5, "revision": "main"}},
+            "sets config_kwargs \\(layer_norm_eps\\), which sentence-transformers applies to the model's",
+        ),
+        "config_args": (
+            lambda c: c | {"config_args": {"hidden_act": "relu"}},
+            "sets config_args \\(hidden_act\\)",
+        ),
+        "tokenizer_args": (
+            lambda c: c | {"tokenizer_args": {"add_prefix_space": True, "model_max_length": 8}},
+            "sets tokenizer_args \\(add_prefix_space\\), which sentence-transformers passes to the tokenizer",
+        ),
     }
     for key, (edit, message) in edits.items():
         folder = tmp_path / key
@@ -246,6 +260,37 @@ def test_a_folders_limit_and_truncation_side_are_encodes(folders, tmp_path):
         assert eng.prefill_limit == limit
         got = np.stack([o.embedding for o in eng.embed(texts)])
         assert float(np.abs(got - _encode(_st(folder), texts, None)).max()) <= 1e-12, folder.name
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "limit"),
+    [
+        # 5.x names: the tokenizer's model_max_length replaces max_seq_length, as sentence-transformers 6
+        # takes it
+        (
+            "bert-mean-noprompt-5x",
+            {"max_seq_length": MAX_LEN, "tokenizer_args": {"model_max_length": 12}},
+            12,
+        ),
+        ("bert-mean-noprompt-5x", {"max_seq_length": 12, "tokenizer_args": {"truncation_side": "left"}}, 12),
+        ("bert-mean", {"processor_kwargs": {"model_max_length": 12, "truncation_side": "left"}}, 12),  # 6.x
+    ],
+)
+def test_a_folders_tokenizer_arguments_are_encodes(folders, tmp_path, name, config, limit):
+    """sentence_bert_config.json's tokenizer arguments (tokenizer_args, 6.x processor_kwargs) set the limit
+    and the side a text is cut on, as encode cuts it (batchjob read neither: a text embedded whole past
+    the folder's limit of 12 tokens, 0.12 away from encode's)."""
+    import shutil
+
+    folder = tmp_path / "f"
+    shutil.copytree(folders[name], folder)
+    saved = json.loads((folder / "sentence_bert_config.json").read_text())
+    (folder / "sentence_bert_config.json").write_text(json.dumps(saved | config))
+    texts = ["The quick brown fox jumps over the lazy dog. " * 3, "short"]
+    eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64", truncate=True)
+    assert eng.prefill_limit == limit
+    got = np.stack([o.embedding for o in eng.embed(texts)])
+    assert float(np.abs(got - _encode(_st(folder), texts, None)).max()) <= 1e-12
 
 
 def test_token_ids_on_a_folder_that_pools_without_its_prompt_are_refused(folders):

@@ -344,6 +344,8 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
         )
         if pooling.max_seq_length is not None:
             limit = min(limit, pooling.max_seq_length)
+        if pooling.truncation_side is not None:  # sentence-transformers loads the tokenizer with it
+            tokenizer.truncation_side = pooling.truncation_side
     elif any(getattr(config, k) is not None for k in ("pooling", "normalize", "dimensions", "prompt_name")):
         raise ConfigError(
             f"pooling, normalize, dimensions and prompt_name are options of task embed, not {config.task}"

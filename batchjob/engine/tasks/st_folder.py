@@ -7,7 +7,7 @@ follow is refused by name, with the file and key, never silently left out.
 The files: ``modules.json`` (the pipeline: Transformer, Pooling, Normalize; anything else is refused),
 ``sentence_bert_config.json`` (the Transformer's: 5.x ``max_seq_length`` and ``do_lower_case``, 6.x
 ``transformer_task`` and ``modality_config``; a folder without ``modality_config``, as 5.x saved it, takes
-text alone), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``) and the pooling
+text alone; the tokenizer's and the config's loading arguments), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``) and the pooling
 module's ``config.json`` (its mode and ``include_prompt``).
 """
 
@@ -42,6 +42,7 @@ class Pooling:
     prompt: str = ""  # put before each text (config_sentence_transformers.json's prompts); "" for none
     chat: str | None = None  # "flat" | "structured": each text is a chat message (modality_config message)
     include_prompt: bool = True  # False: the prompt's tokens are left out of the pooling (text inputs)
+    truncation_side: str | None = None  # "left" | "right", as the folder sets the tokenizer's; None: its own
 
 
 def st_file(model_dir: str | None, name: str) -> Any:
@@ -176,6 +177,51 @@ def _check_method(where: str, modality: str, params: Any) -> None:
         )
 
 
+# Keys of the Transformer module's loading arguments that sentence-transformers itself replaces (with the
+# caller's hub arguments) or drops (trust_remote_code): a folder's value changes nothing.
+_HUB_KEYS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
+# (the file's name for the tokenizer's and the config's loading arguments, 6.x's first; 5.x's wins, as
+# sentence-transformers 6 takes it, where both are there)
+_TOKENIZER_KEYS, _CONFIG_KEYS = ("processor_kwargs", "tokenizer_args"), ("config_kwargs", "config_args")
+
+
+def _loading_args(where: str, config: dict, names: tuple[str, str]) -> tuple[str, dict]:
+    """(the key, its dict) of the loading arguments ``names`` in sentence_bert_config.json, without the keys
+    sentence-transformers replaces itself; ("", {}) when there are none."""
+    name = names[1] if names[1] in config else names[0]
+    args = config.get(name) or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"{where}: {name} is {args!r}, not a JSON object of keyword arguments")
+    return name, {k: v for k, v in args.items() if k not in _HUB_KEYS}
+
+
+def _tokenizer_limits(where: str, config: dict) -> tuple[int | None, str | None]:
+    """What sentence_bert_config.json's tokenizer arguments (``processor_kwargs``, 5.x ``tokenizer_args``:
+    sentence-transformers loads the tokenizer with them) set that batchjob applies: (``model_max_length``,
+    which replaces ``max_seq_length`` as encode's limit; ``truncation_side``). Any other key, and the config's
+    arguments (``config_kwargs``, ``config_args``: they change the model itself), are refused by name."""
+    name, args = _loading_args(where, config, _CONFIG_KEYS)
+    args.pop("use_cache", None)  # the KV cache of transformers' forward: no bearing on its outputs
+    if args:
+        raise ConfigError(
+            f"{where} sets {name} ({', '.join(sorted(args))}), which sentence-transformers applies to the "
+            "model's config and batchjob does not; put them in the model's config.json to embed with them"
+        )
+    name, args = _loading_args(where, config, _TOKENIZER_KEYS)
+    limit, side = args.pop("model_max_length", None), args.pop("truncation_side", None)
+    if args:
+        raise ConfigError(
+            f"{where} sets {name} ({', '.join(sorted(args))}), which sentence-transformers passes to the "
+            "tokenizer and batchjob does not (it applies model_max_length and truncation_side); put them in "
+            "the tokenizer's tokenizer_config.json to embed with them"
+        )
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"{where}: {name} model_max_length is {limit!r}, not a positive number of tokens")
+    if side not in (None, "left", "right"):
+        raise ConfigError(f"{where}: {name} truncation_side is {side!r}; it is 'left' or 'right'")
+    return limit, side
+
+
 def prompt_text(model_dir: str | None, prompt_name: str | None) -> str:
     """The prompt before each text: ``prompt_name``'s, else the folder's default_prompt_name's, else none;
     ``prompt_name`` "" asks for none."""
@@ -210,7 +256,11 @@ def resolve_pooling(
     if dimensions is not None and dimensions > width:
         raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
     st_config = st_file(model_dir, "sentence_bert_config.json") or {}
-    limit = st_config.get("max_seq_length")
+    # the tokenizer's model_max_length among its loading arguments replaces max_seq_length, as
+    # sentence-transformers 6 takes it (it sets the tokenizer's limit from max_seq_length only without one)
+    limit, side = _tokenizer_limits(f"{model_dir}/sentence_bert_config.json", st_config)
+    if limit is None:
+        limit = st_config.get("max_seq_length")
     prompt = prompt_text(model_dir, prompt_name)
     return Pooling(
         mode=pooling or mode or "mean",
@@ -220,6 +270,7 @@ def resolve_pooling(
         prompt=prompt,
         chat=_input_format(model_dir, st_config),
         include_prompt=include,
+        truncation_side=side,
     )
 
 
