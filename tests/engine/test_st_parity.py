@@ -293,6 +293,29 @@ def test_a_folders_tokenizer_arguments_are_encodes(folders, tmp_path, name, conf
     assert float(np.abs(got - _encode(_st(folder), texts, None)).max()) <= 1e-12
 
 
+@pytest.mark.engine
+def test_a_folders_truncate_dim_is_cut_as_encode_cuts_it(tmp_path):
+    """config_sentence_transformers.json's truncate_dim: encode keeps the first N of the normalised vector,
+    not renormalised (batchjob wrote all 64 dimensions); --dimensions N cuts before normalising, as
+    encode(truncate_dim=N, normalize_embeddings=True) does; a truncate_dim past the width is refused."""
+    folder = make_embedder(tmp_path / "m", "bert", "mean", truncate_dim=16)
+    st = _st(folder)
+    want = _encode(st, TEXTS, None)
+    eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64")
+    got = np.stack([o.embedding for o in eng.embed(TEXTS)])
+    assert got.shape == want.shape == (len(TEXTS), 16)
+    assert float(np.abs(got - want).max()) <= 1e-12
+    assert float(np.linalg.norm(got, axis=1).max()) < 0.99  # a part of a unit vector
+    eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype="float64", dimensions=8)
+    got = np.stack([o.embedding for o in eng.embed(TEXTS)])
+    want = st.encode(TEXTS, convert_to_numpy=True, truncate_dim=8, normalize_embeddings=True)
+    assert float(np.abs(got - want).max()) <= 1e-12
+    config = json.loads((folder / "config_sentence_transformers.json").read_text())
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(config | {"truncate_dim": 65}))
+    with pytest.raises(ConfigError, match="config_sentence_transformers.json has truncate_dim 65"):
+        Engine.from_pretrained(str(folder), task="embed", device="cpu")
+
+
 def test_token_ids_on_a_folder_that_pools_without_its_prompt_are_refused(folders):
     """Token ids are taken as the whole input, no prompt added; pooling would still leave out the prompt's
     count of tokens from their start: refused, unless the call takes no prompt."""

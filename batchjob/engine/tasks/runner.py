@@ -11,7 +11,8 @@ The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for o
 
 - ``embed``: ``embedding``, a 1-D numpy array (the model's dtype; float32 for half dtypes): the pooled last
   hidden state (``cls``: the first token's, ``mean``: the mean of all tokens', ``last``: the last token's),
-  cut to ``dimensions`` and scaled to unit length when ``normalize``. Pooling and normalisation come from
+  cut to ``dimensions`` and scaled to unit length when ``normalize`` (a folder's ``truncate_dim`` is cut
+  after the scaling, as encode cuts it: ``Pooling.cut_last``). Pooling and normalisation come from
   the model folder's sentence-transformers files (``modules.json``, ``1_Pooling/config.json``: st_folder.py)
   when present, else from the options ``pooling`` (default mean) and ``normalize`` (default off); an option
   given wins. A prompt the pooling leaves out (``include_prompt`` false) is skipped: ``TaskState.pool_from``.
@@ -280,10 +281,12 @@ class TaskRunner:
             assert p is not None
             if p.mode == "mean":
                 vec = vec / (req.num_tokens - st.pool_from)
-            if p.dimensions is not None:
+            if p.dimensions is not None and not p.cut_last:
                 vec = vec[: p.dimensions]
             if p.normalize:
                 vec = F.normalize(vec, p=2, dim=0)
+            if p.dimensions is not None and p.cut_last:  # the folder's truncate_dim, cut as encode cuts it
+                vec = vec[: p.dimensions]
             st.result = {"embedding": _array(vec)}
             return
         if self.position == "mean":  # classify: the head takes the mean of the row's states

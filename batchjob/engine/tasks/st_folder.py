@@ -43,6 +43,9 @@ class Pooling:
     chat: str | None = None  # "flat" | "structured": each text is a chat message (modality_config message)
     include_prompt: bool = True  # False: the prompt's tokens are left out of the pooling (text inputs)
     truncation_side: str | None = None  # "left" | "right", as the folder sets the tokenizer's; None: its own
+    # the first ``dimensions`` are cut from the normalised vector and not renormalised: the folder's
+    # truncate_dim, as encode cuts it after every module (--dimensions cuts before normalising)
+    cut_last: bool = False
 
 
 def st_file(model_dir: str | None, name: str) -> Any:
@@ -255,6 +258,7 @@ def resolve_pooling(
     mode, st_normalize, include = _pipeline(model_dir, pooling, normalize)
     if dimensions is not None and dimensions > width:
         raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
+    folder_dim = _truncate_dim(model_dir, width) if dimensions is None else None
     st_config = st_file(model_dir, "sentence_bert_config.json") or {}
     # the tokenizer's model_max_length among its loading arguments replaces max_seq_length, as
     # sentence-transformers 6 takes it (it sets the tokenizer's limit from max_seq_length only without one)
@@ -265,13 +269,30 @@ def resolve_pooling(
     return Pooling(
         mode=pooling or mode or "mean",
         normalize=st_normalize if normalize is None else normalize,
-        dimensions=dimensions,
+        dimensions=dimensions if folder_dim is None else folder_dim,
         max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
         prompt=prompt,
         chat=_input_format(model_dir, st_config),
         include_prompt=include,
         truncation_side=side,
+        # an explicit normalize scales what is kept, as encode(normalize_embeddings=True) does after its cut
+        cut_last=folder_dim is not None and normalize is None,
     )
+
+
+def _truncate_dim(model_dir: str | None, width: int) -> int | None:
+    """config_sentence_transformers.json's truncate_dim: encode keeps the first N of each embedding
+    (``width`` 0: not checked against the model's width)."""
+    config = st_file(model_dir, "config_sentence_transformers.json") or {}
+    dim = config.get("truncate_dim")
+    if dim is None:
+        return None
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or (width and dim > width):
+        raise ConfigError(
+            f"{model_dir}/config_sentence_transformers.json has truncate_dim {dim!r}, not a number of "
+            f"dimensions from 1 to the model's width of {width}"
+        )
+    return dim
 
 
 def _message(role: str, text: str, fmt: str) -> dict[str, Any]:
