@@ -59,6 +59,10 @@ def check_engine(spec: JobSpec) -> str:
         resolve_pooling(
             resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name
         )
+    if config.task == "classify":  # a CrossEncoder folder reads pairs, through its activation
+        from batchjob.engine.tasks.st_folder import refuse_cross_encoder  # (light: reads JSON files)
+
+        refuse_cross_encoder(resolved, model_config)
     tp = config.tensor_parallel_size  # each rank caches its own share of the KV heads, as the engine does
     kv = plan_kv(model_config, config, max_len, tp)
     blocks = kv.num_blocks

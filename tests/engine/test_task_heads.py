@@ -78,3 +78,23 @@ def test_unknown_problem_type_is_refused(tmp_path):
     with pytest.raises(BatchjobError, match="problem_type") as refused:
         Engine.from_pretrained(str(folder), task="classify", device="cpu")
     print(refused.value)
+
+
+@pytest.mark.engine
+def test_a_cross_encoder_folder_is_refused_naming_its_activation(tmp_path):
+    """A sentence-transformers CrossEncoder scores a (query, document) pair, the second text in a segment of
+    its own, through its activation (a sigmoid): classify read one text and wrote the raw logit (0.082 where
+    predict gives 0.521). Refused, as sentence-transformers 6 saves it and as 5 did (in config.json)."""
+    import json
+
+    from sentence_transformers import CrossEncoder
+
+    folder = make_classifier(tmp_path / "ce", "bert", 1)
+    CrossEncoder(str(folder), device="cpu").save(str(tmp_path / "saved"))
+    with pytest.raises(BatchjobError, match="model_type 'CrossEncoder'.* pair .*activation.Sigmoid"):
+        Engine.from_pretrained(str(tmp_path / "saved"), task="classify", device="cpu")
+    config = json.loads((folder / "config.json").read_text())
+    legacy = {"activation_fn": "torch.nn.modules.linear.Identity", "version": "4.0.1"}
+    (folder / "config.json").write_text(json.dumps(config | {"sentence_transformers": legacy}))
+    with pytest.raises(BatchjobError, match="sentence_transformers.activation_fn: .*linear.Identity"):
+        Engine.from_pretrained(str(folder), task="classify", device="cpu")

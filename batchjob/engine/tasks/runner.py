@@ -43,7 +43,7 @@ from batchjob.engine.config import model_context_len
 from batchjob.engine.request import Request, RequestState
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.tasks import PREFILL_TASKS
-from batchjob.engine.tasks.st_folder import Pooling, prompt_length, resolve_pooling
+from batchjob.engine.tasks.st_folder import Pooling, prompt_length, refuse_cross_encoder, resolve_pooling
 from batchjob.engine.tasks.state import MULTI_LABEL_THRESHOLD, TaskState, head_kind
 from batchjob.errors import ConfigError
 
@@ -353,6 +353,8 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
         raise ConfigError(
             f"pooling, normalize, dimensions and prompt_name are options of task embed, not {config.task}"
         )
+    if config.task == "classify":
+        refuse_cross_encoder(model_id, model.config)
     if config.task != "score" and (pooling is None or pooling.max_seq_length is None):
         # (a folder's max_seq_length replaces the tokenizer's own limit, as sentence-transformers takes it)
         own = getattr(tokenizer, "model_max_length", None)

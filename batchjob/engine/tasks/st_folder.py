@@ -48,9 +48,10 @@ class Pooling:
     cut_last: bool = False
 
 
-def st_file(model_dir: str | None, name: str) -> Any:
+def st_file(model_dir: str | None, name: str, unknown_is_absent: bool = False) -> Any:
     """A sentence-transformers JSON file of the model folder (local, or a hub model's: cached, else asked
-    of the hub); None if there is none."""
+    of the hub); None if there is none (or, with ``unknown_is_absent``, if neither the cache nor the hub
+    can say)."""
     if not model_dir:
         return None
     path = Path(model_dir) / name
@@ -58,7 +59,7 @@ def st_file(model_dir: str | None, name: str) -> Any:
         if not path.is_file():
             return None
     else:
-        found = _hub_file(model_dir, name)
+        found = _hub_file(model_dir, name, unknown_is_absent)
         if found is None:
             return None
         path = Path(found)
@@ -68,7 +69,7 @@ def st_file(model_dir: str | None, name: str) -> Any:
         raise ConfigError(f"cannot read the sentence-transformers file {path}: {e}") from e
 
 
-def _hub_file(repo: str, name: str) -> str | None:
+def _hub_file(repo: str, name: str, unknown_is_absent: bool = False) -> str | None:
     """A hub model's file: the cached copy, else downloaded (transformers fetches the model's own files, not
     these); None when the hub says it has none. Where neither the cache nor the hub can say, refused: taken
     for absent, a folder's pooling, prompt or chat rendering would be silently left out."""
@@ -88,6 +89,8 @@ def _hub_file(repo: str, name: str) -> str | None:
     except RemoteEntryNotFoundError:
         return None
     except (OSError, ValueError) as e:  # offline, not cached, the hub unreachable
+        if unknown_is_absent:
+            return None
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"cannot tell whether model {repo!r} has the sentence-transformers file {name} (it is not in the "
@@ -342,3 +345,27 @@ def prompt_length(tokenizer: Any, pooling: Pooling) -> int:
     ids = tokenizer(pooling.prompt).input_ids
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     return len(ids) - 1 if ids and ids[-1] in special else len(ids)
+
+
+def refuse_cross_encoder(model_dir: str | None, model_config: Any) -> None:
+    """--task classify: a sentence-transformers CrossEncoder folder is refused, by name. ``predict`` reads a
+    (query, document) pair, the second text in a segment of its own, and puts the head's outputs through
+    the folder's activation; classify reads one text and writes the raw outputs, so its scores would differ
+    without a word. (A hub model's config_sentence_transformers.json is asked of the hub where not cached,
+    and taken for absent where neither can say: an offline classifier must still run. A folder saved by
+    sentence-transformers 5 says it in its config.json, which is always read.)"""
+    config = st_file(model_dir, "config_sentence_transformers.json", unknown_is_absent=True) or {}
+    legacy = getattr(model_config, "sentence_transformers", None)  # 5.x CrossEncoder.save wrote it here
+    if config.get("model_type") == "CrossEncoder":
+        where = "config_sentence_transformers.json has model_type 'CrossEncoder'"
+        activation = config.get("activation_fn")
+    elif isinstance(legacy, dict) and "activation_fn" in legacy:
+        where, activation = "config.json has sentence_transformers.activation_fn", legacy["activation_fn"]
+    else:
+        return
+    raise ConfigError(
+        f"{model_dir}/{where}: a sentence-transformers CrossEncoder, whose predict reads a (query, document) "
+        f"pair (the second text in a segment of its own) and puts the head's outputs through "
+        f"{activation or 'its activation'}; --task classify reads one text and writes the raw outputs, so "
+        "its scores would differ: run it with sentence-transformers' CrossEncoder.predict"
+    )
