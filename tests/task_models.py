@@ -43,6 +43,19 @@ def _config(family: str, tok, **extra):
         return BertConfig(max_position_embeddings=128, **common)
     if family == "xlm-roberta":  # positions count from pad_token_id + 1
         return XLMRobertaConfig(max_position_embeddings=128 + tok.pad_token_id + 1, **common)
+    if family == "distilbert":  # its own names: dim, n_layers, n_heads, hidden_dim
+        from transformers import DistilBertConfig
+
+        return DistilBertConfig(
+            vocab_size=len(tok),
+            dim=WIDTH,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=128,
+            max_position_embeddings=128,
+            pad_token_id=tok.pad_token_id,
+            **extra,
+        )
     if family == "qwen3":
         return Qwen3Config(num_key_value_heads=2, head_dim=16, max_position_embeddings=512, **common)
     if family == "qwen2":

@@ -69,6 +69,7 @@ class ModelRunner:
         self.device = device
         dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
         kv_dtype = kv_caches[0][0].dtype if kv_caches else dtype
+        attention.number_layers(model)  # (before the features are read from the layers)
         self.features = attention_features(model.config, model)
         choice = choose_attention(device, kv_dtype, self.features, block_size, attention_backend)
         self._max_rows = max(max_graph_rows, ROW_BUCKETS[-1])  # rows one step can have

@@ -34,6 +34,7 @@ FOLDERS = [
     ("bert-mean-chat", "bert", "mean", True, True),
     ("bert-cls-noprompt", "bert", "cls", False, False),
     ("bert-mean-noprompt", "bert", "mean", False, False),
+    ("distilbert-mean", "distilbert", "mean", False, True),  # its attention numbered by batchjob
     ("qwen3-last", "qwen3", "lasttoken", False, True),
     ("qwen3-last-chat", "qwen3", "lasttoken", True, True),
     ("qwen3-mean-chat-noprompt", "qwen3", "mean", True, False),  # encode keeps a chat render's prompt

@@ -57,6 +57,24 @@ def in_progress(meta: AttentionMetadata):
         _in_progress.pop()
 
 
+# Families whose attention modules carry no ``layer_idx`` (the index of the layer's KV cache, read below; every
+# other family's modules number themselves): where their layers are under the base model, and each layer's
+# attention module, numbered here in layer order.
+_UNNUMBERED = {"distilbert": ("transformer", "attention")}
+
+
+def number_layers(model: torch.nn.Module) -> None:
+    """Give the attention modules of a family that does not number them (``_UNNUMBERED``) their layer's
+    index, as every other family's carry it."""
+    where = _UNNUMBERED.get(getattr(model.config, "model_type", ""))
+    if where is None:
+        return
+    stack, name = where
+    base = getattr(model, "base_model", model)
+    for i, layer in enumerate(getattr(base, stack).layer):
+        getattr(layer, name).layer_idx = i
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
