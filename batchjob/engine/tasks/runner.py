@@ -26,7 +26,8 @@ The result, on :class:`~batchjob.engine.output.RequestOutput` (fields None for o
   ``num_scored_tokens``, and with ``token_logprobs=True`` the per-token list ``token_logprobs``. Unconditional
   (no continuation): every token of the prompt but the first is scored; conditional: only the
   continuation's tokens, each given the prompt and the continuation before it. The log-softmax is computed
-  only at the scored rows, a bounded number of rows at a time.
+  only at the scored rows, a bounded number of rows at a time, in at least float32 (bf16 logits upcast, as
+  generate's log-probabilities are).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from batchjob.engine.attention.layout import StepLayout
 from batchjob.engine.config import model_context_len
 from batchjob.engine.request import Request, RequestState
+from batchjob.engine.sampler import log_softmax
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.tasks import PREFILL_TASKS
 from batchjob.engine.tasks.st_folder import Pooling, prompt_length, refuse_cross_encoder, resolve_pooling
@@ -252,7 +254,9 @@ class TaskRunner:
         target = torch.tensor(targets, device=hidden.device)
         for c in range(0, len(rows), per):
             logits = self.head(hidden.index_select(0, index[c : c + per]))
-            lp = torch.log_softmax(logits, dim=-1).gather(1, target[c : c + per, None])[:, 0]
+            # in at least float32, as generate's log-probabilities: bf16's 8 bits of mantissa round each
+            # token's log-probability by up to 0.03 (sampler.log_softmax)
+            lp = log_softmax(logits).gather(1, target[c : c + per, None])[:, 0]
             values.extend(lp.double().tolist())
         for req, v in zip(owners, values, strict=True):
             st = req.task
