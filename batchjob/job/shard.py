@@ -16,7 +16,8 @@ Shard index and count come, in this order of precedence, from:
    ``BATCHJOB_NUM_SHARDS``);
 3. a Slurm array (``SLURM_ARRAY_TASK_ID``, ``SLURM_ARRAY_TASK_COUNT``, ``SLURM_ARRAY_TASK_MIN``) multiplies
    with 2.: array task ``a`` of ``A``, each with ``T`` tasks, runs shards ``a*T .. a*T+T-1`` of ``A*T``; flags
-   given inside an array task (the ``--devices`` launcher's workers) must name a shard of that block.
+   given inside an array task (the ``--devices`` launcher's workers) must name a shard of that block (where
+   the array's variables can't place the task, the flags are taken as given).
 
 Slurm tasks count only inside an ``srun`` step: a batch script asking for several tasks is refused.
 
@@ -25,6 +26,7 @@ Nothing found: one shard, the whole job.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,6 +38,9 @@ _INDEX_MASK = (1 << ORDINAL_BITS) - 1
 
 MAX_CHUNK_ROWS = 1024
 _CHUNKS_PER_SHARD = 16  # a small job still gets this many chunks per shard, for balance
+# ASCII digits only: int() reads Slurm's '1_0' (a het job's) as 10, and str.isdigit() passes '²', which
+# int() then refuses with a traceback
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ def choose_chunk_rows(total_rows: int | None, num_shards: int) -> int:
 
 def _int(env: Mapping[str, str], name: str) -> int:
     value = env[name]
-    if not value.strip().lstrip("-").isdigit():  # int() would read Slurm's '1_0' (a het job's) as 10
+    if not _INTEGER.fullmatch(value.strip()):
         raise ConfigError(f"environment variable {name}={value!r} is not an integer")
     return int(value)
 
@@ -177,7 +182,11 @@ def _array(env: Mapping[str, str]) -> Shard | None:
     if "SLURM_ARRAY_TASK_ID" not in env:
         return None
     if "SLURM_ARRAY_TASK_COUNT" not in env:
-        raise ConfigError("SLURM_ARRAY_TASK_ID is set but not SLURM_ARRAY_TASK_COUNT; give --num-shards")
+        raise ConfigError(
+            f"SLURM_ARRAY_TASK_ID={env['SLURM_ARRAY_TASK_ID']!r} is set but not SLURM_ARRAY_TASK_COUNT (Slurm "
+            "sets both in an array task): set SLURM_ARRAY_TASK_COUNT to the array's number of tasks, or give "
+            "this task's shard as --num-shards N --shard-index I"
+        )
     task, count = _int(env, "SLURM_ARRAY_TASK_ID"), _int(env, "SLURM_ARRAY_TASK_COUNT")
     low = _int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
     step = _int(env, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
@@ -190,6 +199,16 @@ def _array(env: Mapping[str, str]) -> Shard | None:
     return Shard(index, count, "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
 
 
+def _readable_array(env: Mapping[str, str]) -> Shard | None:
+    """The array task to check explicit flags against; None when the array variables can't say which it is
+    (no SLURM_ARRAY_TASK_COUNT, an uneven array, a value that is no integer): the refusals for those ask for
+    --num-shards/--shard-index, so then the flags win unchecked."""
+    try:
+        return _array(env)
+    except ConfigError:
+        return None
+
+
 def detect_shard(
     env: Mapping[str, str], num_shards: int | None = None, shard_index: int | None = None
 ) -> Shard:
@@ -197,7 +216,9 @@ def detect_shard(
     if shard_index is not None:
         if num_shards is None:
             raise ConfigError("--shard-index needs --num-shards (the number of workers of the job)")
-        return _within_array(Shard(shard_index, num_shards, "--num-shards/--shard-index"), _array(env))
+        return _within_array(
+            Shard(shard_index, num_shards, "--num-shards/--shard-index"), _readable_array(env)
+        )
     inner, outer = _inner(env, num_shards), _array(env)
     found = outer or inner
     if outer is not None and inner is not None:

@@ -146,6 +146,13 @@ def test_chunk_rows_adapts_to_small_jobs():
             (2, 3),
         ),
         ({"RANK": "1", "WORLD_SIZE": "2"}, {"num_shards": 2}, (1, 2)),
+        # an array task its variables can't place: the flags its refusal asks for win
+        ({"SLURM_ARRAY_TASK_ID": "2"}, {"num_shards": 4, "shard_index": 2}, (2, 4)),
+        (
+            {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1"},
+            {"num_shards": 3, "shard_index": 2},
+            (2, 3),
+        ),
     ],
 )
 def test_detect_shard_from_each_scheduler(env, flags, expected):
@@ -180,6 +187,13 @@ def test_detect_shard_from_each_scheduler(env, flags, expected):
         ({"JOB_COMPLETION_INDEX": "2"}, {}, "BATCHJOB_NUM_SHARDS"),
         ({"RANK": "x", "WORLD_SIZE": "2"}, {}, "RANK='x' is not an integer"),
         ({"SLURM_ARRAY_TASK_ID": "1_0", "SLURM_ARRAY_TASK_COUNT": "12"}, {}, "'1_0' is not an integer"),
+        ({"SLURM_ARRAY_TASK_ID": "--1", "SLURM_ARRAY_TASK_COUNT": "4"}, {}, "'--1' is not an integer"),
+        ({"SLURM_ARRAY_TASK_ID": "\u00b2", "SLURM_ARRAY_TASK_COUNT": "4"}, {}, "'\u00b2' is not an integer"),
+        (
+            {"SLURM_ARRAY_TASK_ID": "2"},
+            {"num_shards": 4},
+            "not SLURM_ARRAY_TASK_COUNT .* --num-shards N --shard-index I",
+        ),
         ({"RANK": "1", "WORLD_SIZE": "2"}, {"num_shards": 3}, "disagrees with torchrun"),
         (
             {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1"},
