@@ -249,7 +249,7 @@ def _launch(
         worst_exit,
     )
     from batchjob.job.prepare import prepare
-    from batchjob.job.shard import detect_shard
+    from batchjob.job.shard import detect_shard, scheduler_workers
 
     if devices is not None and ray_address is not None:
         raise ConfigError("give --devices or --ray, not both")
@@ -258,6 +258,12 @@ def _launch(
     if ray_address is not None:
         if shard_index is not None:
             raise ConfigError("--ray starts every shard itself: leave out --shard-index")
+        if scheduler_workers(os.environ):
+            raise ConfigError(
+                f"--ray starts every shard itself, but {' '.join(scheduler_workers(os.environ))} make this "
+                "process one of several workers, each of which would run the whole job: start the --ray "
+                "launcher once (one task), or leave --ray out and let the scheduler's tasks be the workers"
+            )
         count = num_shards or saved_num_shards(Path(spec.output or "")) or 1
         prepare(spec, shard=detect_shard({}, count, 0))  # fail early, once
         codes = run_ray(spec, ray_address or None, num_shards)

@@ -165,17 +165,39 @@ def _inner(env: Mapping[str, str], num_shards: int | None) -> Shard | None:
     return None
 
 
+def _in_srun_step(env: Mapping[str, str]) -> bool:
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
+    return step.isdigit() and int(step) < 0xFFFFFFF0  # Slurm's batch and extern steps have higher ids
+
+
 def _check_srun_step(env: Mapping[str, str]) -> None:
     """SLURM_PROCID/SLURM_NTASKS name this worker's task only inside a step ``srun`` started (it sets
     SLURM_STEP_ID); a batch script asking for several tasks runs once, with SLURM_PROCID 0, and would take
     shard 0 of them alone: the other shards would never run."""
-    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
-    if not step.isdigit() or int(step) >= 0xFFFFFFF0:  # Slurm's batch and extern steps have such ids
+    if not _in_srun_step(env):
         raise ConfigError(
             f"SLURM_NTASKS={env['SLURM_NTASKS']} but this is no srun task (no SLURM_STEP_ID): Slurm runs a batch "
             "script once, so one worker would take the first of the tasks' shares. Start batchjob with srun "
             "(a worker per task), or ask for one task (a Slurm array gives each array task its share)"
         )
+
+
+def scheduler_workers(env: Mapping[str, str]) -> list[str]:
+    """The scheduler variables set here that make this process one of several workers (``NAME=value``), for
+    ``--ray``, which starts every shard itself: each such process would run the whole job. A batch script
+    asking for several tasks is none of them (it runs once: where a Ray driver usually runs)."""
+
+    def given(*names: str) -> list[str]:
+        return [f"{n}={env[n]}" for n in names if n in env]
+
+    found = []
+    if "SLURM_ARRAY_TASK_ID" in env and env.get("SLURM_ARRAY_TASK_COUNT", "").strip() != "1":
+        found += given("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")
+    if "WORLD_SIZE" in env and "RANK" in env and env["WORLD_SIZE"].strip() != "1":
+        found += given("RANK", "WORLD_SIZE")
+    if "SLURM_PROCID" in env and env.get("SLURM_NTASKS", "1").strip() != "1" and _in_srun_step(env):
+        found += given("SLURM_PROCID", "SLURM_NTASKS")
+    return found + given("JOB_COMPLETION_INDEX")
 
 
 def _array(env: Mapping[str, str]) -> Shard | None:

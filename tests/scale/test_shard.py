@@ -12,7 +12,7 @@ from batchjob.errors import ConfigError
 from batchjob.io.readers import iter_rows
 from batchjob.io.sources import discover
 from batchjob.job.intervals import IntervalSet
-from batchjob.job.shard import MAX_CHUNK_ROWS, Shard, choose_chunk_rows, detect_shard
+from batchjob.job.shard import MAX_CHUNK_ROWS, Shard, choose_chunk_rows, detect_shard, scheduler_workers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,3 +205,41 @@ def test_detect_shard_from_each_scheduler(env, flags, expected):
 def test_detect_shard_mistakes_name_the_problem(env, flags, message):
     with pytest.raises(ConfigError, match=message):
         detect_shard(env, **flags)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        (
+            {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"},
+            "SLURM_ARRAY_TASK_ID=3 SLURM_ARRAY_TASK_COUNT=4",
+        ),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "RANK=1 WORLD_SIZE=2"),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM_PROCID=1 SLURM_NTASKS=2"),
+        ({"JOB_COMPLETION_INDEX": "0"}, "JOB_COMPLETION_INDEX=0"),
+    ],
+)
+def test_ray_in_a_scheduler_worker_is_refused_naming_its_variables(
+    env, named, tiny_model_dir, tmp_path, monkeypatch
+):
+    """--ray starts every shard itself: in each task of an array (or rank of torchrun...) it would run the
+    whole job again. Refused before Ray is imported, naming the variables."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "a"}\n')
+    args = ["run", "--ray", "--input", data, "--output", tmp_path / "out", "--model", tiny_model_dir]
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 2 and f"but {named} make this process one of several" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_scheduler_workers_leaves_one_worker_alone():
+    # a batch script asking for several tasks runs once (a Ray driver's usual place); one task; torchrun of 1
+    assert scheduler_workers({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "4294967294"}) == []
+    assert scheduler_workers({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "1"}) == []
+    assert scheduler_workers({"RANK": "0", "WORLD_SIZE": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == []
