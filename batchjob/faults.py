@@ -14,7 +14,8 @@ reached and cost nothing when unset.
   is over and the interpreter shutting down (its signal handlers gone); the process announces it and waits
   for a line on stdin instead (``at_exit``).
 - ``BATCHJOB_FAULT_KILL=<point>``: at that point the process dies as if killed (exit 137, nothing flushed or
-  cleaned up). Points: ``after_part_rewrite`` and ``after_manifest_rewrite`` (``verify.py``).
+  cleaned up). Points: ``after_part_rewrite`` and ``after_manifest_rewrite`` (``verify.py``), ``ray_task<i>``
+  (the Ray task of shard i, as it starts: on every try, so Ray's retries run out).
 - ``BATCHJOB_FAULT_TRUNCATE=<point>:<bytes>:<path>``: when the process reaches that point (any of the pause
   points above) the first time, the file at ``path`` is cut to ``bytes`` in place, as logrotate's
   ``copytruncate`` does to a log a job is reading; the process goes on at once.

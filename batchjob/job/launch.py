@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchjob import signals
+from batchjob import faults, signals
 from batchjob.errors import BatchjobError, ConfigError
 from batchjob.job.loop import EXIT_INTERRUPTED
 from batchjob.job.shard import Shard
@@ -89,8 +89,6 @@ def run_devices(devices: list[str], outer: Shard, worker_args: list[str], ranks:
     reached before its handlers were in place (killed by it) also counts as interrupted. The workers die
     with the launcher: SIGTERM from the kernel on Linux, else their own watch (``signals.py``).
     """
-    from batchjob import faults
-
     groups = worker_devices(devices, ranks)
     n = len(groups)
     procs: list[subprocess.Popen[bytes]] = []
@@ -154,6 +152,7 @@ def _ray_worker(spec: JobSpec, index: int, count: int) -> tuple[int, str]:
     """The body of one Ray task: this shard of the job, as ``(exit code, one line)``."""
     from batchjob.job.runner import run_job
 
+    faults.die(f"ray_task{index}")
     shard = Shard(index, count, "--ray")
     try:
         result = run_job(spec, shard=shard)
@@ -218,13 +217,22 @@ def run_ray(spec: JobSpec, address: str | None, num_shards: int | None) -> list[
                 refs.append(task.remote(spec, i, count))
             if stopping:  # a signal between submitting a task and listing it
                 cancel(stopping[0], None)
-            for ref in refs:
-                try:
-                    code, line = ray.get(ref)
-                except (ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError) as e:
-                    code, line = (EXIT_INTERRUPTED if stopping else 1), f"{type(e).__name__}: {e}"
-                codes.append(code)
-                print(f"batchjob: {line}", file=sys.stderr)
+            codes += [_ray_result(ray, ref, Shard(i, count, "--ray"), stopping) for i, ref in enumerate(refs)]
         return codes
     finally:
         ray.shutdown()
+
+
+def _ray_result(ray: Any, ref: Any, shard: Shard, stopping: list[int]) -> int:
+    """One task's exit code, said in a line. A task Ray could not finish (cancelled by a signal: 75; its worker
+    crashed on every try, its node lost, its code raised: 1) is that shard's failure alone: the launcher
+    goes on waiting for the others, which would die half done in ``ray.shutdown()`` if it stopped here."""
+    try:
+        code, line = ray.get(ref)
+    except ray.exceptions.RayError as e:
+        code = EXIT_INTERRUPTED if stopping else 1
+        line = f"{shard}: {type(e).__name__}: {e}"
+        if not stopping:
+            line += f"\nbatchjob: {shard}: exit 1; its rows up to its last checkpoint are saved: run again to resume"
+    print(f"batchjob: {line}", file=sys.stderr)
+    return int(code)

@@ -198,3 +198,25 @@ def test_ray_tasks_on_a_local_instance_resume_and_status(
     proc = launch(["--ray", *args(reviews, out, tiny_model_dir)], RAY_ADDRESS="")
     text = finish([proc])[0]
     assert "3 workers as Ray tasks" in text and text.count("already complete") == 3
+
+
+@pytest.mark.ray
+def test_a_ray_task_that_crashes_on_every_try_fails_its_shard_alone(
+    launch, reviews, tiny_model_dir, tmp_path, expected
+):
+    """Shard 0's Ray worker dies as it starts, each of Ray's 4 tries: the launcher says so for that shard and
+    exits 1 without a traceback, and shard 1 finishes (``ray.shutdown()`` killed it half done); a rerun does
+    the rest."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    args = ["--ray", "--num-shards", "2", *job_args(reviews, out, tiny_model_dir)]
+    proc = launch(args, RAY_ADDRESS="", BATCHJOB_FAULT_KILL="ray_task0")
+    text = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    assert "batchjob: shard 0 of 2: WorkerCrashedError" in text and "run again to resume" in text, text
+    assert "batchjob: shard 1 of 2: complete" in text, text
+    code, text = invoke("status", out)
+    assert "shard 1 of 2: complete" in text and "shard 0 of 2: not started" in text, text
+    text = finish([launch(args, RAY_ADDRESS="")])[0]
+    assert "shard 0 of 2: complete" in text and "shard 1 of 2: already complete" in text
+    assert results(out) == expected
