@@ -89,6 +89,19 @@ def fingerprint_changes(
     return out
 
 
+def _counts_for(info: JobInfo, progress: Mapping[str, Any]) -> dict[int, int]:
+    """A worker's row counts that hold for the job's input records now. Another worker's ``--append`` may
+    have taken in more rows of a file since this one counted it: its count (40 of a file that has 60 rows
+    now) is then for an older record, and is left out (status said 45 of 40 rows). A progress file of an
+    older batchjob (no ``rows_for``) vouches for its counts only where the worker is complete for these
+    inputs."""
+    counts, rows_for = progress.get("rows") or {}, progress.get("rows_for")
+    now = {str(r.seq): digest_records([r]) for r in info.inputs}
+    if rows_for is None:
+        return {int(k): v for k, v in counts.items()} if info.complete else {}
+    return {int(k): v for k, v in counts.items() if k in now and rows_for.get(k) == now[k]}
+
+
 @dataclass
 class JobInfo:
     fingerprint: dict[str, Any]  # model, prompt construction, sampling, sharding: what makes it this job
@@ -227,16 +240,21 @@ class StateDir:
         if not self.shard.single:
             progress = read_json(self.progress_file) if self.progress_file.exists() else {}
             info.complete_for = progress.get("complete_for")
-            info.set_counts({int(k): v for k, v in (progress.get("rows") or {}).items()})
+            info.set_counts(_counts_for(info, progress))
         return info
 
     def save_job(self, info: JobInfo) -> None:
-        """Save the job's progress: into job.json for one worker, else into this worker's progress.json."""
+        """Save the job's progress: into job.json for one worker, else into this worker's progress.json (each
+        row count with the input record it was counted for)."""
         if self.shard.single:
             write_json(self.job_file, info.to_json())
         else:
-            rows = {str(r.seq): r.rows for r in info.inputs if r.rows is not None}
-            write_json(self.progress_file, {"complete_for": info.complete_for, "rows": rows})
+            counted = [r for r in info.inputs if r.rows is not None]
+            rows = {str(r.seq): r.rows for r in counted}
+            rows_for = {str(r.seq): digest_records([r]) for r in counted}
+            write_json(
+                self.progress_file, {"complete_for": info.complete_for, "rows": rows, "rows_for": rows_for}
+            )
 
     def create_job(self, info: JobInfo) -> bool:
         """Write job.json unless it exists; False when another worker created it first."""

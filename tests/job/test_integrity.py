@@ -310,6 +310,28 @@ def test_duplicate_id_across_workers_and_a_lost_index(tmp_path, tiny_model_dir):
     assert "duplicate id 'r5': first used by row a.jsonl:5" in errors[1]  # row 5 is the other worker's
 
 
+def test_counts_of_workers_that_have_not_taken_in_an_append_are_not_applied_to_it(tmp_path, tiny_model_dir):
+    """One worker of four takes in 20 appended rows: the others' counts (40) are for the file as it was, and
+    status, export and report total 60 input rows (they said "45 of 40 input rows (112.5%)")."""
+    path = write_rows(tmp_path / "a.jsonl", rows(40))
+    out = tmp_path / "out"
+
+    def worker(i, **kw):
+        return run_job(spec(path, out, tiny_model_dir, id_column="rid", **kw), shard=Shard(i, 4))
+
+    assert all(worker(i).status == "complete" for i in range(4))
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows(20, start=40)))
+    assert worker(3, append=True).rows_done == 15
+    text = cli("status", out).output
+    assert "rows: 45 of 60 input rows (75.0%)" in text, text
+    assert "shard 0 of 4: stopped, 10 of 15 rows" in text and "shard 3 of 4: complete, 15 of 15 rows" in text
+    assert "45 of 60 input rows are done" in cli("export", out, "--to", tmp_path / "x.jsonl").output
+    assert all(worker(i, append=True).rows_done == 15 for i in range(3))  # the others take the rows in too
+    text = cli("status", out).output
+    assert "complete (4 of 4 workers complete)" in text and "rows: 60 of 60 input rows" in text, text
+
+
 # -- inputs that are odd but fine, and mistakes ----------------------------------------------------------
 
 
