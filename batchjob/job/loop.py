@@ -33,7 +33,7 @@ from batchjob.job.ahead import Ahead, Taken, read_rows
 from batchjob.job.checkpoint import InFlight, Parts
 from batchjob.job.ids import IdIndex
 from batchjob.job.inputs import split_ordinal
-from batchjob.job.manifest import Manifest
+from batchjob.job.manifest import ErrorCounts, Manifest
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import Progress
 from batchjob.job.prompts import PromptBuilder
@@ -135,6 +135,10 @@ class JobLoop:
         self.total_hint = prep.shard.share_of(counts)
         self.reader_done = False  # every row of this worker's share has been read
         self.errors_before = self.manifest.errors  # rows failed in earlier runs (--max-errors counts all)
+        # --max-errors counts the job's failed rows: the other workers' too, as they commit them
+        others = self.state.other_manifests() if self.spec.max_errors is not None else []
+        self.errors_elsewhere = ErrorCounts(others)
+        self.failed_elsewhere = self.errors_elsewhere.total()
         self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
         self.last_checkpoint = self.last_live = time.monotonic()
 
@@ -361,13 +365,18 @@ class JobLoop:
         write_json(self.state.stats_file, body)
 
     def _check_errors(self) -> None:
-        """--max-errors: stop, with the state saved, once that many rows have failed (this run and before)."""
+        """--max-errors: stop, with the state saved, once that many rows of the job have failed (this run
+        and before, and those the other workers have committed, as last looked at)."""
         max_errors = self.spec.max_errors
-        failed = self.errors_before + self.stats.errors
+        mine = self.errors_before + self.stats.errors
+        failed = mine + self.failed_elsewhere
         if max_errors is not None and failed >= max_errors:
             self.checkpoint()
+            where = ""
+            if self.failed_elsewhere:
+                where = f" in the job ({mine} in this worker's share, {self.failed_elsewhere} in the others')"
             raise TooManyErrors(
-                f"stopped after {failed} failed rows (--max-errors {max_errors}); state saved in "
+                f"stopped after {failed} failed rows{where} (--max-errors {max_errors}); state saved in "
                 f"{self.prep.out_dir}. See the error column; raise --max-errors to go on"
             )
 
@@ -380,6 +389,7 @@ class JobLoop:
             self.last_live = time.monotonic()
         if time.monotonic() - self.last_checkpoint >= self.spec.checkpoint_interval:
             self.checkpoint()
+            self.failed_elsewhere = self.errors_elsewhere.total()
             self.last_checkpoint = self.last_live = time.monotonic()
 
     # -- ending ----------------------------------------------------------------------------------

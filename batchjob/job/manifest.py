@@ -134,3 +134,31 @@ class Manifest:
     @property
     def generated_tokens(self) -> int:
         return sum(p.generated_tokens for p in self.parts)
+
+
+class ErrorCounts:
+    """The failed rows committed in other workers' manifests, for a job-wide ``--max-errors``. A file is read
+    again only when its size, time stamp or inode changed (a worker appends a line per part, and rewrites the
+    file by a rename), so a look at every checkpoint costs one ``stat`` per worker that committed nothing new.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self._seen: dict[Path, tuple[tuple[int, int, int], int]] = {}  # path -> (its stat, its errors)
+
+    def total(self) -> int:
+        total = 0
+        for path in self.paths:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # that worker has committed nothing yet
+            key, seen = (st.st_size, st.st_mtime_ns, st.st_ino), self._seen.get(path)
+            if seen is None or seen[0] != key:
+                try:
+                    errors = Manifest(path, readonly=True).errors
+                except StateError:  # damaged: its own worker refuses to go on, and status says so
+                    errors = seen[1] if seen is not None else 0
+                seen = self._seen[path] = (key, errors)
+            total += seen[1]
+        return total

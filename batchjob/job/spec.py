@@ -241,7 +241,10 @@ class JobSpec:
         metavar="SECONDS",
     )
     max_errors: int | None = job_option(
-        None, "Stop (exit 1, state saved) once N rows failed.", check=at_least(1), metavar="N"
+        None,
+        "Stop (exit 1, state saved) once N rows of the job failed (with several workers, all of theirs).",
+        check=at_least(1),
+        metavar="N",
     )
     retry_errors: bool = job_option(  # not part of the job's identity
         False,

@@ -188,6 +188,12 @@ class StateDir:
     def exists(self) -> bool:
         return self.job_file.exists()
 
+    def other_manifests(self) -> list[Path]:
+        """The manifest files of the job's other workers (which may not exist yet)."""
+        count = self.shard.count
+        others = [Shard(i, count) for i in range(count) if i != self.shard.index]
+        return [StateDir(self.out_dir, shard).manifest_file for shard in others]
+
     def create(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
 

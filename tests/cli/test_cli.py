@@ -128,6 +128,27 @@ def test_max_errors_stops_with_exit_1(tmp_path, tiny_model_dir):
     assert table.num_rows == 40 and table.column("error").null_count == 20
 
 
+def test_max_errors_counts_the_failed_rows_of_every_worker(tmp_path, tiny_model_dir):
+    """Four workers, one bad row each (rows 0-3: chunks of one row), --max-errors 2: the job stops at its
+    second failed row, whichever worker meets it (each counted only its own: all four went on, 4 errors)."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join('{"text": null}\n' if i < 4 else '{"text": "ok"}\n' for i in range(40)))
+    args = ["--input", path, "--output", tmp_path / "o", "--model", tiny_model_dir, "--max-new-tokens", "2"]
+
+    def worker(i, limit):
+        return invoke("run", *args, "--max-errors", limit, "--num-shards", "4", "--shard-index", i)
+
+    code, text = worker(0, 2)
+    assert code == 0 and "(1 errors)" in text, text
+    code, text = worker(1, 2)
+    assert code == 1 and "stopped after 2 failed rows in the job (1 in this worker's share, 1 in the" in text
+    code, text = worker(2, 2)
+    assert code == 1 and "stopped after 3 failed rows in the job" in text
+    assert all(worker(i, 10)[0] == 0 for i in range(4))  # a higher limit: every worker goes on to the end
+    table = ds.dataset(tmp_path / "o", format="parquet").to_table()
+    assert table.num_rows == 40 and table.column("error").null_count == 36
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -13,7 +13,7 @@ from batchjob.errors import ConfigError, StateError
 from batchjob.io.atomic import read_json, write_json
 from batchjob.job import make_spec, run_job
 from batchjob.job.intervals import IntervalSet
-from batchjob.job.manifest import Manifest, PartRecord
+from batchjob.job.manifest import ErrorCounts, Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, plan_prompts
 from batchjob.job.spec import JobSpec, load_job_file
 
@@ -42,6 +42,23 @@ def test_manifest_torn_tail_is_dropped_but_corruption_raises(tmp_path):
     (tmp_path / "m.jsonl").write_bytes(lines[0].replace(b'"rows":2', b'"rows":3') + b"\n" + lines[1] + b"\n")
     with pytest.raises(StateError, match="line 1 is corrupt"):
         Manifest(tmp_path / "m.jsonl")
+
+
+def test_other_workers_errors_are_read_again_as_their_manifests_grow(tmp_path, monkeypatch):
+    """A job-wide --max-errors looks at the other workers' manifests at each checkpoint: one that changed is
+    read again (a part appended, a torn line being written), one that did not costs only a stat."""
+    a, b = Manifest(tmp_path / "a.jsonl"), tmp_path / "b.jsonl"  # b: a worker that has committed nothing
+    counts = ErrorCounts([a.path, b])
+    assert counts.total() == 0
+    a.append(PartRecord("part-000000.parquet", 4, 2, 5, 6, [[0, 4]]))
+    assert counts.total() == 2
+    Manifest(b).append(PartRecord("part-000001.parquet", 3, 1, 5, 6, [[4, 7]]))
+    with open(b, "ab") as f:
+        f.write(b'{"part": {"name": "part-0')  # being appended now: not committed yet
+    assert counts.total() == 3
+    reads = []
+    monkeypatch.setattr(Manifest, "_load", lambda self: reads.append(self.path))
+    assert counts.total() == 3 and reads == []  # nothing changed: nothing read
 
 
 def test_checksummed_json(tmp_path):
