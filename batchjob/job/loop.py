@@ -137,7 +137,7 @@ class JobLoop:
         self.errors_before = self.manifest.errors  # rows failed in earlier runs (--max-errors counts all)
         # --max-errors counts the job's failed rows: the other workers' too, as they commit them
         others = self.state.other_manifests() if self.spec.max_errors is not None else []
-        self.errors_elsewhere = ErrorCounts(others)
+        self.errors_elsewhere = ErrorCounts(others, retrying=self.spec.retry_errors)
         self.failed_elsewhere = self.errors_elsewhere.total()
         self.bar = Progress(self.total_hint, self.manifest.rows, self.manifest.errors, self.max_num_seqs)
         self.last_checkpoint = self.last_live = time.monotonic()

@@ -140,11 +140,17 @@ class ErrorCounts:
     """The failed rows committed in other workers' manifests, for a job-wide ``--max-errors``. A file is read
     again only when its size, time stamp or inode changed (a worker appends a line per part, and rewrites the
     file by a rename), so a look at every checkpoint costs one ``stat`` per worker that committed nothing new.
+
+    ``retrying`` (``--retry-errors``): a worker's count is taken from the lowest it has been seen at, for the
+    others of a job run again with ``--retry-errors`` drop their failed rows as they start, a moment apart:
+    rows about to be redone must not stop the worker that started first.
     """
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], retrying: bool = False) -> None:
         self.paths = paths
+        self.retrying = retrying
         self._seen: dict[Path, tuple[tuple[int, int, int], int]] = {}  # path -> (its stat, its errors)
+        self._lowest: dict[Path, int] = {}  # path -> the fewest errors seen in it (``retrying``)
 
     def total(self) -> int:
         total = 0
@@ -160,5 +166,6 @@ class ErrorCounts:
                 except StateError:  # damaged: its own worker refuses to go on, and status says so
                     errors = seen[1] if seen is not None else 0
                 seen = self._seen[path] = (key, errors)
-            total += seen[1]
+            low = self._lowest[path] = min(self._lowest.get(path, seen[1]), seen[1])
+            total += seen[1] - (low if self.retrying else 0)
         return total

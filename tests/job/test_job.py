@@ -61,6 +61,20 @@ def test_other_workers_errors_are_read_again_as_their_manifests_grow(tmp_path, m
     assert counts.total() == 3 and reads == []  # nothing changed: nothing read
 
 
+def test_with_retry_errors_other_workers_count_from_their_fewest_errors(tmp_path):
+    """A job run again with --retry-errors: each worker drops its failed rows as it starts, a moment after the
+    others; the rows about to be redone must not count (the first worker would stop at once)."""
+    a = Manifest(tmp_path / "a.jsonl")
+    a.append(PartRecord("part-000000.parquet", 4, 3, 5, 6, [[0, 4]]))
+    counts = ErrorCounts([a.path], retrying=True)
+    assert counts.total() == 0  # 3 failed rows, not redone yet
+    a.rewrite([PartRecord("part-000000.parquet", 1, 0, 5, 6, [[0, 1]])])  # the worker dropped them
+    assert counts.total() == 0
+    a.append(PartRecord("part-000001.parquet", 3, 2, 5, 6, [[1, 4]]))  # and failed 2 of them again
+    assert counts.total() == 2
+    assert ErrorCounts([a.path]).total() == 2
+
+
 def test_checksummed_json(tmp_path):
     write_json(tmp_path / "s.json", {"a": 1})
     assert read_json(tmp_path / "s.json") == {"a": 1}
