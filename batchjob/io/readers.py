@@ -203,10 +203,12 @@ def _table_rows(
                         on_skipped(start + index + j, None if values is None or not named else values[named])
                 index += n
                 continue
-            for values, error in batch_values(batch):
+            for j, (values, error) in enumerate(batch_values(batch)):
                 where = f"{source.name} row {index}: "
                 failed = where + error if values is None else None
-                if values is not None and fit is not None and (why := fit.why(values)) is not None:
+                if values is None and id_column in batch.schema.names:  # the error row says whose it is
+                    values, _ = next(batch_values(batch.select([id_column]).slice(j, 1)))
+                elif fit is not None and values is not None and (why := fit.why(values)) is not None:
                     failed, values = where + why, fit.kept(values)
                 if not skip(start + index):
                     yield Row(start + index, source.name, index, values, failed)

@@ -142,6 +142,9 @@ def test_rows_passed_over_unread_report_the_ids_the_rows_would_have(tmp_path):
     by_row = ids_passed(lambda a, b: False)
     assert list(by_row.values()) == ["a", None, None, "d"]
     assert ids_passed(lambda a, b: True) == by_row
+    # read, an error row keeps its id where the id reads cleanly, as a JSONL line's does
+    rows = list(iter_rows(sources, id_column="id"))
+    assert [(r.values, r.error is not None) for r in rows[1:3]] == [({"id": "b"}, True), (None, True)]
 
 
 def test_the_writer_never_stores_a_value_changed(tmp_path):
