@@ -69,6 +69,11 @@ class PromptPlan:
                     f"messages column {self.column!r} needs a tokenizer with a chat template; this one has none"
                 )
             return replace(plan, chat=True)
+        if spec.template_kwargs and not chat:  # they were taken without a word
+            raise ConfigError(
+                "--chat-template-kwargs go to the chat template, and this job's prompts do not go through it "
+                "(--no-chat, a task's plain text, or a tokenizer without one): leave them out, or give --chat"
+            )
         return replace(plan, chat=chat)
 
 

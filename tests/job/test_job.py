@@ -16,6 +16,7 @@ from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import ErrorCounts, Manifest, PartRecord
 from batchjob.job.prompts import PromptBuilder, plan_prompts
 from batchjob.job.spec import JobSpec, load_job_file
+from batchjob.job.templates import template_kwargs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -172,6 +173,13 @@ def test_prompts(tiny_model_dir):
     assert "missing" in plain.build({"other": "x"})[1]
     with pytest.raises(ConfigError, match="no chat template"):
         plan_prompts(JobSpec(chat=True), ["text"], False)
+    # template kwargs where no prompt goes through the template were taken without a word
+    kwargs = '{"enable_thinking": false}'
+    for spec, template in [(JobSpec(chat=False), True), (make_spec(task="embed"), True), (JobSpec(), False)]:
+        spec.template_kwargs = template_kwargs(kwargs)
+        with pytest.raises(ConfigError, match="--chat-template-kwargs go to the chat template"):
+            plan_prompts(spec, ["text"], template)
+    assert plan_prompts(make_spec(chat_template_kwargs=kwargs), ["text"], True).chat
 
 
 def test_dirty_parquet_job_every_row_once(tmp_path, tiny_model_dir):
