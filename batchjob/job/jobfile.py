@@ -83,7 +83,7 @@ def _resolve_paths(out: dict[str, Any], base: Path) -> dict[str, Any]:
         ]
     model = out.get("model")
     # a folder next to the job file (else: the working directory's, or a hub id)
-    if isinstance(model, str) and (model.startswith(("./", "../")) or _is_folder(rel(model))):
+    if isinstance(model, str) and model and (model.startswith(("./", "../")) or _is_folder(rel(model))):
         out["model"] = rel(model)
     return out
 

@@ -133,6 +133,7 @@ def test_job_file_relative_model_folder(tmp_path, monkeypatch):
         ("models/other", "models/other"),  # not next to the job file: resolved in the working directory
         ("org/name", "org/name"),  # no such folder anywhere: a hub id
         ("./models/missing", str(jobs / "models" / "missing")),  # ./ always means the job file's folder
+        ("", ""),  # the default model, as --model '' is (it was the job file's own folder)
     ]:
         job.write_text(f'model = "{model}"\n')
         assert load_job_file(job)["model"] == want, model
