@@ -38,6 +38,7 @@ class Row:
     values: dict[str, Any] | None  # None when the row could not be parsed
     error: str | None = None
     line: int | None = None  # 1-based line number (JSONL)
+    unread: bool = False  # the error row of the rest of its file, which could not be read
 
     @property
     def derived_id(self) -> str:
@@ -54,6 +55,10 @@ class Row:
 UNREAD = "cannot read the rest of the file"  # a read that failed past a file's start: one error row for it
 
 
+class Unread(str):
+    """The error of a file's unreadable rest (one row): told apart by its type, not by its words."""
+
+
 class UnreadRestError(InputError):
     """The rest of a file could not be read where its error row would lose rows: in a worker of several
     (another worker's share may hold the row for it, and this one's rows past it would go unread while it
@@ -63,8 +68,8 @@ class UnreadRestError(InputError):
         if earlier:
             why = (
                 "an earlier run of the job read this file past there, so its rest is not lost to a passing "
-                "read error: the run stops; run it again to read on (if an earlier run wrote this row as the "
-                "file's unreadable rest, --retry-errors reads it again)"
+                "read error: the run stops; run it again to read on (where a batchjob before 2026-12-07 wrote "
+                "this row as the file's unreadable rest, --retry-errors reads it again)"
             )
         else:
             why = "this worker stops (its rows past there are unread); run it again to read on"
@@ -100,7 +105,8 @@ def _lines(f: IO[bytes], size: int | None) -> Iterator[bytes]:
 
 
 def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
-    """(line number, object or None, error or None) for each non-blank line."""
+    """(line number, object or None, error or None) for each non-blank line, and last, where the file
+    stops being readable, (line number, None, ``Unread`` error) for its rest."""
     lineno = 0
     fail_at = faults.read_error_line(source.name)
     try:
@@ -123,7 +129,7 @@ def _jsonl_rows(source: Source) -> Iterator[tuple[int, dict[str, Any] | None, st
                 obj, error = parse_line(text)
                 yield lineno, obj, None if error is None else f"{where}: {error}"
     except Exception as e:  # noqa: BLE001 - a truncated .gz, a corrupt .zst (its own ZstdError), a vanished file
-        yield lineno + 1, None, f"{source.name} line {lineno + 1}: {UNREAD} ({e})"  # then the next source
+        yield lineno + 1, None, Unread(f"{source.name} line {lineno + 1}: {UNREAD} ({e})")  # then the next
 
 
 class _Unread(NamedTuple):
@@ -223,7 +229,7 @@ def _table_rows(
         error = f"{source.name} row {index}: {UNREAD} ({e})"
         _check_unread(error, source, index, stop_unread, read_past)
         if not skip(start + index):
-            yield Row(start + index, source.name, index, None, error)
+            yield Row(start + index, source.name, index, None, error, unread=True)
         index += 1
     return index
 
@@ -274,10 +280,10 @@ def iter_rows(
                     obj = _id_only(obj, id_column)
                 elif obj is not None and fit is not None and (why := fit.why(obj)) is not None:
                     error, obj = f"{source.name} line {lineno}: {why}", fit.kept(obj)
-                elif obj is None and error is not None and UNREAD in error:
+                elif isinstance(error, Unread):
                     _check_unread(error, source, i, stop_unread, read_past)
                 if not skip(source.base + i):
-                    yield Row(source.base + i, source.name, i, obj, error, lineno)
+                    yield Row(source.base + i, source.name, i, obj, error, lineno, isinstance(error, Unread))
                 elif on_skipped is not None:
                     # an error row's id (kept for its row) was never taken, as on the first run
                     value = None

@@ -38,16 +38,17 @@ if TYPE_CHECKING:
     from batchjob.job.rows import Built, RowMaker
 
 
-def read_rows(prep: Prepared, done: IntervalSet, ids: IdIndex | None) -> Iterator[Row]:
+def read_rows(prep: Prepared, done: IntervalSet, unread: set[int], ids: IdIndex | None) -> Iterator[Row]:
     """This worker's rows not yet ``done``, in input order (with --id-column, the rows it skips still
-    record their ids in ``ids``, so a duplicate is found whichever worker holds its first use)."""
+    record their ids in ``ids``, so a duplicate is found whichever worker holds its first use). ``unread``:
+    the done rows that were their file's unreadable rest."""
     skip, covered = prep.shard.filters(done)
-    counts = prep.info.row_counts  # each file's rows as recorded: counted cheaply, or where a read ended
 
     def read_past(source: Source, index: int) -> bool:  # did an earlier run read the file past row index?
-        if counts.get(source.base >> ORDINAL_BITS) == index + 1:  # the file ends there: nothing past it
-            return False  # (an earlier run's unread rest of it, done as its error row, ended it there too)
-        return done.meets(source.base + index, source.base + (1 << ORDINAL_BITS))
+        ordinal = source.base + index
+        if ordinal in done and ordinal not in unread:  # it read that row
+            return True
+        return done.meets(ordinal + 1, source.base + (1 << ORDINAL_BITS))  # or rows after it
 
     on_skipped = None
     if ids is not None:

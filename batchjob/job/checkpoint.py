@@ -92,13 +92,19 @@ class Parts:
         self.writer = writer
         self.buffer: list[dict[str, Any]] = []
         self.ordinals = IntervalSet()
+        self.unread: set[int] = set()
 
-    def add(self, ordinal: int, result: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    def add(
+        self, ordinal: int, result: dict[str, Any], samples: list[dict[str, Any]], unread: bool = False
+    ) -> None:
         """Buffer an input row's result rows: ``result`` (the columns they share) with each of ``samples``'
-        own columns (--n gives several, all buffered at once so they land in one part)."""
+        own columns (--n gives several, all buffered at once so they land in one part). ``unread``: the row is
+        its file's unreadable rest (the part's record says so: a resume reads past it only then)."""
         for extra in samples:
             self.buffer.append({"ordinal": ordinal} | result | extra)
         self.ordinals.add(ordinal)
+        if unread:
+            self.unread.add(ordinal)
 
     def commit(self) -> None:
         if not self.buffer:
@@ -116,8 +122,10 @@ class Parts:
                 ordinals=self.ordinals.ranges(),
                 result_rows=len(rows),
                 **self.writer.stamp(name),
+                unread=sorted(self.unread),
             )
         )
         self.buffer = []
         self.ordinals = IntervalSet()
+        self.unread = set()
         faults.point("part_committed")

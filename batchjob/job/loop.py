@@ -153,7 +153,7 @@ class JobLoop:
     def run(self) -> JobResult:
         """Run to the end of this worker's rows, or until a signal or --max-errors stops it."""
         try:
-            reader = read_rows(self.prep, self.manifest.done, self.ids)
+            reader = read_rows(self.prep, self.manifest.done, self.manifest.unread, self.ids)
             inflight = self.state.load_inflight()  # the last checkpoint's unfinished rows, by ordinal
             while True:
                 self._read(reader, inflight)
@@ -303,16 +303,22 @@ class JobLoop:
     def _error_row(self, row: Row, error: str | None) -> None:
         """Buffer the one result row of a row that fails before any request (unreadable, no id, no prompt)."""
         sample = {"generated_text": None, "finish_reason": "error", "num_generated_tokens": 0, "error": error}
-        self._finish_samples(row, 0, [sample | {"sample_index": 0}])
+        self._finish_samples(row, 0, [sample | {"sample_index": 0}], unread=row.unread)
 
     def _finish_samples(
-        self, row: Row, n_prompt: int, samples: list[dict[str, Any]], images: int = 0, restored: int = 0
+        self,
+        row: Row,
+        n_prompt: int,
+        samples: list[dict[str, Any]],
+        images: int = 0,
+        restored: int = 0,
+        unread: bool = False,
     ) -> None:
         """Buffer an input row's result rows, one per sample (``generated_text``, ``finish_reason``,
         ``num_generated_tokens``, ``error`` and the feature columns each), and count it: one input row, its
         prompt once, however many samples (--n) it has; an error in any sample makes it a failed row. The
         run's tokens leave out the ``restored`` ones: an earlier run generated them."""
-        self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples)
+        self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples, unread)
         failed = any(s["error"] is not None for s in samples)
         tokens = sum(s["num_generated_tokens"] for s in samples) - restored
         self.stats.row(n_prompt, tokens, failed, len(samples), images)

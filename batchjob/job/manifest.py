@@ -38,6 +38,7 @@ class PartRecord:
     sha256: str | None = None  # of the whole file, read back at commit
     ino: int | None = None  # the file's inode and status-change time after its rename: while both are
     ctime_ns: int | None = None  # unchanged nothing wrote to it, so its content need not be read again
+    unread: list[int] = field(default_factory=list)  # ordinals whose row is its file's unreadable rest
 
 
 def _digest(body: dict) -> str:
@@ -126,6 +127,11 @@ class Manifest:
     @property
     def errors(self) -> int:
         return sum(p.errors for p in self.parts)
+
+    @property
+    def unread(self) -> set[int]:
+        """The ordinals done as the error row of their file's unreadable rest (readers.py)."""
+        return {o for p in self.parts for o in p.unread}
 
     @property
     def prompt_tokens(self) -> int:

@@ -239,6 +239,7 @@ def _without(
         ),
         generated_tokens=total("num_generated_tokens"),
         ordinals=done.ranges(),
+        unread=[o for o in record.unread if o in done],
     )
     return kept, new, len(bad)
 

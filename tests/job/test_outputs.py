@@ -217,6 +217,31 @@ def test_a_resumed_job_stops_where_a_file_it_read_cannot_be_read_now(
     assert_same_rows(out, reference)
 
 
+def test_a_file_whose_rest_cannot_be_read_resumes_past_its_error_row_and_only_then(
+    reviews, tiny_model_dir, tmp_path, reference, monkeypatch
+):
+    """The part's record says which done row was a file's unreadable rest. A job stopped after writing it
+    (here by --max-errors) resumes past it while the file still can't be read (every rerun stopped, saying an
+    earlier run read past there); and once a --retry-errors run has read on past it and been stopped, the
+    same read error stops the job (it said 'complete: 22 of 11 rows', the rest never read)."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--max-errors", "1"))
+    assert code == 1 and "stopped after 1 failed rows" in text, text
+    text = run(reviews, out, tiny_model_dir)
+    assert "complete: 30 of 30 rows done (1 errors)" in text, text
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    with sigterm_after_steps(20):  # the file reads again: the retry reads on past line 30, then stops
+        code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--retry-errors"))
+    assert code == 75 and any(int(r["rid"][1:]) >= 30 for r in results(out)), text
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir))
+    assert code == 2 and "an earlier run of the job read this file past there" in text, text
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    run(reviews, out, tiny_model_dir)
+    assert_same_rows(out, reference)
+
+
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
 def test_a_crash_in_the_middle_of_a_rewrite_loses_and_doubles_nothing(
     launch, reviews, tiny_model_dir, tmp_path, reference, point, monkeypatch
