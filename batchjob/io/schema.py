@@ -196,11 +196,14 @@ def input_schema(sources: list[Source]) -> pa.Schema:
 TEXT_ONLY = {b"batchjob": b"text"}  # field metadata: the column holds text (not JSON text of nested values)
 
 
+def _is_text(t: pa.DataType) -> bool:
+    """A column type of text: string, large_string, string_view, or a dictionary of one of them."""
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
 def _mark_text(f: pa.Field) -> pa.Field:
-    t = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return f.with_metadata(TEXT_ONLY)
-    return f
+    return f.with_metadata(TEXT_ONLY) if _is_text(f.type) else f
 
 
 def is_text_only(f: pa.Field) -> bool:
@@ -218,8 +221,9 @@ def compatible(saved: pa.Schema, source: Source) -> str | None:
         if f.name not in names:
             return f"column {f.name!r} is new (the job's columns: {', '.join(saved.names)})"
         want = saved.field(f.name).type
-        # a JSONL key of mixed values is JSON text, as in a job of both files; a table's column keeps its type
-        if f.type == want or (source.kind == "jsonl" and pa.types.is_string(want)):
+        # a JSONL key of mixed values is JSON text, as in a job of both files; a table's text column of
+        # another text type (polars' large_string, a pandas categorical) is text; any other keeps its type
+        if f.type == want or (pa.types.is_string(want) and (source.kind == "jsonl" or _is_text(f.type))):
             continue
         try:
             merged = pa.unify_schemas(

@@ -264,6 +264,11 @@ def test_an_appended_parquet_file_is_held_to_the_columns_a_job_of_both_would_hav
     write_rows(folder / "c.jsonl", [{"text": "c", "x": 3}])
     run_job(spec(folder, out, tiny_model_dir, append=True))
     assert sorted(ds.dataset(out, format="parquet").to_table()["x"].to_pylist()) == ["3", "s", "t"]
+    # text of another text type (polars' large_string, a pandas categorical) is text, as in a fresh job
+    text = pa.array(["d"], pa.large_string())
+    pq.write_table(pa.table({"text": text, "x": pa.array(["u"]).dictionary_encode()}), folder / "d.parquet")
+    run_job(spec(folder, out, tiny_model_dir, append=True))
+    assert sorted(ds.dataset(out, format="parquet").to_table()["x"].to_pylist()) == ["3", "s", "t", "u"]
 
 
 # -- ids unique job-wide ----------------------------------------------------------------------------------
