@@ -144,13 +144,29 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[
     def without_identity(fp: dict[str, Any]) -> dict[str, Any]:
         return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
 
-    a, b = without_identity(saved), without_identity(now)
+    a, b = _unrecorded(spec, without_identity(saved), without_identity(now))
     defaults = resolved_defaults(spec) if differing(a, b) and not model else {}  # only a refusal pays for it
     runs = [fp.get("model", {}).get("runs_in") for fp in (saved, now)]
     out = [model] if model else []
     if None not in runs and runs[0] != runs[1]:
         out.append(f"model.dtype: 'auto' ran in {runs[0]}, is {runs[1]} here")
     return out + fingerprint_changes(a, b, defaults)
+
+
+def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> tuple[dict, dict]:
+    """The two fingerprints without what a job recorded before batchjob checked it, or for options it now
+    refuses as unused (an older job resumes; neither is asked for again): a task job's kernels, and
+    --check-model-name over rows, --max-image-pixels without images, --chat with --format openai."""
+    task, prompt = dict(now.get("task", {})), dict(saved.get("prompt", {}))
+    if "task" in saved and "kernels" not in saved["task"]:
+        task.pop("kernels", None)
+    unused = ["chat"] if spec.format == "openai" else ["check_model_name"]
+    if spec.image_column is None and spec.format == "rows":
+        unused.append("max_image_pixels")
+    for name in unused:
+        prompt.pop(name, None)
+    now_prompt = {k: v for k, v in now.get("prompt", {}).items() if k not in unused}
+    return saved | {"prompt": prompt}, now | {"task": task, "prompt": now_prompt}
 
 
 def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:

@@ -389,12 +389,11 @@ class JobSpec:
         chunk = min(TASK_CHUNK, self.engine.max_num_batched_tokens or TASK_CHUNK)
         if chunk != TASK_CHUNK or self.engine.block_size is not None:
             out["chunks"] = {"tokens": chunk, "block_size": self.engine.block_size}
-        # So could another attention backend, compiled kernels or a split across ranks (named when given)
+        # So could another attention backend, compiled kernels or a split across ranks (each named when
+        # given; the entry is there, if empty, so that a job recorded before it is told apart: _changes)
         kernels = {"attention_backend": self.engine.attention_backend, "compile": self.engine.compile}
         kernels["tensor_parallel_size"] = self.engine.tensor_parallel_size
-        given = {k: v for k, v in kernels.items() if v not in ("auto", False, 1)}
-        if given:
-            out["kernels"] = given
+        out["kernels"] = {k: v for k, v in kernels.items() if v not in ("auto", False, 1)}
         return out
 
     def sampling_fingerprint(self) -> dict[str, Any]:

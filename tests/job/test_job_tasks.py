@@ -395,6 +395,13 @@ def test_resume_with_another_task_or_embed_option_is_refused_naming_it(tiny_mode
     # ...and so could another backend (up to 3e-8 apart, written beside the first run's floats)
     code, text = invoke(*base, "--task", "embed", "--pooling", "mean", "--attention-backend", "flex")
     assert code == 2 and "task.kernels.attention_backend: was None, now 'flex'" in text, text
+    # a job recorded before the kernels were is not told apart by them (nor asked for them again)
+    saved = read_json(out / "_batchjob" / "job.json")
+    del saved["fingerprint"]["task"]["kernels"]
+    write_json(out / "_batchjob" / "job.json", saved)
+    for backend in ("flex", "auto"):
+        code, text = invoke(*base, "--task", "embed", "--pooling", "mean", "--attention-backend", backend)
+        assert code == 0 and "already complete" in text, text
     code, text = invoke(*base, "--task", "embed", "--pooling", "mean")
     assert code == 0 and "already complete" in text
     code, text = invoke("status", out)

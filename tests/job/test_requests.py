@@ -568,6 +568,22 @@ def test_an_option_the_job_has_no_use_for_is_refused(given, named):
     make_spec(input="x.jsonl", output="o", format="openai", **given)  # OpenAI requests' names and images
 
 
+def test_a_job_recorded_with_an_option_now_refused_as_unused_resumes_without_it(tiny_model_dir, tmp_path):
+    """A rows job started with --check-model-name or --max-image-pixels (no use, now refused) could be
+    resumed neither with them (refused) nor without (a different job): the record's entries are let go."""
+    from batchjob.io.atomic import read_json, write_json
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["run", "--input", data, "--output", tmp_path / "o", "--model", tiny_model_dir, "--max-new-tokens", "2"]
+    assert invoke(*args)[0] == 0
+    saved = read_json(tmp_path / "o" / "_batchjob" / "job.json")
+    saved["fingerprint"]["prompt"] |= {"check_model_name": True, "max_image_pixels": 10}
+    write_json(tmp_path / "o" / "_batchjob" / "job.json", saved)
+    code, text = invoke(*args)
+    assert code == 0 and "already complete" in text, text
+
+
 def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
     """OpenAI's Batch API rejects a file with a custom_id used twice: so does `run` (and `validate`), before any
     work, naming both lines; nothing is written."""
