@@ -167,6 +167,9 @@ class JobLoop:
                     return self._result("interrupted")
                 self._check_errors()
                 self._save_as_due()
+            if self.spec.max_errors is not None:  # the others' failed rows committed since the last look
+                self.failed_elsewhere = self.errors_elsewhere.total()
+                self._check_errors()
             self._complete()
             return self._result("complete")
         finally:
