@@ -166,8 +166,8 @@ def _inner(env: Mapping[str, str], num_shards: int | None) -> Shard | None:
 
 
 def _in_srun_step(env: Mapping[str, str]) -> bool:
-    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
-    return step.isdigit() and int(step) < 0xFFFFFFF0  # Slurm's batch and extern steps have higher ids
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
+    return bool(_INTEGER.fullmatch(step)) and 0 <= int(step) < 0xFFFFFFF0  # batch, extern steps: higher
 
 
 def _check_srun_step(env: Mapping[str, str]) -> None:

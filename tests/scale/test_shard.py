@@ -182,6 +182,11 @@ def test_detect_shard_from_each_scheduler(env, flags, expected):
             {},
             "Start batchjob with srun",
         ),
+        (  # a step id that is no integer is no srun step (it was a ValueError traceback)
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "\u00b2"},
+            {},
+            "Start batchjob with srun",
+        ),
         ({}, {"num_shards": 3, "shard_index": 3}, "shard_index must be in 0..2"),
         ({}, {"num_shards": 3}, "without --shard-index"),
         ({"JOB_COMPLETION_INDEX": "2"}, {}, "BATCHJOB_NUM_SHARDS"),
