@@ -83,26 +83,50 @@ def grammar_of(json_schema: str | None, regex: str | None) -> tuple[str, str, st
     if json_schema is not None:
         kind, text = "json_schema", json_schema
         try:
-            closed = json.dumps(_no_extra_keys(json.loads(text)))
+            schema = json.loads(text)
+            closed = json.dumps(_no_extra_keys(schema))
         except ValueError:
-            closed = text  # not JSON: llguidance says why
+            schema, closed = None, text  # not JSON: llguidance says why
+        _refuse_dialect_gaps(schema)
         grammar, error = _compile(kind, closed)
         if error is not None:
             grammar, error = _compile(kind, text)
     else:
         assert regex is not None
         kind, text = "regex", regex
-        gap = _dialect_gap(regex)
-        if gap is not None:
-            raise ConfigError(
-                f"regex {regex[:200]!r} reads differently in llguidance, which writes the answer, and in "
-                f"Python's re, which checks it: {gap}; write the class out ([A-Za-z] for [[:alpha:]]) or "
-                "escape the character (\\[)"
-            )
+        _refuse_gap("regex", regex)
         grammar, error = _compile(kind, text)
     if error is not None:
         raise ConfigError(f"{kind} could not be compiled: {' '.join(error.split())}; got {text[:200]!r}")
     return kind, text, grammar
+
+
+def _refuse_gap(what: str, regex: str) -> None:
+    gap = _dialect_gap(regex)
+    if gap is not None:
+        raise ConfigError(
+            f"{what} {regex[:200]!r} reads differently in llguidance, which writes the answer, and in "
+            f"Python's re, which checks it: {gap}; write the class out ([A-Za-z] for [[:alpha:]]) or "
+            "escape the character (\\[)"
+        )
+
+
+def _refuse_dialect_gaps(schema: object, where: str = "json_schema") -> None:
+    """``_refuse_gap`` for every ``pattern`` and ``patternProperties`` key of a schema (jsonschema checks
+    them with Python's re, as the regex's answers are checked)."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            _refuse_dialect_gaps(sub, f"{where}[{i}]")
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            _refuse_gap(f"{where}.pattern", value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            for pattern in value:
+                _refuse_gap(f"{where}.patternProperties key", pattern)
+        if key not in _AS_WRITTEN or key in ("not", "if"):
+            _refuse_dialect_gaps(value, f"{where}.{key}")
 
 
 def _dialect_gap(regex: str) -> str | None:
@@ -167,4 +191,8 @@ def answer_error(json_schema: str | None, regex: str | None, text: str) -> str |
     pattern = None if regex is None else _pattern(regex)
     if pattern is None or pattern.fullmatch(text):
         return None
-    return f"the answer's text does not match the regex (as the tokenizer decodes its tokens): {text[:200]!r}"
+    return (
+        f"the answer's text does not match the regex as Python's re reads it: {text[:200]!r} (the grammar "
+        "wrote it token by token: a tokenizer's decoding may differ from its tokens, and llguidance reads a "
+        "few classes otherwise: \\w and \\d take more of Unicode there)"
+    )

@@ -395,6 +395,16 @@ def test_a_regex_llguidance_and_pythons_re_read_differently_is_refused():
         assert what in str(e.value) and repr(pattern) in str(e.value)
     for fine in [r"\[[a-z]\]", "[]a]", r"[\[]", "[a|b]", "[^]x]+", "a[b]c[d]", REGEX]:
         SamplingParams(regex=fine)
+    # a schema's patterns are checked by Python's re too (jsonschema): every row was an error after the run
+    word = {"type": "string", "pattern": "^[[:alpha:]]{3}$"}
+    for schema, where in [
+        ({"type": "object", "properties": {"w": word}}, "json_schema.properties.w.pattern"),
+        ({"type": "object", "patternProperties": {"^[a&&b]": {}}}, "json_schema.patternProperties key"),
+        ({"type": "array", "items": [word]}, "json_schema.items[0].pattern"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(f"{where} ") + ".* reads differently in llguidance"):
+            SamplingParams(json_schema=json.dumps(schema))
+    SamplingParams(json_schema=json.dumps({"enum": ["[[:alpha:]]"]}))  # a value, not a pattern
 
 
 REQUIRED_UNLISTED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
