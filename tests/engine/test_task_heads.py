@@ -98,3 +98,7 @@ def test_a_cross_encoder_folder_is_refused_naming_its_activation(tmp_path):
     (folder / "config.json").write_text(json.dumps(config | {"sentence_transformers": legacy}))
     with pytest.raises(BatchjobError, match="sentence_transformers.activation_fn: .*linear.Identity"):
         Engine.from_pretrained(str(folder), task="classify", device="cpu")
+    older = {"sbert_ce_default_activation_function": "torch.nn.modules.activation.Sigmoid"}  # before 4.0
+    (folder / "config.json").write_text(json.dumps(config | older))
+    with pytest.raises(BatchjobError, match="sbert_ce_default_activation_function: .*activation.Sigmoid"):
+        Engine.from_pretrained(str(folder), task="classify", device="cpu")

@@ -353,7 +353,7 @@ def refuse_cross_encoder(model_dir: str | None, model_config: Any) -> None:
     the folder's activation; classify reads one text and writes the raw outputs, so its scores would differ
     without a word. (A hub model's config_sentence_transformers.json is asked of the hub where not cached,
     and taken for absent where neither can say: an offline classifier must still run. A folder saved by
-    sentence-transformers 5 says it in its config.json, which is always read.)"""
+    sentence-transformers 5, or before 4.0, says it in its config.json, which is always read.)"""
     config = st_file(model_dir, "config_sentence_transformers.json", unknown_is_absent=True) or {}
     legacy = getattr(model_config, "sentence_transformers", None)  # 5.x CrossEncoder.save wrote it here
     if config.get("model_type") == "CrossEncoder":
@@ -361,6 +361,9 @@ def refuse_cross_encoder(model_dir: str | None, model_config: Any) -> None:
         activation = config.get("activation_fn")
     elif isinstance(legacy, dict) and "activation_fn" in legacy:
         where, activation = "config.json has sentence_transformers.activation_fn", legacy["activation_fn"]
+    elif getattr(model_config, "sbert_ce_default_activation_function", None) is not None:  # before 4.0
+        activation = model_config.sbert_ce_default_activation_function
+        where = "config.json has sbert_ce_default_activation_function"
     else:
         return
     raise ConfigError(
