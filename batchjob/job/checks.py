@@ -173,3 +173,12 @@ def check_unused(values: Mapping[str, Any], default_pixels: int) -> None:
         unused.append(f"{', '.join(k for k, v in given.items() if v)} (a row's images: --image-column)")
     if unused:
         raise ConfigError(f"this job has no use for {'; '.join(unused)}: leave it out")
+
+
+def choices_read_anew(choices: list[str] | None, logprobs: bool, per_row: bool) -> bool:
+    """Whether a job's --choices rows are answered otherwise since 2026-12-07: a label another one goes on
+    from (scored in log space; greedy's pick the whole label's best), or log-probabilities (the answer's own
+    tokens'); a params column may give either. Such a job's identity says so (an earlier one's is refused)."""
+    labels = choices or []
+    prefix = any(b != a and b.startswith(a) for a in labels for b in labels)
+    return per_row or (bool(labels) and (logprobs or prefix))

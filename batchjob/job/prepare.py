@@ -43,7 +43,7 @@ from batchjob.job.state import (
     differing,
     fingerprint_changes,
 )
-from batchjob.job.tasks import head_fingerprint
+from batchjob.job.tasks import head_fingerprint, task_fingerprint
 
 
 @dataclass
@@ -195,7 +195,11 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         if spec.lora_paths:  # each adapter by content, by name (a job without keeps its identity)
             fingerprint["lora"] = lora_identity(spec.lora_paths)
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
-            fingerprint["task"] = spec.task_fingerprint() | head_fingerprint(spec)
+            fingerprint["task"] = task_fingerprint(spec) | head_fingerprint(spec)
+            runs = fingerprint["model"].get("runs_in") or spec.engine.dtype
+            if spec.engine.task == "score" and runs not in ("float32", "float64"):
+                # log-probabilities taken in float32 from bf16 logits since 2026-12-07 (they were bf16's)
+                fingerprint["task"]["logsoftmax"] = "float32"
         return plan, fingerprint
 
     if spec.format == "openai":

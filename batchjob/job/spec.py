@@ -21,10 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.engine.options import EngineOptions, Option, by_engine_name, job_options
-from batchjob.engine.tasks.state import TASK_CHUNK
 from batchjob.errors import ConfigError
 from batchjob.job.admission import ADMISSION_CHOICES
-from batchjob.job.checks import annotation, check_task, check_type, check_unused, finite_float, home
+from batchjob.job.checks import (
+    annotation,
+    check_task,
+    check_type,
+    check_unused,
+    choices_read_anew,
+    finite_float,
+    home,
+)
 from batchjob.job.jobfile import read_job_file
 from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
@@ -367,38 +374,9 @@ class JobSpec:
             out |= {"image_column": self.image_column, "max_image_pixels": self.max_image_pixels}
         return out
 
-    def task_fingerprint(self) -> dict[str, Any]:
-        """The task and its options (empty for generation, so a generation job keeps its identity)."""
-        if self.engine.task == "generate":
-            return {}
-        out: dict[str, Any] = {"task": self.engine.task, "truncate": self.engine.truncate}
-        if self.engine.task == "embed":
-            out |= {
-                "pooling": self.engine.pooling,
-                "normalize": self.engine.normalize,
-                "dimensions": self.engine.dimensions,
-            }
-            if self.engine.prompt_name is not None:  # named only when given, so a job keeps its identity
-                out["prompt_name"] = self.engine.prompt_name
-        if self.engine.task == "score":
-            out |= {"score_column": self.score_column, "token_logprobs": self.logprobs is not None}
-        if self.engine.max_model_len is not None:  # it cuts (with --truncate) or fails long texts
-            out["max_model_len"] = self.engine.max_model_len
-        # Where a row's chunks start (the engine's chunk grid): resuming with other chunks could change the
-        # last bits of the floats written. Named only when not the defaults', so a job keeps its identity.
-        chunk = min(TASK_CHUNK, self.engine.max_num_batched_tokens or TASK_CHUNK)
-        if chunk != TASK_CHUNK or self.engine.block_size is not None:
-            out["chunks"] = {"tokens": chunk, "block_size": self.engine.block_size}
-        # So could another attention backend, compiled kernels or a split across ranks (each named when
-        # given; the entry is there, if empty, so that a job recorded before it is told apart: _changes)
-        kernels = {"attention_backend": self.engine.attention_backend, "compile": self.engine.compile}
-        kernels["tensor_parallel_size"] = self.engine.tensor_parallel_size
-        out["kernels"] = {k: v for k, v in kernels.items() if v not in ("auto", False, 1)}
-        return out
-
     def sampling_fingerprint(self) -> dict[str, Any]:
         if self.engine.task != "generate":
-            return {}  # nothing is sampled: the task's identity is task_fingerprint()
+            return {}  # nothing is sampled: the task's identity is job/tasks.py's task_fingerprint()
         keys = ("max_new_tokens", "top_p", "top_k", "min_p", "seed", "stop")
         out = {k: getattr(self, k) for k in keys} | {"temperature": self.effective_temperature}
         # Constraints and samples only when given, so a job without them keeps its old identity.
@@ -406,6 +384,8 @@ class JobSpec:
         for k in ("choices", "json_schema", "regex", "logprobs", "n", "repetition_penalty"):
             if k in extra:
                 out[k] = extra[k]  # the schema's content, not its path
+        if choices_read_anew(extra.get("choices"), "logprobs" in extra, self.params_column is not None):
+            out["choice_scoring"] = "whole labels"  # a job an earlier batchjob started is not resumed
         if self.engine.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")
             out["max_model_len"] = self.engine.max_model_len
         if self.max_reasoning_tokens is not None:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from batchjob.engine.tasks.state import HEADS, head_kind
+from batchjob.engine.tasks.state import HEADS, TASK_CHUNK, head_kind
 from batchjob.errors import ConfigError
 from batchjob.io.writers import EXTRA_FIELDS
 from batchjob.job.seam import JobEngine
@@ -55,10 +55,43 @@ def embed_input(spec: JobSpec, plan: Any, engine: JobEngine) -> Callable[[str], 
     return engine.tokenize
 
 
+def task_fingerprint(spec: JobSpec) -> dict[str, Any]:
+    """The task and its options (empty for generation, so a generation job keeps its identity)."""
+    if spec.engine.task == "generate":
+        return {}
+    out: dict[str, Any] = {"task": spec.engine.task, "truncate": spec.engine.truncate}
+    if spec.engine.task == "embed":
+        out |= {
+            "pooling": spec.engine.pooling,
+            "normalize": spec.engine.normalize,
+            "dimensions": spec.engine.dimensions,
+        }
+        if spec.engine.prompt_name is not None:  # named only when given, so a job keeps its identity
+            out["prompt_name"] = spec.engine.prompt_name
+    if spec.engine.task == "score":
+        out |= {"score_column": spec.score_column, "token_logprobs": spec.logprobs is not None}
+    if spec.engine.max_model_len is not None:  # it cuts (with --truncate) or fails long texts
+        out["max_model_len"] = spec.engine.max_model_len
+    # Where a row's chunks start (the engine's chunk grid): resuming with other chunks could change the
+    # last bits of the floats written. Named only when not the defaults', so a job keeps its identity.
+    chunk = min(TASK_CHUNK, spec.engine.max_num_batched_tokens or TASK_CHUNK)
+    if chunk != TASK_CHUNK or spec.engine.block_size is not None:
+        out["chunks"] = {"tokens": chunk, "block_size": spec.engine.block_size}
+    # So could another attention backend, compiled kernels or a split across ranks (each named when
+    # given; the entry is there, if empty, so that a job recorded before it is told apart: _changes)
+    kernels = {"attention_backend": spec.engine.attention_backend, "compile": spec.engine.compile}
+    kernels["tensor_parallel_size"] = spec.engine.tensor_parallel_size
+    out["kernels"] = {k: v for k, v in kernels.items() if v not in ("auto", False, 1)}
+    return out
+
+
 def head_fingerprint(spec: JobSpec) -> dict[str, Any]:
     """classify: how the head's outputs are read, where not as one label of all (so such a job keeps its
     identity): a job an earlier batchjob started on a multi-label head, writing a softmax, is not resumed
-    into this one's sigmoid columns."""
+    into this one's sigmoid columns. embed: the folder's settings batchjob reads since 2026-12-07, where it
+    has them (``_recipe_entry``)."""
+    if spec.engine.task == "embed":
+        return _recipe_entry(spec)
     if spec.engine.task != "classify":
         return {}
     from batchjob.job.model_identity import local_folder
@@ -102,3 +135,20 @@ def task_columns(task: str, out: Any) -> dict[str, Any]:
         "perplexity": out.perplexity,
         "token_logprobs": None if out.token_logprobs is None else [float(x) for x in out.token_logprobs],
     }
+
+
+def _recipe_entry(spec: JobSpec) -> dict[str, Any]:
+    """An embedding folder's truncate_dim and tokenizer arguments (sentence-transformers files), which
+    batchjob once ignored: a job an earlier batchjob started on such a folder wrote vectors of another width
+    or texts cut elsewhere, and is not resumed into these (one without them keeps its identity)."""
+    from batchjob.engine.tasks.st_folder import st_file  # (reads JSON files)
+    from batchjob.models import resolve_model
+
+    model = resolve_model(spec.model)
+    config = st_file(model, "config_sentence_transformers.json", unknown_is_absent=True) or {}
+    bert = st_file(model, "sentence_bert_config.json", unknown_is_absent=True) or {}
+    read = {"truncate_dim": config.get("truncate_dim") if isinstance(config, dict) else None}
+    if isinstance(bert, dict):
+        read |= {k: bert.get(k) for k in ("processor_kwargs", "tokenizer_args")}
+    given = {k: v for k, v in read.items() if v}
+    return {"folder": given} if given else {}

@@ -83,6 +83,22 @@ def test_choices_give_a_label_and_its_confidence(data, tiny_model_dir, tmp_path)
     assert first == [r["choice_probs"][LABELS[0]] for r in result]
 
 
+def test_a_choices_job_an_earlier_batchjob_answered_otherwise_is_not_resumed(data, tiny_model_dir, tmp_path):
+    """Labels one of which another goes on from ('no' and 'no thanks') are read whole since 2026-12-07 (the
+    pick, and a label a longer one continues, changed): a job an earlier batchjob started mixed both
+    readings of one prompt in one output ('ac!' and 'b'). Its identity says so; an earlier one is refused."""
+    from batchjob.io.atomic import read_json, write_json
+
+    out = tmp_path / "out"
+    args = [*base(data, out, tiny_model_dir), "--id-column", "id", "--choices", "no,no thanks,yes"]
+    assert invoke(*args)[0] == 0
+    saved = read_json(out / "_batchjob" / "job.json")
+    del saved["fingerprint"]["sampling"]["choice_scoring"]  # as an earlier batchjob recorded it
+    write_json(out / "_batchjob" / "job.json", saved)
+    code, text = invoke(*args)
+    assert code == 2 and "sampling.choice_scoring: was None, now 'whole labels'" in text, text
+
+
 def test_json_schema_and_regex_answers_are_valid(data, tiny_model_dir, tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))

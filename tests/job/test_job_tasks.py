@@ -430,6 +430,27 @@ def write_shared_prompt_rows(path, n=60):
     return path
 
 
+@pytest.mark.engine
+def test_a_task_job_an_earlier_batchjob_computed_otherwise_is_not_resumed(tiny_model_dir, tmp_path):
+    """A folder's truncate_dim (read since 2026-12-07) and a bf16 score's log-softmax (float32 since then)
+    changed what such a job writes: one an earlier batchjob started, resumed or appended, mixed vectors of
+    64 and 16 dimensions (and bf16 log-probabilities beside float32 ones) in one output. It is refused."""
+    folder = make_embedder(tmp_path / "m", "bert", "mean", truncate_dim=16)
+    cases = [
+        ("embed", folder, [], "task.folder.truncate_dim: was None, now 16"),
+        ("score", tiny_model_dir, ["--dtype", "bfloat16"], "task.logsoftmax: was None, now 'float32'"),
+    ]
+    for task, model, extra, message in cases:
+        out, rows = job(tmp_path, model, task, name=f"out_{task}", dtype=(extra or [None, None])[1])
+        assert sum(r["error"] is None for r in rows) > 1
+        saved = read_json(out / "_batchjob" / "job.json")
+        saved["fingerprint"]["task"].pop(message.split(":")[0].split(".")[1])  # as an earlier one recorded it
+        write_json(out / "_batchjob" / "job.json", saved)
+        base = ["run", "--input", tmp_path / "rows.jsonl", "--output", out, "--model", model, "--task", task]
+        code, text = invoke(*base, "--id-column", "rid", *extra)
+        assert code == 2 and message in text, text
+
+
 def test_killed_and_resumed_task_job_writes_what_an_uninterrupted_one_does(launch, tiny_model_dir, tmp_path):
     """Bit for bit, with the prefix cache on and rows scored in chunks: which rows share a step, and which
     prompts a restart finds cached, differ between the two runs (see the scheduler's chunk grid)."""
