@@ -27,13 +27,18 @@ ADAPTERS = {
 }
 
 
-def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "out/lora_adapters")
+def build(out: Path) -> dict[str, Path]:
+    """Write the adapters under ``out``; their folders by name."""
     base = resolve_model(None)
     model = meta_model(AutoConfig.from_pretrained(base))  # module names and shapes, no weights
     for name, (rank, alpha, targets, seed) in ADAPTERS.items():
         write_adapter(out / name, base, target_shapes(model, targets), rank, alpha, seed)
         print(f"{out / name}: rank {rank}, alpha {alpha}, {', '.join(targets)}")
+    return {name: out / name for name in ADAPTERS}
+
+
+def main() -> None:
+    build(Path(sys.argv[1] if len(sys.argv) > 1 else "out/lora_adapters"))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,13 @@ def _check_job_file(out_dir: Path) -> None:
         )
 
 
+def _score_entry(spec: JobSpec, model: dict[str, Any]) -> dict[str, Any]:
+    """A score job that runs in bf16 (or float16) takes its log-probabilities in float32 since 2026-12-07
+    (they were bf16's): its identity says so, and one an earlier batchjob started is not resumed into it."""
+    runs = model.get("runs_in") or spec.engine.dtype
+    return {"logsoftmax": "float32"} if spec.engine.task == "score" and runs not in ("float32", "float64") else {}
+
+
 def _render_entry(plan: PromptPlan) -> dict[str, Any]:
     """A conversation rendered without the generation prompt (a task that reads it as it is) says so in the
     job's identity: such a job started when every render ended with one is refused on resume, by name,
@@ -195,11 +202,8 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         if spec.lora_paths:  # each adapter by content, by name (a job without keeps its identity)
             fingerprint["lora"] = lora_identity(spec.lora_paths)
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
-            fingerprint["task"] = task_fingerprint(spec) | head_fingerprint(spec)
-            runs = fingerprint["model"].get("runs_in") or spec.engine.dtype
-            if spec.engine.task == "score" and runs not in ("float32", "float64"):
-                # log-probabilities taken in float32 from bf16 logits since 2026-12-07 (they were bf16's)
-                fingerprint["task"]["logsoftmax"] = "float32"
+            task = task_fingerprint(spec) | head_fingerprint(spec)
+            fingerprint["task"] = task | _score_entry(spec, fingerprint["model"])
         return plan, fingerprint
 
     if spec.format == "openai":
