@@ -158,21 +158,41 @@ def check_stops(stops: list[str] | None, tokenizer: Any) -> None:
         raise ConfigError(f"--stop: {why}")
 
 
+def unused_options(fmt: str, image_column: str | None) -> set[str]:
+    """The options a job of this format has no use for (refused where given: ``check_unused``; an older job
+    that recorded one resumes without it: ``prepare._unrecorded``): --chat with --format openai (each
+    request's kind says), --check-model-name over rows, the image options over rows without images."""
+    out = {"chat"} if fmt == "openai" else {"check_model_name"}
+    if image_column is None and fmt == "rows":
+        out |= {"max_image_pixels", "allow_remote_images", "image_workers"}
+    return out
+
+
+_UNUSED_WHY = {  # what each option is for, as the refusal says it
+    "check_model_name": "it checks each request's body.model: --format openai",
+    "max_image_pixels": "a row's images: --image-column",
+    "allow_remote_images": "a row's images: --image-column",
+    "image_workers": "a row's images: --image-column",
+}
+
+
 def check_unused(values: Mapping[str, Any], default_pixels: int) -> None:
     """Refuse options a job would accept and never use (they were taken without a word): the name check of
-    OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's."""
-    unused = []
-    if values["check_model_name"] and values["format"] != "openai":
-        unused.append("--check-model-name (it checks each request's body.model: --format openai)")
+    OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's.
+    (--chat with --format openai: ``JobSpec._check_openai`` says why.)"""
     given = {
-        "--max-image-pixels": values["max_image_pixels"] != default_pixels,
-        "--allow-remote-images": values["allow_remote_images"],
-        "--image-workers": values["image_workers"] is not None,
+        "check_model_name": bool(values["check_model_name"]),
+        "max_image_pixels": values["max_image_pixels"] != default_pixels,
+        "allow_remote_images": bool(values["allow_remote_images"]),
+        "image_workers": values["image_workers"] is not None,
     }
-    if any(given.values()) and values["image_column"] is None and values["format"] == "rows":
-        unused.append(f"{', '.join(k for k, v in given.items() if v)} (a row's images: --image-column)")
-    if unused:
-        raise ConfigError(f"this job has no use for {'; '.join(unused)}: leave it out")
+    unused = unused_options(values["format"], values["image_column"])
+    by_why: dict[str, list[str]] = {}
+    for name in (n for n, is_given in given.items() if is_given and n in unused):
+        by_why.setdefault(_UNUSED_WHY[name], []).append(name)
+    if by_why:
+        named = "; ".join(f"{flags(names)} ({why})" for why, names in by_why.items())
+        raise ConfigError(f"this job has no use for {named}: leave it out")
 
 
 def choices_read_anew(choices: list[str] | None, logprobs: bool, per_row: bool) -> bool:

@@ -23,6 +23,7 @@ from batchjob.errors import BatchjobError, InputError, StateError
 from batchjob.io.schema import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
+from batchjob.job.checks import unused_options
 from batchjob.job.defaults import resolved_defaults
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
@@ -126,7 +127,8 @@ def _score_entry(spec: JobSpec, model: dict[str, Any]) -> dict[str, Any]:
     """A score job that runs in bf16 (or float16) takes its log-probabilities in float32 since 2026-12-07
     (they were bf16's): its identity says so, and one an earlier batchjob started is not resumed into it."""
     runs = model.get("runs_in") or spec.engine.dtype
-    return {"logsoftmax": "float32"} if spec.engine.task == "score" and runs not in ("float32", "float64") else {}
+    halved = spec.engine.task == "score" and runs not in ("float32", "float64")
+    return {"logsoftmax": "float32"} if halved else {}
 
 
 def _render_entry(plan: PromptPlan) -> dict[str, Any]:
@@ -167,9 +169,7 @@ def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> tu
     task, prompt = dict(now.get("task", {})), dict(saved.get("prompt", {}))
     if "task" in saved and "kernels" not in saved["task"]:
         task.pop("kernels", None)
-    unused = ["chat"] if spec.format == "openai" else ["check_model_name"]
-    if spec.image_column is None and spec.format == "rows":
-        unused.append("max_image_pixels")
+    unused = unused_options(spec.format, spec.image_column)
     for name in unused:
         prompt.pop(name, None)
     now_prompt = {k: v for k, v in now.get("prompt", {}).items() if k not in unused}
