@@ -56,8 +56,9 @@ def check_engine(spec: JobSpec) -> str:
         from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
 
         width = model_config.get_text_config().hidden_size
+        dtype = str(config.dtype).removeprefix("torch.")  # its name, as the folder's files give one
         resolve_pooling(
-            resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name
+            resolved, config.pooling, config.normalize, config.dimensions, width, config.prompt_name, dtype
         )
     if config.task == "classify":  # a CrossEncoder folder reads pairs, through its activation
         from batchjob.engine.tasks.st_folder import refuse_cross_encoder  # (light: reads JSON files)

@@ -294,6 +294,52 @@ def test_a_folders_tokenizer_arguments_are_encodes(folders, tmp_path, name, conf
     assert float(np.abs(got - _encode(_st(folder), texts, None)).max()) <= 1e-12
 
 
+def test_a_folders_model_arguments_are_encodes_or_refused(folders, tmp_path):
+    """sentence_bert_config.json's model arguments (model_kwargs, 5.x model_args), which
+    sentence-transformers loads the model with: its dtype is the one encode computes in, so an engine in
+    another is refused by name (batchjob read none of them: a folder loading in bfloat16 embedded in
+    float32, 0.0028 away from encode's); in its dtype, with a key that changes only speed, it is encode's."""
+    import shutil
+
+    cases = {
+        "f64": ({"model_kwargs": {"torch_dtype": "float64", "attn_implementation": "eager"}}, None),
+        "auto": ({"model_args": {"dtype": "auto", "revision": "main"}}, None),  # as without them
+        "bf16": (
+            {"model_args": {"torch_dtype": "bfloat16"}},
+            "model_args loads the model in bfloat16 .* this engine computes in float32; give --dtype bfloat16",
+        ),
+        "dtype-wins": (  # transformers takes dtype over torch_dtype
+            {"model_kwargs": {"torch_dtype": "float32", "dtype": "half"}},
+            "model_kwargs loads the model in half .* computes its embeddings in float16",
+        ),
+        "int8": ({"model_kwargs": {"dtype": "int8"}}, "model_kwargs dtype is 'int8', not one batchjob"),
+        "quantized": (
+            {"model_kwargs": {"quantization_config": {"load_in_8bit": True}, "device_map": "cpu"}},
+            "sets model_kwargs \\(quantization_config\\), which sentence-transformers loads the model with",
+        ),
+    }
+    texts = TEXTS[:3]
+    for name, (edit, refusal) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(folders["bert-mean"], folder)
+        config = json.loads((folder / "sentence_bert_config.json").read_text())
+        (folder / "sentence_bert_config.json").write_text(json.dumps(config | edit))
+        if refusal is not None:
+            with pytest.raises(ConfigError, match=refusal):
+                Engine.from_pretrained(str(folder), task="embed", device="cpu")
+            continue
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(str(folder), device="cpu")  # in the folder's own dtype
+        dtype = str(st.dtype).removeprefix("torch.")
+        eng = Engine.from_pretrained(str(folder), task="embed", device="cpu", dtype=dtype)
+        got = np.stack([o.embedding for o in eng.embed(texts)])
+        tolerance = 1e-12 if dtype == "float64" else 1e-6
+        assert float(np.abs(got - _encode(st, texts, None)).max()) <= tolerance, name
+    # a bfloat16 folder embeds in --dtype bfloat16
+    Engine.from_pretrained(str(tmp_path / "bf16"), task="embed", device="cpu", dtype="bfloat16")
+
+
 @pytest.mark.engine
 def test_a_folders_truncate_dim_is_cut_as_encode_cuts_it(tmp_path):
     """config_sentence_transformers.json's truncate_dim: encode keeps the first N of the normalised vector,

@@ -346,8 +346,9 @@ def task_runner(model, tokenizer, config, model_id: str, encoder: bool) -> tuple
     pooling = None
     if config.task == "embed":
         width = model.config.get_text_config().hidden_size
+        dtype = str(config.dtype).removeprefix("torch.")  # its name, as the folder's files give one
         pooling = resolve_pooling(
-            model_id, config.pooling, config.normalize, config.dimensions, width, config.prompt_name
+            model_id, config.pooling, config.normalize, config.dimensions, width, config.prompt_name, dtype
         )
         if pooling.max_seq_length is not None:
             limit = min(limit, pooling.max_seq_length)

@@ -7,8 +7,9 @@ follow is refused by name, with the file and key, never silently left out.
 The files: ``modules.json`` (the pipeline: Transformer, Pooling, Normalize; anything else is refused),
 ``sentence_bert_config.json`` (the Transformer's: 5.x ``max_seq_length`` and ``do_lower_case``, 6.x
 ``transformer_task`` and ``modality_config``; a folder without ``modality_config``, as 5.x saved it, takes
-text alone; the tokenizer's and the config's loading arguments), ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``) and the pooling
-module's ``config.json`` (its mode and ``include_prompt``).
+text alone; the tokenizer's, the config's and the model's loading arguments),
+``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``) and the pooling module's
+``config.json`` (its mode and ``include_prompt``).
 """
 
 from __future__ import annotations
@@ -189,6 +190,13 @@ _HUB_KEYS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", 
 # (the file's name for the tokenizer's and the config's loading arguments, 6.x's first; 5.x's wins, as
 # sentence-transformers 6 takes it, where both are there)
 _TOKENIZER_KEYS, _CONFIG_KEYS = ("processor_kwargs", "tokenizer_args"), ("config_kwargs", "config_args")
+_MODEL_KEYS = ("model_kwargs", "model_args")
+# Keys of the model's loading arguments that change how fast it loads or runs, or where, not the numbers
+# it computes (add_pooling_layer: BERT's pooler, which the last hidden states never pass through).
+_HARMLESS_MODEL_KEYS = {"attn_implementation", "device_map", "low_cpu_mem_usage", "add_pooling_layer"}
+# The dtype names transformers takes (torch's attributes) for those batchjob computes in.
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float64": "float64", "double": "float64"}
+_DTYPE_NAMES |= {"float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
 
 
 def _loading_args(where: str, config: dict, names: tuple[str, str]) -> tuple[str, dict]:
@@ -199,6 +207,36 @@ def _loading_args(where: str, config: dict, names: tuple[str, str]) -> tuple[str
     if not isinstance(args, dict):
         raise ConfigError(f"{where}: {name} is {args!r}, not a JSON object of keyword arguments")
     return name, {k: v for k, v in args.items() if k not in _HUB_KEYS}
+
+
+def _check_model_args(where: str, config: dict, dtype: str | None) -> None:
+    """sentence_bert_config.json's model arguments (``model_kwargs``, 5.x ``model_args``), which
+    sentence-transformers loads the model with: a dtype other than the engine's ``dtype`` (its name, e.g.
+    "float32"; None: not checked) and any key that may change the numbers are refused by name; "auto" (the
+    config's dtype, as without the key) and keys that change only speed or placement are taken."""
+    name, args = _loading_args(where, config, _MODEL_KEYS)
+    given = args.get("dtype", args.get("torch_dtype"))  # transformers takes dtype over torch_dtype
+    others = sorted(set(args) - _HARMLESS_MODEL_KEYS - {"dtype", "torch_dtype"})
+    if others:
+        raise ConfigError(
+            f"{where} sets {name} ({', '.join(others)}), which sentence-transformers loads the model with and "
+            "batchjob does not (it takes attn_implementation, device_map and a dtype); remove them from "
+            "the file to embed without them"
+        )
+    if given is None or given == "auto":
+        return
+    folder = _DTYPE_NAMES.get(given) if isinstance(given, str) else None
+    if folder is None:
+        raise ConfigError(
+            f"{where}: {name} dtype is {given!r}, not one batchjob computes in (float32, float64, bfloat16, "
+            "float16); remove it from the file to embed in --dtype"
+        )
+    if dtype is not None and folder != dtype:
+        raise ConfigError(
+            f"{where}: {name} loads the model in {given} (sentence-transformers computes its embeddings in "
+            f"{folder}), but this engine computes in {dtype}; give --dtype {folder} to embed as it does, or "
+            f"remove the key from the file to embed in {dtype}"
+        )
 
 
 def _tokenizer_limits(where: str, config: dict) -> tuple[int | None, str | None]:
@@ -254,10 +292,12 @@ def resolve_pooling(
     dimensions: int | None,
     width: int,
     prompt_name: str | None = None,
+    dtype: str | None = None,
 ) -> Pooling:
     """The embedding recipe: the options given, else the folder's sentence-transformers files, else mean
     pooling without normalisation and the text alone. Raises ``ConfigError`` for what batchjob does not
-    follow (a Dense module, max pooling, a prompt name the folder lacks, ...)."""
+    follow (a Dense module, max pooling, a prompt name the folder lacks, a dtype other than ``dtype``, the
+    engine's, e.g. "float32"; None: not checked, ...)."""
     mode, st_normalize, include = _pipeline(model_dir, pooling, normalize)
     if dimensions is not None and dimensions > width:
         raise ConfigError(f"dimensions {dimensions} exceeds the model's width of {width}")
@@ -266,6 +306,7 @@ def resolve_pooling(
     # the tokenizer's model_max_length among its loading arguments replaces max_seq_length, as
     # sentence-transformers 6 takes it (it sets the tokenizer's limit from max_seq_length only without one)
     limit, side = _tokenizer_limits(f"{model_dir}/sentence_bert_config.json", st_config)
+    _check_model_args(f"{model_dir}/sentence_bert_config.json", st_config, dtype)
     if limit is None:
         limit = st_config.get("max_seq_length")
     prompt = prompt_text(model_dir, prompt_name)
