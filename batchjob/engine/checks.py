@@ -32,11 +32,14 @@ def check_request(
         return refused
     limits = (rule.limit(req) for rule in rules)  # a rule's bound (a choice's longest answer) replaces it
     new = next((b for b in limits if b is not None), req.params.max_new_tokens)
-    longest = min(n + new, max_model_len)
-    need = bm.blocks_for(longest)
+    # Its last token is sampled and never computed, so its KV is never written: a request of k blocks' worth
+    # of tokens and one more fits k blocks (the drafts of speculative decoding stop before it too).
+    kv = min(n + new, max_model_len) - 1
+    need = bm.blocks_for(kv)
     if need > bm.num_blocks:
         return (
-            f"request needs {need} KV blocks of {bm.block_size} tokens for {longest} tokens, "
-            f"but the pool has {bm.num_blocks}; raise num_blocks or kv_memory_gb"
+            f"request needs {need} KV blocks of {bm.block_size} tokens for the {kv} tokens it computes (its "
+            f"prompt and output but the last token), but the pool has {bm.num_blocks}; raise num_blocks or "
+            "kv_memory_gb"
         )
     return None

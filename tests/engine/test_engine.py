@@ -142,6 +142,28 @@ def test_preemption_keeps_outputs_exact(tiny_model_dir):
     assert all(c == 0 for c in engine.block_manager.ref_counts)
 
 
+@pytest.mark.parametrize(
+    ("num_blocks", "prompt", "new"),
+    [(1, 16, 1), (2, 16, 17), (2, 17, 16), (2, 15, 18)],  # prompt + new = k blocks' worth of tokens and one
+)
+def test_a_pool_of_exactly_the_blocks_a_request_computes_runs_it(tiny_model_dir, num_blocks, prompt, new):
+    """A request's last token is sampled, never computed: prompt + max_new_tokens - 1 tokens of KV. A pool of
+    exactly those blocks runs it without preemption, to HF generate's tokens (the admission check counted
+    the last token too: a prompt of 16 tokens and 17 new was refused, needing 3 blocks of 16, in a pool of
+    2); one token more needs a block more, and is refused."""
+    engine = Engine.from_pretrained(
+        str(tiny_model_dir), dtype="float64", device="cpu", block_size=16, num_blocks=num_blocks
+    )
+    ids = _prompts(random.Random(9), [prompt], engine.vocab_size)[0]
+    out = engine.generate([ids], SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True))[0]
+    assert out.error is None
+    assert out.token_ids == hf_greedy(_hf(tiny_model_dir), ids, new)
+    assert engine.stats.preemptions == 0 and engine.block_manager.peak_used == num_blocks
+    more = engine.generate([ids], SamplingParams(max_new_tokens=new + 1, temperature=0, ignore_eos=True))[0]
+    want = f"needs {num_blocks + 1} KV blocks of 16 tokens for the {prompt + new} tokens it computes"
+    assert more.error is not None and want in more.error
+
+
 @pytest.mark.parametrize("num_blocks", [None, 40])
 def test_shared_prefix_is_computed_once_and_outputs_are_exact(tiny_model_dir, num_blocks):
     rng = random.Random(11)
