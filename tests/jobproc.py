@@ -42,24 +42,32 @@ def run_here(args) -> tuple[int, str]:
 
 
 @contextmanager
-def sigterm_after_steps(n: int):
-    """Within the block, this process gets SIGTERM at the engine's n-th step (an in-process job then
-    checkpoints and stops with exit 75): an interruption at a known point, not after a sleep."""
+def at_step(n: int, action):
+    """Within the block, ``action()`` runs in this process just before the engine's n-th step: something
+    done to a job at a known point of its run (a signal, another worker's run), not after a sleep."""
     from batchjob.engine import Engine
 
     step, count = Engine.step, [0]
 
-    def interrupting_step(self):
+    def acting_step(self):
         count[0] += 1
         if count[0] == n:
-            os.kill(os.getpid(), signal.SIGTERM)
+            action()
         return step(self)
 
-    Engine.step = interrupting_step
+    Engine.step = acting_step
     try:
         yield
     finally:
         Engine.step = step
+
+
+@contextmanager
+def sigterm_after_steps(n: int):
+    """Within the block, this process gets SIGTERM at the engine's n-th step (an in-process job then
+    checkpoints and stops with exit 75): an interruption at a known point, not after a sleep."""
+    with at_step(n, lambda: os.kill(os.getpid(), signal.SIGTERM)):
+        yield
 
 
 @contextmanager

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.job import make_spec, run_job
 from tests.faultproc import wait_for_points
+from tests.jobproc import at_step, torch_threads
 from tests.jobproc import read_results as results
-from tests.jobproc import torch_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,6 +149,34 @@ def test_slurm_array_with_a_killed_and_restarted_worker(launch, reviews, tiny_mo
     assert results(out) == expected
     code, text = invoke("status", out)
     assert code == 0 and "complete (3 of 3 workers complete)" in text
+
+
+def test_max_errors_looks_at_the_other_workers_once_more_before_completing(
+    launch, reviews, tiny_model_dir, tmp_path, expected
+):
+    """--max-errors counts the job: a worker about to complete looks at the failed rows the others committed
+    since its last look. Worker 0 (no failed row of its own, no checkpoint after its start) runs in this
+    process; at its first step worker 1 runs to the end as a process and commits its share's failed row (the
+    torn line). Without that last look worker 0 would mark its share complete over a job with 1 failed row at
+    --max-errors 1."""
+    out = tmp_path / "out"
+    args = job_args(reviews, out, tiny_model_dir, "--num-shards", "2", "--checkpoint-interval", "3600")
+    other = []
+
+    def worker_1_runs():
+        other.append(finish([launch([*args, "--shard-index", "1"])])[0])
+
+    with at_step(1, worker_1_runs):
+        code, text = invoke("run", *args, "--shard-index", "0", "--max-errors", "1")
+    assert other and "complete: 12 of 12 rows done (1 errors)" in other[0], other
+    assert (
+        code == 1 and "stopped after 1 failed rows in the job (0 in this worker's share, 1 in the" in text
+    ), text
+    code, text = invoke("status", out)
+    assert "shard 0 of 2: stopped, 12 of 12 rows, 0 errors" in text and "shard 1 of 2: complete" in text, text
+    code, text = invoke("run", *args, "--shard-index", "0")  # without the limit it completes, as committed
+    assert code == 0 and "already complete" not in text, text
+    assert results(out) == expected
 
 
 @pytest.mark.process  # its launcher runs here, its workers are processes
