@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from batchjob import faults
 from batchjob.errors import StateError
 from batchjob.io.writers import PartWriter, file_sha256
+from batchjob.job.inputs import split_ordinal
 from batchjob.job.intervals import IntervalSet
 from batchjob.job.manifest import Manifest, PartRecord
 from batchjob.job.state import JobInfo, JobMismatchError, StateDir
@@ -276,6 +277,18 @@ def _repair_part(
     return note, taken, replace(new, name=name, result_rows=table.num_rows, **writer.stamp(name))
 
 
+def _forget_counts(info: JobInfo, unread: set[int]) -> bool:
+    """Forget the row count of each file whose unreadable-rest row (``unread``: their ordinals) is taken back;
+    whether any was. The reader counted such a file up to where its read failed (30 of its 40 rows); the
+    rerun reads on past there, and status said 'rows: 33 of 30 input rows'. Until the reader reaches the
+    file's end again, its length is unknown."""
+    files = {split_ordinal(o)[0] for o in unread}
+    for record in info.inputs:
+        if record.seq in files:
+            record.rows = None
+    return bool(files)
+
+
 def repair_outputs(
     state: StateDir,
     info: JobInfo,
@@ -289,7 +302,8 @@ def repair_outputs(
     the rows of the ordinals in ``redo``), so that the job loop computes them again. Prints a line per part;
     returns how many input rows are redone.
 
-    Needs the job's lock. ``info`` is marked incomplete (and saved) when anything is taken back.
+    Needs the job's lock. ``info`` is marked incomplete (and saved) when anything is taken back, and a file
+    whose unreadable-rest row is taken back loses its row count (``_forget_counts``).
     """
     out_dir = writer.out_dir
     problems = check_parts(out_dir, manifest)
@@ -315,11 +329,14 @@ def repair_outputs(
         return 0
     for note in notes:
         print(f"batchjob: {note}", file=sys.stderr)
-    if info.complete:
+    kept = [written.get(r.name, r) for r in manifest.parts if r.name not in dropped]
+    forgot = _forget_counts(info, manifest.unread - {o for r in kept for o in r.unread})
+    if info.complete or forgot:  # before the manifest: after a crash between, no 'complete' and no count
+        # outlives the rows it was for
         info.complete_for = None
         state.save_job(info)
     faults.die("after_part_rewrite")
-    manifest.rewrite([written.get(r.name, r) for r in manifest.parts if r.name not in dropped])
+    manifest.rewrite(kept)
     faults.die("after_manifest_rewrite")
     for name in dropped | set(written):
         (out_dir / name).unlink(missing_ok=True)

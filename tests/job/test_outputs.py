@@ -242,6 +242,30 @@ def test_a_file_whose_rest_cannot_be_read_resumes_past_its_error_row_and_only_th
     assert_same_rows(out, reference)
 
 
+def test_a_retry_that_reads_on_past_an_unreadable_rest_counts_the_file_anew(
+    reviews, tiny_model_dir, tmp_path, reference, monkeypatch
+):
+    """A read error made the rest of the file one error row, and the file's row count where the read failed
+    (30 of its 40 rows). A --retry-errors run reads on past it; stopped partway, it left that count standing:
+    status said 'rows: 33 of 30 input rows (110.0%)' (and a run stopped before it read to the end,
+    'interrupted: 31 of 30 rows done'). Taking the row back forgets the count: unknown until the file is read
+    to its end."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
+    assert "complete: 30 of 30 rows done (1 errors)" in run(reviews, out, tiny_model_dir)
+    monkeypatch.delenv("BATCHJOB_FAULT_EIO")
+    with sigterm_after_steps(20):
+        code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--retry-errors"))
+    done = len(results(out))
+    assert code == 75 and 30 < done < N_ROWS and f"interrupted: {done} of {N_ROWS} rows done" in text, text
+    code, text = invoke("status", out)
+    assert code == 0 and f"rows: {done} of unknown input rows\n" in text, text
+    run(reviews, out, tiny_model_dir, "--retry-errors")
+    code, text = invoke("status", out)
+    assert f"{out}: complete" in text and f"rows: {N_ROWS} of {N_ROWS} input rows (100.0%)" in text, text
+    assert_same_rows(out, reference)
+
+
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
 def test_a_crash_in_the_middle_of_a_rewrite_loses_and_doubles_nothing(
     launch, reviews, tiny_model_dir, tmp_path, reference, point, monkeypatch
