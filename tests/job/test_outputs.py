@@ -89,6 +89,13 @@ def parts(out):
     return Manifest(out / "_batchjob" / "manifest.jsonl").parts
 
 
+def exported(out, to):
+    """``batchjob export``'s JSONL lines of the job in ``out`` (written to ``to``)."""
+    code, text = invoke("export", out, "--to", to)
+    assert code == 0, text
+    return to.read_text().splitlines()
+
+
 def assert_same_rows(out, ref):
     got, expected = results(out), results(ref)
     assert [(r["rid"], r.get("sample_index")) for r in got] == [
@@ -249,7 +256,8 @@ def test_a_retry_that_reads_on_past_an_unreadable_rest_counts_the_file_anew(
     (30 of its 40 rows). A --retry-errors run reads on past it; stopped partway, it left that count standing:
     status said 'rows: 33 of 30 input rows (110.0%)' (and a run stopped before it read to the end,
     'interrupted: 31 of 30 rows done'). Taking the row back forgets the count: unknown until the file is read
-    to its end."""
+    to its end. Stopped and resumed, its export has each row once, in input order, with its newest result:
+    the uninterrupted run's."""
     out = tmp_path / "out"
     monkeypatch.setenv("BATCHJOB_FAULT_EIO", FLAKY_READ["BATCHJOB_FAULT_EIO"])
     assert "complete: 30 of 30 rows done (1 errors)" in run(reviews, out, tiny_model_dir)
@@ -260,10 +268,15 @@ def test_a_retry_that_reads_on_past_an_unreadable_rest_counts_the_file_anew(
     assert code == 75 and 30 < done < N_ROWS and f"interrupted: {done} of {N_ROWS} rows done" in text, text
     code, text = invoke("status", out)
     assert code == 0 and f"rows: {done} of unknown input rows\n" in text, text
+    expected = exported(reference, tmp_path / "ref.jsonl")
+    lines = exported(out, tmp_path / "stopped.jsonl")  # each done row once, in order, its newest result
+    rids = [json.loads(line)["rid"] for line in lines]
+    assert len(lines) == done and rids == sorted(set(rids)) and set(lines) <= set(expected)
     run(reviews, out, tiny_model_dir, "--retry-errors")
     code, text = invoke("status", out)
     assert f"{out}: complete" in text and f"rows: {N_ROWS} of {N_ROWS} input rows (100.0%)" in text, text
     assert_same_rows(out, reference)
+    assert exported(out, tmp_path / "resumed.jsonl") == expected
 
 
 @pytest.mark.parametrize("point", ["after_part_rewrite", "after_manifest_rewrite"])
