@@ -148,14 +148,22 @@ def home(path: Any) -> Any:
     return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
-def check_stops(stops: list[str] | None, tokenizer: Any) -> None:
-    """Refuse a job whose --stop holds a special token's text before work (every row was its error)."""
-    from batchjob.engine.features.stops import special_in_stop  # (the engine's package imports torch)
+def check_special_texts(stops: list[str] | None, choices: list[str] | None, tokenizer: Any) -> None:
+    """Refuse, before work, a job whose --stop holds a special token's text (every row was its error: never
+    found) or whose --choices does (the label was scored as the token, not as its text)."""
+    from batchjob.engine.features.stops import (  # (the engine's package imports torch)
+        special_in_choices,
+        special_in_stop,
+    )
     from batchjob.engine.output import special_token_texts
 
-    why = special_in_stop(stops, special_token_texts(tokenizer))
+    special = special_token_texts(tokenizer)
+    why = special_in_stop(stops, special)
     if why is not None:
         raise ConfigError(f"--stop: {why}")
+    why = special_in_choices(choices, special)
+    if why is not None:
+        raise ConfigError(f"--choices: {why}")
 
 
 def unused_options(fmt: str, image_column: str | None) -> set[str]:

@@ -216,6 +216,38 @@ def test_bad_constraint_options_exit_2(data, tiny_model_dir, tmp_path, extra, me
     assert "Traceback" not in text
 
 
+def test_a_label_holding_a_special_token_is_refused_before_work(data, tiny_model_dir, tmp_path):
+    """validate said ok and the label was scored as the token itself (the end of the answer, for the EOS
+    text), not as its text; a params column's label is that row's error."""
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token
+    out = tmp_path / "out"
+    for command in ("validate", "run"):
+        code, text = invoke(command, *base(data, out, tiny_model_dir)[1:], "--choices", f"yes,no,{end}")
+        assert code == 2 and f"--choices: the choice {end!r} holds the special token {end!r}" in text, text
+        assert "spell the label without it" in text and "Traceback" not in text
+    assert not out.exists() or not list(out.glob("part-*"))
+    per_row = tmp_path / "rows.jsonl"
+    labels = [["yes", f"yes{end}"], ["yes", "no"]]
+    per_row.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "review": "ok", "p": {"choices": c}}) + "\n"
+            for i, c in enumerate(labels)
+        )
+    )
+    args = ["--id-column", "id", "--params-column", "p"]
+    code, text = invoke(*base(per_row, out, tiny_model_dir), *args)
+    assert code == 0, text
+    bad, good = sorted(rows(out), key=lambda r: r["id"])
+    assert bad["error"] == (
+        f"the choice 'yes{end}' holds the special token {end!r}, which the output text leaves out: it would be "
+        "scored as that token (the end of the answer, for an end-of-sequence token), not as its text; spell "
+        "the label without it"
+    )
+    assert good["error"] is None and good["generated_text"] in ("yes", "no")
+
+
 def test_a_schema_it_cannot_compile_exits_2_before_any_work(data, tiny_model_dir, tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "array", "uniqueItems": True}))

@@ -107,3 +107,23 @@ def test_logprobs_follow_the_answers_own_tokens(bigram, labels, want):
         assert [v for _, v in top[:2]] == pytest.approx(values.tolist(), abs=1e-8)
         assert [v for _, v in top] == pytest.approx([lp[i, u].item() for u, _ in top], abs=1e-8)
         assert t in [u for u, _ in top]
+
+
+def test_a_label_holding_a_special_token_is_the_request_s_error(bigram):
+    """The label's tokens held the token itself: 'a<|im_end|>' was the model's 'a' then its end and 'a' beside
+    it 'a' then no end (so 'a' and its end, the model's own answer, split across two labels); a label that is
+    the end-of-sequence text alone read the model's ending with no answer, written as the label."""
+    folder, tok, x = bigram
+    engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
+    end = tok.eos_token
+    for labels in (["a", f"a{end}", "b"], ["a", "b", end]):
+        [out] = engine.generate([[x]], SamplingParams(temperature=0, choices=labels))
+        assert out.finish_reason == "error" and out.choice_logprobs is None, (labels, out.text)
+        label = labels[1] if labels[1] != "b" else end
+        assert out.error == (
+            f"the choice {label!r} holds the special token {end!r}, which the output text leaves out: it would "
+            "be scored as that token (the end of the answer, for an end-of-sequence token), not as its text; "
+            "spell the label without it"
+        )
+    [fine] = engine.generate([[x]], SamplingParams(temperature=0, choices=["a", "b"]))
+    assert fine.error is None and fine.text == "a"
