@@ -106,8 +106,7 @@ def _refuse_gap(what: str, regex: str) -> None:
     if gap is not None:
         raise ConfigError(
             f"{what} {regex[:200]!r} reads differently in llguidance, which writes the answer, and in "
-            f"Python's re, which checks it: {gap}; write the class out ([A-Za-z] for [[:alpha:]]) or "
-            "escape the character (\\[)"
+            f"Python's re, which checks it: {gap}"
         )
 
 
@@ -129,33 +128,99 @@ def _refuse_dialect_gaps(schema: object, where: str = "json_schema") -> None:
             _refuse_dialect_gaps(value, f"{where}.{key}")
 
 
+# A group that sets flags: (?x), (?i-x), (?x: ... ); its flags turned on, off, and ')' (to the enclosing
+# group's end) or ':' (this group's).
+_FLAGS = re.compile(r"\(\?([a-zA-Z]*)(?:-([a-zA-Z]*))?([:)])")
+_PYTHON_SPACE = " \v\f"  # the whitespace both ignore in verbose mode (a tab, \n, \r: llguidance reads them)
+
+
 def _dialect_gap(regex: str) -> str | None:
     """Where llguidance (Rust's regex syntax) and Python's re read a regex differently, in words; else None.
     Inside [...], Rust reads an unescaped '[' as a nested class or a POSIX class ([:alpha:]) and '&&', '--',
     '~~' as set operations; Python reads them as literal characters (a set, then a literal ']'): the answers
-    would fail Python's check, every row an error blaming the tokenizer."""
-    i, in_set = 0, False
+    would fail Python's check, every row an error blaming the tokenizer. In verbose mode ((?x)) a comment
+    ('#' to the line's end) is read by neither, and the whitespace the two ignore differs (``_verbose_gap``)."""
+    i, in_set, verbose, groups = 0, False, False, []  # groups: each open group's verbose mode outside it
     while i < len(regex):
         ch = regex[i]
         if ch == "\\":
             i += 2
             continue
-        if not in_set:
-            if ch == "[":
-                in_set, i = True, i + 1
-                i += regex.startswith("^", i)
-                i += regex.startswith("]", i)  # a first ']' is a literal in both
+        if in_set:
+            gap = _set_gap(regex, i, verbose)
+            if gap is not None:
+                return gap
+            in_set = ch != "]"
+        elif verbose and (ch == "#" or ch.isspace()):
+            gap = _verbose_gap(ch, i)
+            if gap is not None:
+                return gap
+            if ch == "#":  # a comment, to the line's end (a line break is itself refused above)
+                i = len(regex) if (end := regex.find("\n", i)) < 0 else end
                 continue
-        elif ch == "]":
-            in_set = False
         elif ch == "[":
-            posix = re.match(r"\[:\^?([a-z]+):\]", regex[i:])
-            what = f"the POSIX class {posix.group(0)}" if posix else "a nested set"
-            return f"{what} at position {i} (Python: a literal '[' in a set)"
-        elif regex[i : i + 2] in ("&&", "--", "~~"):
-            return f"the set operation {regex[i : i + 2]!r} at position {i} (Python: literal characters)"
+            in_set, i = True, i + 1
+            i += regex.startswith("^", i)
+            i += regex.startswith("]", i)  # a first ']' is a literal in both
+            continue
+        elif ch == "(":
+            groups.append(verbose)
+            flags = _FLAGS.match(regex, i)
+            if flags is not None:
+                on, off, scope = flags.groups()
+                verbose = ("x" in on or verbose) and "x" not in (off or "")
+                if scope == ")":  # (?x): to the end of the enclosing group
+                    groups.pop()
+                i = flags.end()
+                continue
+        elif ch == ")" and groups:
+            verbose = groups.pop()
         i += 1
     return None
+
+
+def _set_gap(regex: str, i: int, verbose: bool) -> str | None:
+    """A dialect gap at ``regex[i]`` inside [...] (``_dialect_gap``), and how to go on; or None."""
+    ch, fix = regex[i], "; write the class out ([A-Za-z] for [[:alpha:]]) or escape the character (\\[)"
+    if ch == "[":
+        posix = re.match(r"\[:\^?([a-z]+):\]", regex[i:])
+        what = f"the POSIX class {posix.group(0)}" if posix else "a nested set"
+        return f"{what} at position {i} (Python: a literal '[' in a set){fix}"
+    if regex[i : i + 2] in ("&&", "--", "~~"):
+        return f"the set operation {regex[i : i + 2]!r} at position {i} (Python: literal characters){fix}"
+    if verbose and (ch == "#" or ch.isspace() and ch not in "\t\n\r"):  # (those 3 are the character in both)
+        rust = "a comment to the line's end" if ch == "#" else "ignored"
+        return (
+            f"the {ch!r} in a set at position {i} in verbose mode (llguidance: {rust}; Python: the character "
+            f"itself); escape it ({_escaped(ch)})"
+        )
+    return None
+
+
+def _verbose_gap(ch: str, i: int) -> str | None:
+    """A dialect gap at whitespace ``ch`` outside a set in verbose mode, and how to go on; or None: llguidance
+    reads a tab or a line break as the character itself (so a comment before a line break runs to the
+    regex's end, the next lines with it), and ignores non-ASCII whitespace (a no-break space), which Python
+    reads as the character."""
+    if ch == "#" or ch in _PYTHON_SPACE:
+        return None
+    if ch in "\t\n\r":
+        return (
+            f"the {ch!r} at position {i} in verbose mode (llguidance: the character itself, and a comment "
+            "before it runs to the regex's end; Python: ignored); write the regex on one line, laid out with "
+            f"spaces ({_escaped(ch)} where the character is meant)"
+        )
+    return (
+        f"the {ch!r} at position {i} in verbose mode (llguidance: ignored; Python: the character itself); "
+        f"write it as {_escaped(ch)} where it is meant, else as a space"
+    )
+
+
+def _escaped(ch: str) -> str:
+    """``ch`` escaped as both dialects read it in verbose mode: ``\\#``, ``\\ ``, ``\\t``, ``\\u00a0``."""
+    if ch in "# ":
+        return "\\" + ch
+    return {"\t": "\\t", "\n": "\\n", "\r": "\\r"}.get(ch, f"\\u{ord(ch):04x}")
 
 
 @functools.lru_cache(maxsize=64)

@@ -407,6 +407,44 @@ def test_a_regex_llguidance_and_pythons_re_read_differently_is_refused():
     SamplingParams(json_schema=json.dumps({"enum": ["[[:alpha:]]"]}))  # a value, not a pattern
 
 
+def test_a_verbose_regex_s_comments_are_no_dialect_gap_and_its_whitespace_is_read_as_both_read_it():
+    """'(?x) [a-z]+ # a word [[ here' was refused for the '[[' in its comment, which neither reads. Measured
+    with llguidance 1.9 in verbose mode: a line break or a tab is the character itself (so '(?x)a # c\\nb'
+    answers 'a', its comment running past the line break, where Python reads 'ab'), and a space or '#' in a
+    set is ignored or a comment ('(?x)[a b]c' never answers ' c'): those are refused before any work."""
+    for fine in [
+        "(?x) [a-z]+  # a word [[ here",
+        r"(?x) \d+ \# \ [a-z]  # an escaped '#' and space: [[:alpha:]]",
+        "(?x) [a-z]+ \x0b [0-9]  # the whitespace both ignore",
+        "(?x)(a) # [[",
+        "(?x)[a\tb]c  # a tab in a set: the character in both",
+        "(?x:a b)[ ]c  # the group's flag ends with it: a space in a set outside",
+    ]:
+        SamplingParams(regex=fine)
+    SamplingParams(json_schema=json.dumps({"type": "string", "pattern": "(?x) ^[a-z]+$  # [[ a word"}))
+    for pattern, what in [
+        ("(?x) [[:alpha:]]+  # letters", "the POSIX class [:alpha:] at position 6"),
+        (r"(?x) \#[a[b]]", "a nested set at position 9"),
+        ("(?x)a(?-x: # [[)", "a nested set at position 14"),
+        ("(?x) [#a]", "the '#' in a set at position 6 in verbose mode"),
+        (
+            "(?x) [a b]",
+            "the ' ' in a set at position 7 in verbose mode (llguidance: ignored; Python: the character",
+        ),
+        (
+            "(?x) a  # one\n b  # two",
+            "the '\\n' at position 13 in verbose mode (llguidance: the character itself",
+        ),
+        ("(?x) a\tb", "the '\\t' at position 6"),
+        ("(?x) a\u00a0b", "the '\\xa0' at position 6 in verbose mode (llguidance: ignored"),
+    ]:
+        with pytest.raises(ConfigError, match="reads differently in llguidance") as e:
+            SamplingParams(regex=pattern)
+        assert what in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=re.escape("json_schema.pattern ")):
+        SamplingParams(json_schema=json.dumps({"type": "string", "pattern": "(?x) [a-z]  # a\n [[:alpha:]]"}))
+
+
 REQUIRED_UNLISTED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
 ALL_OF = {
     "allOf": [
