@@ -208,6 +208,7 @@ def test_interrupted_n_and_choices_jobs_resume_exactly(data, tiny_model_dir, tmp
         (["--choices", "a,a"], "distinct"),
         (["--regex", "(unclosed"], "regex could not be compiled"),
         (["--regex", "[[:alpha:]]{3}"], "reads differently in llguidance"),
+        (["--regex", r"\w+"], "the class \\w at position 0"),
     ],
 )
 def test_bad_constraint_options_exit_2(data, tiny_model_dir, tmp_path, extra, message):
