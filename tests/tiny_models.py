@@ -8,6 +8,7 @@ twenty-two more families, each with its distinctive features turned on.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -359,3 +360,20 @@ def make_bigram_model(folder: Path, tokenizer, logits: dict[int, dict[int, float
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return Path(folder)
+
+
+def make_choice_bigram(folder: Path, after_a_c: float):
+    """The bigram model of the choices tests, with its tokenizer, saved to ``folder``: after 'x', 'a' 0.5, 'b'
+    0.3, 'd' 0.2; after 'a', 'c' ``after_a_c`` and 'd' the rest; after 'b', 'c', and after 'c', '!', each all
+    but ~1e-41 (each to within ~1e-6: the other tokens share what the logit 20 leaves). Returns (tokenizer,
+    the id of 'x')."""
+    tok = make_tokenizer(folder)
+    x, a, b, c, d, bang = (tok(s, add_special_tokens=False).input_ids[0] for s in "xabcd!")
+    logits = {
+        x: {a: 20 + math.log(0.5), b: 20 + math.log(0.3), d: 20 + math.log(0.2)},
+        a: {c: 20 + math.log(after_a_c), d: 20 + math.log(1 - after_a_c)},
+        b: {c: 100.0},
+        c: {bang: 100.0},
+    }
+    make_bigram_model(folder, tok, logits)
+    return tok, x

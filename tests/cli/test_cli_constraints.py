@@ -313,17 +313,9 @@ def test_choices_logprobs_are_the_answers_own(tmp_path):
     """Greedy answers 'bc!' (0.3) where the token walk took 'a' (0.5, then 'c' 0.5): the logprobs column
     held the walk's two entries for the answer's three tokens, 'c' read P('c' | 'a') = -0.69 with 'a''s top
     tokens, and the OpenAI export the same. Now one per answer token, each at its own place in the answer."""
-    from tests.tiny_models import make_bigram_model, make_tokenizer
+    from tests.tiny_models import make_choice_bigram  # (a model built only here)
 
-    tok = make_tokenizer(tmp_path)
-    x, a, b, c, d, bang = (tok(s, add_special_tokens=False).input_ids[0] for s in "xabcd!")
-    logits = {
-        x: {a: 20 + math.log(0.5), b: 20 + math.log(0.3), d: 20 + math.log(0.2)},
-        a: {c: 20 + math.log(0.5), d: 20 + math.log(0.5)},
-        b: {c: 100.0},
-        c: {bang: 100.0},
-    }
-    make_bigram_model(tmp_path / "m", tok, logits)
+    make_choice_bigram(tmp_path / "m", 0.5)
     data = tmp_path / "in.jsonl"
     data.write_text('{"id": "r", "prompt": "x"}\n')
     out = tmp_path / "out"

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchjob import Engine, SamplingParams
-from tests.tiny_models import make_bigram_model, make_tokenizer
+from tests.tiny_models import make_choice_bigram
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
@@ -19,17 +19,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     """After 'x': 'a' 0.5, 'b' 0.3, 'd' 0.2; after 'a': 'c' 0.3, 'd' 0.7; after 'c': '!' all but ~1e-41;
-    after 'b': 'c' all but ~1e-41 (each to within ~1e-6: the other tokens share what the logit 20 leaves)."""
+    after 'b': 'c' all but ~1e-41 (``make_choice_bigram``)."""
     folder = tmp_path_factory.mktemp("bigram")
-    tok = make_tokenizer(folder)
-    x, a, b, c, d, bang = (tok(s, add_special_tokens=False).input_ids[0] for s in "xabcd!")
-    logits = {
-        x: {a: 20 + math.log(0.5), b: 20 + math.log(0.3), d: 20 + math.log(0.2)},
-        a: {c: 20 + math.log(0.3), d: 20 + math.log(0.7)},
-        c: {bang: 100.0},
-        b: {c: 100.0},
-    }
-    make_bigram_model(folder, tok, logits)
+    tok, x = make_choice_bigram(folder, 0.3)
     return folder, tok, x
 
 
