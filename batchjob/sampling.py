@@ -58,6 +58,17 @@ def check_number(name: str, value: Any) -> str | None:
     return None if in_range(value) else wrong
 
 
+def greedy_samples(n: int, temperature: float) -> str | None:
+    """Why ``n`` samples at ``temperature`` are refused (as vLLM refuses them: n copies of one answer, as
+    samples), or None."""
+    if n > 1 and temperature == 0:
+        return (
+            f"n={n} with temperature 0 (greedy) gives {n} identical answers: give a temperature above 0 for "
+            "samples, or n 1"
+        )
+    return None
+
+
 def map_seed(seed: int) -> int:
     """A seed of any size as the sampler uses it: ``seed mod 2**64``. Seeds already in
     [0, 2**64) are unchanged, and the rule is fixed, so a resumed job draws what it drew before."""
@@ -127,11 +138,9 @@ class SamplingParams:
             ):
                 raise ConfigError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
             self.stop_token_ids = list(ids)
-        if self.n > 1 and self.temperature == 0:  # as vLLM refuses it: n copies of one answer, as samples
-            raise ConfigError(
-                f"n={self.n} with temperature 0 (greedy) gives {self.n} identical answers: give a temperature "
-                "above 0 for samples, or n 1"
-            )
+        problem = greedy_samples(self.n, self.temperature)
+        if problem:
+            raise ConfigError(problem)
         self._check_constraints()
 
     def _check_constraints(self) -> None:

@@ -30,6 +30,7 @@ from batchjob.job.templates import (
     render_template,
     template_fields,
 )
+from batchjob.sampling import greedy_samples
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def check_column_types(spec: JobSpec, plan: PromptPlan, schema: Any) -> None:
     if plan.kind == "column" and plan.column is not None and plan.column in names:
         _check_prompt_column(plan.column, schema.field(plan.column).type)
     if spec.params_column is not None and spec.params_column in names:
-        _check_params_column(spec.params_column, schema.field(spec.params_column).type)
+        _check_params_column(spec.params_column, schema.field(spec.params_column).type, spec)
 
 
 def _is_text(t: Any) -> bool:
@@ -243,17 +244,24 @@ def _check_prompt_column(column: str, t: Any) -> None:
         )
 
 
-def _check_params_column(column: str, t: Any) -> None:
+def _check_params_column(column: str, t: Any, spec: JobSpec) -> None:
     import pyarrow as pa
 
     from batchjob.job.requests import PARAM_NAMES
 
     if pa.types.is_struct(t):
-        unknown = [t.field(i).name for i in range(t.num_fields) if t.field(i).name not in PARAM_NAMES]
+        keys = [t.field(i).name for i in range(t.num_fields)]
+        unknown = [k for k in keys if k not in PARAM_NAMES]
         if unknown:
             raise ConfigError(
                 f"--params-column {column!r}: its struct has fields that are no sampling "
                 f"parameter: {', '.join(unknown)} (known: {', '.join(sorted(PARAM_NAMES))})"
+            )
+        greedy = greedy_samples(spec.n, spec.effective_temperature)
+        if greedy and "temperature" not in keys and "n" not in keys:  # no row can make samples of it
+            raise ConfigError(
+                f"--n {spec.n}, --temperature {spec.effective_temperature:g}: {greedy} (--params-column "
+                f"{column!r} is a struct with neither a temperature nor an n field, so no row gives its own)"
             )
     elif _is_scalar(t) or pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
         # a map's values share one type: max_new_tokens would be a float beside temperature

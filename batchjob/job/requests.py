@@ -20,7 +20,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 from batchjob.io.jsontext import RefusedText, loads_text
-from batchjob.sampling import NUMBERS, SamplingParams, check_number
+from batchjob.sampling import NUMBERS, SamplingParams, check_number, greedy_samples
 
 _PARAM_TYPES: dict[str, tuple[type, ...]] = {  # numbers: sampling.NUMBERS, the one numeric check
     "regex": (str,),
@@ -88,13 +88,21 @@ def with_params(
         return None, f"{where}{e}"
 
 
+def _as_base(base: SamplingParams, where: str) -> tuple[SamplingParams | None, str | None]:
+    """The job's parameters for a row that gives none of its own. A job with per-row parameters may ask
+    for --n samples at temperature 0, for its rows to give the temperature: a row that doesn't can't
+    have them (n copies of one answer), and is refused as a row that gives n alone is."""
+    problem = greedy_samples(base.n, base.temperature)
+    return (None, where + problem) if problem else (base, None)
+
+
 def params_from_column(
     value: Any, column: str, base: SamplingParams
 ) -> tuple[SamplingParams | None, str | None]:
     """A row's ``--params-column`` value (JSON text or a struct) applied over the job's parameters."""
     where = f"params column {column!r}: "
     if value is None:
-        return base, None
+        return _as_base(base, where)
     if isinstance(value, str):
         try:
             value = loads_text(value) if value.strip() else {}
@@ -103,7 +111,7 @@ def params_from_column(
         except (ValueError, RecursionError) as e:
             return None, f"{where}not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})"
         if value is None:  # JSON null: nothing of its own
-            return base, None
+            return _as_base(base, where)
     if not isinstance(value, dict):
         return None, f"{where}must be a JSON object of sampling parameters, got {type(value).__name__}"
     return with_params(base, value, where)

@@ -37,7 +37,7 @@ from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
 from batchjob.job.templates import template_kwargs
 from batchjob.models import DEFAULT_MODEL
-from batchjob.sampling import SamplingParams
+from batchjob.sampling import SamplingParams, greedy_samples
 
 FORMAT_CHOICES = ("rows", "openai")
 # Pillow's Image.MAX_IMAGE_PIXELS, its decompression-bomb warning (not imported)
@@ -334,10 +334,14 @@ class JobSpec:
 
     def sampling_params(self, job_seed: int) -> SamplingParams:
         """The sampling params of every request (with per-row parameters: what a row leaves out);
-        ``job_seed`` stands in when no ``seed`` was given."""
-        return SamplingParams(
+        ``job_seed`` stands in when no ``seed`` was given. With per-row parameters, ``--n`` above 1 at
+        temperature 0 is left to the rows, which may give their own temperature (or n): a row that leaves
+        both out is that row's error (job/requests.py), so the base is built at n 1 and given n after."""
+        temperature = self.effective_temperature
+        to_rows = self.per_row_params and greedy_samples(self.n, temperature) is not None
+        params = SamplingParams(
             max_new_tokens=self.max_new_tokens,
-            temperature=self.effective_temperature,
+            temperature=temperature,
             top_k=self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
@@ -348,8 +352,10 @@ class JobSpec:
             json_schema=self._schema_text,
             regex=self.regex,
             logprobs=self.logprobs,
-            n=self.n,
+            n=1 if to_rows else self.n,
         )
+        params.n = self.n  # (an attribute set is not checked: only the constructor refuses greedy samples)
+        return params
 
     def require_io(self) -> None:
         if not self.input:

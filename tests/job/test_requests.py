@@ -340,6 +340,44 @@ def test_params_column_job_resumes_exactly(params_data, tiny_model_dir, tmp_path
     assert sorted(results(out), key=key) == sorted(results(want), key=key)
 
 
+GREEDY_SAMPLES = "n=2 with temperature 0 (greedy) gives 2 identical answers: give a temperature above 0 for"
+GREEDY_SAMPLES += " samples, or n 1"
+
+
+def test_n_samples_at_the_jobs_temperature_0_are_left_to_the_rows(tiny_model_dir, tmp_path):
+    """--n 2 at the job's temperature 0 was refused before work even where the params column gives rows a
+    temperature: the rows decide, and a row left greedy (no temperature, no n 1) is that row's error."""
+    data = tmp_path / "rows.jsonl"
+    params = [{"temperature": 0.8}, None, {"max_new_tokens": 2}, {"n": 1}, {"temperature": 0.5, "n": 3}]
+    rows = [
+        {"rid": f"r{i}", "review": "fine", "p": json.dumps(p) if p else None} for i, p in enumerate(params)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = params_args(data, out, tiny_model_dir, "--n", "2")
+    code, text = invoke("validate", *args[1:])
+    assert code == 0, text
+    code, text = invoke(*args)
+    assert code == 0, text
+    got: dict[str, list] = {}
+    for r in results(out):
+        got.setdefault(r["rid"], []).append(r)
+    assert {k: len(v) for k, v in got.items()} == {"r0": 2, "r1": 1, "r2": 1, "r3": 1, "r4": 3}
+    assert [r["error"] for r in got["r0"] + got["r3"] + got["r4"]] == [None] * 6
+    for rid, line in (("r1", 2), ("r2", 3)):  # no params (null), and params without a temperature
+        assert got[rid][0]["error"] == f"rows.jsonl line {line}: params column 'p': {GREEDY_SAMPLES}"
+    # without a params column no row can give a temperature: refused before work, as before
+    code, text = invoke(*args[:11], *args[13:])
+    assert code == 2 and GREEDY_SAMPLES in text, text
+    # a struct params column with neither a temperature nor an n field: no row gives its own either
+    struct = tmp_path / "struct.parquet"
+    pq.write_table(pa.table({"rid": ["s0"], "review": ["a"], "p": [{"max_new_tokens": 1}]}), struct)
+    for command in ("validate", "run"):
+        code, text = invoke(command, *params_args(struct, tmp_path / "o2", tiny_model_dir, "--n", "2")[1:])
+        assert code == 2 and "a struct with neither a temperature nor an n field" in text, text
+        assert GREEDY_SAMPLES in text and not (tmp_path / "o2").exists()
+
+
 @pytest.fixture(scope="module")
 def requests_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("openai") / "requests.jsonl"
