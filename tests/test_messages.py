@@ -4,6 +4,8 @@ twice through a symlink, a bad row, a resumed job's changed setting each say whi
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -196,11 +198,62 @@ def test_a_resume_that_spells_out_a_default_is_the_same_job_or_says_what_the_def
         JobMismatchError, match=r"task.normalize: was None \(the default: False for this model\), now True"
     ):
         run_job(make_spec(normalize=True, **options))
-    # dtype's default depends on the device: spelled out it stays a change, and the message says what it is
+    # dtype's default depends on the device: the job records what its auto ran in, so spelled out as that it
+    # is the same job; as another it is a change, and the message says what the default is here
+    assert run_job(make_spec(dtype="float32", **options)).status == "already complete"
     with pytest.raises(
-        JobMismatchError, match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\)"
+        JobMismatchError,
+        match=r"model.dtype: was 'auto' \(the default: 'float32' here, on cpu\), now 'bfloat16'",
     ):
-        run_job(make_spec(dtype="float32", **options))
+        run_job(make_spec(dtype="bfloat16", **options))
+
+
+def test_a_resume_that_spells_out_what_the_model_or_inputs_settle_is_the_same_job(tiny_model_dir, tmp_path):
+    """--dtype float32 where auto ran in float32, --max-model-len at the model's context, --repetition-penalty
+    1 for a model whose generation config sets none, --prompt-column the column the job picked, --chat where
+    the model has a chat template: each computes what the option left out computes, and was refused as a
+    changed setting (spelled out at the start and left out on resume, too). Where it computes otherwise it
+    stays a change, and says what the default is."""
+    from batchjob.job import make_spec, run_job
+    from batchjob.job.state import JobMismatchError
+
+    data = _rows(tmp_path / "in.jsonl")
+    spelled = dict(
+        dtype="float32", max_model_len=1024, repetition_penalty=1.0, prompt_column="prompt", chat=True
+    )
+    for name, value in spelled.items():
+        for first, then in (({}, {name: value}), ({name: value}, {})):
+            out = str(tmp_path / f"out-{name}-{bool(first)}")
+            options = dict(input=[str(data)], output=out, model=str(tiny_model_dir), max_new_tokens=2)
+            assert run_job(make_spec(**options, **first)).status == "complete"
+            assert run_job(make_spec(**options, **then)).status == "already complete", (name, first)
+    options["output"] = str(tmp_path / "out-other")
+    assert run_job(make_spec(**options)).status == "complete"
+    for name, value, message in (
+        (
+            "max_model_len",
+            512,
+            "sampling.max_model_len: was None (the default: 1024 for this model), now 512",
+        ),
+        (
+            "repetition_penalty",
+            1.05,
+            "sampling.repetition_penalty: was None (the default: 1.0 for this model), now 1.05",
+        ),
+        ("chat", False, "prompt.chat: was None (the default: True for this model), now False"),
+    ):
+        with pytest.raises(JobMismatchError, match=re.escape(message)):
+            run_job(make_spec(**options, **{name: value}))
+    # a model whose generation config sets a penalty: it is the default, and 1 (none) is a change
+    model = shutil.copytree(tiny_model_dir, tmp_path / "penalised")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"repetition_penalty": 1.05}))
+    options |= dict(output=str(tmp_path / "out-penalised"), model=str(model))
+    assert run_job(make_spec(**options)).status == "complete"
+    assert run_job(make_spec(**options, repetition_penalty=1.05)).status == "already complete"
+    message = "sampling.repetition_penalty: was None (the default: 1.05 for this model), now 1.0"
+    with pytest.raises(JobMismatchError, match=re.escape(message)):
+        run_job(make_spec(**options, repetition_penalty=1.0))
 
 
 def test_status_says_a_killed_run_left_rows_to_redo(tmp_path):

@@ -24,7 +24,7 @@ from batchjob.io.schema import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
 from batchjob.job.checks import unused_options
-from batchjob.job.defaults import resolved_defaults
+from batchjob.job.defaults import resolved_defaults, same_dtype
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
 from batchjob.job.lora import lora_identity
@@ -154,7 +154,10 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[
         return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
 
     a, b = _unrecorded(spec, without_identity(saved), without_identity(now))
-    defaults = resolved_defaults(spec) if differing(a, b) and not model else {}  # only a refusal pays for it
+    if same_dtype(saved.get("model", {}), now["model"]):  # --dtype float32 where auto ran in it: one job
+        b["model"]["dtype"] = a["model"]["dtype"]
+    column = now.get("prompt", {}).get("resolved_column")
+    defaults = resolved_defaults(spec, column) if differing(a, b) and not model else {}  # only a refusal pays
     runs = [fp.get("model", {}).get("runs_in") for fp in (saved, now)]
     out = [model] if model else []
     if None not in runs and runs[0] != runs[1]:
