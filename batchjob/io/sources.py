@@ -11,7 +11,8 @@ import fnmatch
 import glob
 import gzip
 import os
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +36,8 @@ class Source:
     base: int = 0  # ordinal of its first row (batchjob.job.inputs: the file's sequence number << 40)
     # plain JSONL: bytes to read, its size when the job recorded it (what grew since is --append's); None: all
     size: int | None = None
+    plain: str = ""  # the name its --input value gives it (``name``: after the value's place, on a clash)
+    value: int = 0  # the place (from 0) of the --input value that found it
 
     @property
     def remote(self) -> bool:
@@ -310,7 +313,7 @@ def discover(
     if not inputs:
         raise InputError("no --input given")
     sources: list[Source] = []
-    for value in inputs:
+    for place, value in enumerate(inputs):
         if not value.strip():
             raise InputError("--input is empty (an unset shell variable?): give a file, folder or glob")
         remote = "://" in value and not value.startswith("file://")
@@ -331,14 +334,39 @@ def discover(
                     f"input {path}: unsupported format (expected .parquet, .jsonl, .jsonl.gz, .jsonl.zst "
                     "or a datasets.save_to_disk folder)"
                 )
-            sources.append(Source(path=path, name=name, kind=kind))
+            sources.append(Source(path=path, name=name, kind=kind, plain=name, value=place))
     sources = _read_once(sources, skipped)
-    names = [s.name for s in sources]
-    if len(set(names)) != len(names):
-        # Same relative name under two --input values: prefix with the value's position to keep ids unique.
-        sources = [Source(s.path, f"{i}/{s.name}", s.kind) for i, s in enumerate(sources)]
     # A new job's file i starts at ordinal i << 40; a job's saved records may order them otherwise.
-    return [Source(s.path, s.name, s.kind, i << ORDINAL_BITS) for i, s in enumerate(sources)]
+    return [
+        replace(s, name=n, base=i << ORDINAL_BITS)
+        for i, (s, n) in enumerate(zip(sources, job_names(sources), strict=True))
+    ]
+
+
+def job_names(sources: list[Source]) -> list[str]:
+    """Each source's name in a new job (its records, derived row ids): the name its --input value gives it,
+    or where two values give one name (``--input a/x.jsonl --input b/x.jsonl``), that name after the value's
+    place (``0/x.jsonl``, ``1/x.jsonl``), so that a file found later under one value leaves the others'
+    names as they were. (Before, every name took the file's place in the list on a clash: a file added
+    before the others moved all of them, and the job refused to resume, its files "removed".)"""
+    count = Counter(s.plain for s in sources)
+    names = [s.plain if count[s.plain] == 1 else f"{s.value}/{s.plain}" for s in sources]
+    check_distinct(sources, names)
+    return names
+
+
+def check_distinct(sources: list[Source], names: list[str]) -> None:
+    """Refuse two files under one name (one record, one set of derived row ids: rows lost or mixed),
+    naming both."""
+    first: dict[str, Source] = {}
+    for source, name in zip(sources, names, strict=True):
+        if name in first:
+            raise InputError(
+                f"input files {first[name].path} and {source.path} would both be named {name!r} in the job "
+                "(its records and derived row ids), which can't tell them apart: rename one, or give them "
+                "under --input values that name them apart"
+            )
+        first[name] = source
 
 
 def _read_once(sources: list[Source], skipped: list[Skipped]) -> list[Source]:

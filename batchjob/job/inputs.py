@@ -29,7 +29,15 @@ from typing import Any
 
 from batchjob.errors import InputError
 from batchjob.io import identity
-from batchjob.io.sources import ORDINAL_BITS, Source, _fsspec, count_rows, discover, is_compressed
+from batchjob.io.sources import (
+    ORDINAL_BITS,
+    Source,
+    _fsspec,
+    check_distinct,
+    count_rows,
+    discover,
+    is_compressed,
+)
 
 INDEX_MASK = (1 << ORDINAL_BITS) - 1
 
@@ -298,6 +306,55 @@ def _grown(source: Source, saved: InputRecord, now: identity.FileIdentity, appen
     )
 
 
+def named_as_recorded(saved: list[InputRecord], sources: list[Source]) -> list[Source]:
+    """``sources`` named as the job's records name them, where a start names them otherwise now: a name
+    two --input values share since a file was added under one (``x.jsonl`` became ``0/x.jsonl``), or a job
+    an earlier batchjob named by the files' places in the list (``2/x.jsonl``), which a file added before
+    them moves. A record's local file is the source its inode says, among those that can have its name (the
+    name after the value's place, after the file's place in the list, or the plain name); else, in that
+    order, the one source that can have it. Two that can (remote files, or a file replaced since) are
+    refused, naming both; a source no record names keeps a name no record has (``check_distinct``)."""
+    recorded = {r.name: r for r in saved}
+    options = [(f"{s.value}/{s.plain}", f"{i}/{s.plain}", s.plain) for i, s in enumerate(sources)]
+    names: dict[int, str] = {}  # source index -> the recorded name it takes
+    for i, source in enumerate(sources):
+        ino = None if source.remote else _inode(source.path)
+        for name in options[i]:
+            rec = recorded.get(name)
+            if ino is not None and rec is not None and rec.ino == ino and name not in names.values():
+                names[i] = name
+                break
+    for level in range(3):
+        claims: dict[str, list[int]] = {}
+        for i in range(len(sources)):
+            name = options[i][level]
+            if i not in names and name in recorded and name not in names.values():
+                claims.setdefault(name, []).append(i)
+        for name, claimants in claims.items():
+            if len(claimants) > 1:
+                paths = ", ".join(sources[i].path for i in claimants)
+                raise InputError(
+                    f"the job's input file {name!r} can be any of {paths}: give the --input values the job "
+                    "started with (or a new --output)"
+                )
+            names[claimants[0]] = name
+    out = []
+    for i, s in enumerate(sources):
+        name = names.get(i, s.name)
+        if i not in names and name in recorded:  # a new file under a name a record has: the value's place
+            name = options[i][0]
+        out.append(replace(s, name=name))
+    check_distinct(out, [s.name for s in out])
+    return out
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
 def reconcile(
     saved: list[InputRecord], sources: list[Source], append: bool, out_dir: Path | str
 ) -> tuple[list[InputRecord], list[str], list[int]]:
@@ -384,7 +441,7 @@ def changes_now(records: list[InputRecord], paths: list[str], out_dir: Path) -> 
     if not paths:
         return []
     try:
-        reconcile(records, discover(paths, exclude=out_dir), False, out_dir)
+        reconcile(records, named_as_recorded(records, discover(paths, exclude=out_dir)), False, out_dir)
     except InputChangedError as e:
         return e.problems
     except InputError as e:

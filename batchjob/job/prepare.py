@@ -26,7 +26,7 @@ from batchjob.job import model_identity
 from batchjob.job.checks import unused_options
 from batchjob.job.defaults import resolved_defaults, same_dtype
 from batchjob.job.ids import check_unique
-from batchjob.job.inputs import InputChangedError, new_records, ordered_sources, reconcile
+from batchjob.job.inputs import InputChangedError, named_as_recorded, new_records, ordered_sources, reconcile
 from batchjob.job.lora import lora_identity
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
@@ -304,6 +304,7 @@ def _resume(
     """Against a saved job: its inputs reconciled with what was found, its identity compared with this one."""
     out_dir = state.out_dir
     saved = state.load_job()
+    found = named_as_recorded(saved.inputs, found)  # a name two --input values share now: the record's
     records, taken, redo = reconcile(saved.inputs, found, spec.append, out_dir)
     if redo and not shard.single:
         torn = [r for r in saved.inputs if r.ends_newline is False and any(o >> 40 == r.seq for o in redo)]

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -76,6 +77,56 @@ def test_appended_rows_are_refused_then_processed_with_append(tmp_path, tiny_mod
     run_job(spec(data, fresh, tiny_model_dir, id_column="rid"))
     assert results(out) == results(fresh)  # the old rows kept, the new ones added, each once
     assert run_job(spec(data, out, tiny_model_dir, id_column="rid")).status == "already complete"
+
+
+def test_files_of_one_name_under_two_input_values_resume_with_append(tmp_path, tiny_model_dir):
+    """Two --input values that give files one name were named by their places in the list, and only once
+    they clashed: a file added since under one value (a first x.jsonl beside another's, or a w.jsonl before
+    a clashing pair) renamed the others, and --append refused the job, its files "removed"."""
+    for case, first, added in (("arises", ["a/x", "b/y"], "b/x"), ("moves", ["a/x", "b/x"], "a/w")):
+        root = tmp_path / case
+        for name in first:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            write_rows(root / f"{name}.jsonl", rows(2, prefix=name))
+        out, values = tmp_path / f"out-{case}", [root / "a", root / "b"]
+        assert run_job(spec(values, out, tiny_model_dir)).status == "complete"
+        write_rows(root / f"{added}.jsonl", rows(2, prefix=added))
+        result = run_job(spec(values, out, tiny_model_dir, append=True))
+        assert result.status == "complete" and result.rows_done == 6, case
+        assert sorted(r["rid"] for r in results(out)) == sorted(
+            f"{n}{i}" for n in [*first, added] for i in range(2)
+        )
+
+
+def test_names_as_the_records_have_them_or_a_refusal_naming_both_files(tmp_path):
+    """A resume names each file as the job's record does: by its inode among the names it can have (an
+    earlier batchjob's place in the list, 2/x.jsonl, too); two files that one record's name could be, with
+    nothing to tell them apart, are refused naming both; so are two files a new job would name alike."""
+    from batchjob.io.sources import job_names
+    from batchjob.job.inputs import named_as_recorded, record_for
+
+    for name in ("a/w", "a/x", "b/x"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        write_rows(tmp_path / f"{name}.jsonl", rows(1, prefix=name))
+    found = discover([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert [s.name for s in found] == ["w.jsonl", "0/x.jsonl", "1/x.jsonl"]
+    legacy = [f"{i}/{s.plain}" for i, s in enumerate(found)]  # an earlier batchjob's names on a clash
+    records = [replace(record_for(s, i), name=n) for i, (s, n) in enumerate(zip(found, legacy, strict=True))]
+    assert [s.name for s in named_as_recorded(records, found)] == legacy
+    # the record of b/x named x.jsonl (before a/x was added): without its inode, a/x could be it too
+    records = [replace(record_for(found[2], 0), name="x.jsonl", ino=None)]
+    with pytest.raises(InputError, match=r"'x.jsonl' can be any of .*a/x.jsonl, .*b/x.jsonl"):
+        named_as_recorded(records, found)
+    records = [replace(record_for(found[2], 0), name="x.jsonl")]  # with it: b/x, and a/x is a new file
+    assert [s.name for s in named_as_recorded(records, found)] == ["w.jsonl", "0/x.jsonl", "x.jsonl"]
+    # a folder's own 1/x.jsonl beside the second value's clashing x.jsonl: one name for two files
+    (tmp_path / "a" / "1").mkdir()
+    write_rows(tmp_path / "a" / "1" / "x.jsonl", rows(1))
+    with pytest.raises(
+        InputError, match=r"input files .*a/1/x.jsonl and .*b/x.jsonl would both be named '1/x.jsonl'"
+    ):
+        discover([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert job_names(found) == ["w.jsonl", "0/x.jsonl", "1/x.jsonl"]
 
 
 def test_new_file_in_the_middle_keeps_every_done_row(tmp_path, tiny_model_dir):
