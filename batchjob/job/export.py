@@ -148,7 +148,10 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
     """One OpenAI Batch output line for a request: its samples are the choices of one response."""
     first = group[0].row
     model = first.get("adapter") or model  # a LoRA row answers as its adapter's name, as vLLM names it
-    custom_id = _id_of(group[0], info, "custom_id" if "custom_id" in first else id_column)
+    # Only an OpenAI Batch input's lines are requests with a custom_id and a url of their own; a rows job's
+    # columns of those names are the user's data (its custom_id is the row id, its response a chat one).
+    requests = (info.fingerprint.get("prompt") or {}).get("format") == "openai"
+    custom_id = _id_of(group[0], info, (id_column or "custom_id") if requests else id_column)
     digest = hashlib.sha256(f"{info.job_seed}:{custom_id}".encode()).hexdigest()[:24]
     line: dict[str, Any] = {
         "id": f"batch_req_{digest}",
@@ -174,7 +177,7 @@ def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, mode
     if "embedding" in first:  # --task embed: an embeddings response, an object per input
         line["response"] = {"status_code": 200, "request_id": digest, "body": _embeddings_body(group, model)}
         return line
-    completions = str(first.get("url") or "").endswith("/v1/completions")
+    completions = requests and str(first.get("url") or "").endswith("/v1/completions")
     choices = [_openai_choice(r.row, completions) for r in group]
     prompt = first.get("num_prompt_tokens") or 0
     generated = sum(r.row.get("num_generated_tokens") or 0 for r in group)

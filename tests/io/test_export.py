@@ -207,6 +207,26 @@ def test_openai_output_one_line_per_request_with_its_samples(inputs, tiny_model_
         _check_with_openai_types(body)
 
 
+def test_a_rows_jobs_custom_id_and_url_columns_are_data_not_the_requests_own(tiny_model_dir, tmp_path):
+    """A rows job's input columns named custom_id and url were read as an OpenAI request's: three rows exported
+    with custom_id 'same' (and one response id, so they could not be joined back), a row whose custom_id was
+    null got its file place instead of its --id-column value, and a url ending /v1/completions made a chat
+    job's responses text completions. The custom_id is the row id, as docs/jobs.md says."""
+    data = tmp_path / "in"
+    data.mkdir()
+    url = "https://shop.example/v1/completions"
+    ids = [("r0", "same"), ("r1", "same"), ("r2", "same"), ("r3", None), (None, "given")]
+    rows = [{"rid": rid, "custom_id": cid, "url": url, "text": "Paris is the capital"} for rid, cid in ids]
+    (data / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    lines = [json.loads(x) for x in export(out, "openai").splitlines()]
+    assert [x["custom_id"] for x in lines] == ["r0", "r1", "r2", "r3", "t.jsonl:4"]  # the row ids
+    assert len({x["id"] for x in lines}) == 5
+    assert {x["response"]["body"]["object"] for x in lines[:4]} == {"chat.completion"}
+    assert "id column 'rid' is null" in lines[4]["error"]["message"]  # a row without an id is an error row
+
+
 def _check_with_openai_types(body):
     """Parse with the openai package's own types where it is installed; else check the fields by hand."""
     try:
