@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import datetime
 import hashlib
 import heapq
 import json
@@ -137,11 +138,28 @@ def _id_of(result: Result, info: JobInfo, id_name: str | None) -> str:
 
 
 def _json_default(value: Any) -> Any:
-    """A value JSON has no type for: dates and times in ISO 8601, bytes (a binary column: images, say) in
-    base64 (their Python repr, ``b'\\x89PNG...'``, was written before), anything else as its text."""
+    """A value JSON has no type for: dates, times and durations in ISO 8601, bytes (a binary column: images,
+    say) in base64 (their Python repr, ``b'\\x89PNG...'``, was written before), anything else as its text."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime.timedelta):  # pandas' Timedelta (a duration[ns] column) is one too
+        return _iso_duration(value)
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+def _iso_duration(value: datetime.timedelta) -> str:
+    """A duration in ISO 8601, laid out as pandas' ``Timedelta.isoformat`` (``P2DT0H0M5S``, ``P0DT0H0M1.5S``:
+    what a duration[ns] column exported as before), a negative one with one leading sign (``-P0DT0H0M1S``,
+    as ISO 8601-2 and XML Schema write it; pandas reads it back). Python's ``str`` wrote ``-1 day, 23:59:59``
+    and pandas writes ``P-1DT23H59M59S``: a day back and a positive remainder, which a reader misreads."""
+    ns = ((value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds) * 1000
+    ns += getattr(value, "nanoseconds", 0)  # pandas' Timedelta: below the microsecond
+    days, rest = divmod(abs(ns), 86_400 * 10**9)
+    hours, rest = divmod(rest, 3600 * 10**9)
+    minutes, rest = divmod(rest, 60 * 10**9)
+    seconds, fraction = divmod(rest, 10**9)
+    text = f"{seconds}.{fraction:09d}".rstrip("0") if fraction else str(seconds)
+    return f"{'-' if ns < 0 else ''}P{days}DT{hours}H{minutes}M{text}S"
 
 
 def _openai_line(group: list[Result], info: JobInfo, id_column: str | None, model: str, created: int) -> dict:
@@ -340,7 +358,7 @@ def _nulled(value: Any, nulled: list[int]) -> Any:
 def _csv_value(value: Any) -> Any:
     if isinstance(value, (dict, list)):
         return json.dumps(value, ensure_ascii=False, default=_json_default)
-    if isinstance(value, (bytes, bytearray, memoryview)) or hasattr(value, "isoformat"):
+    if isinstance(value, (bytes, bytearray, memoryview, datetime.timedelta)) or hasattr(value, "isoformat"):
         return _json_default(value)  # base64; dates, times and durations in ISO 8601, as jsonl writes them
     return value
 

@@ -164,6 +164,30 @@ def test_binary_dates_and_decimals_export_as_json_can_read_them(tiny_model_dir, 
     assert got[0]["at"] == "2026-12-07T10:30:00.000000001" and got[0]["took"] == "P0DT0H0M1.5S"
 
 
+def test_durations_export_in_iso_8601_with_one_sign(tiny_model_dir, tmp_path):
+    """A duration[us] (or [s], [ms]) column came out as Python's str(): -1 s as '-1 day, 23:59:59', 2 days 5 s
+    as '2 days, 0:00:05', in jsonl and csv. Every unit now writes ISO 8601, a negative one signed once."""
+    import pandas as pd
+
+    data = tmp_path / "in"
+    data.mkdir()
+    seconds = [-1, 2 * 86_400 + 5, 1.5, 0, -90_061.25]  # the last: -(1 day 1 h 1 min 1.25 s)
+    expected = ["-P0DT0H0M1S", "P2DT0H0M5S", "P0DT0H0M1.5S", "P0DT0H0M0S", "-P1DT1H1M1.25S"]
+    table = {"rid": [f"r{i}" for i in range(5)], "text": ["hi"] * 5}
+    for unit, per_second in (("ms", 10**3), ("us", 10**6), ("ns", 10**9)):
+        table[unit] = pa.array([round(s * per_second) for s in seconds], pa.duration(unit))
+    table["ns"] = pa.array([*table["ns"].to_pylist()[:4], -1], pa.duration("ns"))  # one nanosecond back
+    pq.write_table(pa.table(table), data / "t.parquet")
+    out = tmp_path / "out"
+    run(data, out, model=str(tiny_model_dir))
+    rows = [json.loads(line) for line in export(out, "jsonl").splitlines()]
+    assert [r["ms"] for r in rows] == [r["us"] for r in rows] == expected
+    assert [r["ns"] for r in rows] == [*expected[:4], "-P0DT0H0M0.000000001S"]
+    got = list(csv.DictReader(io.StringIO(export(out, "csv"))))
+    assert [r["us"] for r in got] == expected and [r["ns"] for r in got] == [r["ns"] for r in rows]
+    assert [pd.Timedelta(x).total_seconds() for x in expected] == seconds  # pandas reads them back
+
+
 def test_a_map_that_holds_a_key_twice_exports_every_entry(tiny_model_dir, tmp_path):
     """An input map may hold a key twice (Arrow's can); as a JSON object one entry was dropped, with a
     pyarrow warning only: such a row's maps are lists of [key, value] pairs, said on stderr."""
