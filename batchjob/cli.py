@@ -417,7 +417,7 @@ def export(dir: str, fmt: str, to: str | None) -> None:
     if not st.complete:
         click.echo(
             f"the job is not complete: {st.total('rows_done')} of {st.rows_total or 'unknown'} input rows "
-            "are done; run it again, then export",
+            f"are done; {st.next_step()}",
             err=True,
         )
 

@@ -390,10 +390,9 @@ def reconcile(
     if new and not append:
         problems += [f"{s.path}: new file (run with --append to process it)" for s in new]
     if problems:
-        grown_only = all("--append" in p for p in problems)
         hint = (
             "run with --append to process the new rows (what is done is kept)"
-            if grown_only
+            if only_growth(problems)
             else "restore the inputs the job started with, or give a new --output for the new data"
         )
         raise InputChangedError(
@@ -409,6 +408,12 @@ def reconcile(
             taken.append(f"{s.path}: new file; its rows will be processed")
             seq += 1
     return records, taken, redo
+
+
+def only_growth(problems: list[str]) -> bool:
+    """Whether every change ``reconcile`` listed is growth that ``--append`` takes in (each such line says
+    to run with --append; a change it refuses even then does not)."""
+    return bool(problems) and all("--append" in p for p in problems)
 
 
 def _grew_line(source: Source, rec: InputRecord, now: InputRecord, torn: int | None) -> str:

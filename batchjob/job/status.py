@@ -20,7 +20,7 @@ from typing import Any
 from batchjob.errors import InputError, StateError
 from batchjob.io.atomic import CorruptStateError, read_json
 from batchjob.job.adapter_counts import AdapterCounts, adapter_counts, adapter_label
-from batchjob.job.inputs import changes_now
+from batchjob.job.inputs import changes_now, only_growth
 from batchjob.job.manifest import Manifest
 from batchjob.job.shard import Shard
 from batchjob.job.state import StateDir
@@ -84,6 +84,24 @@ class JobStatus:
         running = [w for w in self.workers if w.state == "running"]
         return sum(float(w.stats.get(key, 0) or 0) for w in running or self.workers)
 
+    def next_step(self) -> str:
+        """What to do before exporting a job that is not complete: wait for a running one; run it again, with
+        --append where its inputs only grew (a plain rerun is refused then); inputs changed otherwise are
+        refused even so, and the message says that instead."""
+        if any(w.state == "running" for w in self.workers):
+            return "it is running now: export again once it completes"
+        if not self.input_changes:
+            return "run it again with the same command, then export"
+        if only_growth(self.input_changes):
+            return (
+                "run it again with --append to take in its inputs' new rows (`batchjob status` lists them), "
+                "then export"
+            )
+        return (
+            "its inputs changed since it ran (`batchjob status` says how) and `batchjob run` refuses them: "
+            "restore the inputs it started with, run it again, then export"
+        )
+
     # -- the report `batchjob status` prints ---------------------------------------------------------------
 
     def lines(self, shown_as: str) -> list[str]:
@@ -138,7 +156,8 @@ class JobStatus:
     def _count_lines(self) -> list[str]:
         """Rows done (and in flight), samples, errors and tokens, over every worker."""
         done, total = self.total("rows_done"), self.rows_total
-        pct = f" ({100 * done / total:.1f}%)" if total else ""
+        tenths = 1000 * done // total if total else 0  # floored: 1999 of 2000 is 99.9%, never 100.0%
+        pct = f" ({tenths // 10}.{tenths % 10}%)" if total else ""
         lines = [f"rows: {done} of {total if total is not None else 'unknown'} input rows{pct}"]
         live = [w.live for w in self.workers if w.state == "running" and w.live]
         if live:

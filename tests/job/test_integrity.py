@@ -71,6 +71,8 @@ def test_appended_rows_are_refused_then_processed_with_append(tmp_path, tiny_mod
         run_job(spec(data, out, tiny_model_dir, id_column="rid"))
     r = cli("status", out)  # status says so too, never "complete"
     assert r.exit_code == 0 and "incomplete" in r.output and "a.jsonl" in r.output, r.output
+    r = cli("export", out, "--to", tmp_path / "x.jsonl")  # its hint names --append (a plain rerun is refused)
+    assert r.exit_code == 0 and "are done; run it again with --append to take in" in r.output, r.output
     result = run_job(spec(data, out, tiny_model_dir, id_column="rid", append=True))
     assert result.status == "complete" and result.rows_done == 9 and result.rows_total == 9
     fresh = tmp_path / "fresh"
@@ -202,6 +204,8 @@ def test_changed_inputs_are_refused_naming_each_file(tmp_path, tiny_model_dir, c
         "--no-chat",
     )
     assert r.exit_code == 2 and "changed since it started" in r.output
+    r = cli("export", out, "--to", tmp_path / "x.jsonl")  # not "run it again": that is refused
+    assert r.exit_code == 0 and "restore the inputs it started with, run it again, then export" in r.output
 
 
 def test_touched_but_equal_small_file_is_accepted(tmp_path, tiny_model_dir):
