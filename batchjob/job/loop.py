@@ -356,6 +356,7 @@ class JobLoop:
         body["live"] = {  # what `status` shows of a running job beyond its committed rows
             "updated": time.time(),
             "finished_uncommitted": finished,  # input rows finished, not yet in a committed part
+            "committed_rows": self.manifest.rows,  # the manifest's now: rows it takes later were counted here
             "in_engine": len(self.pending) - len(self.ready),  # input rows being generated
             "read_ahead": len(self.ready) + len(self.ahead),  # input rows read, not yet in the engine
         }

@@ -49,9 +49,26 @@ class WorkerStatus:
 
     @property
     def live(self) -> dict[str, Any]:
-        """A running worker's in-flight counts as it last wrote them (stats.json), else {}."""
+        """A running worker's in-flight counts as it last wrote them (stats.json), else {}; {} too while they
+        are an earlier run's (written before the running one took the lock): it has written none yet."""
         live = self.stats.get("live") if self.state == "running" else None
-        return live if isinstance(live, dict) else {}
+        if not isinstance(live, dict):
+            return {}
+        since = self.holder.get("since")
+        if isinstance(since, (int, float)) and float(live.get("updated", 0)) < since:
+            return {}
+        return live
+
+    def uncommitted(self, live: dict[str, Any]) -> int:
+        """The rows ``live`` counted as finished and not committed, less those its manifest took since: a run
+        writes its figures, then commits every row it has finished (a checkpoint's, and a full part's between
+        them), so until it writes them again the rows are counted committed and in flight both."""
+        finished = int(live.get("finished_uncommitted", 0))
+        then = live.get("committed_rows", (self.stats.get("job") or {}).get("rows_done"))  # older: job's
+        if not isinstance(then, int):
+            return finished
+        listed = self.rows_done + self.rows_to_redo  # its manifest's rows now, its damaged parts' too
+        return max(0, finished - max(0, listed - then))
 
     @property
     def rows_to_redo(self) -> int:
@@ -162,7 +179,7 @@ class JobStatus:
         live = [w.live for w in self.workers if w.state == "running" and w.live]
         if live:
             age = max(0.0, time.time() - min(float(x.get("updated", 0)) for x in live))
-            finished = sum(int(x.get("finished_uncommitted", 0)) for x in live)
+            finished = sum(w.uncommitted(w.live) for w in self.workers if w.state == "running" and w.live)
             seqs = [w.stats.get("batch_occupancy", {}).get("max_num_seqs") for w in self.workers if w.live]
             at_once = f" (up to {sum(seqs)} at a time, the rest queued)" if all(seqs) else ""
             lines.append(
@@ -241,9 +258,8 @@ def _died_line(w: WorkerStatus, named: bool) -> str | None:
     """A worker not running whose last run's stats say it still held finished rows it had not committed: it
     was killed (or crashed) before it could save them; the next run redoes them. ``named``: say which worker."""
     live = w.stats.get("live") if w.state in ("stopped", "not started") else None
-    if not isinstance(live, dict) or not int(live.get("finished_uncommitted", 0)):
+    if not isinstance(live, dict) or not (lost := w.uncommitted(live)):
         return None
-    lost = int(live["finished_uncommitted"])
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(live.get("updated", 0))))
     who = f"{w.shard}: " if named else ""
     return (

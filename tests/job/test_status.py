@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import re
+import signal
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from batchjob.cli import main
 from batchjob.job.shard import Shard
 from batchjob.job.status import JobStatus, WorkerStatus
+from tests.faultproc import wait_for_points
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,3 +32,43 @@ def test_the_share_done_is_floored_so_an_incomplete_job_is_never_at_100_percent(
     """1999 of 2000 rows showed '(100.0%)', rounded up: the share is floored to a tenth now."""
     status = JobStatus(Path("out"), [WorkerStatus(Shard(0, 1), "stopped", rows_done=done)], total)
     assert f"rows: {done} of {total} input rows ({shown})" in status.lines("out")
+
+
+@pytest.mark.process
+def test_rows_committed_after_the_live_figures_are_not_counted_twice(launch, tiny_model_dir, tmp_path):
+    """A run writes its live figures (stats.json) and then commits the rows they call finished; status added
+    them to the committed rows all the same ('rows: 57 of 300' and 'in flight: 57 more rows finished, not yet
+    committed'), and, the run killed there, said 'the last run ended without committing 57 rows ... batchjob
+    run redoes them' of rows committed. A new run showed the killed run's figures as its own."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        "".join(json.dumps({"id": f"r{i}", "review": f"review number {i}"}) + "\n" for i in range(40))
+    )
+    out = tmp_path / "out"
+    args = [
+        "--input", data, "--output", out, "--model", tiny_model_dir, "--template", "{review}",
+        "--max-new-tokens", "6", "--max-num-seqs", "4", "--checkpoint-interval", "0.001",
+    ]  # fmt: skip
+    args = [str(a) for a in args]
+    proc = launch(args, BATCHJOB_FAULT_PAUSE="part_committed")  # a checkpoint's commit, stats written before
+    wait_for_points(proc)
+    text = status(out)
+    committed = re.search(r"rows: (\d+) of 40 input rows", text)
+    assert committed and int(committed.group(1)) > 0, text
+    assert "in flight: 0 more rows finished, not yet committed; " in text, text  # the part just took them
+    proc.kill()  # as kill -9: nothing saved after the commit
+    proc.wait()
+    text = status(out)
+    assert f"{out}: incomplete\n" in text and "without committing" not in text, text
+    again = launch(args, BATCHJOB_FAULT_PAUSE="loop_started")  # its own figures are not written yet
+    [pid], _ = wait_for_points(again)
+    text = status(out)
+    assert f"running now (pid {pid} on " in text and "in flight" not in text, text
+    again.send_signal(signal.SIGTERM)
+    assert again.wait(timeout=120) == 75
+
+
+def status(out) -> str:
+    result = CliRunner().invoke(main, ["status", str(out)])
+    assert result.exit_code == 0, result.output
+    return result.output
