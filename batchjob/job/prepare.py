@@ -123,6 +123,12 @@ def _check_job_file(out_dir: Path) -> None:
         )
 
 
+def task_entry(spec: JobSpec, model: dict[str, Any]) -> dict[str, Any]:
+    """A task job's ``task`` entry: the task and its options, how its head is read, the score's log-softmax
+    (``model``: the job's ``model`` entry, for the dtype it runs in)."""
+    return task_fingerprint(spec) | head_fingerprint(spec) | _score_entry(spec, model)
+
+
 def _score_entry(spec: JobSpec, model: dict[str, Any]) -> dict[str, Any]:
     """A score job that runs in bf16 (or float16) takes its log-probabilities in float32 since 2026-12-07
     (they were bf16's): its identity says so, and one an earlier batchjob started is not resumed into it."""
@@ -205,8 +211,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         if spec.lora_paths:  # each adapter by content, by name (a job without keeps its identity)
             fingerprint["lora"] = lora_identity(spec.lora_paths)
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
-            task = task_fingerprint(spec) | head_fingerprint(spec)
-            fingerprint["task"] = task | _score_entry(spec, fingerprint["model"])
+            fingerprint["task"] = task_entry(spec, fingerprint["model"])
         return plan, fingerprint
 
     if spec.format == "openai":

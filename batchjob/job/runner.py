@@ -17,6 +17,7 @@ from batchjob.io.atomic import write_json
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
 from batchjob.job.checks import check_special_texts
+from batchjob.job.given_engine import check_given_engine, take_model
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.lora import check_adapters
 from batchjob.job.manifest import Manifest
@@ -98,11 +99,12 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
     """Run (or resume) a job to completion. Returns its result; raises BatchjobError for what the user can fix.
 
     SIGTERM and SIGINT stop it cleanly: finished rows are committed, in-flight requests checkpointed, and the
-    result's status is ``"interrupted"`` (the CLI exits 75). ``engine``: an already loaded one to reuse.
-    ``shard``: run only this worker's share of a job split over several workers sharing ``spec.output``.
-    The job is prepared (inputs discovered, the model identified, prompts planned) once per start.
+    result's status is ``"interrupted"`` (the CLI exits 75). ``engine``: an already loaded one to reuse, the
+    one the spec asks for (``given_engine.py``). ``shard``: run only this worker's share of a job split over
+    several workers sharing ``spec.output``. The job is prepared (inputs discovered, the model identified,
+    prompts planned) once per start.
     """
-    prep = prepare(spec, shard=shard)
+    prep = _prepare(spec, engine, shard)
     if (done := _already_complete(prep)) is not None:
         return done
     _say_dtype_hint(prep)
@@ -153,6 +155,15 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
         if loaded and engine is not None:
             engine.close()
         state.unlock()
+
+
+def _prepare(spec: JobSpec, engine: JobEngine | None, shard: Shard | None) -> Prepared:
+    """The job prepared (``prepare.py``); with an engine given, for its model where the spec names none, and
+    that engine checked to be the spec's (``given_engine.py``) before anything is written: the job records
+    the spec's identity, whatever the engine computes."""
+    prep = prepare(take_model(spec, engine), shard=shard)
+    check_given_engine(prep, engine)
+    return prep
 
 
 def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts | None:

@@ -3,12 +3,14 @@ loop, the runner and the result columns know an engine only through these method
 
 The engine's and transformers' types are imported for type checkers only: this module, like the command line,
 imports no torch. Of a prefill-only engine's task runner the job reads one thing, an embedding's width
-(``TaskRunner.pooling.dimensions``): ``JobTasks`` and ``JobPooling`` name exactly that.
+(``TaskRunner.pooling.dimensions``): ``JobTasks`` and ``JobPooling`` name exactly that. Of its LoRA adapters,
+each one's name and folder (``JobAdapters``): an engine given to ``run_job`` must hold the spec's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -41,6 +43,23 @@ class JobTasks(Protocol):
     def pooling(self) -> JobPooling | None: ...  # embed: how it pools; None for the other tasks
 
 
+class JobAdapter(Protocol):
+    """One resident LoRA adapter (``engine/lora/``'s ``Adapter``), as far as the job reads it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> Path: ...  # the PEFT folder it was loaded from
+
+
+class JobAdapters(Protocol):
+    """An engine's resident LoRA adapters (``engine/lora/``'s ``Adapters``), as far as the job reads them."""
+
+    @property
+    def adapters(self) -> Sequence[JobAdapter]: ...
+
+
 class JobEngine(Protocol):
     """The engine as a job sees it: requests in, finished outputs out, one step at a time. ``tokenizer``,
     ``model`` and ``tasks`` are read-only properties here (a job only reads them), so an engine's own, more
@@ -60,6 +79,9 @@ class JobEngine(Protocol):
 
     @property
     def tasks(self) -> JobTasks | None: ...  # the prefill-only task's runner, None for generation
+
+    @property
+    def lora(self) -> JobAdapters | None: ...  # its resident adapters (None: none)
 
     @property
     def num_unfinished(self) -> int: ...

@@ -68,11 +68,14 @@ def differing(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def fingerprint_changes(
-    saved: dict[str, Any], now: dict[str, Any], defaults: Mapping[str, Any] | None = None
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    sides: tuple[str, str] = ("was", "now"),
 ) -> list[str]:
     """Human-readable differences, e.g. ``"sampling.temperature: was 0.0, now 1.0"``. ``defaults``: entries'
     ``job.defaults.Default`` by name: a default spelled out as the value it surely resolves to is no change,
-    and a default named in a message says what it resolves to."""
+    and a default named in a message says what it resolves to. ``sides``: the words before each value."""
     a, b = _flatten(saved), _flatten(now)
     out = []
     for k in differing(saved, now):
@@ -83,9 +86,9 @@ def fingerprint_changes(
             if d.sure and other == d.value:
                 continue  # the default, spelled out (or left out again): the same job
             words = [d.describe() if v == d.word else repr(v) for v in (was, is_)]
-            out.append(f"{k}: was {words[0]}, now {words[1]}")
+            out.append(f"{k}: {sides[0]} {words[0]}, {sides[1]} {words[1]}")
             continue
-        out.append(f"{k}: was {was!r}, now {is_!r}")
+        out.append(f"{k}: {sides[0]} {was!r}, {sides[1]} {is_!r}")
     return out
 
 
