@@ -40,13 +40,18 @@ def take_model(spec: JobSpec, engine: JobEngine | None) -> JobSpec:
 
 
 def check_given_engine(prep: Prepared, engine: JobEngine | None) -> None:
-    """Refuse an engine that is not the one the spec asks for (``ConfigError``, naming the setting, both
-    values and how to go on): another task or model, another dtype, other LoRA adapters, another value of an
+    """Refuse an engine that is busy with other requests, or is not the one the spec asks for
+    (``ConfigError``, naming the setting, both values and how to go on): another task or model, another dtype, other LoRA adapters, another value of an
     engine option the job's identity records (``max_model_len``; a task's pooling, chunks and kernels), or a
     KV pool that can't hold one request of its context (the job's own engine refuses that at load). None:
     no engine was given (the job loads its own)."""
     if engine is None:
         return
+    if engine.num_unfinished:  # the loop routes every finished request to a row: another's has none
+        raise ConfigError(
+            f"run_job needs an idle engine; it has {engine.num_unfinished} unfinished requests: step it "
+            "until has_unfinished() is False, or give run_job an engine of its own"
+        )
     spec = prep.spec
     if engine.config.task != spec.engine.task:
         raise ConfigError(

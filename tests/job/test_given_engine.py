@@ -129,3 +129,15 @@ def test_an_engine_that_does_not_name_its_model_is_refused(rows, tiny_model_dir,
     bare = Engine(hf, AutoTokenizer.from_pretrained(tiny_model_dir), EngineConfig(device="cpu"))
     with pytest.raises(ConfigError, match="does not say where its model came from"):
         run_job(_spec(rows, tmp_path / "o", model=str(tiny_model_dir)), engine=bare)
+
+
+def test_a_busy_engine_is_refused_and_its_requests_kept(rows, tiny_model_dir, llama, tmp_path):
+    from batchjob import SamplingParams
+
+    llama.add_request("mine", llama.tokenize("Paris is"), SamplingParams(max_new_tokens=3, temperature=0))
+    with pytest.raises(ConfigError, match="run_job needs an idle engine; it has 1 unfinished requests"):
+        run_job(_spec(rows, tmp_path / "o", model=str(tiny_model_dir)), engine=llama)
+    outs = []
+    while llama.has_unfinished():
+        outs += llama.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("mine", "length")]  # the caller's, unharmed
