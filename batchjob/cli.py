@@ -362,13 +362,13 @@ def _check_images(prep: Any) -> None:
 
 
 def _check_tokenizer(prep: Any) -> None:
-    from batchjob.job.checks import check_special_texts  # (a command's modules load when it runs)
+    from batchjob.job.checks import check_tokenizer_texts  # (a command's modules load when it runs)
     from batchjob.job.rows.reasoning import think_tags
     from batchjob.models import load_tokenizer
 
     tokenizer = load_tokenizer(prep.spec.model, prep.spec.trust_remote_code)
     prep.plan.for_tokenizer(prep.spec, bool(getattr(tokenizer, "chat_template", None)))
-    check_special_texts(prep.spec.stop, prep.spec.choices, tokenizer)
+    check_tokenizer_texts(prep.spec.stop, prep.spec.choices, tokenizer)
     think_tags(prep.spec, tokenizer)  # --reasoning-tags the tokenizer refuses, --max-reasoning-tokens without
 
 

@@ -81,6 +81,14 @@ class ChoiceTrie:
         return [i for i, n in enumerate(self.nodes) if n.children]
 
 
+def choice_trie(tokenizer, choices: list[str]) -> ChoiceTrie:
+    """A label set's trie, each label tokenized alone without special tokens. ``ConfigError`` where the
+    tokenizer gives two labels the same ids (an uncased one: 'Yes' and 'yes'; unknown characters) or a label
+    none (characters it drops): the engine could not answer with one and not the other."""
+    ids = [tokenizer(c, add_special_tokens=False).input_ids for c in choices]
+    return ChoiceTrie(list(choices), ids)
+
+
 class ChoiceConstraint:
     """One request's walk down a ``ChoiceTrie``, and the log-probabilities seen at each inner node."""
 

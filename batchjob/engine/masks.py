@@ -16,6 +16,7 @@ from batchjob.engine.constraints import (
     Constraint,
     GrammarCompiler,
     GrammarConstraint,
+    choice_trie,
     fill_bitmask,
 )
 from batchjob.engine.feature import RequestFeature
@@ -55,8 +56,7 @@ class Constraints(RequestFeature):
         if params.choices is not None:
             trie = self._tries.get(tuple(params.choices))
             if trie is None:
-                ids = [self.tokenizer(c, add_special_tokens=False).input_ids for c in params.choices]
-                trie = self._tries[tuple(params.choices)] = ChoiceTrie(params.choices, ids)
+                trie = self._tries[tuple(params.choices)] = choice_trie(self.tokenizer, params.choices)
             return ChoiceConstraint(trie, self.stop_ids)
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_ids)

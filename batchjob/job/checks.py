@@ -166,6 +166,30 @@ def check_special_texts(stops: list[str] | None, choices: list[str] | None, toke
         raise ConfigError(f"--choices: {why}")
 
 
+def check_tokenizer_texts(stops: list[str] | None, choices: list[str] | None, tokenizer: Any) -> None:
+    """What ``validate`` and ``run`` refuse of the job's --stop and --choices for this tokenizer, before work
+    (``check_special_texts``, ``check_choice_tokens``)."""
+    check_special_texts(stops, choices, tokenizer)
+    check_choice_tokens(choices, tokenizer)
+
+
+def check_choice_tokens(choices: list[str] | None, tokenizer: Any) -> None:
+    """Refuse, before work, --choices this tokenizer can't tell apart or spell: two labels it gives the same
+    ids, or a label it gives none (the engine refuses such a label set at every row's admission)."""
+    if not choices:
+        return
+    from batchjob.engine.constraints import choice_trie  # (the engine's package imports torch)
+
+    try:
+        choice_trie(tokenizer, choices)
+    except ConfigError as e:
+        raise ConfigError(
+            f"--choices: {e} with this model's tokenizer (it normalizes the text, or drops or merges what it "
+            "has no token for), so no answer could be that label alone; give labels it spells apart, each "
+            "with a token at least"
+        ) from e
+
+
 def unused_options(fmt: str, image_column: str | None) -> set[str]:
     """The options a job of this format has no use for (refused where given: ``check_unused``; an older job
     that recorded one resumes without it: ``prepare._unrecorded``): --chat with --format openai (each

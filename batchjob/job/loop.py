@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchjob.errors import BatchjobError
+from batchjob.errors import BatchjobError, ConfigError
 from batchjob.io.atomic import write_json
 from batchjob.io.fits import column_type, id_text
 from batchjob.io.readers import Row
@@ -39,7 +39,7 @@ from batchjob.job.progress import Progress
 from batchjob.job.prompts import PromptBuilder
 from batchjob.job.reasoning import ReasoningTags
 from batchjob.job.rows import RowMaker
-from batchjob.job.rows.base import Ask, RowWork
+from batchjob.job.rows.base import Ask, RowWork, refused_outputs
 from batchjob.job.rows.columns import part_writer
 from batchjob.job.rows.prompt import row_request
 from batchjob.job.rows.reasoning import think_tags
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from batchjob.engine.output import RequestOutput
     from batchjob.engine.request import RequestState
     from batchjob.job.rows.images import ImagePrompts
+    from batchjob.sampling import SamplingParams
 
 # the runner's and the estimate's names for what moved to rows/
 __all__ = [
@@ -120,6 +121,8 @@ class JobLoop:
         self.ready: deque[RowWork] = deque()  # prepared, not yet in the engine
         # every engine request in flight -> its row, and the part the row gave it (``rows/base.py``)
         self.routes: dict[str, tuple[RowWork, int | None]] = {}
+        self.refused: deque[RequestOutput] = deque()  # requests the engine refused at admission, as errors
+        self.constraint = _constraint(params)  # the job's own: a refusal of it is the job's, not a row's
         self.stats = RunStats(self.max_num_seqs, engine.stats)
         self.stop_signal: int | None = None
         # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
@@ -257,6 +260,7 @@ class JobLoop:
             work = self.ready[i]
             del self.ready[i]
             self._ask(work, work.asks())
+        self._settle_refused()
 
     def _ask(self, work: RowWork, asks: list[Ask]) -> None:
         """Give the engine a row's requests, each routed back to the row with its part."""
@@ -266,21 +270,35 @@ class JobLoop:
         for a in asks:
             self.routes[a.request_id] = (work, a.part)
             work.request_ids.append(a.request_id)
-            self.engine.add_request(
-                a.request_id,
-                a.prompt_ids,
-                a.params,
-                a.output_ids,
-                sample_index=a.sample_index,
-                continuation_ids=a.continuation_ids,
-                token_logprobs=a.token_logprobs,
-                **extra,
-            )
+            try:
+                self.engine.add_request(
+                    a.request_id,
+                    a.prompt_ids,
+                    a.params,
+                    a.output_ids,
+                    sample_index=a.sample_index,
+                    continuation_ids=a.continuation_ids,
+                    token_logprobs=a.token_logprobs,
+                    **extra,
+                )
+            except ConfigError as e:  # e.g. labels its tokenizer makes alike, a grammar it can't compile
+                if _constraint(a.params) == self.constraint:
+                    raise  # the job's own setting: a setup error (refused before work where it can be)
+                self.refused += refused_outputs(
+                    a, f"{work.row.place}: the engine can't run this row's parameters: {e}"
+                )
+
+    def _settle_refused(self) -> None:
+        """The requests the engine refused at admission, finished as errors of their rows (a follow-up a row
+        asks for then, if refused too, joins them)."""
+        while self.refused:
+            self._finished(self.refused.popleft())
 
     def _step(self) -> None:
         """One engine step; its finished requests become result rows."""
         for out in self.engine.step():
             self._finished(out)
+        self._settle_refused()  # follow-ups the rows just asked for
         self.stats.step(self.engine.stats)
         self.bar.step(self.stats.generated_tokens)
 
@@ -440,3 +458,8 @@ class JobLoop:
             self.manifest.errors,
             self.stats.to_json(),
         )
+
+
+def _constraint(params: SamplingParams | None) -> tuple[Any, ...]:
+    """What of a request's parameters the engine compiles at admission: its labels, schema or regex."""
+    return (None, None, None) if params is None else (params.choices, params.json_schema, params.regex)

@@ -16,7 +16,7 @@ from batchjob.errors import BatchjobError, StateError
 from batchjob.io.atomic import write_json
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
-from batchjob.job.checks import check_special_texts
+from batchjob.job.checks import check_tokenizer_texts
 from batchjob.job.given_engine import check_given_engine, take_model
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.lora import check_adapters
@@ -122,7 +122,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
                 faults.point("during_model_load")
                 engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
-        check_special_texts(spec.stop, spec.choices, engine.tokenizer)  # before work, as validate
+        check_tokenizer_texts(spec.stop, spec.choices, engine.tokenizer)  # before work, as validate
         _settle_model(prep, engine)
         _say_generation_config(prep, engine)
         if not prep.resumed and not state.create_job(prep.info):

@@ -8,6 +8,7 @@ to the row and the ``part`` the row gave that request (``loop.py``); nothing rea
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +43,23 @@ def request_error(out: RequestOutput) -> str | None:
     if out.finish_reason != "error":
         return None
     return out.error if out.error is not None else ENGINE_FAILURE
+
+
+def refused_outputs(ask: Ask, error: str) -> list[RequestOutput]:
+    """The outputs of a request the engine refused at admission (``add_request`` raised ``ConfigError``: a
+    label set or grammar of the row's own it can't run), each sample's an error, as the engine reports a
+    request it can't run: the row is then written with the error, and the job goes on."""
+    from batchjob.engine.output import RequestOutput  # (the engine's type: the engine is loaded by now)
+
+    n = ask.params.n if ask.params is not None else 1
+    indices = [0] if n == 1 else [ask.sample_index] if ask.sample_index is not None else list(range(n))
+    now = time.monotonic()
+    return [
+        RequestOutput(
+            ask.request_id, list(ask.prompt_ids), [], "", "error", error, now, None, now, sample_index=k
+        )
+        for k in indices
+    ]
 
 
 @dataclass(eq=False)
