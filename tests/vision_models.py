@@ -108,6 +108,21 @@ def png_bytes(seed: int, size: tuple[int, int] = (24, 20)) -> bytes:
     return buf.getvalue()
 
 
+def hf_label_logprob(hf, inputs, label: list[int]) -> float:
+    """log P(label | prompt) from one float64 forward of a Hugging Face model on the processor's inputs (its
+    images included) followed by the label's tokens: the sum of each label token's log-probability."""
+    n = inputs["input_ids"].shape[1]
+    kwargs = {k: v.double() if v.is_floating_point() else v for k, v in dict(inputs).items()}
+    kwargs["input_ids"] = torch.cat([kwargs["input_ids"], torch.tensor([label])], 1)
+    kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+    for name in ("token_type_ids", "mm_token_type_ids"):  # the label's tokens are text
+        if name in kwargs:
+            kwargs[name] = torch.nn.functional.pad(kwargs[name], (0, len(label)))
+    with torch.inference_mode():
+        lp = hf(**kwargs).logits[0].log_softmax(-1)
+    return sum(lp[n - 1 + j, t].item() for j, t in enumerate(label))
+
+
 # Qwen2-VL's chat template renders an image as its start, pad and end tokens; the processor repeats the pad
 # token once per merged patch of that image.
 QWEN_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")

@@ -13,7 +13,7 @@ from batchjob import Engine, SamplingParams
 from batchjob.engine.vision import check_family
 from batchjob.errors import ConfigError
 from tests.tiers import engine_fixture
-from tests.vision_models import IMAGE_TOKENS, make_image, make_llava
+from tests.vision_models import IMAGE_TOKENS, hf_label_logprob, make_image, make_llava
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -114,6 +114,34 @@ def test_features_from_several_tower_layers_drop_only_the_layers_after_them(tmp_
     assert _run(engine, rows) == [_hf_greedy(hf, inputs) for inputs in rows]
     assert len(engine.model.model.vision_tower.encoder.layers) == 1
     assert engine.vision.family.feature_layer == [0, 1]
+
+
+# Labels of 2 and 3 tokens sharing first tokens: the greedy walk leaves most trie nodes to scoring requests.
+CHOICES = ["cat", "cab", "car", "dog", "dot", "blue", "blur"]
+
+
+def test_choices_score_every_label_with_the_rows_images(llava):
+    """Each label's log-probability on an image row equals HF's float64 forward of the prompt, its image and
+    the label, and the answer is HF's most likely label (a text row beside it too). The labels off the greedy
+    walk were scored by requests without the row's images (its image tokens read as text): the probe's LLaVA
+    wrote 'car' where HF scores 'red' higher (-12.204 against -12.589), up to 0.53 nats off."""
+    folder, processor, hf = llava
+    rows = [
+        _inputs(processor, [make_image(s) for s in seeds], "Answer in a word.") for seeds in ([1], [2, 3], [])
+    ]
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=128, block_size=8)
+    params = SamplingParams(temperature=0.0, choices=CHOICES)
+    for i, inputs in enumerate(rows):
+        images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")} or None
+        engine.add_request(f"r{i}", inputs.input_ids[0].tolist(), params, images=images)
+    outs = {o.request_id: o for _ in range(100) if engine.has_unfinished() for o in engine.step()}
+    tokens = {label: engine.tokenize(label, special_tokens=False) for label in CHOICES}
+    for i, inputs in enumerate(rows):
+        want = {label: hf_label_logprob(hf, inputs, ids) for label, ids in tokens.items()}
+        out = outs[f"r{i}"]
+        assert out.error is None and out.choice_logprobs == pytest.approx(want, abs=1e-9, rel=0), i
+        assert out.text == max(want, key=want.get)
+    assert engine.vision.encoded_images == 3  # the scoring requests take the rows' features, never again
 
 
 def test_a_steps_images_are_encoded_in_calls_of_bounded_patches(llava):

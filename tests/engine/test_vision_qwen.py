@@ -11,7 +11,7 @@ import torch
 
 from batchjob import Engine, SamplingParams
 from tests.tiers import engine_fixture
-from tests.vision_models import QwenProcessor, make_image, make_qwen2_vl
+from tests.vision_models import QwenProcessor, hf_label_logprob, make_image, make_qwen2_vl
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,6 +100,28 @@ def test_images_equal_hf_generate(qwen, budget):
     _same(_run(engine, rows), expected)
     assert expected[0] != expected[4], "two images under the same text should answer differently"
     assert engine.vision.encoded_images == 5
+
+
+def test_choices_score_every_label_with_the_rows_images_and_positions(qwen):
+    """Each label's log-probability on an image row equals HF's float64 forward of the prompt, its images and
+    the label: the requests that score the labels off the greedy walk take the row's features and its M-RoPE
+    positions (they had neither: image tokens read as text, at plain positions), and the answer is HF's most
+    likely label."""
+    folder, processor, hf = qwen
+    rows = _rows(processor)[:3]  # one image, two images, text
+    labels = ["cat", "cab", "car", "dog", "dot", "blue", "blur"]  # shared first tokens: nodes off the walk
+    engine = Engine.from_pretrained(folder, device="cpu", dtype="float64", num_blocks=128, block_size=8)
+    params = SamplingParams(temperature=0.0, choices=labels)
+    for i, inputs in enumerate(rows):
+        images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        engine.add_request(f"r{i}", inputs["input_ids"][0].tolist(), params, images=images)
+    outs = {o.request_id: o for _ in range(100) if engine.has_unfinished() for o in engine.step()}
+    for i, inputs in enumerate(rows):
+        want = {x: hf_label_logprob(hf, inputs, engine.tokenize(x, special_tokens=False)) for x in labels}
+        out = outs[f"r{i}"]
+        assert out.error is None and out.choice_logprobs == pytest.approx(want, abs=1e-9, rel=0), i
+        assert out.text == max(want, key=want.get)
+    assert engine.vision.encoded_images == 3
 
 
 def test_preempted_image_rows_recompute_exactly(qwen):

@@ -27,10 +27,10 @@ class Helpers:
         it run, at the front of the queue."""
         for feature in features:
             for helper in feature.helpers(req):
+                share_forward(helper, req)  # checked as what it runs: its owner's prompt, with its images
                 if self.check(helper) is not None:
                     continue  # cannot run (past the context): the feature goes without (choices: an error row)
                 helper.owner = req
-                helper.adapter = req.adapter  # it runs under its owner's LoRA adapter (and prefix)
                 req.pending_helpers += 1
                 self.requests[helper.request_id] = helper
                 self.scheduler.add(helper, front=True)
@@ -45,3 +45,12 @@ class Helpers:
         owner.pending_helpers -= 1
         if owner.pending_helpers == 0 and owner.request_id in self.requests:
             finished.append(owner)
+
+
+def share_forward(helper: Request, owner: Request) -> None:
+    """What a helper takes of its owner so that its forward is the owner's prompt's: its LoRA adapter, and
+    its images (their features, rows and M-RoPE positions; shared, as a prompt's n samples share them), so
+    that its image tokens are the images and not text, and its digests find the owner's blocks. A longrope
+    model's set follows its length (the scheduler's admit), as for any request."""
+    helper.adapter = owner.adapter
+    helper.images = owner.images
