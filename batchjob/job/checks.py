@@ -190,27 +190,43 @@ def check_choice_tokens(choices: list[str] | None, tokenizer: Any) -> None:
         ) from e
 
 
-def unused_options(fmt: str, image_column: str | None) -> set[str]:
+IMAGE_OPTIONS = ("max_image_pixels", "allow_remote_images", "image_workers")
+
+
+def prompt_kind(values: Mapping[str, Any]) -> str | None:
+    """What a job's prompts come from as far as its options say (a ``PromptPlan``'s kind), or None where the
+    input's columns decide (a 'messages' column, or 'prompt' or 'text': ``prompts.plan_prompts``)."""
+    if values["format"] == "openai":
+        return "openai"
+    named = {"template": "template", "messages_column": "messages", "prompt_column": "column"}
+    return next((kind for name, kind in named.items() if values[name] is not None), None)
+
+
+def unused_options(fmt: str, image_column: str | None, kind: str | None) -> set[str]:
     """The options a job of this format has no use for (refused where given: ``check_unused``; an older job
     that recorded one resumes without it: ``prepare._unrecorded``): --chat with --format openai (each
-    request's kind says), --check-model-name over rows, the image options over rows without images."""
+    request's kind says), --check-model-name over rows, the image options over rows without images: a
+    prompt column or a template (``kind``) without --image-column. A messages column's messages may hold
+    image parts, as OpenAI requests' may; ``kind`` None (the input's columns decide) names none of them."""
     out = {"chat"} if fmt == "openai" else {"check_model_name"}
-    if image_column is None and fmt == "rows":
-        out |= {"max_image_pixels", "allow_remote_images", "image_workers"}
+    if image_column is None and fmt == "rows" and kind in ("column", "template"):
+        out |= set(IMAGE_OPTIONS)
     return out
 
 
+_IMAGES = "a row's images: --image-column, or image parts in --messages-column or --format openai"
 _UNUSED_WHY = {  # what each option is for, as the refusal says it
     "check_model_name": "it checks each request's body.model: --format openai",
-    "max_image_pixels": "a row's images: --image-column",
-    "allow_remote_images": "a row's images: --image-column",
-    "image_workers": "a row's images: --image-column",
+    "max_image_pixels": _IMAGES,
+    "allow_remote_images": _IMAGES,
+    "image_workers": _IMAGES,
 }
 
 
-def check_unused(values: Mapping[str, Any], default_pixels: int) -> None:
+def check_unused(values: Mapping[str, Any], default_pixels: int, kind: str | None = None) -> None:
     """Refuse options a job would accept and never use (they were taken without a word): the name check of
-    OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's.
+    OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's;
+    ``kind``: the prompts' kind once the input's columns have decided it (None: as the options say).
     (--chat with --format openai: ``JobSpec._check_openai`` says why.)"""
     given = {
         "check_model_name": bool(values["check_model_name"]),
@@ -218,7 +234,7 @@ def check_unused(values: Mapping[str, Any], default_pixels: int) -> None:
         "allow_remote_images": bool(values["allow_remote_images"]),
         "image_workers": values["image_workers"] is not None,
     }
-    unused = unused_options(values["format"], values["image_column"])
+    unused = unused_options(values["format"], values["image_column"], kind or prompt_kind(values))
     by_why: dict[str, list[str]] = {}
     for name in (n for n, is_given in given.items() if is_given and n in unused):
         by_why.setdefault(_UNUSED_WHY[name], []).append(name)

@@ -23,7 +23,7 @@ from batchjob.errors import BatchjobError, InputError, StateError
 from batchjob.io.schema import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
-from batchjob.job.checks import unused_options
+from batchjob.job.checks import check_unused, unused_options
 from batchjob.job.defaults import resolved_defaults, same_dtype
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, named_as_recorded, new_records, ordered_sources, reconcile
@@ -35,7 +35,7 @@ from batchjob.job.rows.images import check_plan
 if TYPE_CHECKING:
     from batchjob.job.images import CellRefs
 from batchjob.job.shard import Shard, choose_chunk_rows
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import PILLOW_MAX_PIXELS, JobSpec
 from batchjob.job.state import (
     STATE_DIR,
     JobInfo,
@@ -150,16 +150,16 @@ def input_paths(spec: JobSpec) -> list[str]:
     return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in spec.input]
 
 
-def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: str) -> list[str]:
     """What differs between a saved job's fingerprint and this run's, in words (a default spelled out as
-    what it surely resolves to is no difference: ``defaults.py``)."""
+    what it surely resolves to is no difference: ``defaults.py``); ``kind``: its prompts' (``PromptPlan``)."""
     saved = {"sharding": {"num_shards": 1}} | saved
     model = model_identity.changes(saved.get("model", {}).get("identity", {}), now["model"]["identity"])
 
     def without_identity(fp: dict[str, Any]) -> dict[str, Any]:
         return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
 
-    a, b = _unrecorded(spec, without_identity(saved), without_identity(now))
+    a, b = _unrecorded(spec, without_identity(saved), without_identity(now), kind)
     if same_dtype(saved.get("model", {}), now["model"]):  # --dtype float32 where auto ran in it: one job
         b["model"]["dtype"] = a["model"]["dtype"]
     column = now.get("prompt", {}).get("resolved_column")
@@ -171,14 +171,14 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> list[
     return out + fingerprint_changes(a, b, defaults)
 
 
-def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any]) -> tuple[dict, dict]:
+def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: str) -> tuple[dict, dict]:
     """The two fingerprints without what a job recorded before batchjob checked it, or for options it now
     refuses as unused (an older job resumes; neither is asked for again): a task job's kernels, and
     --check-model-name over rows, --max-image-pixels without images, --chat with --format openai."""
     task, prompt = dict(now.get("task", {})), dict(saved.get("prompt", {}))
     if "task" in saved and "kernels" not in saved["task"]:
         task.pop("kernels", None)
-    unused = unused_options(spec.format, spec.image_column)
+    unused = unused_options(spec.format, spec.image_column, kind)
     for name in unused:
         prompt.pop(name, None)
     now_prompt = {k: v for k, v in now.get("prompt", {}).items() if k not in unused}
@@ -202,6 +202,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
     def identity(schema: pa.Schema) -> tuple[PromptPlan, dict[str, Any]]:
         plan = plan_prompts(spec, schema.names, has_chat_template, schema)
         check_column_types(spec, plan, schema)
+        check_unused(spec.values(), PILLOW_MAX_PIXELS, plan.kind)  # the input's columns chose the prompts
         fingerprint = {
             "model": _model_entry(spec),
             "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column} | _render_entry(plan),
@@ -343,7 +344,7 @@ def _resume(
         # the hub model is not on this machine now: compare it by content once it is loaded
         deferred = saved_identity
         fingerprint["model"]["identity"] = saved_identity
-    changes = _changes(spec, saved.fingerprint, fingerprint)
+    changes = _changes(spec, saved.fingerprint, fingerprint, plan.kind)
     if changes:
         raise JobMismatchError(
             f"--output {out_dir} holds a different job; changed: {'; '.join(changes)}. "

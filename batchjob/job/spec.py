@@ -375,7 +375,8 @@ class JobSpec:
             "check_model_name": self.check_model_name or None,  # a request for another model: an error row
         }
         out |= {k: v for k, v in optional.items() if v is not None}
-        # images: an image column's, or an OpenAI job's image parts (named when the bound is not the default)
+        # images: an image column's, or the image parts of OpenAI requests or a messages column (named when
+        # the bound is not the default, so that a job without it keeps its identity)
         if self.image_column is not None or self.max_image_pixels != PILLOW_MAX_PIXELS:
             out |= {"image_column": self.image_column, "max_image_pixels": self.max_image_pixels}
         return out

@@ -522,6 +522,44 @@ def test_messages_column_with_image_parts(llava, tmp_path):
     assert "chats.jsonl line 4: column 'messages': message 0 needs a role and a content" in got["m3"]["error"]
 
 
+def test_messages_column_takes_the_image_options(llava, tmp_path):
+    """--messages-column on a VLM takes --max-image-pixels, --allow-remote-images and --image-workers: they
+    were refused as unused ("a row's images: --image-column"), while a remote image's row said to pass
+    --allow-remote-images. The bound makes the larger image's row an error and is the job's identity (a
+    resume under another is refused); a 'messages' column the input chooses takes them too, and a 'text'
+    column refuses them before any work."""
+    folder, _, _ = llava
+    make_image(3, (24, 20)).save(tmp_path / "small.png")
+    make_image(4, (40, 40)).save(tmp_path / "large.png")
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for rid, name in (("small", "small.png"), ("large", "large.png")):
+            content = [{"type": "image_url", "image_url": {"url": name}}, {"type": "text", "text": "What?"}]
+            f.write(json.dumps({"rid": rid, "messages": [{"role": "user", "content": content}]}) + "\n")
+    (tmp_path / "texts.jsonl").write_text(json.dumps({"rid": "t", "text": "hello"}) + "\n")
+
+    def args(name, out, *extra):
+        where = ["--input", tmp_path / name, "--output", tmp_path / out, "--model", folder]
+        return [*where, "--id-column", "rid", "--max-new-tokens", 2, "--dtype", "float64", *extra]
+
+    images = ["--max-image-pixels", 1000, "--allow-remote-images", "--image-workers", 0]
+    code, output = run_here(args("chats.jsonl", "out", "--messages-column", "messages", *images))
+    assert code == 0, output
+    got = {r["rid"]: r for r in read_results(tmp_path / "out")}
+    assert got["small"]["error"] is None, got["small"]["error"]
+    assert "(large.png): 40 x 40 = 1600 pixels is over --max-image-pixels 1000" in got["large"]["error"]
+    code, output = run_here(
+        args("chats.jsonl", "out", "--messages-column", "messages", "--max-image-pixels", 2000)
+    )
+    assert code == 2 and "prompt.max_image_pixels" in output, output
+    code, output = run_here(args("chats.jsonl", "chosen", *images))  # the input's 'messages' column
+    assert code == 0, output
+    assert [r["error"] for r in read_results(tmp_path / "chosen")] == [r["error"] for r in got.values()]
+    code, output = run_here(args("texts.jsonl", "texts", *images))
+    unused = "--max-image-pixels, --allow-remote-images, --image-workers (a row's images: --image-column, or"
+    assert code == 2 and f"no use for {unused} image parts in --messages-column" in output, output
+    assert not (tmp_path / "texts").exists()
+
+
 def test_two_workers_share_the_image_records(llava, tmp_path):
     """A job split over two workers (--num-shards): each records the image files, together they write
     what one worker writes."""

@@ -595,15 +595,19 @@ def test_check_model_name(requests_file, tiny_model_dir, tmp_path):
     ("given", "named"),
     [
         ({"check_model_name": True}, "--check-model-name (it checks each request's body.model"),
-        ({"image_workers": 0}, "--image-workers (a row's images: --image-column)"),
+        ({"image_workers": 0}, "--image-workers (a row's images: --image-column, or image parts in"),
         ({"max_image_pixels": 10, "allow_remote_images": True}, "--max-image-pixels, --allow-remote-images ("),
     ],
 )
 def test_an_option_the_job_has_no_use_for_is_refused(given, named):
-    """They were taken without a word (and --check-model-name, --max-image-pixels were in the identity)."""
-    with pytest.raises(ConfigError, match=re.escape(f"this job has no use for {named}")):
-        make_spec(input="x.jsonl", output="o", **given)
+    """They were taken without a word (and --check-model-name, --max-image-pixels were in the identity). A
+    prompt column or a template says so at once; without either the input's columns decide (prepare)."""
+    for prompts in ({"prompt_column": "text"}, {"template": "{text}"}):
+        with pytest.raises(ConfigError, match=re.escape(f"this job has no use for {named}")):
+            make_spec(input="x.jsonl", output="o", **prompts, **given)
     make_spec(input="x.jsonl", output="o", format="openai", **given)  # OpenAI requests' names and images
+    if "check_model_name" not in given:  # a messages column's image parts
+        make_spec(input="x.jsonl", output="o", messages_column="messages", **given)
 
 
 def test_a_job_recorded_with_an_option_now_refused_as_unused_resumes_without_it(tiny_model_dir, tmp_path):
