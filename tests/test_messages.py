@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
-from batchjob.io.atomic import read_json
+from batchjob.io.atomic import read_json, write_json
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -454,3 +454,30 @@ def test_validate_estimate_with_no_usable_row_says_the_time_is_unknown(tiny_mode
     assert code == 0 and "estimated time: unknown (no usable row among the" in text and "inf" not in text, (
         text
     )
+
+
+def test_no_chat_with_a_messages_column_is_refused_and_a_job_that_recorded_it_resumes(
+    tiny_model_dir, tmp_path
+):
+    """A column of messages is always rendered by the chat template: --no-chat was let go on a text model (its
+    rows went through the template all the same) and made every row of a VLM an error ("needs a processor
+    with a chat template; this one has none"). run and validate refuse it before work, naming both, also
+    where the input's 'messages' column chose the prompts; a job that recorded it resumes without it."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": w}]}) + "\n" for w in "ab"))
+    out = tmp_path / "out"
+    common = ("--model", tiny_model_dir, "--input", data, "--output", out, "--max-new-tokens", 2)
+    for command in ("validate", "run"):
+        for given, named in ((("--messages-column", "messages"), "--messages-column"), ((), "the input's")):
+            code, text = invoke(command, *common, *given, "--no-chat")
+            assert code == 2 and f"--no-chat with {named}" in text, text
+            assert "'messages': a column of chat messages is always rendered by the model's chat" in text
+    assert not out.exists()
+    code, text = invoke("run", *common, "--messages-column", "messages")
+    assert code == 0, text
+    saved = read_json(out / "_batchjob" / "job.json")
+    assert saved["fingerprint"]["prompt"]["chat"] is None
+    saved["fingerprint"]["prompt"]["chat"] = False  # as a job started with --no-chat recorded it
+    write_json(out / "_batchjob" / "job.json", saved)
+    code, text = invoke("run", *common, "--messages-column", "messages")
+    assert code == 0 and "already complete" in text, text

@@ -174,11 +174,14 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: st
 def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: str) -> tuple[dict, dict]:
     """The two fingerprints without what a job recorded before batchjob checked it, or for options it now
     refuses as unused (an older job resumes; neither is asked for again): a task job's kernels, and
-    --check-model-name over rows, --max-image-pixels without images, --chat with --format openai."""
+    --check-model-name over rows, --max-image-pixels without images, --chat with --format openai or a
+    messages column."""
     task, prompt = dict(now.get("task", {})), dict(saved.get("prompt", {}))
     if "task" in saved and "kernels" not in saved["task"]:
         task.pop("kernels", None)
     unused = unused_options(spec.format, spec.image_column, kind)
+    if kind == "messages":  # always rendered by the chat template: --no-chat is refused, once it was recorded
+        unused.add("chat")
     for name in unused:
         prompt.pop(name, None)
     now_prompt = {k: v for k, v in now.get("prompt", {}).items() if k not in unused}

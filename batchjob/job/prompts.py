@@ -65,6 +65,13 @@ class PromptPlan:
         if plan.kind == "openai":  # each request's messages go through the template when there is one
             return replace(plan, chat=has_chat_template)
         if plan.kind == "messages":
+            if spec.chat is False:  # it was let go on a text model, and made every row an error on a VLM's
+                named = "--messages-column" if spec.messages_column else "the input's messages column"
+                raise ConfigError(
+                    f"--no-chat with {named} {self.column!r}: a column of chat messages is always rendered "
+                    "by the model's chat template; leave --no-chat out (for prompts as they are, give "
+                    "--prompt-column or --template)"
+                )
             if not has_chat_template:
                 raise ConfigError(
                     f"messages column {self.column!r} needs a tokenizer with a chat template; this one has none"
