@@ -61,13 +61,18 @@ class ImageRef:
         return f"image {self.index}" + (f" ({self.path})" if self.path else "")
 
 
+_LINE_BREAKS = str.maketrans("", "", " \t\n\r\v\f")  # ASCII whitespace: base64.encodebytes wraps at 76
+
+
 def data_url(url: str) -> tuple[bytes | None, str | None]:
-    """The bytes of a ``data:`` URL (base64, as OpenAI's image parts carry them), or why not."""
+    """The bytes of a ``data:`` URL (base64, as OpenAI's image parts carry them), or why not. Its ';base64'
+    in any case and its data wrapped in lines, as transformers' ``load_image`` reads them (the same bytes);
+    any other character outside base64 is refused (``load_image`` would drop it without a word)."""
     head, sep, data = url.partition(",")
-    if not sep or not head.endswith(";base64"):
+    if not sep or not head.lower().endswith(";base64"):
         return None, "a data: URL must be base64 (data:image/png;base64,...)"
     try:
-        return base64.b64decode(data, validate=True), None
+        return base64.b64decode(data.translate(_LINE_BREAKS), validate=True), None
     except (binascii.Error, ValueError) as e:
         return None, f"the data: URL is not valid base64 ({e})"
 

@@ -398,6 +398,30 @@ def test_exif_orientation_is_applied_as_transformers_load_image_does(tmp_path):
     assert ours.size == want.size == (24, 48) and ours.tobytes() == want.tobytes()
 
 
+def test_data_urls_are_read_as_transformers_load_image_reads_them(tmp_path):
+    """A data: URL of line-wrapped base64 (``base64.encodebytes``' lines of 76) and one marked ';BASE64' were
+    refused, in a cell and in an image part; transformers' load_image reads both: the same image now. A
+    character outside base64 that is not a line break is still refused."""
+    from transformers.image_utils import load_image
+
+    from batchjob.job.images import load
+    from batchjob.job.rows.image_parts import image_parts
+
+    raw = png_bytes(5, (40, 40))
+    wrapped = "data:image/png;base64," + base64.encodebytes(raw).decode()
+    upper = "data:image/png;BASE64," + base64.b64encode(raw).decode()
+    assert wrapped.count("\n") > 2
+    for url in (wrapped, upper):
+        images, error = load([url], "image", tmp_path, 10**6)
+        assert error is None and images is not None, error
+        assert images[0].tobytes() == load_image(url).tobytes()
+        content = [{"type": "image_url", "image_url": {"url": url}}]
+        _, refs, error = image_parts([{"role": "user", "content": content}], "")
+        assert error is None and refs[0].data == raw, error
+    _, error = load(["data:image/png;base64,iVBO#Rw0K"], "image", tmp_path, 10**6)
+    assert error is not None and "image 0: the data: URL is not valid base64" in error, error
+
+
 def _hf_parts(processor, hf, content) -> list[int]:
     """HF generate on the processor's inputs for one user message of content parts (images as Pillow), or
     for a conversation (a list of messages)."""
