@@ -123,6 +123,8 @@ def local_path(path: str, folder: Path | None) -> tuple[Path | None, str | None]
         return None, NOT_ALLOWED
     if path.startswith("file://"):
         path = path[len("file://") :]
+    if not path:  # it would name the input file's folder
+        return None, "an empty path: give the image's path or bytes (null or [] for a row without images)"
     p = Path(path).expanduser()
     if p.is_absolute():
         return p, None

@@ -422,6 +422,17 @@ def test_data_urls_are_read_as_transformers_load_image_reads_them(tmp_path):
     assert error is not None and "image 0: the data: URL is not valid base64" in error, error
 
 
+def test_an_empty_path_says_so(tmp_path):
+    """An empty string as an image (or a struct's empty path) said 'cannot be read (Is a directory)': the
+    input file's folder was read. It is an empty path."""
+    from batchjob.job.images import load
+
+    for cell in ("", [""], {"bytes": None, "path": ""}, "file://"):
+        images, error = load(cell, "image", tmp_path, 10**6)
+        assert images is None and error is not None
+        assert error.startswith("image column 'image': image 0") and ": an empty path: give" in error, error
+
+
 def _hf_parts(processor, hf, content) -> list[int]:
     """HF generate on the processor's inputs for one user message of content parts (images as Pillow), or
     for a conversation (a list of messages)."""
