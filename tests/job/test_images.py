@@ -225,6 +225,25 @@ def test_text_model_refused(tiny_model_dir, tmp_path):
     assert not (tmp_path / "out" / "_batchjob" / "manifest.jsonl").exists()
 
 
+def test_image_families_without_a_vision_tower_config_are_refused_by_family():
+    """Fuyu and Chameleon name no vision_config, so --image-column told them "is not a vision-language model;
+    it takes no images": they are image-text families batchjob does not run, and are refused as such (a text
+    model is still told it takes no images)."""
+    from transformers import ChameleonConfig, FuyuConfig, LlamaConfig
+
+    from batchjob.errors import ConfigError
+    from batchjob.job.rows.images import check_image_model
+    from batchjob.job.spec import make_spec
+
+    spec = make_spec(input="x.jsonl", output="o", model="m", image_column="image", prompt_column="prompt")
+    for config in (FuyuConfig(), ChameleonConfig()):
+        family = f"vision-language model family {config.model_type!r} is not supported yet; supported: llava,"
+        with pytest.raises(ConfigError, match=family):
+            check_image_model(spec, config)
+    with pytest.raises(ConfigError, match="'m' .llama. is not a vision-language model; it takes no images"):
+        check_image_model(spec, LlamaConfig())
+
+
 def test_changed_image_file_refuses_resume(llava, tmp_path):
     folder, _, _ = llava
     _write_inputs(tmp_path)

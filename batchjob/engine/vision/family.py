@@ -13,9 +13,25 @@ SUPPORTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolv
 BOTH_WAYS = ("gemma3",)
 
 
+# Image-text families whose config names no vision tower (``is_vlm`` cannot tell them from a text model):
+# Fuyu lays image patches straight into its language model, Chameleon reads an image as VQ tokens.
+NO_TOWER = ("fuyu", "chameleon")
+
+
 def is_vlm(config: Any) -> bool:
     """Whether a model config is a vision-language model's (it has a vision tower's config)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def takes_images(config: Any) -> bool:
+    """Whether a model takes images at all: a vision tower's config, a family of ``NO_TOWER``, or a VQ image
+    tokenizer's config (``vq_config``: Chameleon, Emu3). What ``--image-column`` is refused by: its family,
+    not "not a vision-language model", for one that takes them."""
+    return (
+        is_vlm(config)
+        or getattr(config, "model_type", None) in NO_TOWER
+        or getattr(config, "vq_config", None) is not None
+    )
 
 
 def image_both_ways(config: Any) -> str | None:
@@ -25,9 +41,11 @@ def image_both_ways(config: Any) -> str | None:
     return None
 
 
-def check_family(config: Any) -> None:
-    """Refuse a vision-language family batchjob has not built, naming it."""
-    if is_vlm(config) and config.model_type not in SUPPORTED:
+def check_family(config: Any, images: bool = False) -> None:
+    """Refuse a vision-language family batchjob has not built, naming it; ``images``: for a job with images,
+    also a family that takes images without a vision tower's config (``takes_images``; its text runs)."""
+    vlm = takes_images(config) if images else is_vlm(config)
+    if vlm and config.model_type not in SUPPORTED:
         raise ConfigError(
             f"vision-language model family {config.model_type!r} is not supported yet; "
             f"supported: {', '.join(SUPPORTED)}"

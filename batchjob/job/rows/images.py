@@ -259,7 +259,7 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
         raise ConfigError(
             f"--image-column {spec.image_column!r} needs Pillow to read images: pip install 'batchjob[images]'"
         )
-    from batchjob.engine.vision import is_vlm
+    from batchjob.engine.vision import check_family, is_vlm
     from batchjob.job.model_identity import display_name
 
     if model_config is None:
@@ -272,6 +272,8 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
             f"--task {task}: {kind} is a vision-language model; the prefill-only tasks (embed, classify, "
             "score) run on text models only, with or without images: use a text model, or --task generate"
         )
+    if spec.image_column is not None:
+        check_family(model_config, images=True)  # (Fuyu, Chameleon: by family, not as text models)
     if spec.image_column is not None and not is_vlm(model_config):
         raise ConfigError(
             f"--image-column {spec.image_column!r}: {kind} is not a vision-language model; it takes no images"
