@@ -214,6 +214,16 @@ def unused_options(fmt: str, image_column: str | None, kind: str | None) -> set[
     return out
 
 
+def image_options_given(values: Mapping[str, Any], default_pixels: int) -> list[str]:
+    """The image options a job was given (``IMAGE_OPTIONS`` not at their defaults), by job name."""
+    given = {
+        "max_image_pixels": values["max_image_pixels"] != default_pixels,
+        "allow_remote_images": bool(values["allow_remote_images"]),
+        "image_workers": values["image_workers"] is not None,
+    }
+    return [name for name in IMAGE_OPTIONS if given[name]]
+
+
 _IMAGES = "a row's images: --image-column, or image parts in --messages-column or --format openai"
 _UNUSED_WHY = {  # what each option is for, as the refusal says it
     "check_model_name": "it checks each request's body.model: --format openai",
@@ -228,15 +238,11 @@ def check_unused(values: Mapping[str, Any], default_pixels: int, kind: str | Non
     OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's;
     ``kind``: the prompts' kind once the input's columns have decided it (None: as the options say).
     (--chat with --format openai: ``JobSpec._check_openai`` says why.)"""
-    given = {
-        "check_model_name": bool(values["check_model_name"]),
-        "max_image_pixels": values["max_image_pixels"] != default_pixels,
-        "allow_remote_images": bool(values["allow_remote_images"]),
-        "image_workers": values["image_workers"] is not None,
-    }
+    given = ["check_model_name"] if values["check_model_name"] else []
+    given += image_options_given(values, default_pixels)
     unused = unused_options(values["format"], values["image_column"], kind or prompt_kind(values))
     by_why: dict[str, list[str]] = {}
-    for name in (n for n, is_given in given.items() if is_given and n in unused):
+    for name in (n for n in given if n in unused):
         by_why.setdefault(_UNUSED_WHY[name], []).append(name)
     if by_why:
         named = "; ".join(f"{flags(names)} ({why})" for why, names in by_why.items())

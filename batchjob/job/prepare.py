@@ -174,18 +174,32 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: st
 def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: str) -> tuple[dict, dict]:
     """The two fingerprints without what a job recorded before batchjob checked it, or for options it now
     refuses as unused (an older job resumes; neither is asked for again): a task job's kernels, and
-    --check-model-name over rows, --max-image-pixels without images, --chat with --format openai or a
-    messages column."""
+    --check-model-name over rows, --max-image-pixels without images (image parts on a text model's
+    requests or messages included), --chat with --format openai or a messages column."""
     task, prompt = dict(now.get("task", {})), dict(saved.get("prompt", {}))
     if "task" in saved and "kernels" not in saved["task"]:
         task.pop("kernels", None)
     unused = unused_options(spec.format, spec.image_column, kind)
     if kind == "messages":  # always rendered by the chat template: --no-chat is refused, once it was recorded
         unused.add("chat")
+    pixels = [fp.get("prompt", {}).get("max_image_pixels") for fp in (saved, now)]
+    if spec.image_column is None and pixels[0] != pixels[1] and _takes_no_images(spec):
+        unused |= {"image_column", "max_image_pixels"}  # (both recorded where the bound was given)
     for name in unused:
         prompt.pop(name, None)
     now_prompt = {k: v for k, v in now.get("prompt", {}).items() if k not in unused}
     return saved | {"prompt": prompt}, now | {"task": task, "prompt": now_prompt}
+
+
+def _takes_no_images(spec: JobSpec) -> bool:
+    """Whether the job's model is no vision-language model, by its config (False where it can't be read:
+    the difference then stays one)."""
+    from batchjob.engine.vision.family import is_vlm  # (no torch)
+    from batchjob.models import load_config  # (transformers' config: only a difference pays for it)
+
+    with contextlib.suppress(BatchjobError):
+        return not is_vlm(load_config(spec.model, spec.trust_remote_code)[0])
+    return False
 
 
 def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None = None) -> Prepared:

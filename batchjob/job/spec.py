@@ -31,6 +31,7 @@ from batchjob.job.checks import (
     choices_read_anew,
     finite_float,
     home,
+    image_options_given,
 )
 from batchjob.job.jobfile import read_job_file
 from batchjob.job.lora import lora_paths
@@ -304,6 +305,11 @@ class JobSpec:
                 "--format openai: the row id is each request's custom_id; leave out --id-column"
             )
         self.id_column = "custom_id"
+
+    @property
+    def image_options(self) -> list[str]:
+        """The image options given: --max-image-pixels, --allow-remote-images, --image-workers (job names)."""
+        return image_options_given(self.values(), PILLOW_MAX_PIXELS)
 
     def values(self) -> dict[str, Any]:
         """Every option of the job by its job name (the engine's from ``engine``), in ``declared()`` order."""

@@ -626,6 +626,30 @@ def test_a_job_recorded_with_an_option_now_refused_as_unused_resumes_without_it(
     assert code == 0 and "already complete" in text, text
 
 
+def test_image_options_on_a_text_model_are_refused_and_a_job_that_recorded_one_resumes(
+    requests_file, tiny_model_dir, tmp_path
+):
+    """--format openai on a text model: an image part is its request's error, so the image options have no
+    use (--max-image-pixels was taken without a word, and recorded). run and validate refuse each before any
+    work, naming it and the model; a job that recorded the bound resumes without it."""
+    from batchjob.io.atomic import read_json, write_json
+
+    out = tmp_path / "out"
+    args = ["--input", requests_file, "--output", out, "--model", tiny_model_dir, "--format", "openai"]
+    for command in ("validate", "run"):
+        for option in (["--max-image-pixels", 1000], ["--allow-remote-images"], ["--image-workers", 1]):
+            code, text = invoke(command, *args, *option)
+            assert code == 2 and f"this job has no use for {option[0]}: model " in text, text
+            assert "(llama) is not a vision-language model, so an image part in a request" in text, text
+    assert not (out / "_batchjob" / "job.json").exists()
+    assert invoke("run", *args)[0] == 0
+    saved = read_json(out / "_batchjob" / "job.json")
+    saved["fingerprint"]["prompt"] |= {"image_column": None, "max_image_pixels": 1000}  # as such a job did
+    write_json(out / "_batchjob" / "job.json", saved)
+    code, text = invoke("run", *args)
+    assert code == 0 and "already complete" in text, text
+
+
 def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
     """OpenAI's Batch API rejects a file with a custom_id used twice: so does `run` (and `validate`), before any
     work, naming both lines; nothing is written."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import ConfigError
 from batchjob.job import images as img
+from batchjob.job.checks import flags
 from batchjob.job.prompts import PromptBuilder
 from batchjob.job.requests import params_from_column
 from batchjob.job.rows.image_parts import image_parts, parse_messages, text_only, with_images
@@ -248,10 +249,13 @@ def load_processor(model_folder: str | Path, trust_remote_code: bool) -> Any:
 
 
 def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
-    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config), and a
-    prefill-only task (``--task``) a text model: on a vision-language model it is refused by name."""
+    """Before the weights are read: ``--image-column`` needs a vision-language model (by its config), and so
+    do the image options of a job whose requests or messages may hold image parts (on a text model such a
+    part is its row's error: the options have no use); a prefill-only task (``--task``) needs a text model:
+    on a vision-language model it is refused by name."""
     task = spec.engine.task
-    if spec.image_column is None and task == "generate":
+    options = spec.image_options if spec.image_column is None else []
+    if spec.image_column is None and task == "generate" and not options:
         return
     import importlib.util
 
@@ -272,11 +276,16 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
             f"--task {task}: {kind} is a vision-language model; the prefill-only tasks (embed, classify, "
             "score) run on text models only, with or without images: use a text model, or --task generate"
         )
-    if spec.image_column is not None:
+    if spec.image_column is not None or options:
         check_family(model_config, images=True)  # (Fuyu, Chameleon: by family, not as text models)
     if spec.image_column is not None and not is_vlm(model_config):
         raise ConfigError(
             f"--image-column {spec.image_column!r}: {kind} is not a vision-language model; it takes no images"
+        )
+    if options and not is_vlm(model_config):
+        raise ConfigError(
+            f"this job has no use for {flags(options)}: {kind} is not a vision-language model, so an image "
+            "part in a request or a message is its row's error; leave it out"
         )
 
 
