@@ -8,8 +8,11 @@ It takes the prompt's KV blocks from the prefix cache, computes only the prefix,
 of its last position to its owner's constraint; the token it draws is dropped. The owner's output waits
 until all of them have run; then each choice's log-probability is the sum over its tokens.
 
-With greedy sampling the answer is the most likely whole choice, which a token-by-token walk can miss when
-choices share a first token.
+The answer is decided over whole choices, not by the walk's tokens (which pick each token among the trie's
+children, renormalised there: 'ab' beside 'c' took 'a' at 0.67 where P('ab') was 1e-5). Greedy answers the
+most likely whole choice; sampling draws a choice from the choices' log-probabilities as the sampler draws a
+token from the vocabulary (temperature, top-k, top-p, min-p, then the noise of the request's seed and key at
+a position of its own), so a row's label is the same alone or in a crowd, after a preemption and a resume.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from batchjob.engine.constraints import ChoiceConstraint
 from batchjob.engine.feature import RequestFeature
 from batchjob.engine.request import Request, helper_id
-from batchjob.engine.sampler import log_softmax
+from batchjob.engine.sampler import draw, log_softmax
 from batchjob.sampling import SamplingParams
 
 
@@ -93,8 +96,8 @@ class Answer(NamedTuple):
 
 
 def answer(req: Request) -> Answer:
-    """The choices' log-probabilities and the answer: the sampled choice, or with greedy sampling the most
-    likely whole choice. A choice that could not be scored makes the row an error: the most likely one is
+    """The choices' log-probabilities and the answer: with greedy sampling the most likely whole choice, else
+    one drawn from the whole choices' log-probabilities (``drawn_choice``). A choice that could not be scored makes the row an error: the most likely one is
     then unknown, and the probabilities renormalised over the rest would overstate them."""
     c = req.constraint
     assert isinstance(c, ChoiceConstraint)
@@ -104,14 +107,24 @@ def answer(req: Request) -> Answer:
     unscored = [i for i, name in enumerate(c.trie.choices) if math.isnan(logprobs[name])]
     if unscored:
         return Answer(None, error=unscored_error(req, c, unscored[0]))
-    best = c.choice
-    if req.params.greedy:
-        best = max(range(len(c.trie.choices)), key=lambda i: logprobs[c.trie.choices[i]])
-    assert best is not None
-    # The log-probabilities along the answer's own path: greedy's answer need not be the walk's tokens, and
+    values = [logprobs[name] for name in c.trie.choices]
+    best = max(range(len(values)), key=values.__getitem__) if req.params.greedy else drawn_choice(req, values)
+    # The log-probabilities along the answer's own path: the answer need not be the walk's tokens, and
     # a choice that a longer one goes on from ends with a stop token that is not among its tokens.
     top = None if req.params.logprobs is None else c.path_logprobs(best)
     return Answer(logprobs, list(c.trie.token_ids[best]), c.trie.choices[best], top=top)
+
+
+# The output position whose noise draws a sampled label: past any token's (a context is far below 2**32),
+# so the label's draw is not a token's.
+LABEL_POSITION = 2**32 - 1
+
+
+def drawn_choice(req: Request, logprobs: list[float]) -> int:
+    """A sampled request's label: drawn from the choices' whole log-probabilities at the request's
+    temperature, top-k, top-p and min-p, with its seeded noise (sampler.draw, as a token is drawn)."""
+    x = torch.tensor([logprobs], dtype=torch.float64)
+    return int(draw(x, [req.params], [req.key], [LABEL_POSITION])[0])
 
 
 def unscored_error(req: Request, c: ChoiceConstraint, choice: int) -> str:

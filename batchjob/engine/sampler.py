@@ -117,16 +117,31 @@ def sample(
     device = logits.device
     out = argmax_rows(logits)
     rows = torch.tensor([i for i, g in enumerate(greedy) if not g], device=device)
-    sp = [params[i] for i in rows.tolist()]
+    picked = rows.tolist()
     x = logits.index_select(0, rows).float()
-    x = x / torch.tensor([p.temperature for p in sp], device=device)[:, None]
+    drawn = draw(x, [params[i] for i in picked], [keys[i] for i in picked], [positions[i] for i in picked])
+    out[rows] = drawn
+    return out.tolist()
+
+
+def draw(
+    x: torch.Tensor,  # [R, V] float logits of rows that sample (temperature > 0)
+    sp: list[SamplingParams],
+    keys: list[int],
+    positions: list[int],
+) -> torch.Tensor:
+    """Each row's draw ([R] int64): its logits over its temperature, cut by its top-k, top-p and min-p, then
+    Gumbel-max with the noise of its (seed, key, position). Token rows draw a token; a choice request draws
+    its label here too, over the labels' whole log-probabilities (choices.py)."""
+    device = x.device
+    x = x / torch.tensor([p.temperature for p in sp], device=device, dtype=x.dtype)[:, None]
 
     if any(p.top_k > 0 or p.top_p < 1.0 for p in sp):
         sorted_x, order = x.sort(dim=-1, descending=True)
         vocab = x.shape[-1]
         top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in sp], device=device)[:, None]
         drop = sorted_x < sorted_x.gather(1, top_k - 1)  # as HF and vLLM: the k-th value's ties stay
-        top_p = torch.tensor([p.top_p for p in sp], device=device)[:, None]
+        top_p = torch.tensor([p.top_p for p in sp], device=device, dtype=x.dtype)[:, None]
         probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
         # the fewest tokens whose mass reaches top_p (HF, vLLM); a row without top_p is never cut by the
@@ -137,13 +152,12 @@ def sample(
 
     if any(p.min_p > 0.0 for p in sp):
         probs = x.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in sp], device=device)[:, None]
+        min_p = torch.tensor([p.min_p for p in sp], device=device, dtype=x.dtype)[:, None]
         x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
 
     seeds = torch.tensor([_as_int64(p.seed or 0) for p in sp], dtype=torch.int64, device=device)
-    k = torch.tensor([keys[i] for i in rows.tolist()], dtype=torch.int64, device=device)
-    pos = torch.tensor([positions[i] for i in rows.tolist()], dtype=torch.int64, device=device)
+    k = torch.tensor(keys, dtype=torch.int64, device=device)
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
     u = uniform_noise(seeds, k, pos, x.shape[-1])
     gumbel = -torch.log(-torch.log(u))
-    out[rows] = argmax_rows(x + gumbel)
-    return out.tolist()
+    return argmax_rows(x + gumbel)

@@ -249,10 +249,15 @@ def check_unused(values: Mapping[str, Any], default_pixels: int, kind: str | Non
         raise ConfigError(f"this job has no use for {named}: leave it out")
 
 
-def choices_read_anew(choices: list[str] | None, logprobs: bool, per_row: bool) -> bool:
-    """Whether a job's --choices rows are answered otherwise since 2026-12-07: a label another one goes on
-    from (scored in log space; greedy's pick the whole label's best), or log-probabilities (the answer's own
-    tokens'); a params column may give either. Such a job's identity says so (an earlier one's is refused)."""
+def choice_scoring(choices: list[str] | None, logprobs: bool, per_row: bool, sampled: bool) -> str | None:
+    """How a job's --choices rows are answered, where an earlier batchjob answered them otherwise (its
+    identity records it: an earlier job's is refused on resume), or None. 'whole labels': a label another one
+    goes on from (scored in log space; greedy's pick the whole label's best), log-probabilities (the answer's
+    own tokens'). 'whole labels, sampled too': a sampled label is drawn from the whole labels' probabilities
+    (it was the token walk's: 'ab' beside 'c' came 0.72 of the time at a probability of 1e-5). ``sampled``:
+    the job's temperature is above 0 or its rows may give one; a params column may give any of them."""
     labels = choices or []
     prefix = any(b != a and b.startswith(a) for a in labels for b in labels)
-    return per_row or (bool(labels) and (logprobs or prefix))
+    if per_row or (labels and sampled):
+        return "whole labels, sampled too"
+    return "whole labels" if labels and (logprobs or prefix) else None

@@ -28,7 +28,7 @@ from batchjob.job.checks import (
     check_task,
     check_type,
     check_unused,
-    choices_read_anew,
+    choice_scoring,
     finite_float,
     home,
     image_options_given,
@@ -397,8 +397,12 @@ class JobSpec:
         for k in ("choices", "json_schema", "regex", "logprobs", "n", "repetition_penalty"):
             if k in extra:
                 out[k] = extra[k]  # the schema's content, not its path
-        if choices_read_anew(extra.get("choices"), "logprobs" in extra, self.params_column is not None):
-            out["choice_scoring"] = "whole labels"  # a job an earlier batchjob started is not resumed
+        sampled = self.effective_temperature > 0 or self.per_row_params
+        scoring = choice_scoring(
+            extra.get("choices"), "logprobs" in extra, self.params_column is not None, sampled
+        )
+        if scoring is not None:
+            out["choice_scoring"] = scoring  # a job an earlier batchjob started is not resumed
         if self.engine.max_model_len is not None:  # it cuts long outputs short (finish_reason "length")
             out["max_model_len"] = self.engine.max_model_len
         if self.max_reasoning_tokens is not None:

@@ -99,6 +99,34 @@ def test_a_choices_job_an_earlier_batchjob_answered_otherwise_is_not_resumed(dat
     assert code == 2 and "sampling.choice_scoring: was None, now 'whole labels'" in text, text
 
 
+@pytest.mark.parametrize("earlier", [None, "whole labels"])
+def test_a_sampled_choices_job_an_earlier_batchjob_started_is_not_resumed(
+    data, tiny_model_dir, tmp_path, earlier
+):
+    """A sampled label is drawn from the whole labels' probabilities since 2026-12-07 (it was the token
+    walk's: 'ab' beside 'c' came 289 of 400 times at a probability of 1e-5): a sampled --choices job an earlier
+    batchjob started, which recorded no marker or 'whole labels', would mix both draws in one output."""
+    from batchjob.io.atomic import read_json, write_json
+
+    out = tmp_path / "out"
+    labels = "no,no thanks,yes" if earlier else "no,yes"
+    args = [*base(data, out, tiny_model_dir), "--id-column", "id", "--choices", labels, "--temperature", "1"]
+    assert invoke(*args)[0] == 0
+    saved = read_json(out / "_batchjob" / "job.json")
+    saved["fingerprint"]["sampling"]["choice_scoring"] = earlier  # as an earlier batchjob recorded it
+    if earlier is None:
+        del saved["fingerprint"]["sampling"]["choice_scoring"]
+    write_json(out / "_batchjob" / "job.json", saved)
+    code, text = invoke(*args)
+    assert (
+        code == 2 and f"sampling.choice_scoring: was {earlier!r}, now 'whole labels, sampled too'" in text
+    ), text
+    greedy = tmp_path / "greedy"  # a greedy job keeps its identity
+    args = [*base(data, greedy, tiny_model_dir), "--id-column", "id", "--choices", "no,yes"]
+    assert invoke(*args)[0] == 0
+    assert "choice_scoring" not in read_json(greedy / "_batchjob" / "job.json")["fingerprint"]["sampling"]
+
+
 def test_json_schema_and_regex_answers_are_valid(data, tiny_model_dir, tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))

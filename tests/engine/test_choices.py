@@ -119,3 +119,101 @@ def test_a_label_holding_a_special_token_is_the_request_s_error(bigram):
         )
     [fine] = engine.generate([[x]], SamplingParams(temperature=0, choices=["a", "b"]))
     assert fine.error is None and fine.text == "a"
+
+
+def _filtered(probs: dict[str, float], temperature: float, top_k: int, top_p: float, min_p: float):
+    """The labels' distribution a draw must follow, by the sampler's rules written out over labels: the
+    probabilities to the power 1 / temperature; the top k (ties of the k-th kept); the fewest, best first,
+    whose mass reaches top_p; those at least min_p times the best. Renormalised after each."""
+
+    def norm(w: dict[str, float]) -> dict[str, float]:
+        total = sum(w.values())
+        return {k: v / total for k, v in w.items()}
+
+    w = norm({k: p ** (1 / temperature) for k, p in probs.items()})
+    order = sorted(w, key=w.get, reverse=True)
+    if top_k:
+        w = norm({k: w[k] for k in order if w[k] >= w[order[min(top_k, len(order)) - 1]]})
+    kept, mass = {}, 0.0
+    for k in (k for k in order if k in w):
+        if kept and mass >= top_p:
+            break
+        kept[k], mass = w[k], mass + w[k]
+    w = norm(kept)
+    best = max(w.values())
+    return norm({k: v for k, v in w.items() if v >= min_p * best})
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (1.0, 0, 1.0, 0.0),
+        (2.0, 0, 1.0, 0.0),
+        (0.5, 0, 1.0, 0.0),
+        (1.0, 1, 1.0, 0.0),
+        (1.0, 2, 1.0, 0.0),
+        (1.0, 0, 0.5, 0.0),
+        (1.5, 0, 1.0, 0.6),
+    ],
+)
+def test_sampled_labels_follow_the_whole_labels_probabilities(bigram, temperature, top_k, top_p, min_p):
+    """'ac' 0.15, 'bc' 0.3, 'd' 0.2 (choice_probs 0.23, 0.46, 0.31): the answer was the token walk's, which
+    picks each token among the trie's children, 'a' at 0.5, so 'ac' came 0.5 of the time (1,503 of 3,000
+    at temperature 1) and always at top-k 1, where 'bc' is the best label. A label is drawn from the
+    labels' whole probabilities, at the row's temperature, top-k, top-p and min-p."""
+    folder, _tok, x = bigram
+    engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=5,
+        n=3000,
+        choices=["ac", "bc", "d"],
+    )
+    outs = engine.generate([[x]], params)
+    want = _filtered(outs[0].choice_probs, temperature, top_k, top_p, min_p)
+    counts = {label: sum(o.text == label for o in outs) for label in params.choices}
+    for label, count in counts.items():
+        p = want.get(label, 0.0)
+        assert abs(count - 3000 * p) <= 5 * math.sqrt(3000 * p * (1 - p)) + 1, (counts, want)
+    for o in outs:  # the answer's tokens are the label's
+        assert o.token_ids == _ids(_tok, o.text) and o.finish_reason == "stop"
+
+
+def test_a_sampled_label_is_the_same_alone_in_a_crowd_preempted_and_resumed(bigram):
+    """A row's label is a function of its seed, key and the labels' log-probabilities: the same alone, among
+    other rows in a pool that preempts, and resumed after any first token of the walk (the walk's tokens
+    were the answer: resumed after 'a', every row answered 'ac')."""
+    folder, tok, x = bigram
+    params = SamplingParams(temperature=1.0, seed=3, choices=["ac", "bc", "d"])
+    prompt = [x] * 9
+    ids = [f"row{i}" for i in range(40)]
+
+    def run(engine: Engine, output_ids=None, crowd: int = 0) -> dict[str, str]:
+        for i in range(crowd):
+            engine.add_request(
+                f"other{i}", [x] * 13, SamplingParams(max_new_tokens=24, ignore_eos=True, seed=i)
+            )
+        for rid in ids:
+            engine.add_request(rid, prompt, params, output_ids=output_ids)
+        texts = {}
+        while engine.has_unfinished():
+            texts |= {o.request_id: o.text for o in engine.step()}
+        return {rid: texts[rid] for rid in ids}
+
+    roomy = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
+    alone = {}
+    for rid in ids:
+        roomy.add_request(rid, prompt, params)
+        while roomy.has_unfinished():
+            alone |= {o.request_id: o.text for o in roomy.step()}
+    assert len(set(alone.values())) == 3, alone  # the rows do differ
+    tight = Engine.from_pretrained(
+        str(folder), dtype="float64", device="cpu", block_size=4, num_blocks=40, max_num_seqs=16
+    )
+    assert run(tight, crowd=12) == alone
+    assert tight.stats.preemptions > 0
+    for first in ("a", "b", "d"):
+        assert run(roomy, output_ids=_ids(tok, first)) == alone, first
