@@ -69,6 +69,16 @@ def greedy_samples(n: int, temperature: float) -> str | None:
     return None
 
 
+# The fields that shape a draw at a temperature above 0, each with its value that leaves it off: greedy
+# decoding (temperature 0) draws nothing, and so takes none of them.
+DRAW_ONLY: dict[str, Any] = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}
+
+
+def draw_only_given(values: dict[str, Any]) -> list[str]:
+    """The draw-only fields ``values`` sets (a value other than the one that leaves it off), in order."""
+    return [k for k, off in DRAW_ONLY.items() if values.get(k) is not None and values[k] != off]
+
+
 def map_seed(seed: int) -> int:
     """A seed of any size as the sampler uses it: ``seed mod 2**64``. Seeds already in
     [0, 2**64) are unchanged, and the rule is fixed, so a resumed job draws what it drew before."""

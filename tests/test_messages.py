@@ -379,6 +379,8 @@ def test_the_run_says_what_it_takes_of_the_models_generation_config(tiny_model_d
         "generation_config.json samples (temperature 0.7, top_p 0.8, top_k 20); this job decodes greedily"
         in err
     )
+    # the way to sample is --temperature: --top-p or --top-k alone are a greedy job's unused options
+    assert "for labels (a --temperature above 0 samples)" in err and "--top-p" not in err
     given = make_spec(input=[str(data)], output=str(tmp_path / "o2"), model=str(model), max_new_tokens=2)
     given.repetition_penalty, given.temperature = 1.0, 0.0
     assert run_job(given).status == "complete"

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 from batchjob.job.options import JobOption
+from batchjob.sampling import DRAW_ONLY, draw_only_given
 
 # What each task computes, in words (messages).
 TASK_RESULTS = {
@@ -202,15 +203,29 @@ def prompt_kind(values: Mapping[str, Any]) -> str | None:
     return next((kind for name, kind in named.items() if values[name] is not None), None)
 
 
-def unused_options(fmt: str, image_column: str | None, kind: str | None) -> set[str]:
+def greedy_only(values: Mapping[str, Any]) -> bool:
+    """Whether every row of a job decodes greedily: it generates at temperature 0 (given, or the default
+    over rows) and no row can give its own (no params column, not --format openai: there the rows may)."""
+    return (
+        values["task"] == "generate"
+        and values["format"] == "rows"
+        and values["params_column"] is None
+        and not values["temperature"]
+    )
+
+
+def unused_options(fmt: str, image_column: str | None, kind: str | None, greedy: bool = False) -> set[str]:
     """The options a job of this format has no use for (refused where given: ``check_unused``; an older job
     that recorded one resumes without it: ``prepare._unrecorded``): --chat with --format openai (each
     request's kind says), --check-model-name over rows, the image options over rows without images: a
-    prompt column or a template (``kind``) without --image-column. A messages column's messages may hold
-    image parts, as OpenAI requests' may; ``kind`` None (the input's columns decide) names none of them."""
+    prompt column or a template (``kind``) without --image-column (a messages column's messages may hold
+    image parts, as OpenAI requests' may; ``kind`` None: the input's columns decide, naming none of them),
+    and the draw's options (--top-p, --top-k, --min-p, --seed) where every row is greedy (``greedy_only``)."""
     out = {"chat"} if fmt == "openai" else {"check_model_name"}
     if image_column is None and fmt == "rows" and kind in ("column", "template"):
         out |= set(IMAGE_OPTIONS)
+    if greedy:
+        out |= set(DRAW_ONLY)
     return out
 
 
@@ -225,28 +240,32 @@ def image_options_given(values: Mapping[str, Any], default_pixels: int) -> list[
 
 
 _IMAGES = "a row's images: --image-column, or image parts in --messages-column or --format openai"
+_DRAW_WHY = "a draw's: this job decodes greedily, at --temperature 0; give a --temperature above 0 to sample"
 _UNUSED_WHY = {  # what each option is for, as the refusal says it
     "check_model_name": "it checks each request's body.model: --format openai",
     "max_image_pixels": _IMAGES,
     "allow_remote_images": _IMAGES,
     "image_workers": _IMAGES,
-}
+} | dict.fromkeys(DRAW_ONLY, _DRAW_WHY)
 
 
 def check_unused(values: Mapping[str, Any], default_pixels: int, kind: str | None = None) -> None:
     """Refuse options a job would accept and never use (they were taken without a word): the name check of
-    OpenAI requests over rows, the image options of a job without images. ``default_pixels``: Pillow's;
-    ``kind``: the prompts' kind once the input's columns have decided it (None: as the options say).
-    (--chat with --format openai: ``JobSpec._check_openai`` says why.)"""
+    OpenAI requests over rows, the image options of a job without images, the draw's options of a job
+    whose every row is greedy (30 of 30 rows were greedy's with --top-p 0.9 --top-k 20 --min-p 0.05
+    --seed 3). ``default_pixels``: Pillow's; ``kind``: the prompts' kind once the input's columns have
+    decided it (None: as the options say). (--chat with --format openai: ``JobSpec._check_openai`` says why.)"""
     given = ["check_model_name"] if values["check_model_name"] else []
-    given += image_options_given(values, default_pixels)
-    unused = unused_options(values["format"], values["image_column"], kind or prompt_kind(values))
+    given += image_options_given(values, default_pixels) + draw_only_given(dict(values))
+    kind = kind or prompt_kind(values)
+    unused = unused_options(values["format"], values["image_column"], kind, greedy_only(values))
     by_why: dict[str, list[str]] = {}
     for name in (n for n in given if n in unused):
         by_why.setdefault(_UNUSED_WHY[name], []).append(name)
     if by_why:
         named = "; ".join(f"{flags(names)} ({why})" for why, names in by_why.items())
-        raise ConfigError(f"this job has no use for {named}: leave it out")
+        several = sum(len(names) for names in by_why.values()) > 1
+        raise ConfigError(f"this job has no use for {named}: leave {'them' if several else 'it'} out")
 
 
 def choice_scoring(choices: list[str] | None, logprobs: bool, per_row: bool, sampled: bool) -> str | None:

@@ -23,7 +23,7 @@ from batchjob.errors import BatchjobError, InputError, StateError
 from batchjob.io.schema import compatible, input_schema
 from batchjob.io.sources import Skipped, Source, discover
 from batchjob.job import model_identity
-from batchjob.job.checks import check_unused, unused_options
+from batchjob.job.checks import check_unused, greedy_only, unused_options
 from batchjob.job.defaults import resolved_defaults, same_dtype
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, named_as_recorded, new_records, ordered_sources, reconcile
@@ -175,20 +175,23 @@ def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind:
     """The two fingerprints without what a job recorded before batchjob checked it, or for options it now
     refuses as unused (an older job resumes; neither is asked for again): a task job's kernels, and
     --check-model-name over rows, --max-image-pixels without images (image parts on a text model's
-    requests or messages included), --chat with --format openai or a messages column."""
-    task, prompt = dict(now.get("task", {})), dict(saved.get("prompt", {}))
+    requests or messages included), --chat with --format openai or a messages column, --top-p, --top-k,
+    --min-p and --seed where every row is greedy."""
+    task = dict(now.get("task", {}))
     if "task" in saved and "kernels" not in saved["task"]:
         task.pop("kernels", None)
-    unused = unused_options(spec.format, spec.image_column, kind)
+    unused = unused_options(spec.format, spec.image_column, kind, greedy_only(spec.values()))
     if kind == "messages":  # always rendered by the chat template: --no-chat is refused, once it was recorded
         unused.add("chat")
     pixels = [fp.get("prompt", {}).get("max_image_pixels") for fp in (saved, now)]
     if spec.image_column is None and pixels[0] != pixels[1] and _takes_no_images(spec):
         unused |= {"image_column", "max_image_pixels"}  # (both recorded where the bound was given)
-    for name in unused:
-        prompt.pop(name, None)
-    now_prompt = {k: v for k, v in now.get("prompt", {}).items() if k not in unused}
-    return saved | {"prompt": prompt}, now | {"task": task, "prompt": now_prompt}
+
+    def used(fp: dict[str, Any], entry: str) -> dict[str, Any]:
+        return {k: v for k, v in fp.get(entry, {}).items() if k not in unused}
+
+    a, b = ({e: used(fp, e) for e in ("prompt", "sampling")} for fp in (saved, now))
+    return saved | a, now | b | {"task": task}
 
 
 def _takes_no_images(spec: JobSpec) -> bool:

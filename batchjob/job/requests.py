@@ -20,7 +20,14 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 from batchjob.io.jsontext import RefusedText, loads_text
-from batchjob.sampling import NUMBERS, SamplingParams, check_number, greedy_samples
+from batchjob.sampling import (
+    DRAW_ONLY,
+    NUMBERS,
+    SamplingParams,
+    check_number,
+    draw_only_given,
+    greedy_samples,
+)
 
 _PARAM_TYPES: dict[str, tuple[type, ...]] = {  # numbers: sampling.NUMBERS, the one numeric check
     "regex": (str,),
@@ -92,8 +99,28 @@ def _as_base(base: SamplingParams, where: str) -> tuple[SamplingParams | None, s
     """The job's parameters for a row that gives none of its own. A job with per-row parameters may ask
     for --n samples at temperature 0, for its rows to give the temperature: a row that doesn't can't
     have them (n copies of one answer), and is refused as a row that gives n alone is."""
-    problem = greedy_samples(base.n, base.temperature)
+    problem = greedy_samples(base.n, base.temperature) or _greedy_draw({}, base, base)
     return (None, where + problem) if problem else (base, None)
+
+
+def _greedy_draw(given: dict[str, Any], params: SamplingParams, base: SamplingParams) -> str | None:
+    """Why a params-column row is refused for draw options it would decode greedily without (they were
+    ignored without a word), or None: the row's own top_p, top_k, min_p or seed where its temperature is 0,
+    and the job's --top-p, --top-k, --min-p where the row leaves the job's temperature 0 to it (as --n)."""
+    if not params.greedy:
+        return None
+    named = [f"{k} {given[k]!r}" for k in draw_only_given(given)]
+    if given.get("temperature") is None:
+        job = draw_only_given({k: getattr(base, k) for k in DRAW_ONLY if k != "seed"})
+        named += [f"the job's --{k.replace('_', '-')} {getattr(base, k)!r}" for k in job if k not in given]
+    if not named:
+        return None
+    whose = "its temperature 0" if given.get("temperature") is not None else "the job's temperature 0"
+    kind = "is an option of a draw" if len(named) == 1 else "are options of a draw"
+    return (
+        f"{', '.join(named)} {kind}, and this row decodes greedily at {whose}: give the row a temperature "
+        f"above 0 to sample, or leave {'it' if len(named) == 1 else 'them'} out"
+    )
 
 
 def params_from_column(
@@ -114,7 +141,9 @@ def params_from_column(
             return _as_base(base, where)
     if not isinstance(value, dict):
         return None, f"{where}must be a JSON object of sampling parameters, got {type(value).__name__}"
-    return with_params(base, value, where)
+    params, error = with_params(base, value, where)
+    problem = None if params is None else _greedy_draw(value, params, base)
+    return (None, where + problem) if problem else (params, error)
 
 
 # -- OpenAI Batch API requests ----------------------------------------------------------------------------

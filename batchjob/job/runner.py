@@ -249,7 +249,7 @@ def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
         set_ = [(k, getattr(config, k, None)) for k in ("temperature", "top_p", "top_k")]
         named = ", ".join(f"{k} {v}" for k, v in set_ if v is not None)
         say = f"the model's generation_config.json samples ({named}); this job decodes greedily, the default "
-        print(f"batchjob: {say}for labels (--temperature, --top-p, --top-k sample)", file=sys.stderr)
+        print(f"batchjob: {say}for labels (a --temperature above 0 samples)", file=sys.stderr)
 
 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:

@@ -281,10 +281,10 @@ class JobSpec:
             self._check_openai()
         if self.image_column is not None and (self.format != "rows" or self.engine.task != "generate"):
             raise ConfigError("--image-column is for generation over rows (not --format openai, not --task)")
-        check_unused(self.values(), PILLOW_MAX_PIXELS)
         check_task(self.values(), _DEFAULTS)
         self._schema_text = self._load_schema()
         self.sampling_params(0)  # validates the sampling options: the one numeric check, the constraints
+        check_unused(self.values(), PILLOW_MAX_PIXELS)  # after: a bad value is named as bad, not as unused
 
     def _check_openai(self) -> None:
         """``--format openai``: the prompt, parameters and id come from each request."""

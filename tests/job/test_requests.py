@@ -650,6 +650,99 @@ def test_image_options_on_a_text_model_are_refused_and_a_job_that_recorded_one_r
     assert code == 0 and "already complete" in text, text
 
 
+DRAW_WHY = "a draw's: this job decodes greedily, at --temperature 0; give a --temperature above 0 to sample"
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"top_p": 0.9}, "--top-p"),
+        ({"top_k": 20}, "--top-k"),
+        ({"min_p": 0.05}, "--min-p"),
+        ({"seed": 3, "temperature": 0.0}, "--seed"),
+        ({"top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3}, "--top-p, --top-k, --min-p, --seed"),
+    ],
+)
+def test_a_draws_options_where_every_row_is_greedy_are_refused(given, named, tiny_model_dir, tmp_path):
+    """--top-p, --top-k, --min-p and --seed at the job's temperature 0 (the default) were taken without a
+    word: 30 of 30 rows were greedy's. Refused by validate and run alike, naming --temperature; taken with a
+    temperature above 0, and where rows may give their own (a params column, --format openai)."""
+    them = "it" if "," not in named else "them"
+    refusal = f"this job has no use for {named} ({DRAW_WHY}): leave {them} out"
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        make_spec(input="x.jsonl", output="o", **given)
+    make_spec(input="x.jsonl", output="o", **(given | {"temperature": 0.7}))
+    make_spec(input="x.jsonl", output="o", params_column="p", **given)  # a row may give a temperature
+    make_spec(input="x.jsonl", output="o", format="openai", **given)
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    flags = [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", v)]
+    for command in ("validate", "run"):
+        out = tmp_path / command
+        code, text = invoke(command, "--input", data, "--output", out, "--model", tiny_model_dir, *flags)
+        assert code == 2 and f"no use for {named}" in text and "Traceback" not in text, text
+        assert not out.exists()
+
+
+def test_a_draws_options_at_their_off_values_or_out_of_range_are_not_called_unused():
+    make_spec(input="x.jsonl", output="o", top_p=1.0, top_k=0, min_p=0.0)  # what leaves them off
+    with pytest.raises(ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 0")):
+        make_spec(input="x.jsonl", output="o", top_p=0)
+    with pytest.raises(ConfigError, match="no meaning for --task embed"):
+        make_spec(input="x.jsonl", output="o", task="embed", top_p=0.5)
+
+
+def test_a_job_recorded_with_a_draws_options_at_temperature_0_resumes_without_them(tiny_model_dir, tmp_path):
+    """A greedy job started with --top-p or --seed (now refused: every row was greedy anyway) resumes without
+    them; one that samples keeps them in its identity."""
+    from batchjob.io.atomic import read_json, write_json
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["run", "--input", data, "--output", tmp_path / "o", "--model", tiny_model_dir]
+    args += ["--max-new-tokens", "2"]
+    assert invoke(*args)[0] == 0
+    saved = read_json(tmp_path / "o" / "_batchjob" / "job.json")
+    saved["fingerprint"]["sampling"] |= {"top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3}
+    write_json(tmp_path / "o" / "_batchjob" / "job.json", saved)
+    code, text = invoke(*args)
+    assert code == 0 and "already complete" in text, text
+    code, text = invoke(*args, "--temperature", "0.5", "--seed", "4")
+    assert code == 2 and "sampling.seed: was 3, now 4" in text, text
+
+
+def test_a_params_column_row_with_a_draws_options_at_temperature_0_is_its_error():
+    """A row's top_p, top_k, min_p or seed where its temperature is 0 (its own, or the job's it leaves to it),
+    and the job's --top-p, --top-k, --min-p where the row leaves the job's temperature 0 to it, decoded
+    greedily without a word. OpenAI bodies keep OpenAI's meaning (temperature 0 with top_p is accepted)."""
+    greedy = "and this row decodes greedily at"
+    cases = [
+        ({"top_p": 0.9}, BASE, f"top_p 0.9 is an option of a draw, {greedy} the job's temperature 0"),
+        (
+            {"temperature": 0, "seed": 5, "top_k": 3},
+            BASE,
+            f"top_k 3, seed 5 are options of a draw, {greedy} its",
+        ),
+        ({}, BASE.replace(top_p=0.5), "the job's --top-p 0.5 is an option of a draw"),
+        (None, BASE.replace(min_p=0.1), "the job's --min-p 0.1 is an option of a draw"),
+    ]
+    for value, base, message in cases:
+        p, err = params_from_column(value if value is None else json.dumps(value), "p", base)
+        assert p is None and err.startswith(f"params column 'p': {message}"), (value, err)
+        assert "give the row a temperature above 0 to sample" in err
+    for value, base in [
+        ({"temperature": 0.5, "top_p": 0.9, "seed": 5}, BASE),
+        ({"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}, BASE),  # the values that leave them off
+        ({"temperature": 0}, BASE.replace(top_p=0.5)),  # the row asks for greedy: the job's top-p is not its
+        ({"temperature": 0.7}, BASE.replace(top_p=0.5)),
+    ]:
+        p, err = params_from_column(json.dumps(value), "p", base)
+        assert err is None, (value, err)
+    body = chat([{"role": "user", "content": "hi"}], temperature=0, top_p=0.5)
+    _, p, err = parse_request(body, BASE, None)
+    assert err is None and p.greedy and p.top_p == 0.5
+
+
 def test_duplicate_custom_id_refuses_the_file(requests_file, tiny_model_dir, tmp_path):
     """OpenAI's Batch API rejects a file with a custom_id used twice: so does `run` (and `validate`), before any
     work, naming both lines; nothing is written."""
@@ -799,11 +892,11 @@ def test_seeds_of_any_size_map_into_range_by_the_documented_rule():
     assert SamplingParams(seed=5).seed == 5 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # unchanged
     assert SamplingParams(seed=2**64 + 5).seed == 5
     assert SamplingParams(seed=2**200 + 7).seed == 7
-    p, err = params_from_column(json.dumps({"seed": 2**70 + 3}), "p", BASE)
+    p, err = params_from_column(json.dumps({"seed": 2**70 + 3, "temperature": 1}), "p", BASE)
     assert err is None and p.seed == 3
     req, p, err = parse_request(chat([{"role": "user", "content": "hi"}], seed=2**80 + 1), BASE, None)
     assert err is None and p.seed == 1
-    assert make_spec(input=["x.jsonl"], output="o", seed=2**64).sampling_params(0).seed == 0
+    assert make_spec(input=["x.jsonl"], output="o", seed=2**64, temperature=1.0).sampling_params(0).seed == 0
 
 
 def test_bad_values_and_big_seeds_in_a_job(tiny_model_dir, tmp_path):
