@@ -79,6 +79,19 @@ def draw_only_given(values: dict[str, Any]) -> list[str]:
     return [k for k, off in DRAW_ONLY.items() if values.get(k) is not None and values[k] != off]
 
 
+def _check_no_replacement_character(stops: list[str]) -> None:
+    """A stop string holding U+FFFD is refused: the output's text shows U+FFFD for a character whose bytes
+    have not all been generated yet, so it ended a row at the first byte of any character of several bytes
+    ('é€😀yz' was answered '', finish_reason 'stop')."""
+    held = next((s for s in stops if "\ufffd" in s), None)
+    if held is not None:
+        raise ConfigError(
+            f"stop string {held!r} holds U+FFFD (the replacement character), which the text shows while a "
+            "character of several bytes (é, €, an emoji) is not yet whole: it would end the answer at any "
+            "such character's first byte; leave it out"
+        )
+
+
 def map_seed(seed: int) -> int:
     """A seed of any size as the sampler uses it: ``seed mod 2**64``. Seeds already in
     [0, 2**64) are unchanged, and the rule is fixed, so a resumed job draws what it drew before."""
@@ -141,6 +154,7 @@ class SamplingParams:
             ):
                 raise ConfigError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
             self.stop = list(self.stop)
+            _check_no_replacement_character(self.stop)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not isinstance(ids, (list, tuple)) or any(

@@ -110,7 +110,8 @@ def test_incremental_stop_strings_match_decoding_the_whole_output(which, request
                 stops.append(full[i : i + rng.randrange(1, 8)])
             else:
                 stops.append(rng.choice(["zzz", "é,", ". T", "🎉", "\n"]))
-        stops = [s for s in stops if s] or ["zzz"]
+        # (a stop string holding U+FFFD, which random byte tokens decode to, is refused: SamplingParams)
+        stops = [s for s in stops if s and "\ufffd" not in s] or ["zzz"]
         want = _naive(tokenizer, ids, stops)
         assert _incremental(tokenizer, [1, 2], ids, stops) == want, (ids, stops)
         cases += want is not None

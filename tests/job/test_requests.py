@@ -1072,6 +1072,33 @@ def test_a_stop_with_a_constraint_is_refused_from_every_source(name, tmp_path):
     assert code == 2 and rule in text and "Traceback" not in text, text
 
 
+def test_a_stop_string_holding_the_replacement_character_is_refused_from_every_source(
+    tiny_model_dir, tmp_path
+):
+    """The text shows U+FFFD while a character of several bytes is not yet whole, so a stop string holding it
+    ended the row at the first byte of any such character: 'é€😀yz' was answered '', finish_reason 'stop'."""
+    rule = "stop string '\ufffd' holds U+FFFD (the replacement character)"
+    for stop in ("\ufffd", ["x", "a\ufffdb"]):
+        with pytest.raises(ConfigError, match=re.escape("holds U+FFFD (the replacement character)")):
+            SamplingParams(stop=stop)
+    p, err = params_from_column(json.dumps({"stop": "\ufffd"}), "p", BASE)
+    assert p is None and err.startswith(f"params column 'p': {rule}"), err
+    _, p, err = parse_request(chat([{"role": "user", "content": "hi"}], stop=["\ufffd"]), BASE, None)
+    assert p is None and err.startswith(f"body: {rule}"), err
+    with pytest.raises(ConfigError, match=re.escape(rule)):
+        make_spec(input=["x.jsonl"], output="o", stop=["\ufffd"])
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    for command in ("validate", "run"):
+        out = tmp_path / command
+        code, text = invoke(
+            command, "--input", data, "--output", out, "--model", tiny_model_dir, "--stop", "\ufffd"
+        )
+        assert code == 2 and rule in text and "leave it out" in text and "Traceback" not in text, text
+        assert not out.exists()
+    assert SamplingParams(stop=["é", "😀"]).stop == ["é", "😀"]  # whole characters of several bytes: fine
+
+
 def test_an_openai_body_with_stop_and_a_response_format_is_the_rows_error():
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     user = [{"role": "user", "content": "hi"}]
