@@ -2,14 +2,20 @@
 before a long run.
 
 1. Prompts: the job's first rows (all of them up to ``--estimate-rows``, else that many from the start of the
-   stream) go through the job's own prompt builder, streaming, with a progress bar: a histogram of prompt
-   lengths against the context, and the rows that will become errors (too long, no usable prompt).
-2. Calibration: the first usable prompts run through the engine with the job's settings (about 20 s: an
-   untimed warm-up pass, then a timed one), timing every step against its number of tokens: a step costs
-   about ``alpha + beta * tokens``.
+   stream) go through the job's own reader and prompt builder, streaming and timed, with a progress bar: a
+   histogram of prompt lengths against the context, and the rows that will become errors (too long, no usable
+   prompt). The first 1,000 rows are then written once as a part of the job's columns (in a folder of their
+   own), timed: with the reading, a row's work outside the engine, a fifth to a third of a labeling job's
+   time (3,000 rows of --choices or two output tokens on the tiny test model).
+2. Calibration (``calibration.py``): the first usable prompts run through the engine with the job's settings
+   (about 20 s: an untimed warm-up pass, then a timed one), fed as the job loop feeds it, timing every step
+   against its number of tokens: a step costs about ``alpha + beta * tokens``. Short outputs go on with more
+   rows until enough steps are timed to fit.
    The whole job then takes as many steps as its tokens (the sampled prompt lengths, and its outputs) fill at
-   ``--max-num-batched-tokens``, or as its outputs need at ``--max-num-seqs`` samples a step, whichever is
-   more, plus the last batch's drain. Outputs are counted per request: each row's samples (``n``, from the
+   ``--max-num-batched-tokens``, or as its samples' seats in steps need at ``--max-num-seqs`` a step,
+   whichever is more, plus the last batch's drain. A sample holds a seat for its output tokens and, as the
+   calibration counted, for more steps: a ``choices`` row's scoring requests and its prompt's chunks (five
+   steps a row of two output tokens). Outputs are counted per request: each row's samples (``n``, from the
    job or the row's own parameters, e.g. an OpenAI body) times its ``max_new_tokens``, times the share of
    that budget the calibration's samples used. A prompt is computed once for its samples; prompt tokens
    count at the rate the calibration computed them per prompt token of its rows (less with a shared
@@ -20,99 +26,36 @@ before a long run.
    doubled), as a small table: the same step costs in a different number of steps. (Timing each setting
    again took longer than the small jobs it estimated, and the fit tells the steps apart already.)
 
-The line ``estimated time: <duration>`` (``41 s``, ``12.5 min``, ``3.2 h``, or ``unknown`` when no sampled row
-is usable) is for scripts to read.
+The line ``estimated time: <duration>`` (``41 s``, ``12.5 min``, ``3.2 h``, ``under 1 s`` for a job with rows
+to run, or ``unknown`` when no sampled row is usable) is for scripts to read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from batchjob.io.readers import iter_rows
-from batchjob.job.loop import row_request
+from batchjob.job.calibration import Calibration, Prompt, warm_then_time
+from batchjob.job.loop import part_writer, row_request, think_tags
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import _duration as duration
 from batchjob.job.rows.images import image_prompts, image_request
 from batchjob.job.runner import load_engine, prompt_builder
 
-Prompt = tuple[list[int], Any, Any]  # a calibration prompt: its ids, sampling parameters, images (or None)
+__all__ = ["Calibration", "Estimate", "estimate"]
 
+_FEED_ROWS = 4096  # prompts kept for the calibration to go on with past its first rows (short outputs)
+_WRITE_ROWS = 1000  # rows written once, to time the writing of a row's result
 _LENGTH_EDGES = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 10**9]
-
-
-@dataclass
-class Calibration:
-    """A short run: its rate, and a fit of a step's time to its tokens (``alpha`` a step, and per prompt and
-    per decoded token)."""
-
-    settings: str
-    rows: float  # finished samples, and the share of their output budget the unfinished ones got through
-    seconds: float
-    generated_tokens: int
-    budget_tokens: int = 0  # the max_new_tokens of those samples (finished or cut short): what they could use
-    alpha: float = 0.0  # seconds a step costs whatever its size
-    beta_prompt: float = 0.0  # seconds per prompt token in a step
-    beta_out: float = 0.0  # seconds per decoded token in a step
-    max_num_seqs: int = 1
-    budget: int = 1  # max_num_batched_tokens
-    computed_share: float = 1.0  # prompt tokens computed per prompt token of the rows (prefix cache, choices)
-    pool_tokens: int = 0  # the KV pool's tokens at most (0: not bounded here)
-
-    @property
-    def rows_per_s(self) -> float:
-        return self.rows / max(self.seconds, 1e-9)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / max(self.seconds, 1e-9)
-
-    @property
-    def output_per_row(self) -> float:
-        """Generated tokens a sample."""
-        return self.generated_tokens / max(self.rows, 1e-9)
-
-    @property
-    def fill(self) -> float:
-        """The share of their ``max_new_tokens`` the calibration's samples used (they stop early)."""
-        return self.generated_tokens / self.budget_tokens if self.budget_tokens else 1.0
-
-    def with_settings(self, settings: str, max_num_seqs: int | None, budget: int | None) -> Calibration:
-        """The same step costs at another ``max_num_seqs`` or token budget: only the number of steps
-        changes (a step's cost per token is taken to be the same)."""
-        return dataclasses.replace(
-            self,
-            settings=settings,
-            max_num_seqs=max_num_seqs or self.max_num_seqs,
-            budget=budget or self.budget,
-        )
-
-    def seats(self, budget_tokens: float, prompt_tokens: float, samples: float) -> float:
-        """Samples running at once: max_num_seqs, or fewer where the KV pool holds fewer samples of the
-        job's mean length (prompt and output, each at its longest: the slow side)."""
-        if not self.pool_tokens or samples <= 0:
-            return self.max_num_seqs
-        each = (prompt_tokens + budget_tokens * self.fill) / samples
-        return max(1.0, min(self.max_num_seqs, self.pool_tokens / max(each, 1.0)))
-
-    def job_seconds(self, budget_tokens: float, prompt_tokens: float, samples: float = 0) -> float:
-        """A job of ``prompt_tokens`` prompt tokens whose ``samples`` may generate ``budget_tokens`` in all,
-        in steps of this calibration's cost: as many steps as its tokens fill at the step budget, or as its
-        outputs need at ``seats`` samples a step, whichever is more, and the last batch's drain."""
-        if self.rows <= 0:
-            return float("inf")
-        seats = self.seats(budget_tokens, prompt_tokens, samples)
-        generated = budget_tokens * self.fill
-        prompt_tokens *= self.computed_share  # a shared prefix is computed once; choices score their labels
-        tokens = prompt_tokens + generated
-        steps = max(tokens / self.budget, generated / seats) + self.output_per_row
-        return steps * self.alpha + prompt_tokens * self.beta_prompt + generated * self.beta_out
 
 
 @dataclass
@@ -128,6 +71,7 @@ class Estimate:
     calibration: Calibration
     alternatives: list[tuple[str, Calibration]]
     done: int = 0  # a resumed job's rows committed already: not in ``total``
+    row_seconds: float = 0.0  # a row's work outside the engine: read, prompt built, result written
 
     @property
     def ok(self) -> int:
@@ -137,8 +81,22 @@ class Estimate:
         """The whole job at ``c``'s cost per step: its usable rows (the sample's share of them, when
         extrapolated) with the sample's mean prompt length."""
         rows = self.total if self.total is not None else self.sampled
-        scale = rows / max(self.sampled, 1)  # the whole job from the rows looked at
-        return c.job_seconds(scale * self.budget_tokens, scale * sum(self.lengths), scale * self.samples)
+        engine = c.job_seconds(*self._job(rows))
+        return engine + rows * self.row_seconds
+
+    def steps(self, c: Calibration) -> float:
+        """The engine steps of the whole job at ``c``'s settings."""
+        return c.steps(*self._job(self.total if self.total is not None else self.sampled))
+
+    def _job(self, rows: int) -> tuple[float, float, float]:
+        """The whole job's output budget, prompt tokens and samples, from the rows looked at."""
+        scale = rows / max(self.sampled, 1)
+        return scale * self.budget_tokens, scale * sum(self.lengths), scale * self.samples
+
+    def said(self, seconds: float) -> str:
+        """A time as the estimate prints it: a job with rows to run never reads ``0 s``."""
+        rows = self.total if self.total is not None else self.sampled
+        return "under 1 s" if rows and seconds < 1 else duration(seconds)
 
     def lines(self) -> list[str]:
         out = [
@@ -173,14 +131,16 @@ class Estimate:
             rows += f", {per:,.1f} samples a usable row ({self.samples:,} in the first {self.sampled:,})"
         seconds = self.seconds(c)
         if math.isfinite(seconds):
-            out.append(f"estimated time: {duration(seconds)}")
+            out.append(f"estimated time: {self.said(seconds)}")
         else:  # no sampled row is usable: nothing to time (the rows above say why)
             out.append(f"estimated time: unknown (no usable row among the {self.sampled:,} looked at)")
         out.append(
             f"  ({rows}; a step took {1000 * c.alpha:.1f} ms + {1000 * c.beta_prompt:.3f} ms a prompt token + "
             f"{1000 * c.beta_out:.3f} ms a decoded one, "
             f"{c.output_per_row:.1f} tokens out a sample, {c.computed_share:.2f} prompt tokens computed a prompt "
-            "token (prefix cache, choices); this machine, today's settings; plus model loading)"
+            f"token (prefix cache, choices), {c.extra_seat_steps:.1f} more steps a sample holds a seat (choices' "
+            f"scoring, prompt chunks); {1000 * self.row_seconds:.2f} ms a row read, built and written; this "
+            "machine, today's settings; plus model loading)"
         )
         seats = c.seats(self.budget_tokens, sum(self.lengths), self.samples)
         if seats < c.max_num_seqs:  # then more seats change nothing: the pool bounds the batch
@@ -196,100 +156,8 @@ class Estimate:
         elif self.alternatives:
             out.append(f"  {'with':<34}  estimated time")
             for name, alt in self.alternatives:
-                out.append(f"  {name:<34}  {duration(self.seconds(alt))}")
+                out.append(f"  {name:<34}  {self.said(self.seconds(alt))}")
         return out
-
-
-def _fit(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """Least squares of ``seconds = alpha + beta_prompt * prompt_tokens + beta_out * other_tokens`` over
-    steps (a prompt token and a decoded one cost differently); all three kept >= 0."""
-    import numpy as np
-
-    if not steps:
-        return 0.0, 0.0, 0.0
-    a = np.array([[1.0, p, d] for p, d, _ in steps])
-    y = np.array([t for _, _, t in steps])
-    coef = np.linalg.lstsq(a, y, rcond=None)[0]
-    if not (coef < 0).any():
-        return float(coef[0]), float(coef[1]), float(coef[2])
-    # too few kinds of step to tell the three apart: a step's cost and one cost per token, else the latter
-    tokens = a[:, 1] + a[:, 2]
-    two = np.linalg.lstsq(np.stack([a[:, 0], tokens], axis=1), y, rcond=None)[0]
-    if not (two < 0).any():
-        return float(two[0]), float(two[1]), float(two[1])
-    per = float(y.sum() / max(tokens.sum(), 1e-9))
-    return 0.0, per, per
-
-
-def _calibrate(engine: Any, prompts: list[Prompt], seconds: float) -> Calibration:
-    """Run ``prompts`` (ids, params, images) through ``engine`` until they finish or ``seconds`` pass, timing every
-    step with its token count (the first, which warms caches up, is left out of the fit)."""
-    cfg = engine.config
-    settings = f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}"
-    limits = {}
-    for i, (ids, params, images) in enumerate(prompts):
-        # a row's samples share its prompt: a few of them (at most a batch) time a step as well as all
-        params = params.replace(n=min(params.n, cfg.max_num_seqs))
-        extra = {} if images is None else {"images": images}  # (an engine without images takes none)
-        engine.add_request(f"calibrate-{i}", ids, params, **extra)
-        limits[f"calibrate-{i}"] = params.max_new_tokens
-    start = time.monotonic()
-    rows: float = 0
-    tokens = 0
-    budget = 0
-    steps: list[tuple[int, int, float]] = []  # (prompt tokens, other tokens, seconds) of each step
-    stats = engine.stats
-    computed0 = stats.computed_prompt_tokens
-    lengths = {f"calibrate-{i}": len(ids) for i, (ids, _, _) in enumerate(prompts)}
-    done: set[str] = set()  # the rows whose prompts were computed
-    while engine.has_unfinished() and time.monotonic() - start < seconds:
-        batched, prompt, t0 = stats.batched_tokens, stats.computed_prompt_tokens, time.perf_counter()
-        for out in engine.step():
-            rows += 1
-            done.add(out.request_id)
-            tokens += len(out.token_ids)
-            budget += limits[out.request_id]
-        p = stats.computed_prompt_tokens - prompt
-        steps.append((p, stats.batched_tokens - batched - p, time.perf_counter() - t0))
-    elapsed = time.monotonic() - start
-    computed = stats.computed_prompt_tokens - computed0
-    partial = {}  # cut short in its prompt: the prompt tokens it reached (computed or from the cache)
-    for req in engine.scheduler.running:
-        if req.group_id in lengths and req.owner is None and req.num_output_tokens == 0:
-            partial[req.group_id] = min(req.num_computed_tokens, req.num_prompt_tokens)
-    for state in engine.snapshot():  # cut short: the unfinished ones count by how far they got
-        tokens += len(state.output_ids)
-        rows += len(state.output_ids) / max(1, state.params.max_new_tokens)
-        if state.output_ids:  # its prompt is done
-            done.add(state.request_id)
-        budget += len(state.output_ids)  # it has not stopped yet: it says nothing of stopping early
-        engine.abort(state.request_id)
-    reached = sum(lengths.get(rid, 0) for rid in done) + sum(
-        n for rid, n in partial.items() if rid not in done
-    )
-    alpha, beta_prompt, beta_out = _fit(steps[1:] or steps)
-    return Calibration(
-        settings,
-        rows,
-        elapsed,
-        tokens,
-        budget,
-        alpha,
-        beta_prompt,
-        beta_out,
-        cfg.max_num_seqs,
-        cfg.max_num_batched_tokens,
-        computed / reached if reached else 1.0,
-    )
-
-
-def _warm_then_time(engine: Any, prompts: list[Prompt], warm: float, timed: float) -> Calibration:
-    """A first pass over a few prompts warms the kernels up (new batch shapes are slow the first time) and is
-    not timed; the prefix cache is emptied after it, so the timed pass computes its prompts."""
-    if prompts:
-        _calibrate(engine, prompts[:16], warm)
-        engine.reset_prefix_cache()
-    return _calibrate(engine, prompts, timed)
 
 
 def estimate(
@@ -310,9 +178,9 @@ def estimate(
     prefill = spec.engine.task != "generate"
     context = engine.prefill_limit if prefill else engine.max_model_len
     seen = _Sample(prefill=prefill, context=context)
-    seen.read(prep, builder, max_rows, calibration_rows, images)
+    seen.read(prep, builder, max_rows, _FEED_ROWS, images)
     # each pass may end a step over its share, at most
-    main = _warm_then_time(engine, seen.prompts, 0.15 * seconds, 0.65 * seconds)
+    main = warm_then_time(engine, seen.prompts, 0.15 * seconds, 0.65 * seconds, calibration_rows)
     main.pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
     alternatives = _alternatives(main, engine.config) if seen.prompts else []
     return Estimate(
@@ -327,7 +195,21 @@ def estimate(
         main,
         alternatives,
         seen.done,
+        seen.read_seconds + _write_seconds(prep, engine, seen.values),
     )
+
+
+def _write_seconds(prep: Prepared, engine: Any, values: list[dict[str, Any]]) -> float:
+    """Seconds a row's result takes to write: rows looked at (their input columns, no results) written once as
+    a part with the job's columns, into a folder of their own, and its digest taken, as a run commits one."""
+    if not values:
+        return 0.0
+    writer = part_writer(prep, engine, think_tags(prep.spec, engine.tokenizer))
+    with tempfile.TemporaryDirectory() as folder:
+        writer.out_dir = Path(folder)
+        start = time.perf_counter()
+        writer.stamp(writer.write(0, [{"values": v} for v in values]))
+        return (time.perf_counter() - start) / len(values)
 
 
 @dataclass
@@ -345,6 +227,8 @@ class _Sample:
     budget: int = 0
     done: int = 0  # rows of a resumed job committed already (not looked at, not counted)
     prompts: list[Prompt] = dataclasses.field(default_factory=list)
+    values: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the first rows' input columns
+    read_seconds: float = 0.0  # a row's reading and prompt building, as the job's reader and builder did them
 
     def read(
         self, prep: Prepared, builder: Any, max_rows: int, calibration_rows: int, images: Any = None
@@ -364,6 +248,7 @@ class _Sample:
             desc="prompts",
             disable=None,
         )
+        start = time.perf_counter()  # the job's own reading and prompt building, timed: a run does the same
         for row in iter_rows(prep.sources, skip=skip, covered=covered):
             if self.sampled >= max_rows:
                 break
@@ -372,6 +257,8 @@ class _Sample:
             if row.values is None:
                 self.no_prompt += 1
                 continue
+            if len(self.values) < _WRITE_ROWS:
+                self.values.append(row.values)
             pictures = None
             if images is None:
                 params, ids, error = row_request(spec, builder, base, row)
@@ -380,6 +267,7 @@ class _Sample:
                 ids, pictures = (None, None) if prompt is None else (prompt.ids, prompt.images)
             self._count(params, ids, error, calibration_rows, pictures)
         bar.close()
+        self.read_seconds = (time.perf_counter() - start) / max(self.sampled, 1)
         if total is None and self.sampled < max_rows:
             self.total = self.sampled  # the whole stream was read
 
