@@ -5,6 +5,8 @@ option of a job), so it imports nothing of the spec. Relative ``input``, ``outpu
 are relative to the job file's folder, so a job file works from any working directory. A relative ``model``
 is a folder next to the job file when one exists there (or it starts with ``./`` or ``../``), else a folder
 in the working directory when one exists there, else a hub id.
+The command line's values go on top (``overlay``), its member of a group of exclusive fields replacing the
+file's.
 """
 
 from __future__ import annotations
@@ -93,3 +95,33 @@ def _is_folder(path: Any) -> bool:
         return isinstance(path, str) and "://" not in path and Path(path).expanduser().is_dir()
     except OSError:  # a name too long for a path, say: not a folder
         return False
+
+
+def overlay(
+    path: str | Path | None,
+    fields: dict[str, Any],
+    given: dict[str, Any],
+    groups: Collection[tuple[str, ...]],
+) -> dict[str, Any]:
+    """A job file's ``fields`` with the command line's ``given`` values on top. The command line wins, as
+    for every field, also within a group of fields that exclude each other: giving one member there replaces
+    the file's member (a file's ``template`` and ``--prompt-column``), where a field-by-field merge would hold
+    both and be refused. Two members given at the same level, both in the file or both on the command line,
+    stay refused, saying where each came from."""
+    out = dict(fields)
+    for group in groups:
+        ours = [n for n in group if given.get(n) is not None]
+        theirs = [n for n in group if fields.get(n) is not None]
+        for names, where in ((ours, "on the command line"), (theirs, f"in the job file {path}")):
+            if len(names) > 1:
+                both = " and ".join(_flag(n) for n in names)
+                raise ConfigError(f"{both} exclude each other; both were given {where}: keep one of them")
+        if ours:
+            for name in theirs:  # the command line's choice replaces the file's
+                out.pop(name)
+    out.update({k: v for k, v in given.items() if v is not None})
+    return out
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -33,7 +33,7 @@ from batchjob.job.checks import (
     home,
     image_options_given,
 )
-from batchjob.job.jobfile import read_job_file
+from batchjob.job.jobfile import overlay, read_job_file
 from batchjob.job.lora import lora_paths
 from batchjob.job.options import JobOption, at_least, job_option, one_of, positive
 from batchjob.job.templates import template_kwargs
@@ -428,6 +428,8 @@ def _default(f: Field[Any]) -> Any:
 
 _DEFAULTS = {name: _default(f) for name, f, _ in declared()}  # each option's default, by its job name
 FIELD_NAMES = set(_DEFAULTS)  # a job file's keys (or with - for _)
+# fields that exclude each other: one of a group given on the command line replaces the job file's
+EXCLUSIVE = (("prompt_column", "messages_column", "template"), ("choices", "json_schema", "regex"))
 ENGINE_NAMES = {name for name, _, _ in job_options()}  # the engine's options, by their job names
 
 
@@ -477,7 +479,7 @@ def make_spec(job_file: str | Path | None = None, **overrides: Any) -> JobSpec:
     name the engine's options flat, by their job names (``max_num_seqs``, ``prefix_caching``), which go
     into ``JobSpec.engine`` (over ``engine``, an ``EngineOptions``, when given)."""
     fields = load_job_file(job_file) if job_file is not None else {}
-    fields.update({k: v for k, v in overrides.items() if v is not None})
+    fields = overlay(job_file, fields, overrides, EXCLUSIVE)  # the command line's member of a group wins
     base = fields.pop("engine", None) or EngineOptions()
     try:
         if any(k not in FIELD_NAMES for k in fields):  # Python's own words for the unknown keyword

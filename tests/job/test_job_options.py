@@ -4,6 +4,7 @@ field, a job file key and a flag of ``batchjob run`` and ``validate``, whose hel
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -126,3 +127,46 @@ def test_an_input_list_holding_a_number_is_a_type_error_not_a_missing_file():
 
     with pytest.raises(ConfigError, match=r"input must be a list of strings, got \['a.jsonl', 3\]"):
         make_spec(input=["a.jsonl", 3], output="o")
+
+
+@pytest.mark.parametrize(
+    "in_file, given, kept",
+    [
+        ('template = "Is {review} good?"', {"prompt_column": "review"}, "prompt_column"),
+        ('prompt-column = "review"', {"messages_column": "chat"}, "messages_column"),
+        ('choices = ["yes", "no"]', {"json_schema": "schema.json"}, "json_schema"),
+        ('json-schema = "schema.json"', {"regex": "[a-z]+"}, "regex"),
+    ],
+)
+def test_the_command_line_replaces_the_job_files_member_of_an_exclusive_group(tmp_path, in_file, given, kept):
+    """`batchjob run jobs/quickstart.toml --prompt-column review` was refused ("give only one of
+    --prompt-column, --messages-column, --template; got ['prompt_column', 'template']": the template was the
+    file's), though the command line overrides any field of a job file; the same for --json-schema over a
+    file's choices."""
+    from batchjob.job.spec import make_spec
+
+    path = tmp_path / "job.toml"
+    path.write_text(f'input = "in.jsonl"\noutput = "out"\nmodel = "m"\n{in_file}\n')
+    (tmp_path / "schema.json").write_text('{"type": "integer"}')
+    if "json_schema" in given:
+        given = {"json_schema": str(tmp_path / "schema.json")}
+    spec = make_spec(path, **given)
+    groups = ("prompt_column messages_column template", "choices json_schema regex")
+    group = next(g for g in groups if kept in g).split()
+    assert [n for n in group if getattr(spec, n) is not None] == [kept]
+
+
+def test_two_members_of_an_exclusive_group_at_one_level_are_refused_saying_where(tmp_path):
+    from batchjob.job.spec import make_spec
+
+    path = tmp_path / "job.toml"
+    path.write_text(
+        'input = "in.jsonl"\noutput = "out"\nmodel = "m"\ntemplate = "{a}"\nprompt-column = "a"\n'
+    )
+    both = f"--prompt-column and --template exclude each other; both were given in the job file {path}"
+    with pytest.raises(ConfigError, match=re.escape(both)):
+        make_spec(path)
+    path.write_text('input = "in.jsonl"\noutput = "out"\nmodel = "m"\nchoices = ["x", "y"]\n')
+    both = "--choices and --regex exclude each other; both were given on the command line"
+    with pytest.raises(ConfigError, match=both):
+        make_spec(path, choices=["x", "y"], regex="z")
