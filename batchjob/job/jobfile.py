@@ -11,6 +11,7 @@ file's.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -52,7 +53,33 @@ def read_job_file(path: str | Path, known: Collection[str]) -> dict[str, Any]:
             )
         keys[name] = key
         out[name] = value
-    return _resolve_paths(out, path.parent)
+    out = _resolve_paths(out, path.parent)
+    if isinstance(out.get("lora"), dict):
+        _check_lora_table(out["lora"], path, known)
+    return out
+
+
+def _check_lora_table(lora: dict[str, Any], path: Path, known: Collection[str]) -> None:
+    """Refuse a ``[lora]`` entry named as a job field whose value is no adapter (not a folder with an
+    adapter_config.json, nor a hub id ``org/name``): TOML puts every key after the table's header into the
+    table, so ``max-new-tokens = 3`` written below ``[lora]`` became an adapter, and the job lost the field.
+    An adapter named ``chat`` that is one stays one."""
+    for name, value in lora.items():
+        if name.replace("-", "_") not in known or (isinstance(value, str) and _may_be_adapter(value)):
+            continue
+        raise ConfigError(
+            f"job file {path}: [lora] names an adapter {name!r} = {value!r}, which is no adapter folder or hub "
+            f"id, and {name!r} is a job field: TOML puts every key after the [lora] header into that table, "
+            "so move it above the header"
+        )
+
+
+def _may_be_adapter(value: str) -> bool:
+    """Whether ``value`` (made relative to the job file's folder) may name a LoRA adapter: a folder with an
+    adapter_config.json (PEFT's), or a hub id ``org/name``."""
+    if _is_folder(value):
+        return (Path(value).expanduser() / "adapter_config.json").is_file()
+    return re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", value) is not None and ".." not in value
 
 
 def _resolve_paths(out: dict[str, Any], base: Path) -> dict[str, Any]:

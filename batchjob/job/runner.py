@@ -16,6 +16,7 @@ from batchjob.errors import BatchjobError, StateError
 from batchjob.io.atomic import write_json
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
+from batchjob.job.chat_kwargs import check_job_kwargs
 from batchjob.job.checks import check_tokenizer_texts
 from batchjob.job.given_engine import check_given_engine, take_model
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
@@ -122,7 +123,7 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
                 faults.point("during_model_load")
                 engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
-        check_tokenizer_texts(spec.stop, spec.choices, engine.tokenizer)  # before work, as validate
+        _check_tokenizer(prep, engine, has_template)  # before work, as validate
         _settle_model(prep, engine)
         _say_generation_config(prep, engine)
         if not prep.resumed and not state.create_job(prep.info):
@@ -164,6 +165,15 @@ def _prepare(spec: JobSpec, engine: JobEngine | None, shard: Shard | None) -> Pr
     prep = prepare(take_model(spec, engine), shard=shard)
     check_given_engine(prep, engine)
     return prep
+
+
+def _check_tokenizer(prep: Prepared, engine: JobEngine, has_template: bool) -> None:
+    """What the model's tokenizer refuses of the job, as ``validate`` checks it: stop strings and choices
+    it can't tell, chat-template kwargs with no chat render or that its template never reads."""
+    spec = prep.spec
+    check_tokenizer_texts(spec.stop, spec.choices, engine.tokenizer)
+    prep.plan.for_tokenizer(spec, has_template)  # (kwargs without a chat render: said first)
+    check_job_kwargs(spec, prep.plan, engine.tokenizer, engine.model.config, prep.resumed)
 
 
 def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts | None:

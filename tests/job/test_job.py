@@ -112,6 +112,24 @@ def test_a_job_files_adapters_are_found_next_to_it_in_either_form_and_known_by_c
     assert by_home == by_path and not by_home["a"].startswith("hub:")
 
 
+def test_a_job_field_below_the_lora_table_header_is_refused_not_taken_for_an_adapter(tmp_path):
+    """TOML puts every key after [lora] into the table: max-new-tokens = 3 became an adapter named
+    'max-new-tokens' (refused later for another reason, or fetched from the hub); an adapter that is one keeps
+    a job field's name."""
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "adapter_config.json").write_text("{}")
+    for line in ("max-new-tokens = 3", 'system = "Be brief."', 'stop = ["\\n"]', 'id_column = "id"'):
+        (tmp_path / "j.toml").write_text(f'input = "a.jsonl"\n[lora]\nchat = "chat"\n{line}\n')
+        key = line.split(" ")[0]
+        with pytest.raises(
+            ConfigError, match=f"'{key}' is a job field: TOML puts every key after the .lora."
+        ):
+            load_job_file(tmp_path / "j.toml")
+    for line in ('format = "org/format-lora"', 'regex = "chat"'):  # a hub id, a folder of an adapter
+        (tmp_path / "j.toml").write_text(f"[lora]\n{line}\n")
+        assert list(load_job_file(tmp_path / "j.toml")["lora"]) == [line.split(" ")[0]]
+
+
 def test_job_file_refuses_one_field_given_twice(tmp_path):
     (tmp_path / "j.toml").write_text('input = "a.jsonl"\nmax_new_tokens = 7\nmax-new-tokens = 9\n')
     with pytest.raises(

@@ -289,15 +289,23 @@ def check_image_model(spec: JobSpec, model_config: Any | None = None) -> None:
         )
 
 
+def takes_images(spec: JobSpec, plan: PromptPlan, model_config: Any) -> bool:
+    """Whether the job's rows are image rows, whose prompts the processor builds (``--image-column``, or
+    ``--format openai`` and messages columns on a vision-language model: OpenAI content parts may hold
+    images)."""
+    from batchjob.engine.vision import is_vlm  # (the engine's modules load where a job needs them)
+
+    parts = spec.format == "openai" or plan.kind == "messages"
+    return spec.image_column is not None or (parts and is_vlm(model_config))
+
+
 def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> ImagePrompts | None:
     """The job's image prompt builder (None without ``--image-column``, or ``--format openai`` on a
     vision-language model): the loaded model's processor, whose chat template renders each row unless
     ``--no-chat``."""
-    from batchjob.engine.vision import is_vlm
     from batchjob.models import resolve_model
 
-    parts = spec.format == "openai" or plan.kind == "messages"  # OpenAI content parts may hold images
-    if spec.image_column is None and not (parts and is_vlm(engine.model.config)):
+    if not takes_images(spec, plan, engine.model.config):
         return None
 
     processor = load_processor(engine.model_id or resolve_model(spec.model), spec.trust_remote_code)
