@@ -174,6 +174,19 @@ def load_config(name: str | None, trust_remote_code: bool = False) -> tuple[Any,
     return _config(name, resolved, trust_remote_code), resolved
 
 
+def load_generation_config(resolved: str) -> Any:
+    """The ``GenerationConfig`` a generating model loaded from ``resolved`` gets, without its weights: its
+    generation_config.json, else one made from its config.json, as transformers' ``from_pretrained`` does."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(resolved)
+    except OSError:  # no file (or not JSON): transformers falls back to config.json, so does this
+        return GenerationConfig.from_pretrained(
+            resolved, config_file_name="config.json", _from_model_config=True
+        )
+
+
 def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 

@@ -47,7 +47,12 @@ _NOT_BUILT = {
 def model_penalty(model: Any, task: str) -> float:
     """A generating model's repetition penalty (1: none; a prefill-only task draws nothing); refuses a
     generation config asking for a processor not built here."""
-    generation_config = getattr(model, "generation_config", None)
+    return config_penalty(getattr(model, "generation_config", None), task)
+
+
+def config_penalty(generation_config: Any, task: str) -> float:
+    """``model_penalty`` of a model whose generation config is ``generation_config`` (a ``GenerationConfig``,
+    or None): the same rule for the loaded model and for ``validate``, which reads the config alone."""
     if generation_config is None or task != "generate":
         return 1.0
     for name, neutral in _NOT_BUILT.items():

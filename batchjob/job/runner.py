@@ -42,18 +42,22 @@ def load_engine(spec: JobSpec) -> JobEngine:
 
 def check_engine(spec: JobSpec) -> str:
     """What ``load_engine`` refuses, checked from the model's config without its weights: code the model
-    ships (without ``trust_remote_code``), a model family or feature the attention would get wrong,
-    ``max_model_len`` beyond the model's context, a KV pool that can't hold one request of the context.
+    ships (without ``trust_remote_code``), a model family or feature the attention would get wrong, a
+    generation_config.json asking for a logits processor not built (``penalties.py``), ``max_model_len``
+    beyond the model's context, a KV pool that can't hold one request of the context.
     Returns a line saying what the engine will get."""
     from batchjob.engine.config import EngineConfig
+    from batchjob.engine.penalties import config_penalty
     from batchjob.engine.plan import plan_kv, plan_model
-    from batchjob.models import load_config
+    from batchjob.models import load_config, load_generation_config
 
     model_config, resolved = load_config(spec.model, spec.trust_remote_code)
     check_image_model(spec, model_config)
     config = EngineConfig(**spec.engine.as_keywords())
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
     check_adapters(spec.lora_paths, config, resolved)  # and the adapters' (engine/lora/)
+    if config.task == "generate":  # the processors its generation_config.json asks for, as the load refuses
+        config_penalty(load_generation_config(resolved), config.task)
     if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses
         from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
 

@@ -75,3 +75,42 @@ def test_generation_config_processors_not_built_are_refused(tiny_model_dir, tmp_
         with pytest.raises(ConfigError, match=f"generation_config.json sets {setting} = "):
             Engine.from_pretrained(str(folder), dtype="float64")
         Engine.from_pretrained(str(folder), dtype="float64", task="embed")  # a task draws nothing: runs
+
+
+def _with(tiny_model_dir, folder, file, setting, value):
+    """A copy of the tiny model whose ``file`` (a JSON file of the folder) also sets ``setting``."""
+    shutil.copytree(tiny_model_dir, folder)
+    path = folder / file
+    path.write_text(json.dumps((json.loads(path.read_text()) if path.exists() else {}) | {setting: value}))
+    return folder
+
+
+def test_validate_refuses_the_generation_config_the_load_refuses(tiny_model_dir, tmp_path):
+    """validate said ok for a model whose generation_config.json sets no_repeat_ngram_size, and run refused
+    it: both read the config by one rule, validate without the weights."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    no_file = _with(tiny_model_dir, tmp_path / "no_file", "config.json", "no_repeat_ngram_size", 2)
+    (no_file / "generation_config.json").unlink(missing_ok=True)  # transformers makes one of config.json
+    cases = [
+        (
+            "no_repeat_ngram_size",
+            3,
+            _with(tiny_model_dir, tmp_path / "a", "generation_config.json", "no_repeat_ngram_size", 3),
+        ),
+        ("min_length", 9, _with(tiny_model_dir, tmp_path / "b", "generation_config.json", "min_length", 9)),
+        ("no_repeat_ngram_size", 2, no_file),
+    ]
+    for setting, value, folder in cases:
+        with pytest.raises(ConfigError) as loaded:
+            Engine.from_pretrained(str(folder), dtype="float64")
+        assert f"generation_config.json sets {setting} = {value}" in str(loaded.value)
+        args = ["validate", "--input", str(data), "--output", str(tmp_path / "o"), "--model", str(folder)]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and str(loaded.value) in " ".join(result.output.split()), result.output
+        embed = CliRunner().invoke(main, [*args, "--task", "embed"])  # a task draws nothing: no refusal
+        assert "generation_config" not in embed.output, embed.output
