@@ -14,8 +14,10 @@ the input's schema before any work.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from batchjob.errors import ConfigError, InputError
@@ -124,8 +126,8 @@ def plan_prompts(
     resolve_chat(spec, has_chat_template)
     if spec.template is not None:
         fields = template_fields(spec.template)
-        if not fields and not spec.template.strip():  # every row's prompt would be empty
-            raise ConfigError(f"--template {spec.template!r} has no fields and no text; {TEMPLATE_RULES}")
+        if not fields:
+            _check_fieldless(spec, spec.template, available)
         for f in fields:
             need(f, "--template field")
         types = tuple((f, schema.field(f).type) for f in fields) if schema is not None else ()
@@ -151,6 +153,36 @@ def plan_prompts(
             )
         plan = PromptPlan("column", col, None, (), spec.system, False)
     return plan.for_tokenizer(spec, has_chat_template)
+
+
+def _check_fieldless(spec: JobSpec, template: str, columns: str) -> None:
+    """Refuse a template without a field where every row would get one prompt and one answer: no text at
+    all; a file's path (a template is its text); or greedy decoding (the ``greedy_samples`` reasoning) with
+    nothing else that differs by row (an image, an adapter, a scored column, a row's own parameters).
+    Sampled, one prompt makes many answers (synthetic data): that is a use. ``columns``: for the message."""
+    if not template.strip():  # every row's prompt would be empty
+        raise ConfigError(f"--template {template!r} has no fields and no text; {TEMPLATE_RULES}")
+    name = f"--template {template!r} has no field"
+    try:
+        is_file = "\n" not in template and len(template) < 4096 and Path(template).expanduser().is_file()
+    except OSError:  # not a path this system takes: not a file
+        is_file = False
+    if is_file:
+        raise ConfigError(
+            f"{name}: it is a file's path, and a template is text, not a file. Pass the file's text, as "
+            f'--template "$(cat {shlex.quote(template)})" in a shell, or in a job file as template = """..."""'
+            " (a multi-line string), with column names in braces, like {review}"
+        )
+    by_row = (spec.image_column, spec.adapter_column, spec.score_column)
+    if spec.effective_temperature > 0 or spec.per_row_params or any(c is not None for c in by_row):
+        return
+    generate = spec.engine.task == "generate"
+    same = "answer, as decoding is greedy (temperature 0)" if generate else "result"
+    sample = "; or give --temperature above 0 for samples of one prompt" if generate else ""
+    raise ConfigError(
+        f"{name}: every row's prompt would be this same text, with one identical {same}. Name the row's "
+        f"columns in braces, like {{review}} (the input's columns: {columns}){sample}"
+    )
 
 
 def check_column_types(spec: JobSpec, plan: PromptPlan, schema: Any) -> None:

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.errors import ConfigError
 from batchjob.job.prompts import PromptBuilder, parse_template, plan_prompts, template_fields
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import JobSpec, make_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,6 +193,40 @@ def test_a_template_with_no_field_and_no_text_is_refused(template):
         plan_prompts(JobSpec(template=template), ["review"], False)
 
 
+ONE_PROMPT = "every row's prompt would be this same text"
+
+
+def test_a_template_with_no_field_is_refused_where_every_row_would_get_one_answer(tmp_path):
+    """--template "Classify: review" (the braces forgotten) gave every row one prompt, and at temperature 0 one
+    answer, without a word; sampled, or with something else that differs by row, one prompt is a use."""
+    columns = ["review", "img", "params", "adapter"]
+    with pytest.raises(ConfigError, match=f"{ONE_PROMPT}, with one identical answer.*columns: review, img"):
+        plan_prompts(JobSpec(template="Classify: review"), columns, False)
+    with pytest.raises(ConfigError, match=f"{ONE_PROMPT}, with one identical result"):
+        plan_prompts(make_spec(template="Classify: review", task="embed"), columns, False)
+    ad = tmp_path / "ad"
+    for varies in [
+        {"temperature": 0.7},  # synthetic data: many samples of one prompt
+        {"image_column": "img"},
+        {"params_column": "params"},
+        {"adapter_column": "adapter", "lora": [f"a={ad}", f"b={ad}"]},
+    ]:
+        plan_prompts(make_spec(template="Describe it.", **varies), columns, False)
+
+
+def test_a_template_that_is_a_files_path_is_refused_saying_how_to_pass_its_text(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "classify.txt").write_text("Classify: {review}\n")
+    for temperature in (None, 0.7):  # sampled too: the file's name is never the prompt meant
+        with pytest.raises(
+            ConfigError, match=r"it is a file's path, and a template is text.*\$\(cat prompts/"
+        ):
+            plan_prompts(
+                make_spec(template="prompts/classify.txt", temperature=temperature), ["review"], False
+            )
+
+
 # -- the command line ----------------------------------------------------------------------------------------
 
 
@@ -229,6 +263,15 @@ def test_refused_template_exits_2_before_any_work(
     assert code == 2, text
     assert f"field {field} is refused" in text and "Traceback" not in text
     assert not out.exists()  # refused before the output folder is even created
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_template_with_no_field_exits_2_before_any_work(command, data, tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    args = ["--input", data, "--output", out, "--model", tiny_model_dir, "--template", "Classify: review"]
+    code, text = invoke(command, *args)
+    assert code == 2 and ONE_PROMPT in text and "Traceback" not in text, text
+    assert not out.exists()
 
 
 def test_struct_and_list_fields_in_a_job(data, tiny_model_dir, tmp_path):
