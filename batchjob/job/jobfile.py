@@ -35,7 +35,7 @@ def read_job_file(path: str | Path, known: Collection[str]) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"job file {path} does not exist")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a leading BOM (Windows editors) dropped
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         hint = ""
         if path.suffix.lower() in _INPUT_SUFFIXES or path.name.lower().endswith((".jsonl.gz", ".jsonl.zst")):

@@ -130,6 +130,12 @@ def test_a_job_field_below_the_lora_table_header_is_refused_not_taken_for_an_ada
         assert list(load_job_file(tmp_path / "j.toml")["lora"]) == [line.split(" ")[0]]
 
 
+def test_a_job_file_starting_with_a_byte_order_mark_is_read(tmp_path):
+    """A job file saved with a UTF-8 BOM was refused as not valid TOML (at line 1, column 1)."""
+    (tmp_path / "j.toml").write_bytes('\ufeffinput = "a.jsonl"\nmax-new-tokens = 7\n'.encode())
+    assert load_job_file(tmp_path / "j.toml")["max_new_tokens"] == 7
+
+
 def test_job_file_refuses_one_field_given_twice(tmp_path):
     (tmp_path / "j.toml").write_text('input = "a.jsonl"\nmax_new_tokens = 7\nmax-new-tokens = 9\n')
     with pytest.raises(
