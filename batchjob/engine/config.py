@@ -21,6 +21,7 @@ from batchjob.engine.options import (
     declared,
     device_default,
 )
+from batchjob.env import check_flags
 from batchjob.errors import ConfigError
 
 DTYPES = {
@@ -91,6 +92,7 @@ class EngineConfig(EngineOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # each given value checked; None: the declared default
+        check_flags()  # the environment's switches (BATCHJOB_CPU_KERNEL=...), before any is read
         if not isinstance(self.device, torch.device):  # a torch.device is taken as its caller resolved it
             self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
