@@ -173,7 +173,7 @@ def test_max_errors_counts_the_failed_rows_of_every_worker(tmp_path, tiny_model_
         (["--dtype", "int8"], "int8"),
         (["--device", "tpu"], "device"),
         (["--model", "{tmp}/no-such-model"], "not found"),
-        (["--prompt-column", "review", "--template", "{review}"], "only one of"),
+        (["--prompt-column", "review", "--template", "{review}"], "exclude each other; both were given on the command line"),
         (["--no-such-option"], "No such option"),
     ],
 )
