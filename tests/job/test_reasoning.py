@@ -224,7 +224,8 @@ def test_tags_given_by_hand_and_missing_tags(data, tiny_model_dir, tmp_path):
 
 def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
     """A close tag of several tokens ends the thinking as a stop string, which may end inside a token the
-    model wrote ('o', 'tral' for 'otra'): the answer follows the model's tokens, with no second tag; a
+    model wrote ('o', 'tral' for 'otra'): the answer follows the model's tokens, with no second tag, and the
+    text after the tag in that token ('l') begins the answer (a constrained one can't hold it: an error); a
     thinking that ran long gets the tag."""
     from batchjob.engine.output import RequestOutput
     from batchjob.io.readers import Row
@@ -232,27 +233,73 @@ def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
     from batchjob.job.rows.reasoning import Reasoning, thinking_params
 
     tags = ReasoningTags("<foo>", "otra", (90,), (40, 41))
+    pieces = {7: "hm", 40: "o", 41: "tra", 42: "tral", 8: " yes", 9: "m", 2: ""}  # joined when decoded
+
+    def decode(ids):
+        return "".join(pieces[t] for t in ids)
+
+    def reasoning_row(params):
+        return Reasoning(
+            row=Row(0, "q.jsonl", 0, {"q": "hi"}),
+            row_id="q0",
+            prompt_ids=[5, 6, 90],
+            num_prompt_tokens=2,
+            params=thinking_params(tags, params, 8),
+            answer_params=params,
+            tags=tags,
+            decode=decode,
+        )
+
     params = SamplingParams(choices=["yes", "no"])
-    row = Reasoning(
-        row=Row(0, "q.jsonl", 0, {"q": "hi"}),
-        row_id="q0",
-        prompt_ids=[5, 6, 90],
-        num_prompt_tokens=2,
-        params=thinking_params(tags, params, 8),
-        answer_params=params,
-        tags=tags,
-    )
+    row = reasoning_row(params)
 
     def thought(ids, finish, at_string):
+        text = decode(ids).split("otra")[0] if at_string else decode(ids)  # as the engine cuts it
         return RequestOutput(
-            "q0", [5, 6, 90], ids, "", finish, None, 0.0, None, 0.0, stopped_at_string=at_string
+            "q0", [5, 6, 90], ids, text, finish, None, 0.0, None, 0.0, stopped_at_string=at_string
         )
+
+    def written(row, ids, text):
+        answer = RequestOutput("q0", [], ids, text, "stop", None, 0.0, None, 0.0)
+        got = row.result(0, answer)
+        return got["reasoning"], got["generated_text"], got["num_generated_tokens"], got["error"]
 
     assert row._answer(thought([7, 40, 42], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 42]
     assert row._answer(thought([7, 40, 41], "stop", True)).prompt_ids == [5, 6, 90, 7, 40, 41]
     assert row._answer(thought([7, 8, 9], "length", False)).prompt_ids == [5, 6, 90, 7, 8, 9, 40, 41]
     # the model ended (its EOS, 2) while thinking: the answer follows the thought, not the EOS
     assert row._answer(thought([7, 8, 2], "stop", False)).prompt_ids == [5, 6, 90, 7, 8, 40, 41]
+    # what is written: the text after the tag inside 'tral' begins the answer, which was asked after it
+    free = reasoning_row(SamplingParams(max_new_tokens=4))
+    free._answer(thought([7, 40, 42], "stop", True))
+    assert written(free, [8], " yes") == ("hm", "l yes", 4, None)
+    free._answer(thought([7, 40, 41], "stop", True))  # the tag's own tokens: nothing after it
+    assert written(free, [8], " yes") == ("hm", " yes", 4, None)
+    row._answer(thought([7, 40, 42], "stop", True))  # a label can't hold it: the row is an error naming it
+    reasoning, text, _, error = written(row, [8], "yes")
+    assert text is None and "'otra' ended inside a token" in error and "'l'" in error
+
+
+def test_text_after_a_close_tag_that_ends_inside_a_token_begins_the_answer(data, tiny_model_dir, tmp_path):
+    """The close tag 're ne' ends inside the token ' negative' the tiny model writes after 'gre': the rest of
+    it, 'gative', begins the answer, as in the split of the one-request text (it was in neither column, the
+    answer asked after it). Under --choices the answer can't hold it: that row is an error naming it."""
+    prompt = ["--template", "{question}<t>", "--no-chat", "--reasoning-tags", "<t>,re ne"]
+    one, two, labels = tmp_path / "one", tmp_path / "two", tmp_path / "labels"
+    run(data, one, tiny_model_dir, *prompt, "--max-new-tokens", "10")
+    run(data, two, tiny_model_dir, *prompt, "--max-reasoning-tokens", "6", "--max-new-tokens", "4")
+    closed = [(a, b) for a, b in zip(rows(one), rows(two), strict=True) if a["generated_text"]]
+    assert any(b["generated_text"].startswith("gative") for _, b in closed)  # the tag did end inside one
+    for a, b in closed:  # the thinking closed: the same split, the answer cut shorter by --max-new-tokens
+        assert b["reasoning"] == a["reasoning"] and b["generated_text"], (a, b)
+        assert a["generated_text"].startswith(b["generated_text"]), (a, b)
+    run(data, labels, tiny_model_dir, *prompt, "--max-reasoning-tokens", "6", "--choices", "a,b")
+    for b, c in zip(rows(two), rows(labels), strict=True):
+        if b["generated_text"].startswith("gative"):
+            assert c["generated_text"] is None and c["finish_reason"] == "error", c
+            assert "'re ne' ended inside a token" in c["error"] and "'gative'" in c["error"]
+        else:
+            assert c["generated_text"] in ("a", "b") and c["error"] is None, c
 
 
 def test_samples_of_a_row_in_two_requests_keep_their_index(data, thinker, tmp_path):

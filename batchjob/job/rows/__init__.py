@@ -129,6 +129,7 @@ class RowMaker:
                     tags=tags,
                     inside=inside,
                     spell=self.texts.spell,
+                    decode=self.texts.decode,
                     every=spec.per_row_params,
                 )
         return Samples(

@@ -3,14 +3,17 @@ answer (``job/reasoning.py`` says when: a constrained answer, or --max-reasoning
 
 The thinking runs unconstrained from the prompt (with the open tag) until the close tag or its token bound;
 the answer from the prompt, the thinking and the close tag (added when the thinking ran long), under the row's
-own parameters. A checkpoint saves each sample's thinking (``answering`` names the samples whose thinking
-had finished): on resume every sample re-enters as its thinking with its saved tokens, so a finished one
-ends at once and its answer is asked again, seeded as before.
+own parameters. A close tag of several tokens may end inside the thinking's last token: the text after it
+there begins the answer's text (an error under a constraint, which can't hold it). A checkpoint saves each
+sample's thinking (``answering`` names the samples whose thinking had finished): on resume every sample
+re-enters as its thinking with its saved tokens, so a finished one ends at once and its answer is asked again,
+seeded as before.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import ConfigError
@@ -25,6 +28,11 @@ if TYPE_CHECKING:
     from batchjob.job.reasoning import ReasoningTags
     from batchjob.job.spec import JobSpec
     from batchjob.sampling import SamplingParams
+
+
+def decode_ids(ids: list[int]) -> str:
+    """Text without a tokenizer: the ids, each a word (a row built on its own, as tests do)."""
+    return " ".join(str(t) for t in ids)
 
 
 def think_tags(spec: JobSpec, tokenizer: Any) -> ReasoningTags | None:
@@ -71,6 +79,7 @@ class Reasoning(Samples):
     answer_params: SamplingParams
     thoughts: dict[int, RequestOutput] = field(default_factory=dict)  # each sample's finished thinking
     restored_answering: list[int] = field(default_factory=list)  # the restored record's, until re-added
+    decode: Callable[[list[int]], str] = decode_ids  # as the engine decodes outputs (``TokenTexts.decode``)
 
     def finished(self, out: RequestOutput, part: int | None) -> list[Ask]:
         """A thinking that ran asks for its answer; an answer (or a failed thinking) is the sample's result."""
@@ -102,10 +111,45 @@ class Reasoning(Samples):
             if thought is not None:
                 reasoning = self.tags.split(thought.text, inside=True)[0] or ""
                 n_gen += len(thought.token_ids)
+                text, refused = self._after_tag(thought, out, text)
+                if refused is not None:
+                    out, error, text = replace(out, finish_reason="error", error=refused), refused, None
             else:
                 reasoning, text = self.tags.split(text, self.inside)
         # the answer ran as sample 0 of its own request: the row's sample is k
         return self._columns(out, text, reasoning, n_gen, error, self.answer_params) | {"sample_index": k}
+
+    def _after_tag(self, thought: RequestOutput, out: RequestOutput, text: str) -> tuple[str, str | None]:
+        """The answer's text, and the row's error. A close tag of several tokens ends the thinking as a stop
+        string, which may end inside a token: the text after the tag in that token (``fy``, ``ive`` for
+        ``yi``: ``ve``) was written by the model and the answer was asked after it, so it begins the answer,
+        as in the split of the one-request text. A constrained answer (the label, JSON or match alone) can't
+        hold it: that row is an error."""
+        if not thought.stopped_at_string:
+            return text, None
+        thinking, close = list(thought.token_ids), self.tags.close
+        thought_text = self.decode(thinking)
+        end = thought_text.find(close)
+        assert end >= 0, "the stop string that ended the thinking is in the decoding of its tokens"
+        end += len(close)
+        tail = thought_text[end:]
+        if not tail.strip():  # whitespace (a tag's newline): the split leaves it out of the answer too
+            return text, None
+        if self.answer_params.constrained:
+            return text, (
+                f"the thinking's close tag {close!r} ended inside a token the model wrote, which goes on "
+                f"with {tail!r}: the answer was asked after that text, and an answer under --choices, "
+                "--json-schema or --regex can't hold it, so the row has no answer; run it unconstrained (the "
+                "text then begins generated_text), or give a close tag that is one token of the tokenizer "
+                "(--reasoning-tags)"
+            )
+        # decoded after the thinking, as the one request's text would be (a SentencePiece word-start space, a
+        # character whose bytes the last thinking token began); a stop string's cut is taken off its end
+        whole = self.decode(thinking + list(out.token_ids))
+        if not whole.startswith(thought_text[:end]):
+            return (tail + text).lstrip(), None
+        cut = len(self.decode(list(out.token_ids))) - len(text) if out.stopped_at_string else 0
+        return whole[end : len(whole) - cut].lstrip(), None
 
     def restore(self, saved: InFlight | None) -> None:
         super().restore(saved)
