@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from batchjob.engine.grammar import grammar_of
+from batchjob.engine.sampler import ranked_top
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 
@@ -133,8 +134,7 @@ class ChoiceConstraint:
             values = logprobs_row[children].tolist()
             self.node_logprobs[node] = dict(zip(children, values, strict=True))
             if top_k is not None:
-                top, ids = logprobs_row.topk(top_k) if top_k > 0 else (logprobs_row[:0], logprobs_row[:0])
-                self.node_tops[node] = list(zip(ids.long().tolist(), top.tolist(), strict=True))
+                self.node_tops[node] = ranked_top(logprobs_row[None], [top_k])[0]  # ties by token id
             if self.trie.nodes[node].choice is not None:
                 # Summed in log space over the other tokens: 1 - P(children) rounds to 0 (and the choice's
                 # log-probability to -inf) once the children hold all but ~1e-16 of the mass.

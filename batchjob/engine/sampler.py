@@ -78,18 +78,54 @@ def top_logprobs(
     logits: torch.Tensor, rows: list[int], ks: list[int], tokens: list[int]
 ) -> list[list[tuple[int, float]]]:
     """For each row: the top-k log-probabilities of the model's own distribution (before temperature,
-    filters or constraints), best first, then the sampled token's when it is not among them."""
+    filters or constraints), best first (ties by token id), then the sampled token's when it is not among
+    them."""
     index = torch.tensor(rows, device=logits.device)
     lp = log_softmax(logits.index_select(0, index))
-    kmax = max(ks)
-    values, ids = lp.topk(kmax, dim=-1) if kmax > 0 else (lp[:, :0], lp[:, :0].long())
     chosen = lp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    out = []
-    for i, (k, tok) in enumerate(zip(ks, tokens, strict=True)):
-        top = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
+    out = ranked_top(lp, ks)
+    for i, (top, tok) in enumerate(zip(out, tokens, strict=True)):
         if all(t != tok for t, _ in top):
             top.append((tok, chosen[i]))
-        out.append(top)
+    return out
+
+
+_HEADROOM = 2  # tokens asked of topk past the k-th: those tied with it are among them, unless 3 or more tie
+
+
+def ranked_top(lp: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]]]:
+    """Each row's first ``ks[i]`` tokens of ``lp`` ([R, V] log-probabilities) by value, highest first, equal
+    values by token id, lowest first. ``topk`` leaves equal values in any order and, where they straddle the
+    k-th place, takes any of them (the same logits listed two tied tokens either way at two positions; bf16
+    logits tie often). A few more are asked for, so the tokens tied with the k-th are among them; a row whose
+    tie runs past them all has its tied tokens looked up."""
+    kmax = min(max(ks, default=0) + _HEADROOM, lp.shape[-1])
+    values, ids = lp.topk(kmax, dim=-1) if kmax > 0 else (lp[:, :0], lp[:, :0].long())
+    vals, idl = values.tolist(), ids.tolist()
+    # a tie across the k-th place that reaches the last token asked for: others may tie beyond it
+    beyond = [i for i, k in enumerate(ks) if 0 < k < kmax < lp.shape[-1] and vals[i][-1] == vals[i][k - 1]]
+    tied = _tied(lp, beyond, [vals[i][ks[i] - 1] for i in beyond])
+    out = []
+    for i, k in enumerate(ks):
+        top = list(zip(idl[i], vals[i], strict=True))
+        if any(a == b for a, b in zip(vals[i][:k], vals[i][1 : k + 1], strict=False)):  # else best first
+            top.sort(key=lambda p: (-p[1], p[0]))
+        if i in tied:
+            edge = vals[i][k - 1]
+            top = [p for p in top if p[1] > edge] + [(t, edge) for t in tied[i]]
+        out.append(top[:k])
+    return out
+
+
+def _tied(lp: torch.Tensor, rows: list[int], edges: list[float]) -> dict[int, list[int]]:
+    """The tokens of each of ``rows`` whose value is its ``edges`` value, lowest id first (one lookup)."""
+    if not rows:
+        return {}
+    at = lp.index_select(0, torch.tensor(rows, device=lp.device))
+    hits = (at == torch.tensor(edges, dtype=lp.dtype, device=lp.device)[:, None]).nonzero().tolist()
+    out: dict[int, list[int]] = {r: [] for r in rows}
+    for j, t in hits:  # row-major: each row's tokens ascending
+        out[rows[j]].append(t)
     return out
 
 

@@ -155,6 +155,25 @@ def test_top_logprobs_are_the_log_softmax_top_k_plus_the_sampled_token():
     assert len(out[1]) == 3 and out[1][-1] == (worst, lp[1, worst].item())
 
 
+def test_top_logprobs_list_tied_tokens_by_id_and_take_the_lowest_across_the_kth_place():
+    """Tokens of equal log-probability come lowest id first, and where they tie across the K-th place the
+    lowest ids are listed: topk left them in any order (a tiny llama whose head rows repeat listed (202, 199)
+    at one position, (199, 202) at another) and took either. Ties in pairs, and in fours (past the few extra
+    tokens asked of topk: looked up)."""
+    from batchjob.engine.sampler import top_logprobs
+
+    logits = torch.randn(8, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for a in range(3, 450, 7):  # token a + 3 ties token a everywhere
+        logits[:, a + 3] = logits[:, a]
+    logits[4:, [40, 41, 700, 999]] = 9.0  # the best four tie
+    lp = logits.log_softmax(-1)
+    ks = [5, 10, 20, 40, 1, 2, 3, 5]
+    out = top_logprobs(logits, list(range(8)), ks, [0] * 8)
+    ranked = [sorted(enumerate(row), key=lambda p: (-p[1], p[0])) for row in lp.tolist()]
+    assert [i for i, k in enumerate(ks) if out[i][:k] != ranked[i][:k]] == []
+    assert [t for t, _ in out[5][:2]] == [40, 41]
+
+
 @pytest.mark.engine  # sampling statistics over many seeds: seconds, not the unit tier's inner loop
 def test_seeds_of_any_size_sample_by_their_value_mod_2_64():
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(5))
