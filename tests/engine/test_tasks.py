@@ -285,6 +285,34 @@ def test_conditional_score_reuses_the_prompt(causal_lm):
     assert eng.stats.cached_prompt_tokens >= 2 * ((len(p) - 1) // 4) * 4 > 0
 
 
+def test_a_cut_scored_text_keeps_its_first_tokens_on_either_truncation_side(causal_lm, tmp_path):
+    """--truncate on a prompt and a scored text longer than the limit scores the text's first tokens, as the
+    one cut of prompt + text from the end keeps them, whatever side the tokenizer cuts a text alone on. A
+    tokenizer with truncation_side "left" cut the text alone first, keeping its last tokens, and the joint
+    cut then scored tokens 28-55 of 60, from its middle (-165.005 where the first 27 give -165.690)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    left = tmp_path / "left"
+    shutil.copytree(causal_lm, left)
+    config = json.loads((left / "tokenizer_config.json").read_text())
+    (left / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    hf = AutoModelForCausalLM.from_pretrained(str(causal_lm), dtype=torch.float64).eval()
+    prompt, text = "The capital of France is", " " + " ".join(str(i) for i in range(40))
+    for folder in (causal_lm, left):
+        eng = Engine.from_pretrained(
+            str(folder), task="score", device="cpu", dtype="float64", truncate=True, max_model_len=32
+        )
+        p, c = eng.tokenize(prompt), eng.tokenizer(text, add_special_tokens=False).input_ids
+        assert len(p) + len(c) > 32
+        [out] = eng.score([prompt], [text], token_logprobs=True)
+        ref = _hf_logprobs(hf, (p + c)[:32])[len(p) - 1 :]  # the text's first 32 - len(p) tokens
+        assert out.num_scored_tokens == 32 - len(p)
+        assert np.abs(np.array(out.token_logprobs) - ref).max() <= 1e-12, folder.name
+
+
 def test_refusals(embedders, causal_lm):
     folder = str(embedders["bert"])
     # An encoder attends both ways: a backend without it is refused by name, and so is generation.

@@ -245,6 +245,28 @@ def test_a_scored_text_cut_by_truncate_counts_the_tokens_read(tiny_model_dir, tm
     assert short["num_prompt_tokens"] < 64
 
 
+def test_a_scored_text_is_cut_from_its_end_whatever_the_tokenizers_side(tiny_model_dir, tmp_path):
+    """--score-column --truncate on a tokenizer with truncation_side "left": the job scores the text's first
+    tokens after the prompt, as on a tokenizer that cuts on the right (it scored a piece from the text's
+    middle: -165.005 where the first 27 tokens give -165.690, with the same num_scored_tokens)."""
+    import shutil
+
+    left = tmp_path / "left"
+    shutil.copytree(tiny_model_dir, left)
+    config = json.loads((left / "tokenizer_config.json").read_text())
+    (left / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    prompt, text = "The capital of France is", " " + " ".join(str(i) for i in range(40))
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"rid": "a", "q": prompt, "a": text}) + "\n")
+    kw = dict(prompt_column="q", score_column="a", truncate=True, max_model_len=32, dtype="float64")
+    _, [row] = job(tmp_path, left, "score", **kw)
+    right = Engine.from_pretrained(
+        str(tiny_model_dir), task="score", truncate=True, max_model_len=32, dtype="float64"
+    )
+    [want] = right.score([prompt], [text])
+    assert row["error"] is None and row["num_prompt_tokens"] == 32
+    assert (row["logprob"], row["num_scored_tokens"]) == (want.logprob, want.num_scored_tokens)
+
+
 def test_score_job_unconditional_equals_engine_score(tiny_model_dir, tmp_path):
     _, rows = job(tmp_path, tiny_model_dir, "score", max_model_len=64)
     texts = _texts(tmp_path)

@@ -185,6 +185,13 @@ class TaskEngine(Engine):
             max_length=self.prefill_limit if cut else None,
         ).input_ids
 
+    def scored_ids(self, text: str) -> list[int]:
+        """A scored text's token ids (score's continuation): without special tokens, and never cut alone.
+        ``add_request`` cuts prompt and continuation together at the limit, from the end, so the continuation's
+        first tokens are scored; the tokenizer's own cut, from a ``truncation_side`` "left", kept its last
+        tokens, and the joint cut then scored a piece from its middle."""
+        return list(self.tokenizer(text, add_special_tokens=False, truncation=False).input_ids)
+
     # -- convenience ---------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Any], sampling_params: Any = None) -> list[RequestOutput]:
@@ -259,7 +266,9 @@ class TaskEngine(Engine):
             )
 
         def ids(x, special: bool) -> list[int]:
-            return self.tokenize(x, special_tokens=special) if isinstance(x, str) else list(x)
+            if not isinstance(x, str):
+                return list(x)
+            return self.tokenize(x) if special else self.scored_ids(x)
 
         for i, (prompt, cont) in enumerate(items):
             c = None if cont is None else ids(cont, False)

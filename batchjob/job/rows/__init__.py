@@ -239,7 +239,13 @@ class RowMaker:
             return None, f"{where}score column {col!r} is null or missing"
         if not isinstance(value, str):
             return None, f"{where}score column {col!r} is not text (got {type(value).__name__})"
-        ids = self.engine.tokenize(value, special_tokens=False) if value else []
+        # uncut, as Engine.score's scored_ids: the engine cuts prompt and scored text together, from the end
+        # (cut alone on a tokenizer's truncation_side "left", the text lost its start: a middle piece was scored)
+        ids = (
+            self.engine.tokenizer(value, add_special_tokens=False, truncation=False).input_ids
+            if value
+            else []
+        )
         if not ids:
             return None, f"{where}score column {col!r} is empty: there is nothing to score"
         return list(ids), None
