@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from batchjob.engine.output import RequestOutput
@@ -39,18 +39,20 @@ class _Engine(Protocol):  # what the loop uses of the engine (engine.py imports 
     def step(self) -> list[RequestOutput]: ...
 
 
-def prompt_list(prompts: Any, what: str) -> list[Any]:
-    """The prompts of ``generate``/``chat``: a list (one text, or one conversation's messages, is one prompt,
-    as vLLM takes it; a string was read as a prompt per character)."""
+def prompt_list(prompts: Any, what: str, noun: str = "prompt") -> list[Any]:
+    """The prompts of ``generate``/``chat`` (and the inputs of the tasks' ``embed``/``classify``/``score``,
+    ``what`` naming the call): a list (one text, or one conversation's messages, is one prompt, as vLLM takes
+    it; a string was read as a prompt per character). ``noun``: what one item is, for the message."""
     if isinstance(prompts, str) or (what == "chat" and prompts and isinstance(prompts[0], dict)):
         return [prompts]
-    if isinstance(prompts, Mapping) or not hasattr(prompts, "__len__"):
-        raise ConfigError(f"{what}() takes a list of prompts, got {type(prompts).__name__}")
+    if isinstance(prompts, (Mapping, bytes, bytearray)) or not hasattr(prompts, "__len__"):
+        raise ConfigError(f"{what}() takes a list of {noun}s, got {type(prompts).__name__}")
     bare = next((p for p in prompts if isinstance(p, int) or getattr(p, "ndim", None) == 0), None)
     if bare is not None:
         raise ConfigError(
-            f"{what}() takes a list of prompts, each a text or a list of token ids; got the integer {bare!r} "
-            "as a prompt (one prompt's ids go in a list of their own: [[ids...]])"
+            f"{what}() takes a list of {noun}s, each a text or a list of token ids; got the integer {bare!r} "
+            f"as {'an' if noun[0] in 'aeiou' else 'a'} {noun} (one {noun}'s ids go in a list of their own: "
+            "[[ids...]])"
         )
     return list(prompts)
 
@@ -70,21 +72,27 @@ def params_for(
 
 
 def token_ids(values: Any, what: str) -> list[int]:
-    """``values`` as a list of token ids: ints (numpy's and torch's integers too); a float or a string is
-    refused, not truncated (``int(1.5)`` would quietly be 1)."""
+    """``values`` as a list of token ids: ints (numpy's and torch's integers too); a float, a boolean or a
+    string is refused, not converted (``int(1.5)`` would quietly be 1, ``True`` 1), and so is what is no list
+    of them (bytes would be read as their byte values, a dict as its keys)."""
+    if isinstance(values, (str, bytes, bytearray, Mapping)) or not hasattr(values, "__iter__"):
+        raise ConfigError(f"{what} is {type(values).__name__}, not a list of token ids")
     values = list(values)
-    try:
-        return list(map(operator.index, values))
-    except TypeError:
-        pass
     for k, t in enumerate(values):  # the first that is no integer, for the message
-        try:
-            operator.index(t)
-        except TypeError:
-            raise ConfigError(
-                f"{what}: token {k} is {t!r} ({type(t).__name__}), not an integer token id"
-            ) from None
-    raise AssertionError("unreachable: map(operator.index) raised for no value")
+        if type(t) is not int and not _integer(t):
+            raise ConfigError(f"{what}: token {k} is {t!r} ({type(t).__name__}), not an integer token id")
+    return list(map(operator.index, values))
+
+
+def _integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (numpy's and torch's too) that is no boolean."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _text(text: str, what: str) -> str:
@@ -96,6 +104,17 @@ def _text(text: str, what: str) -> str:
             f"{what}: character {e.start} ({ascii(text[e.start])[1:-1]}) is half a UTF-16 pair, not a character"
         ) from None
     return text
+
+
+def prompt_ids(prompt: Any, what: str, tokenize: Callable[[str], list[int]]) -> list[int]:
+    """One prompt's token ids, by the one rule of ``generate`` and the tasks' calls: a text through
+    ``tokenize`` (refused where a tokenizer could not take it), a list of token ids (``token_ids``); anything
+    else is refused, naming ``what`` (the prompt's index)."""
+    if isinstance(prompt, str):
+        return list(tokenize(_text(prompt, what)))
+    if isinstance(prompt, (bytes, bytearray, Mapping)) or not hasattr(prompt, "__iter__"):
+        raise ConfigError(f"{what} is {type(prompt).__name__}: give a text or a list of token ids")
+    return token_ids(prompt, what)
 
 
 def generate(
@@ -111,13 +130,12 @@ def generate(
         raise ConfigError("generate() needs an idle engine; it has unfinished requests")
     ids = []
     names = adapters if adapters is not None else [None] * len(prompts)
-    prompt_ids = [  # all of them checked before any is added: a refused batch leaves the engine idle
-        engine.tokenizer(_text(prompt, f"prompt {i}")).input_ids
-        if isinstance(prompt, str)
-        else token_ids(prompt, f"prompt {i}")
+    tokenizer = engine.tokenizer
+    all_ids = [  # all of them checked before any is added: a refused batch leaves the engine idle
+        prompt_ids(prompt, f"prompt {i}", lambda text: tokenizer(text).input_ids)
         for i, prompt in enumerate(prompts)
     ]
-    for i, (tokens, p) in enumerate(zip(prompt_ids, params, strict=True)):
+    for i, (tokens, p) in enumerate(zip(all_ids, params, strict=True)):
         digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
         rid = f"generate-{i}"
         key = int.from_bytes(digest, "little") & 0x7FFFFFFF

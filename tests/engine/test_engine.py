@@ -374,6 +374,8 @@ def test_prompts_the_engine_cannot_take_as_given_are_refused_before_any_is_added
             [[1, 2], [1.5, 2]], params
         ),
         "prompt 0: token 1 is '2' (str)": lambda: engine.generate([[1, "2"]], params),
+        "prompt 0: token 0 is True (bool)": lambda: engine.generate([[True, 3]], params),  # ran as 1
+        "prompt 1 is bytes: give a text": lambda: engine.generate([[1], b"hi"], params),  # ran as [104, 105]
         "prompt 0: token 0 is tensor(1.5000) (Tensor)": lambda: engine.generate([torch.tensor([1.5])], params),
         "prompt 1: character 1 (\\udcff) is half a UTF-16 pair": lambda: engine.generate(
             ["fine", "a\udcffb"], params

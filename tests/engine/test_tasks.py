@@ -342,6 +342,40 @@ def test_refusals(embedders, causal_lm):
         Engine.from_pretrained(str(causal_lm), task="rerank", device="cpu")
 
 
+def test_task_inputs_follow_generates_rule_or_are_refused_by_index(embedders, classifiers, causal_lm):
+    """embed/classify/score take their inputs by generate()'s rule: one text is one input (it was one an
+    input per character: 11 embeddings for "hello world"), token ids are integers (5.7 ran as 5, True as 1,
+    b"hi" as the ids 104 and 105), anything else is refused naming its index (None, a dict, half a UTF-16
+    pair raised a TypeError or ValueError), all before any is added, so the engine stays idle."""
+    emb = Engine.from_pretrained(str(embedders["bert"]), task="embed", device="cpu", dtype="float64")
+    cls = Engine.from_pretrained(str(classifiers["bert"]), task="classify", device="cpu", dtype="float64")
+    lm = Engine.from_pretrained(str(causal_lm), task="score", device="cpu", dtype="float64")
+    [one] = emb.embed("hello world")
+    assert np.array_equal(one.embedding, emb.embed(["hello world"])[0].embedding)
+    assert [o.label for o in cls.classify("hello world")] == [cls.classify(["hello world"])[0].label]
+    [scored] = lm.score("The capital is", " Paris")  # it said "got 6 continuations for 14 prompts"
+    assert scored.logprob == lm.score(["The capital is"], [" Paris"])[0].logprob
+    refused = {
+        "input 1: token 0 is 5.7 (float), not an integer token id": lambda: emb.embed([[5, 6], [5.7, 6.2]]),
+        "input 0: token 0 is True (bool), not an integer token id": lambda: emb.embed([[True, 2]]),
+        "input 0 is bytes: give a text or a list of token ids": lambda: emb.embed([b"hi"]),
+        "input 1: character 1 (\\ud800) is half a UTF-16 pair": lambda: emb.embed(["ok", "a\ud800b"]),
+        "got the integer 5 as an input": lambda: emb.embed([5, 6]),
+        "input 0 is NoneType: give a text or a list of token ids": lambda: cls.classify([None]),
+        "input 0 is dict: give a text or a list of token ids": lambda: cls.classify([{"role": "user"}]),
+        "continuation 1 is NoneType": lambda: lm.score(["a b", "c d"], [" e", None]),
+        "prompt 0: token 0 is 2.5 (float)": lambda: lm.score([[2.5, 3]]),
+        "request 'r''s continuation: token 0 is 1.0 (float)": lambda: lm.add_request(
+            "r", [5, 6], continuation_ids=[1.0]
+        ),
+    }
+    for message, call in refused.items():
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert message in str(e.value), str(e.value)
+    assert not (emb.has_unfinished() or cls.has_unfinished() or lm.has_unfinished())
+
+
 def test_incremental_api_and_snapshot(causal_lm):
     """The job loop's way: add_request and step(); an unfinished score request snapshots its
     continuation, and re-added from the snapshot it gives the same result."""

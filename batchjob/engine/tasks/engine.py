@@ -149,8 +149,8 @@ class TaskEngine(Engine):
             raise ConfigError(f"request id {rid!r} is already in the engine")
         if (continuation_ids is not None or token_logprobs) and self.task != "score":
             raise ConfigError(f"continuation_ids and token_logprobs are for task='score', not {self.task!r}")
-        prompt = [int(t) for t in prompt_ids]
-        continuation = [int(t) for t in continuation_ids or ()]
+        prompt = offline.token_ids(prompt_ids, f"request {rid!r}'s prompt")
+        continuation = offline.token_ids(continuation_ids or (), f"request {rid!r}'s continuation")
         tokens = prompt + continuation
         if self.config.truncate and len(tokens) > self.prefill_limit:
             tokens = tokens[: self.prefill_limit]
@@ -213,15 +213,15 @@ class TaskEngine(Engine):
         goes before each text for this call ("" for none), as ``encode(prompt_name=...)``; None: the engine's
         (the option ``prompt_name``, else the folder's default). ``adapters``: each input's LoRA adapter name
         (None: the base model), as for ``score`` and ``classify``."""
-        items = [(x, None) for x in inputs]
+        items = offline.prompt_list(inputs, "embed", "input")
         if prompt_name is None or self.task != "embed":
-            return self._run_task("embed", items, False, adapters)
+            return self._run_task("embed", items, None, False, adapters)
         kept = self.tasks.pooling, self.tasks.skip
         assert kept[0] is not None
         self.tasks.pooling = replace(kept[0], prompt=prompt_text(self.model_id, prompt_name))
         self.tasks.skip = prompt_length(self.tokenizer, self.tasks.pooling)
         try:
-            return self._run_task("embed", items, False, adapters)
+            return self._run_task("embed", items, None, False, adapters)
         finally:
             self.tasks.pooling, self.tasks.skip = kept
 
@@ -229,7 +229,8 @@ class TaskEngine(Engine):
         self, inputs: Sequence[str] | Sequence[Sequence[int]], *, adapters: Sequence[str | None] | None = None
     ) -> list[RequestOutput]:
         """Classify texts (or token id lists): ``logits`` and ``probs``/``label`` or ``score`` per input."""
-        return self._run_task("classify", [(x, None) for x in inputs], False, adapters)
+        items = offline.prompt_list(inputs, "classify", "input")
+        return self._run_task("classify", items, None, False, adapters)
 
     def score(
         self,
@@ -242,13 +243,21 @@ class TaskEngine(Engine):
         """The log-likelihood of each prompt (every token but the first scored), or with ``continuations``
         of each continuation given its prompt (a text continuation is tokenized without special tokens):
         ``logprob``, ``num_scored_tokens``, ``perplexity``, and ``token_logprobs`` when asked for."""
-        if continuations is not None and len(continuations) != len(prompts):
-            raise ConfigError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
-        conts = list(continuations) if continuations is not None else [None] * len(prompts)
-        return self._run_task("score", list(zip(prompts, conts, strict=True)), token_logprobs, adapters)
+        prompts = offline.prompt_list(prompts, "score")
+        conts = None
+        if continuations is not None:  # one text is one continuation, as one text is one prompt
+            conts = offline.prompt_list(continuations, "score", "continuation")
+            if len(conts) != len(prompts):
+                raise ConfigError(f"got {len(conts)} continuations for {len(prompts)} prompts")
+        return self._run_task("score", prompts, conts, token_logprobs, adapters)
 
     def _run_task(
-        self, task: str, items: list, token_logprobs: bool, adapters: Sequence[str | None] | None
+        self,
+        task: str,
+        inputs: list,
+        continuations: list | None,
+        token_logprobs: bool,
+        adapters: Sequence[str | None] | None,
     ) -> list[RequestOutput]:
         if self.task != task:
             raise ConfigError(
@@ -258,24 +267,27 @@ class TaskEngine(Engine):
         if self.has_unfinished():
             raise ConfigError(f"{task}() needs an idle engine; it has unfinished requests")
 
-        names = lora_adapters.per_prompt(self.lora, adapters, len(items))
-        if task == "embed" and self.tasks.skip and any(not isinstance(x, str) for x, _ in items):
+        names = lora_adapters.per_prompt(self.lora, adapters, len(inputs))
+        # each as generate() takes a prompt (offline.prompt_ids), all checked before any is added: a refused
+        # batch leaves the engine idle
+        noun = "prompt" if task == "score" else "input"
+        prompts = [offline.prompt_ids(x, f"{noun} {i}", self.tokenize) for i, x in enumerate(inputs)]
+        conts: list[list[int] | None] = [None] * len(inputs)
+        if continuations is not None:  # (a None among them is refused: it is no continuation)
+            conts = [
+                offline.prompt_ids(c, f"continuation {i}", self.scored_ids)
+                for i, c in enumerate(continuations)
+            ]
+        if task == "embed" and self.tasks.skip and any(not isinstance(x, str) for x in inputs):
             raise ConfigError(  # ids are the whole input: which of them would the prompt's be?
                 "embed(): token id lists take no prompt, but this model pools without its prompt's "
                 f"{self.tasks.skip} tokens (include_prompt is off); give texts, or prompt_name='' for none"
             )
-
-        def ids(x, special: bool) -> list[int]:
-            if not isinstance(x, str):
-                return list(x)
-            return self.tokenize(x) if special else self.scored_ids(x)
-
-        for i, (prompt, cont) in enumerate(items):
-            c = None if cont is None else ids(cont, False)
-            kw = {"continuation_ids": c, "token_logprobs": token_logprobs} if task == "score" else {}
-            self.add_request(f"{task}-{i}", ids(prompt, True), adapter=names[i], **kw)
+        for i, (prompt, cont) in enumerate(zip(prompts, conts, strict=True)):
+            kw = {"continuation_ids": cont, "token_logprobs": token_logprobs} if task == "score" else {}
+            self.add_request(f"{task}-{i}", prompt, adapter=names[i], **kw)
         results: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
                 results[out.request_id] = out
-        return [results[f"{task}-{i}"] for i in range(len(items))]
+        return [results[f"{task}-{i}"] for i in range(len(inputs))]
