@@ -152,7 +152,27 @@ def plan_prompts(
                 f"--prompt-column, --messages-column or --template (columns: {available})"
             )
         plan = PromptPlan("column", col, None, (), spec.system, False)
+    _check_pair(spec, plan, columns)
     return plan.for_tokenizer(spec, has_chat_template)
+
+
+# The second text of a pair classifier's input (NLI, paraphrase, a reranker), under the name transformers'
+# text-classification pipeline reads it ({"text": ..., "text_pair": ...}): it goes in a segment of its own.
+PAIR_COLUMN = "text_pair"
+
+
+def _check_pair(spec: JobSpec, plan: PromptPlan, columns: list[str]) -> None:
+    """Refuse a classify job whose input has a ``text_pair`` column its prompts leave out: each row would be
+    classified as if it had no second text, without a word (rows differing only there got one score)."""
+    if spec.engine.task != "classify" or PAIR_COLUMN not in columns or PAIR_COLUMN in plan.columns:
+        return
+    read = f"column {plan.column!r}" if plan.column else f"--template {plan.template!r}"
+    raise ConfigError(
+        f"the input has a {PAIR_COLUMN!r} column, a pair classifier's second text (transformers' "
+        f"text-classification pipeline reads it as a second segment); --task classify reads one text a row "
+        f"({read}) and has no second segment, so it would classify every row as if it had none. To classify "
+        f"the text alone, drop or rename the {PAIR_COLUMN!r} column"
+    )
 
 
 def _check_fieldless(spec: JobSpec, template: str, columns: str) -> None:

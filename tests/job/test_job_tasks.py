@@ -281,6 +281,23 @@ def test_score_job_unconditional_equals_engine_score(tiny_model_dir, tmp_path):
     assert set(errors) == {"r05", "r07", None}
 
 
+def test_a_classify_input_with_a_text_pair_column_its_prompts_leave_out_is_refused(task_model_dirs, tmp_path):
+    """A text_pair column (a pair classifier's second text, as transformers' pipeline takes it) was left out
+    without a word: two rows with one text and different pairs got one score. Refused before any work,
+    naming it, unless the prompt reads it (a --template naming it)."""
+    pairs = ("A cat was sitting.", "Stocks fell.")
+    rows = [{"rid": f"r{i}", "text": "The cat sat.", "text_pair": p} for i, p in enumerate(pairs)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = task_model_dirs[3]
+    with pytest.raises(
+        ConfigError, match="the input has a 'text_pair' column, a pair classifier's second text"
+    ):
+        job(tmp_path, model, "classify")
+    assert not (tmp_path / "out").exists()
+    _, got = job(tmp_path, model, "classify", template="{text} {text_pair}")
+    assert got[0]["error"] is None and got[0]["scores"] != got[1]["scores"]
+
+
 @pytest.mark.parametrize("num_labels", [3, 1])
 def test_classify_job_equals_engine_classify(task_model_dirs, tmp_path, num_labels):
     model = task_model_dirs[num_labels]
