@@ -120,6 +120,12 @@ def check_task(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
             f"--score-column {score_column!r} is also the prompt's column; the scored text comes "
             "after the prompt, from a column of its own"
         )
+    if task == "score" and score_column is None and values["system"] is not None:
+        raise ConfigError(  # every token of the text is scored: the system text's would be too
+            "--system with --task score and no --score-column: the system text would go before each row's text "
+            "and its tokens be scored with it; give the scored text with --score-column (the system text and "
+            "the prompt stay unscored before it), or leave --system out"
+        )
 
 
 def _check_generation(values: Mapping[str, Any]) -> None:

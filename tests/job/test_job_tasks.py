@@ -94,6 +94,15 @@ def test_an_option_the_task_has_no_use_for_is_refused_by_name(task, given, named
         make_spec(input=["x.jsonl"], output="out", task=task, **given)
 
 
+def test_score_refuses_a_system_text_it_would_score():
+    """--system before an unconditional score's text was scored with it (num_scored_tokens 6 became 45):
+    refused, naming --score-column, with which the system text stays in the unscored prompt."""
+    with pytest.raises(ConfigError, match="--system with --task score and no --score-column"):
+        make_spec(input=["x.jsonl"], output="out", task="score", system="Be brief.")
+    make_spec(input=["x.jsonl"], output="out", task="score", system="Be brief.", score_column="answer")
+    make_spec(input=["x.jsonl"], output="out", task="classify", system="Be brief.")
+
+
 def test_score_logprobs_takes_no_k_and_the_cli_refuses_before_work(tmp_path):
     with pytest.raises(ConfigError, match="--logprobs takes no K"):
         make_spec(input=["x.jsonl"], output="out", task="score", logprobs=3)
