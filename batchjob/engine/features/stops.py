@@ -37,37 +37,36 @@ class StopStrings(StopRule):
         return special_in_stop(req.params.stop, self.engine.output.special_tokens)
 
 
-def held_special(text: str, special_tokens: list[str]) -> str | None:
-    """The first special token's text that ``text`` holds (the output text leaves such tokens out), or None."""
-    return next((t for t in special_tokens if t in text), None)
+def held_special(texts: list[str] | None, special_tokens: list[str]) -> tuple[str, str] | None:
+    """The first of ``texts`` that holds a special token's text (the output text leaves such tokens out),
+    with that token's text; or None."""
+    return next(((x, t) for x in texts or () for t in special_tokens if t in x), None)
 
 
 def special_in_stop(stops: list[str] | None, special_tokens: list[str]) -> str | None:
     """Why a stop string holding a special token's text is refused (the output text leaves special tokens
     out, so it would never be found), or None."""
-    for stop in stops or ():
-        held = held_special(stop, special_tokens)
-        if held is not None:
-            return (
-                f"stop string {stop!r} holds the special token {held!r}, which the output text leaves out, so "
-                "it would never be found: stop on the token's id (stop_token_ids) instead"
-            )
-    return None
+    held = held_special(stops, special_tokens)
+    if held is None:
+        return None
+    return (
+        f"stop string {held[0]!r} holds the special token {held[1]!r}, which the output text leaves out, so "
+        "it would never be found: stop on the token's id (stop_token_ids) instead"
+    )
 
 
 def special_in_choices(choices: list[str] | None, special_tokens: list[str]) -> str | None:
     """Why a choice holding a special token's text is refused, or None. The label's tokens then hold the
     token itself: where the model answers 'y' 0.5, 'y</s>' read its 'y' then its end (0.45) and 'y' beside
     it only 'y' then no end (0.05); '</s>' alone read the model's end with no answer."""
-    for label in choices or ():
-        held = held_special(label, special_tokens)
-        if held is not None:
-            return (
-                f"the choice {label!r} holds the special token {held!r}, which the output text leaves out: "
-                "it would be scored as that token (the end of the answer, for an end-of-sequence token), "
-                "not as its text; spell the label without it"
-            )
-    return None
+    held = held_special(choices, special_tokens)
+    if held is None:
+        return None
+    return (
+        f"the choice {held[0]!r} holds the special token {held[1]!r}, which the output text leaves out: it "
+        "would be scored as that token (the end of the answer, for an end-of-sequence token), not as its "
+        "text; spell the label without it"
+    )
 
 
 class Lengths(StopRule):
