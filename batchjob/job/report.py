@@ -14,109 +14,19 @@ from __future__ import annotations
 import base64
 import html
 import io
-import re
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from batchjob.errors import ConfigError
-from batchjob.io.writers import input_column
 from batchjob.job.adapter_counts import adapter_label
-from batchjob.job.manifest import Manifest
 from batchjob.job.owned import check_target
+from batchjob.job.report_rows import LENGTH_EDGES, Outputs, read_outputs
 from batchjob.job.state import STATE_DIR, StateDir
 from batchjob.job.stats import HIST_EDGES
 from batchjob.job.status import JobStatus, job_status
-from batchjob.job.verify import REDO, DamagedPartError, read_batches
-
-_LENGTH_EDGES = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 10**9]
-_EXAMPLES = 3
-
-
-@dataclass
-class Outputs:
-    """What the committed parts of a job say, gathered a batch at a time."""
-
-    rows: int = 0
-    prompt_lengths: list[int] = field(default_factory=lambda: [0] * (len(_LENGTH_EDGES) - 1))
-    output_lengths: list[int] = field(default_factory=lambda: [0] * (len(_LENGTH_EDGES) - 1))
-    finish_reasons: Counter = field(default_factory=Counter)
-    errors: Counter = field(default_factory=Counter)
-    error_examples: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    labels: Counter = field(default_factory=Counter)
-
-
-def _bucket(edges: list[int], x: int) -> int:
-    for i in range(len(edges) - 1):
-        if x < edges[i + 1]:
-            return i
-    return len(edges) - 2
-
-
-def error_kind(message: str) -> str:
-    """An error message without its particulars (names, numbers, ids): what kind of error it is."""
-    kind = re.sub(r"^\S+ line \d+: ", "", message)
-    kind = re.sub(r"'[^']*'|\"[^\"]*\"", "…", kind)
-    kind = re.sub(r"\d+", "N", kind)
-    return kind[:120]
-
-
-def read_outputs(
-    out_dir: Path, choices: bool, id_column: str | None, skip: set[str] = frozenset()
-) -> Outputs:
-    """What the job's committed parts hold, but for the parts named in ``skip`` (missing or damaged ones:
-    ``verify.check_part``'s verdict, which ``status`` shows too)."""
-    info = StateDir(out_dir).load_job()
-    count = int((info.fingerprint.get("sharding") or {}).get("num_shards", 1))
-    from batchjob.job.shard import Shard
-
-    manifests = [StateDir(out_dir, Shard(i, count)).manifest_file for i in range(count)]
-    out = Outputs()
-    for path in manifests:
-        if not path.exists():
-            continue
-        for record in Manifest(path, readonly=True).parts:
-            part = out_dir / record.name
-            if record.name in skip or not part.exists():
-                continue
-            try:
-                schema = pq.read_schema(part)
-            except (OSError, pa.ArrowException) as e:
-                raise DamagedPartError(out_dir, record.name, f"cannot be read ({e})") from e
-            # generation's columns; a prefill-only task's parts have no finish reason or output length
-            # (their generation-only figures are left out), a classify job's have its label
-            columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error", "label"]
-            names = set(schema.names)
-            id_col = input_column(schema, id_column) if id_column else None  # renamed when it clashed
-            columns += [c for c in (id_col, "generated_text" if choices else None) if c]
-            columns = [c for c in columns if c in names]
-            generated = "finish_reason" in names
-            for batch in read_batches(out_dir, record.name, batch_size=4096, columns=columns):
-                for r in batch.to_pylist():
-                    out.rows += 1
-                    if generated:
-                        out.finish_reasons[r["finish_reason"] or "unknown"] += 1
-                    if r["error"] is not None:
-                        kind = error_kind(r["error"])
-                        out.errors[kind] += 1
-                        examples = out.error_examples.setdefault(kind, [])
-                        if len(examples) < _EXAMPLES:
-                            examples.append((str(r.get(id_col) if id_col else "") or "", r["error"]))
-                        continue
-                    out.prompt_lengths[_bucket(_LENGTH_EDGES, r["num_prompt_tokens"] or 0)] += 1
-                    if generated:
-                        out.output_lengths[_bucket(_LENGTH_EDGES, r["num_generated_tokens"] or 0)] += 1
-                    if choices and r.get("generated_text") is not None:
-                        out.labels[r["generated_text"]] += 1
-                    elif r.get("label") is not None and not generated:  # --task classify
-                        out.labels[r["label"]] += 1
-    return out
-
+from batchjob.job.verify import REDO
 
 # -- figures ----------------------------------------------------------------------------------------------
 
@@ -311,9 +221,8 @@ def _histogram_figures(stats: list[dict[str, Any]], pre: str) -> list[Figure | N
 
 def _trimmed_lengths(counts: list[int]) -> tuple[list[str], list[int]]:
     """A length histogram's labels and counts, from its first used bin to its last."""
-    length_labels = [
-        f"{_LENGTH_EDGES[i]}-{_LENGTH_EDGES[i + 1] - 1}" for i in range(len(_LENGTH_EDGES) - 2)
-    ] + [f">= {_LENGTH_EDGES[-2]}"]
+    length_labels = [f"{LENGTH_EDGES[i]}-{LENGTH_EDGES[i + 1] - 1}" for i in range(len(LENGTH_EDGES) - 2)]
+    length_labels.append(f">= {LENGTH_EDGES[-2]}")
     used = [i for i, c in enumerate(counts) if c]
     if not used:
         return [], []
