@@ -127,23 +127,35 @@ def _bar_figure(
     return Figure(key, title, _png(fig))
 
 
+def _plain_number(x: float) -> str:
+    """``x`` to three significant figures, written out (126, 12.6, 1.26; never 1.3e+02)."""
+    digits = 0 if x >= 100 else 1 if x >= 10 else 2
+    text = f"{x:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def _seconds_label(x: float) -> str:
     if x < 1:
-        return f"{x * 1000:.2g} ms"
-    return f"{x:.2g} s" if x < 100 else f"{x / 60:.2g} min"
+        return f"{_plain_number(x * 1000)} ms"
+    if x < 100:
+        return f"{_plain_number(x)} s"
+    return f"{_plain_number(x / 60)} min" if x < 6000 else f"{_plain_number(x / 3600)} h"
 
 
 def _histogram_figure(key: str, title: str, counts: list[int]) -> Figure | None:
+    """A histogram of ``stats.Histogram`` counts: bin 0 holds the times under ``HIST_EDGES[0]``, bin i >= 1
+    those in [``HIST_EDGES[i - 1]``, ``HIST_EDGES[i]``) (the last, everything from the last edge up), so a
+    bar is labelled with the start of its bin."""
     if not any(counts):
         return None
     first = next(i for i, c in enumerate(counts) if c)
     last = max(i for i, c in enumerate(counts) if c)
     lo, hi = max(0, first - 1), min(len(counts), last + 2)
     labels = [
-        ("< " if i == 0 else "") + _seconds_label(HIST_EDGES[min(i, len(HIST_EDGES) - 1)])
+        f"< {_seconds_label(HIST_EDGES[0])}" if i == 0 else _seconds_label(HIST_EDGES[i - 1])
         for i in range(lo, hi)
     ]
-    return _bar_figure(key, title, labels, counts[lo:hi], "seconds (bins start at)")
+    return _bar_figure(key, title, labels, counts[lo:hi], "time (each bar: its bin's start)")
 
 
 def _sum_histograms(workers: list[dict[str, Any]], name: str) -> list[int]:

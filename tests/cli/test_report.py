@@ -249,3 +249,25 @@ def test_a_progress_interval_that_is_not_a_number_is_the_default(monkeypatch, ca
         bar.every == 30.0
         and "BATCHJOB_PROGRESS_SECONDS='abc' is not a number of seconds" in capsys.readouterr().err
     )
+
+
+def test_histogram_bars_are_labelled_with_their_bins_start(monkeypatch):
+    """Ten 150 ms latencies sat under the bar labelled "1.6e+02 ms" (the bin's end, 158.5 ms, in .2g) while
+    the axis said the bars were labelled with their bins' start, 125.9 ms; the last two bars had one label."""
+    from batchjob.job import report
+    from batchjob.job.stats import HIST_EDGES, Histogram
+
+    drawn = {}  # label -> bar height, as handed to matplotlib (a PNG's tick labels can't be read back)
+    monkeypatch.setattr(
+        report,
+        "_bar_figure",
+        lambda key, title, labels, values, xlabel="": drawn.update(zip(labels, values, strict=True)),
+    )
+    latency = Histogram()
+    for x in [0.15] * 10 + [0.0005, 2e5]:  # under the first edge, and over the last
+        latency.add(x)
+    report._histogram_figure("latency", "latency", latency.counts)
+    assert drawn["126 ms"] == 10 and drawn["158 ms"] == 0  # [125.9, 158.5) ms holds 150 ms
+    assert drawn["< 1 ms"] == 1 and drawn["27.8 h"] == 1 and drawn["22.1 h"] == 0  # 100,000 s and up
+    assert len(drawn) == len(HIST_EDGES) + 1  # a label for each bin, none twice
+    assert not any("e+" in label or "e-" in label for label in drawn)
