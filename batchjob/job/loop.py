@@ -123,7 +123,7 @@ class JobLoop:
         self.routes: dict[str, tuple[RowWork, int | None]] = {}
         self.refused: deque[RequestOutput] = deque()  # requests the engine refused at admission, as errors
         self.constraint = _constraint(params)  # the job's own: a refusal of it is the job's, not a row's
-        self.stats = RunStats(self.max_num_seqs, engine.stats)
+        self.stats = RunStats(self.max_num_seqs, engine.stats, lora=bool(self.spec.lora_paths))
         self.stop_signal: int | None = None
         # --id-column: ids checked job-wide, through an on-disk index (derived ids are unique by construction)
         self.ids = IdIndex(self.state.work / "ids.sqlite") if self.spec.id_column is not None else None
@@ -342,7 +342,8 @@ class JobLoop:
         self.parts.add(row.ordinal, {"values": row.values, "num_prompt_tokens": n_prompt}, samples, unread)
         failed = any(s["error"] is not None for s in samples)
         tokens = sum(s["num_generated_tokens"] for s in samples) - restored
-        self.stats.row(n_prompt, tokens, failed, len(samples), images)
+        adapter = samples[0].get("adapter") if samples else None  # (an error row before any request: none)
+        self.stats.row(n_prompt, tokens, failed, len(samples), images, adapter)
         self.bar.row(failed)
 
     def commit(self) -> None:

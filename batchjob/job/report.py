@@ -287,22 +287,45 @@ def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
 
 
 def _adapters_table(st: JobStatus) -> str:
-    """Per adapter (``batchjob status``'s counts): rows, errors, tokens, and its share of the job's generated
-    tokens/s (the adapters run in the same batches, so an adapter's rate is the job's times its share of the
-    generated tokens); a prefill-only task's: of the tokens read."""
-    generate = st.task == "generate"
-    key, what = ("generated_tokens", "generated tokens/s") if generate else ("prompt_tokens", "tokens read/s")
-    total = sum(getattr(c, key) for c in st.adapters.values()) or 1
-    rate = st.rate("generated_tokens_per_s" if generate else "total_tokens_per_s")
+    """Per adapter (``batchjob status``'s counts): rows, errors, tokens, and its generated tokens/s in the
+    workers' last runs, as each run counted them by adapter (a prefill-only task's: the tokens read/s). A run
+    that did not count them (its stats.json is older than that count) leaves the column out: sharing out the
+    job's rate by the committed tokens would credit adapters that did not run."""
+    key, what = "generated_tokens_per_s", "generated tokens/s"
+    if st.task != "generate":
+        key, what = "total_tokens_per_s", "tokens read/s"
+    rates = _adapter_rates(st, key)
     rows = [
         f"<tr><td>{html.escape(adapter_label(name))}</td><td>{c.rows:,}</td><td>{c.errors:,}</td>"
-        f"<td>{c.prompt_tokens:,}</td><td>{c.generated_tokens:,}</td><td>{rate * getattr(c, key) / total:.1f}</td></tr>"
+        f"<td>{c.prompt_tokens:,}</td><td>{c.generated_tokens:,}</td>"
+        + (f"<td>{rates.get(name, 0.0):.1f}</td>" if rates is not None else "")
+        + "</tr>"
         for name, c in st.adapters.items()
     ]
-    return (
-        '<table id="adapters"><tr><th>adapter</th><th>rows</th><th>errors</th><th>prompt tokens</th>'
-        f"<th>generated tokens</th><th>{what}</th></tr>" + "".join(rows) + "</table>"
-    )
+    head = "<tr><th>adapter</th><th>rows</th><th>errors</th><th>prompt tokens</th><th>generated tokens</th>"
+    head += f"<th>{what} (last run)</th></tr>" if rates is not None else "</tr>"
+    table = '<table id="adapters">' + head + "".join(rows) + "</table>"
+    if rates is None:
+        table += (
+            f"<p>No {what} by adapter: the last run's stats.json does not count tokens by adapter "
+            "(written by an older batchjob); the next `batchjob run` writes them.</p>"
+        )
+    return table
+
+
+def _adapter_rates(st: JobStatus, key: str) -> dict[str, float] | None:
+    """Each adapter's ``key`` rate summed over the workers' last runs (an adapter a run did not run: 0), or
+    None when a run's stats do not have them."""
+    rates: dict[str, float] = {}
+    for w in st.last_runs:
+        if not w.stats:  # not run yet: nothing to add
+            continue
+        adapters = w.stats.get("adapters")
+        if not isinstance(adapters, dict):
+            return None
+        for name, figures in adapters.items():
+            rates[name] = rates.get(name, 0.0) + float(figures.get(key, 0) or 0)
+    return rates
 
 
 def _errors_table(outputs: Outputs) -> str:

@@ -59,8 +59,9 @@ class Reservoir:
 class RunStats:
     """What one process run measured; job totals come from the manifest."""
 
-    def __init__(self, max_num_seqs: int, engine: Any = None) -> None:
-        """``engine``: the engine's stats now (an engine used before counts from here)."""
+    def __init__(self, max_num_seqs: int, engine: Any = None, lora: bool = False) -> None:
+        """``engine``: the engine's stats now (an engine used before counts from here); ``lora``: a LoRA job,
+        whose tokens are also counted by adapter."""
         self.start = time.monotonic()
         self.max_num_seqs = max_num_seqs
         self.rows = 0  # input rows finished
@@ -69,6 +70,8 @@ class RunStats:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.images = 0  # the finished rows' images (--image-column)
+        # a LoRA job: this run's [prompt, generated] tokens by adapter ("": the base model); None otherwise
+        self.adapters: dict[str, list[int]] | None = {} if lora else None
         self.queue_wait = Reservoir(seed=1)
         self.ttft = Reservoir(seed=2)
         self.latency = Reservoir(seed=3)
@@ -86,9 +89,20 @@ class RunStats:
         return time.monotonic() - self.start
 
     def row(
-        self, prompt_tokens: int, generated_tokens: int, error: bool, samples: int = 1, images: int = 0
+        self,
+        prompt_tokens: int,
+        generated_tokens: int,
+        error: bool,
+        samples: int = 1,
+        images: int = 0,
+        adapter: str | None = None,
     ) -> None:
-        """An input row finished: its prompt once (and its images), all its samples' tokens."""
+        """An input row finished: its prompt once (and its images), all its samples' tokens; a LoRA job's
+        also under the row's ``adapter`` (None: the base model)."""
+        if self.adapters is not None:
+            tokens = self.adapters.setdefault(adapter or "", [0, 0])
+            tokens[0] += prompt_tokens
+            tokens[1] += generated_tokens
         self.rows += 1
         self.images += images
         self.samples += samples
@@ -139,7 +153,8 @@ class RunStats:
         elapsed = max(self.elapsed, 1e-9)
         occ = [o for _, o in self.occupancy]
         images = {"images": self.images, "images_per_s": round(self.images / elapsed, 3)}
-        return (images if self.images else {}) | {
+        extra = (images if self.images else {}) | self._adapters_json(elapsed)
+        return extra | {
             "elapsed_s": round(elapsed, 3),
             "rows": self.rows,
             "samples": self.samples,
@@ -161,4 +176,21 @@ class RunStats:
             "histograms": {k: h.to_json() for k, h in self.histograms.items()},
             "timeline": {"fields": TIMELINE_FIELDS, "points": self.timeline},
             "engine": engine_stats or {},
+        }
+
+    def _adapters_json(self, elapsed: float) -> dict[str, Any]:
+        """A LoRA job's ``adapters``: each adapter's tokens of this run and their rates (an adapter that ran
+        nothing in this run is not listed: its rate is 0)."""
+        if self.adapters is None:
+            return {}
+        return {
+            "adapters": {
+                name: {
+                    "prompt_tokens": prompt,
+                    "generated_tokens": generated,
+                    "generated_tokens_per_s": round(generated / elapsed, 3),
+                    "total_tokens_per_s": round((prompt + generated) / elapsed, 3),
+                }
+                for name, (prompt, generated) in self.adapters.items()
+            }
         }

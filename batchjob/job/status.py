@@ -96,10 +96,15 @@ class JobStatus:
     def total(self, key: str) -> int:
         return sum(getattr(w, key) for w in self.workers)
 
+    @property
+    def last_runs(self) -> list[WorkerStatus]:
+        """The workers whose runs' figures are the job's throughput: the running ones while any runs, else
+        all (their last runs)."""
+        return [w for w in self.workers if w.state == "running"] or self.workers
+
     def rate(self, key: str) -> float:
         """A throughput summed over the workers' last runs (over the running ones while any runs)."""
-        running = [w for w in self.workers if w.state == "running"]
-        return sum(float(w.stats.get(key, 0) or 0) for w in running or self.workers)
+        return sum(float(w.stats.get(key, 0) or 0) for w in self.last_runs)
 
     def next_step(self) -> str:
         """What to do before exporting a job that is not complete: wait for a running one; run it again, with

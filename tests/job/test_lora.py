@@ -364,6 +364,50 @@ def test_report_per_adapter(rows, tiny_model_dir, adapters, tmp_path):
     assert got == want
 
 
+def _rates(page: str) -> dict[str, float]:
+    """The report's adapters table: name -> its last run's tokens/s (the table's last column)."""
+    import re
+
+    table = page[page.index('<table id="adapters">') :]
+    return {
+        name: float(rate)
+        for name, rate in re.findall(
+            r"<tr><td>([^<]+)</td>(?:<td>[\d,]+</td>){4}<td>([\d.]+)</td></tr>", table
+        )
+    }
+
+
+def test_report_rates_per_adapter_are_the_last_runs(rows, tiny_model_dir, adapters, tmp_path):
+    """A last run (--append) of only one adapter's rows: the report gave the job's rate out by every adapter's
+    share of all committed tokens (the repro: a 227.1 tok/s, b 75.7, where only b ran, at 302.7). Each
+    adapter's rate is now its tokens in the last run; an older stats.json, without them, leaves the column
+    out rather than guess."""
+    from batchjob.io.atomic import read_json, write_json
+    from batchjob.job.report import build
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(rows, folder / "a.jsonl")
+    out = tmp_path / "job"
+    spec = _spec(folder, out, tiny_model_dir, adapters, adapter_column="adapter")
+    assert run_job(make_spec(**spec)).status == "complete"
+    with open(folder / "z.jsonl", "w") as f:  # the next run's rows: adapter rs only
+        for i in range(10):
+            f.write(json.dumps({"rid": f"z{i}", "review": "great price " * (i + 1), "adapter": "rs"}) + "\n")
+    assert run_job(make_spec(**spec, append=True)).status == "complete"
+    rates = _rates(build([out]).read_text())
+    assert rates == {"(base model)": 0.0, "qv": 0.0, "mlp": 0.0, "rs": rates["rs"], UNRUN: 0.0}, rates
+    stats_file = out / "_batchjob" / "stats.json"
+    stats = read_json(stats_file)
+    assert stats["rows"] == 10 and set(stats["adapters"]) == {"rs"}
+    assert rates["rs"] == round(stats["generated_tokens_per_s"], 1) > 0  # all the last run's tokens
+    del stats["adapters"]  # as written before runs counted tokens by adapter
+    write_json(stats_file, stats)
+    page = build([out]).read_text()
+    assert not _rates(page) and "rs</td><td>" in page  # the counts, without a rate
+    assert "No generated tokens/s by adapter: the last run's stats.json does not count tokens" in page
+
+
 def _status_adapters(out) -> dict[str, list[int]]:
     """``batchjob status``'s adapter lines: name -> [rows, errors, tokens out]."""
     import re
