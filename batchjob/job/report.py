@@ -274,12 +274,11 @@ def _img(fig: Figure) -> str:
 def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
     done, total = st.total("rows_done"), st.rows_total
     state = "complete" if st.complete else "incomplete (a running or stopped job: what is committed so far)"
-    rate = st.rate("generated_tokens_per_s")
     lines = [
         f"<b>{html.escape(str(out_dir))}</b>: {state}",
         f"rows: {done:,} of {total:,}" if total is not None else f"rows: {done:,} of unknown",
-        f"errors: {st.total('errors'):,}; tokens: {st.total('prompt_tokens'):,} in, {st.total('generated_tokens'):,} out",
-        f"generated tokens/s (workers' last runs, summed): {rate:.1f}; workers: {len(st.workers)}",
+        f"errors: {st.total('errors'):,}; {st.tokens_line()}",  # status's: a prefill-only task's tokens read
+        f"throughput (workers' last runs, summed): {st.throughput()}; workers: {len(st.workers)}",
     ]
     if st.rate("images_per_s"):  # an image job (--image-column): images/s beside tokens/s
         lines.append(f"images/s (workers' last runs, summed): {st.rate('images_per_s'):.2f}")

@@ -197,11 +197,24 @@ class JobStatus:
         if samples != done:  # --n: each input row has several result rows
             lines.append(f"samples: {samples} result rows ({samples / max(done, 1):g} a row)")
         lines.append(f"errors: {self.total('errors')} rows")
-        if self.task != "generate":  # prefill-only: tokens read, none generated
-            lines.append(f"tokens: {self.total('prompt_tokens')} read (--task {self.task})")
-        else:
-            lines.append(f"tokens: {self.total('prompt_tokens')} in, {self.total('generated_tokens')} out")
-        return lines
+        return [*lines, self.tokens_line()]
+
+    def tokens_line(self) -> str:
+        """The committed rows' tokens: in and out, or a prefill-only task's tokens read (none generated)."""
+        if self.task != "generate":
+            return f"tokens: {self.total('prompt_tokens')} read (--task {self.task})"
+        return f"tokens: {self.total('prompt_tokens')} in, {self.total('generated_tokens')} out"
+
+    def throughput(self, stats: dict[str, Any] | None = None) -> str:
+        """The rates of one run (``stats``: a worker's stats.json), or of the workers' last runs summed:
+        generated tokens/s, or a prefill-only task's rows/s and tokens read/s (it generates none)."""
+
+        def rate(key: str) -> float:
+            return self.rate(key) if stats is None else float(stats.get(key, 0) or 0)
+
+        if self.task != "generate":
+            return f"{rate('rows_per_s'):.1f} rows/s, {rate('total_tokens_per_s'):.1f} tok/s read"
+        return f"{rate('generated_tokens_per_s'):.1f} generated tok/s"
 
     def _adapter_lines(self) -> list[str]:
         """A LoRA job: each adapter's committed rows, errors and generated tokens (a prefill-only task's: the
@@ -222,15 +235,14 @@ class JobStatus:
         if w.stats and self.task != "generate":
             lines.append(
                 f"last run: {w.stats.get('rows', 0)} rows in {w.stats.get('elapsed_s', 0):.1f} s, "
-                f"{w.stats.get('rows_per_s', 0):.1f} rows/s, "
-                f"{w.stats.get('total_tokens_per_s', 0):.1f} tok/s read"
+                + self.throughput(w.stats)
             )
         elif w.stats:
             run_samples = w.stats.get("samples", w.stats.get("rows", 0))
             extra = f" ({run_samples} samples)" if run_samples != w.stats.get("rows", 0) else ""
             lines.append(
                 f"last run: {w.stats.get('rows', 0)} rows{extra} in {w.stats.get('elapsed_s', 0):.1f} s, "
-                f"{w.stats.get('generated_tokens_per_s', 0):.1f} generated tok/s, "
+                f"{self.throughput(w.stats)}, "
                 + (
                     f"{w.stats['images']} images, {w.stats['images_per_s']:.2f}/s, "
                     if "images" in w.stats
@@ -243,9 +255,10 @@ class JobStatus:
     def _workers_lines(self) -> list[str]:
         """A job of several workers: the summed throughput, the parts, and a line per worker."""
         runs = "current" if any(w.state == "running" for w in self.workers) else "last"
+        # rows/s too (a prefill-only task's throughput has them already)
+        rows = f", {self.rate('rows_per_s'):.2f} rows/s" if self.task == "generate" else ""
         lines = [
-            f"throughput: {self.rate('generated_tokens_per_s'):.1f} generated tok/s, "
-            f"{self.rate('rows_per_s'):.2f} rows/s (workers' {runs} runs, summed)",
+            f"throughput: {self.throughput()}{rows} (workers' {runs} runs, summed)",
             f"parts: {self.total('parts')}",
         ]
         for w in self.workers:
@@ -254,7 +267,7 @@ class JobStatus:
                 share = w.rows_total if w.rows_total is not None else "unknown"
                 line += f", {w.rows_done} of {share} rows, {w.errors} errors"
                 if w.stats:
-                    line += f", {w.stats.get('generated_tokens_per_s', 0):.1f} tok/s"
+                    line += f", {self.throughput(w.stats)}"
             lines.append(line)
         return lines
 

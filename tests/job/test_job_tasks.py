@@ -6,6 +6,7 @@ proves against sentence-transformers and HF), error rows, the job's identity, an
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import numpy as np
@@ -456,6 +457,10 @@ def test_resume_with_another_task_or_embed_option_is_refused_naming_it(tiny_mode
     assert code == 0 and f"{out}: complete" in text and "read (--task embed)" in text, text
     code, text = invoke("report", out)
     assert code == 0, text
+    # the report's summary as status's: tokens read and their rate (it said "generated tokens/s: 0.0")
+    summary = (out / "_batchjob" / "report.html").read_text().split("</p>")[0]
+    assert re.search(r"tokens: \d+ read \(--task embed\)", summary), summary
+    assert re.search(r"[\d.]+ rows/s, [\d.]+ tok/s read", summary) and "generated" not in summary, summary
     for fmt in ("jsonl", "csv"):
         target = tmp_path / f"export.{fmt}"
         code, text = invoke("export", out, "--format", fmt, "--to", target)
@@ -541,6 +546,11 @@ def test_devices_split_an_embed_job_into_shards_that_add_up(launch, tiny_model_d
     assert rows_of(out) == rows_of(tmp_path / "ref")
     code, text = invoke("status", out)
     assert code == 0 and "complete (2 of 2 workers complete)" in text
+    # each worker's rate and the sum: rows and tokens read (they said "0.0 generated tok/s")
+    assert re.search(r"^throughput: [\d.]+ rows/s, [\d.]+ tok/s read \(workers' last runs", text, re.M), text
+    shards = re.findall(r"^  shard \d of 2: complete, .*, [\d.]+ rows/s, [\d.]+ tok/s read$", text, re.M)
+    assert len(shards) == 2, text
+    assert "generated" not in text, text
 
 
 def test_openai_embeddings_requests_in_and_embedding_objects_out(tiny_model_dir, tmp_path):
