@@ -221,12 +221,16 @@ def _run_figures(runs: list[tuple[str, dict[str, Any]]], pre: str) -> list[Figur
 
 
 def _histogram_figures(stats: list[dict[str, Any]], pre: str) -> list[Figure | None]:
-    """The requests' times, over every worker: queue wait, time to first token, latency."""
+    """The requests' times, over every worker: queue wait, time to first token, latency. Each run's stats
+    hold its own requests only, so the titles say whose (the length figures count every committed row)."""
+    runs = "last run" if len(stats) <= 1 else "workers' last runs"
     return [
-        _histogram_figure("queue_wait", f"{pre}queue wait", _sum_histograms(stats, "queue_wait_s")),
-        _histogram_figure("ttft", f"{pre}time to first token", _sum_histograms(stats, "ttft_s")),
+        _histogram_figure("queue_wait", f"{pre}queue wait ({runs})", _sum_histograms(stats, "queue_wait_s")),
+        _histogram_figure("ttft", f"{pre}time to first token ({runs})", _sum_histograms(stats, "ttft_s")),
         _histogram_figure(
-            "latency", f"{pre}latency (request added to finished)", _sum_histograms(stats, "latency_s")
+            "latency",
+            f"{pre}latency, request added to finished ({runs})",
+            _sum_histograms(stats, "latency_s"),
         ),
     ]
 
@@ -277,6 +281,7 @@ def _summary(out_dir: Path, st: JobStatus, outputs: Outputs) -> str:
     lines = [
         f"<b>{html.escape(str(out_dir))}</b>: {state}",
         f"rows: {done:,} of {total:,}" if total is not None else f"rows: {done:,} of unknown",
+        *[line for line in [st.samples_line()] if line],  # --n: the result rows, as status says
         f"errors: {st.total('errors'):,}; {st.tokens_line()}",  # status's: a prefill-only task's tokens read
         f"throughput (workers' last runs, summed): {st.throughput()}; workers: {len(st.workers)}",
     ]

@@ -28,7 +28,7 @@ _EXAMPLES = 3
 class Outputs:
     """What the committed parts of a job say, gathered a batch at a time."""
 
-    rows: int = 0
+    rows: int = 0  # result rows (--n: several an input row)
     prompt_lengths: list[int] = field(default_factory=lambda: [0] * (len(LENGTH_EDGES) - 1))
     output_lengths: list[int] = field(default_factory=lambda: [0] * (len(LENGTH_EDGES) - 1))
     finish_reasons: Counter = field(default_factory=Counter)
@@ -75,6 +75,7 @@ def read_outputs(
             # generation's columns; a prefill-only task's parts have no finish reason or output length
             # (their generation-only figures are left out), a classify job's have its label
             columns = ["num_prompt_tokens", "num_generated_tokens", "finish_reason", "error", "label"]
+            columns.append("sample_index")  # --n, several inputs: a row's result rows after its first
             names = set(schema.names)
             id_col = input_column(schema, id_column) if id_column else None  # renamed when it clashed
             columns += [c for c in (id_col, "generated_text" if choices else None) if c]
@@ -92,7 +93,8 @@ def read_outputs(
                         if len(examples) < _EXAMPLES:
                             examples.append((str(r.get(id_col) if id_col else "") or "", r["error"]))
                         continue
-                    out.prompt_lengths[_bucket(LENGTH_EDGES, r["num_prompt_tokens"] or 0)] += 1
+                    if not r.get("sample_index"):  # the input row's prompt, once (its samples share it)
+                        out.prompt_lengths[_bucket(LENGTH_EDGES, r["num_prompt_tokens"] or 0)] += 1
                     if generated:
                         out.output_lengths[_bucket(LENGTH_EDGES, r["num_generated_tokens"] or 0)] += 1
                     if choices and r.get("generated_text") is not None:

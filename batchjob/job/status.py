@@ -193,11 +193,16 @@ class JobStatus:
                 f"{sum(int(x.get('read_ahead', 0)) for x in live)} read ahead (as of {age:.0f} s ago; the "
                 "rows above are committed)"
             )
-        samples = self.total("samples")
-        if samples != done:  # --n: each input row has several result rows
-            lines.append(f"samples: {samples} result rows ({samples / max(done, 1):g} a row)")
+        lines += [line for line in [self.samples_line()] if line]
         lines.append(f"errors: {self.total('errors')} rows")
         return [*lines, self.tokens_line()]
+
+    def samples_line(self) -> str | None:
+        """--n: the result rows of the committed rows, where an input row has several; else None."""
+        samples, done = self.total("samples"), self.total("rows_done")
+        if samples == done:
+            return None
+        return f"samples: {samples} result rows ({samples / max(done, 1):g} a row)"
 
     def tokens_line(self) -> str:
         """The committed rows' tokens: in and out, or a prefill-only task's tokens read (none generated)."""

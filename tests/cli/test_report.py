@@ -271,3 +271,24 @@ def test_histogram_bars_are_labelled_with_their_bins_start(monkeypatch):
     assert drawn["< 1 ms"] == 1 and drawn["27.8 h"] == 1 and drawn["22.1 h"] == 0  # 100,000 s and up
     assert len(drawn) == len(HIST_EDGES) + 1  # a label for each bin, none twice
     assert not any("e+" in label or "e-" in label for label in drawn)
+
+
+def test_report_of_an_n_job_counts_each_prompt_once_and_says_whose_times(reviews, tiny_model_dir, tmp_path):
+    """--n 3: the prompt-length histogram counted each prompt three times (360 prompts for 120 rows), the
+    summary had no samples line (status has), and the times' histograms, of the last run only, did not say so
+    beside length figures of every committed row."""
+    from batchjob.job.report_rows import read_outputs
+
+    out = tmp_path / "out"
+    code, text = invoke("run", *args(reviews, out, tiny_model_dir, "--n", "3", "--temperature", "0.8"))
+    assert code == 0, text
+    outputs = read_outputs(out, False, "rid")
+    assert sum(outputs.prompt_lengths) == 120 and sum(outputs.output_lengths) == 360  # 2 rows are errors
+    code, text = invoke("report", out)
+    assert code == 0, text
+    page = (out / "_batchjob" / "report.html").read_text()
+    assert "<br>samples: 362 result rows (2.96721 a row)<br>" in page  # status's line, in the summary
+    titles = dict(re.findall(r'<figure id="(\w+)"><img alt="([^"]*)"', page))
+    assert titles["prompt_lengths"] == "prompt lengths"
+    for key in ("queue_wait", "ttft", "latency"):
+        assert titles[key].endswith(" (last run)"), titles
