@@ -295,6 +295,8 @@ def _load(opts: BenchOptions) -> tuple[Any, Workload]:
         work = dataset_workload(
             opts.dataset, engine.tokenizer, opts.num_requests, output_len, opts.seed, longest - output_len[1]
         )
+        if work.note:  # what the figures leave out of the file, or cut
+            _progress(f"batchjob bench: {work.note}")
     else:
         if prompt_len[1] + output_len[1] > longest:
             raise ConfigError(

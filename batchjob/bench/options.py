@@ -146,7 +146,9 @@ BENCH_FLAGS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option(
         "--dataset",
         type=click.Path(dir_okay=False, path_type=Path),
-        help="JSONL or Parquet file with a 'prompt' or 'text' column: its first --num-requests rows are the prompts.",
+        help="JSONL or Parquet file with a 'prompt' or 'text' column: its first --num-requests usable rows "
+        "are the prompts (rows without a text are skipped, prompts over the context less --output-len are "
+        "cut; a line says how many, and when the file has fewer usable rows than asked for).",
     ),
     click.option(
         "--static-batch-size",

@@ -70,14 +70,29 @@ def test_bench_runs_three_engines_and_writes_json(tiny_model_dir, tmp_path):
 @pytest.mark.timeout(60)
 def test_bench_dataset_and_subset_of_baselines(tiny_model_dir, tmp_path):
     data = tmp_path / "d.jsonl"
-    rows = [{"text": "The quick brown fox."}, {"other": 1}, "not a dict", {"prompt": "Paris is the capital"}]
+    long = {"text": "Paris is the capital " * 40}  # over the context of 64 tokens less 3 of output
+    rows = [
+        {"text": "The quick brown fox."},
+        {"other": 1},
+        "not a dict",
+        {"prompt": "Paris is the capital"},
+        long,
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
     args = ["bench", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-len", "3"]
     args += ["--baselines", "ours,static", "--device", "cpu", "--worker-thread", "--no-roofline"]
-    result = CliRunner().invoke(main, args)
+    result = CliRunner().invoke(main, [*args, "--max-model-len", "64", "--json", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output
     assert "roofline" not in result.output  # neither measured nor reported
-    assert f"2 requests ({data})" in result.output
+    assert f"3 requests ({data})" in result.output
+    # what the figures leave out, said once (they were cut, skipped and short of --num-requests silently)
+    note = (
+        f"--dataset {data}: 3 requests of the 64 asked for (--num-requests): no more usable rows; "
+        "1 prompt cut to the first 61 tokens (the model's context less --output-len's most); "
+        "3 rows skipped (1 no non-empty 'prompt' or 'text', 1 not an object, 1 not JSON)"
+    )
+    assert result.output.count(note) == 1, result.output
+    assert json.loads((tmp_path / "b.json").read_text())["workload"]["note"] == note
     assert "hf-cb" not in result.output
     assert "ratio ours/static" in result.output
 
