@@ -292,6 +292,11 @@ def _load(opts: BenchOptions) -> tuple[Any, Workload]:
     longest = engine.max_model_len
     prompt_len, output_len = opts.prompt_len, opts.output_len
     if opts.dataset is not None:
+        if output_len[1] >= longest:  # no room for a prompt (a slice by a negative length would cut the end)
+            raise ConfigError(
+                f"--output-len max {output_len[1]} leaves no room for a --dataset prompt in the model's context "
+                f"of {longest} tokens: give a smaller --output-len"
+            )
         work = dataset_workload(
             opts.dataset, engine.tokenizer, opts.num_requests, output_len, opts.seed, longest - output_len[1]
         )

@@ -95,6 +95,10 @@ def test_bench_dataset_and_subset_of_baselines(tiny_model_dir, tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["workload"]["note"] == note
     assert "hf-cb" not in result.output
     assert "ratio ours/static" in result.output
+    # an output as long as the context leaves no prompt: each was cut by a negative length, from its end
+    result = CliRunner().invoke(main, [*args, "--max-model-len", "64", "--output-len", "2,64"])
+    assert result.exit_code == 2, result.output
+    assert "--output-len max 64 leaves no room for a --dataset prompt" in result.output
 
 
 @pytest.mark.timeout(120)
