@@ -188,14 +188,17 @@ def _class_gap(letter: str, i: int, schema: bool) -> str | None:
     go on; or None. Measured over the BMP with llguidance 1.9 and Python 3.11: \\w takes 1,410 characters
     more in llguidance (combining marks: a Hindi or Thai word, a decomposed accent; answers then failed
     Python's check) and 300 fewer (², ½); in a schema's pattern llguidance reads \\w and \\d as ASCII (as
-    JSON Schema's ECMA-262 does), so 'é' and '٣' could never be written. \\d of a regex agrees (Unicode
-    digits in both); \\s differs only by the separators U+001C-U+001F, which Python's takes."""
-    if letter not in "wW" and not (schema and letter in "dD"):
+    JSON Schema's ECMA-262 does): every answer it writes then passes Python's check, so they are taken, but
+    their complements \\W and \\D are wider there than Python's ('é', '٣' written, then failed). \\d of a
+    regex agrees (Unicode digits in both); \\s differs only by the separators U+001C-U+001F, which Python's
+    takes."""
+    if not letter or letter not in ("WD" if schema else "wW"):
         return None
     word = letter in "wW"
     ascii_class, more = ("[A-Za-z0-9_]", "letters (À-ÿ)") if word else ("[0-9]", "digits (٠-٩)")
     if schema:
-        reading = f"\\{letter.lower()} is {ascii_class} to llguidance, all of Unicode's to Python's re"
+        kind = "word characters" if word else "digits"
+        reading = f"\\{letter} takes all but {ascii_class} in llguidance, all but Unicode's {kind} in Python's re"
     else:
         reading = "\\w takes combining marks and not ² or ½ in llguidance, the reverse in Python's re"
     spelled = f"[^{ascii_class[1:-1]}]" if letter.isupper() else ascii_class

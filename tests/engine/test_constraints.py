@@ -448,8 +448,8 @@ def test_a_verbose_regex_s_comments_are_no_dialect_gap_and_its_whitespace_is_rea
 def test_a_class_escape_llguidance_reads_otherwise_is_refused():
     """Measured over the BMP (llguidance 1.9, Python 3.11): a regex's \\w takes 1,410 combining marks more in
     llguidance ('कि' for \\w+: every such answer failed Python's check after the work) and 300 characters
-    fewer (²); a schema pattern's \\d and \\w are ASCII in llguidance ('٣', 'é' could never be written).
-    Refused before any work; \\d of a regex and \\s agree (but for U+001C-U+001F, which only Python's \\s
+    fewer (²); a schema pattern's \\D and \\W are wider in llguidance than in Python ('٣', 'é' written,
+    then failed), its \\d and \\w ASCII, as JSON Schema reads them (taken). Refused before any work; \\d of a regex and \\s agree (but for U+001C-U+001F, which only Python's \\s
     takes), and the classes spelled out read the same in both."""
     for pattern, what in [
         (r"\w+", r"the class \w at position 0 (\w takes combining marks and not ² or ½ in llguidance"),
@@ -463,17 +463,19 @@ def test_a_class_escape_llguidance_reads_otherwise_is_refused():
         SamplingParams(regex=fine)
     for pattern, what in [
         (
-            "^\\d+$",
-            "the class \\d at position 1 (\\d is [0-9] to llguidance, all of Unicode's to Python's re); "
-            "spell it out: [0-9], adding the digits (٠-٩) you mean",
+            "^\\D+$",
+            "the class \\D at position 1 (\\D takes all but [0-9] in llguidance, all but Unicode's digits in "
+            "Python's re); spell it out: [^0-9], adding the digits (٠-٩) you mean",
         ),
-        ("^\\w+$", "the class \\w at position 1 (\\w is [A-Za-z0-9_] to llguidance"),
+        ("^\\W+$", "the class \\W at position 1 (\\W takes all but [A-Za-z0-9_] in llguidance"),
         ("^[\\D]$", "spell it out: [^0-9]"),
     ]:
         with pytest.raises(ConfigError, match=re.escape("json_schema.pattern ")) as e:
             SamplingParams(json_schema=json.dumps({"type": "string", "pattern": pattern}))
         assert what in str(e.value), str(e.value)
-    for fine in ["^\\s+$", "^[0-9٠-٩]+$"]:
+    # a schema's \\d and \\w: ASCII to llguidance, as JSON Schema reads them, within Python's: every
+    # answer written passes the check (a date's pattern was refused)
+    for fine in ["^\\s+$", "^[0-9٠-٩]+$", "^\\d{4}-\\d{2}-\\d{2}$", "^\\w+$"]:
         SamplingParams(json_schema=json.dumps({"type": "string", "pattern": fine}))
 
 
