@@ -149,6 +149,8 @@ def _spec(ctx: click.Context, job_file: str | None, options: dict[str, Any]) -> 
         for k, v in options.items()
         if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT) and v not in ((), None)
     }
+    if "choices" in given:  # repeated, each a comma-separated list: one list (the last alone was kept)
+        given["choices"] = ",".join(given["choices"])
     for k in _ESCAPED:
         value = given.get(k)
         if isinstance(value, str):

@@ -194,9 +194,11 @@ class JobSpec:
     choices: list[str] | None = job_option(  # "a,b,c" is split at commas
         None,
         "The answer is exactly one of these comma-separated labels (decoded under a token constraint); adds "
-        "the columns choice_logprobs and choice_probs: maps {label: log-probability} and {label: probability}.",
+        "the columns choice_logprobs and choice_probs: maps {label: log-probability} and {label: probability}. "
+        "Repeatable: the labels of each are joined.",
         metavar="A,B,C",
         cli_type=str,
+        multiple=True,
     )
     json_schema: str | None = job_option(  # a path: the schema's content is part of the identity
         None, "The answer is compact JSON valid against the JSON schema in FILE.", metavar="FILE"

@@ -83,6 +83,19 @@ def test_choices_give_a_label_and_its_confidence(data, tiny_model_dir, tmp_path)
     assert first == [r["choice_probs"][LABELS[0]] for r in result]
 
 
+def test_choices_repeated_are_one_label_set(data, tiny_model_dir, tmp_path):
+    """--choices given more than once joins the labels, as --stop's repeats are joined: Click kept the last
+    one alone, and every row was answered from it (choice_probs {'d': 1.0}) without a word."""
+    split = ["--choices", LABELS[0], "--choices", ",".join(LABELS[1:])]
+    for out, labels in ((tmp_path / "one", ["--choices", ",".join(LABELS)]), (tmp_path / "split", split)):
+        code, text = invoke(*base(data, out, tiny_model_dir), "--id-column", "id", *labels)
+        assert code == 0, text
+    got = rows(tmp_path / "split")
+    assert all(list(r["choice_probs"]) == LABELS for r in got)
+    key = ("id", "generated_text", "choice_logprobs")
+    assert [[r[k] for k in key] for r in got] == [[r[k] for k in key] for r in rows(tmp_path / "one")]
+
+
 def test_a_choices_job_an_earlier_batchjob_answered_otherwise_is_not_resumed(data, tiny_model_dir, tmp_path):
     """Labels one of which another goes on from ('no' and 'no thanks') are read whole since 2026-12-07 (the
     pick, and a label a longer one continues, changed): a job an earlier batchjob started mixed both
