@@ -311,7 +311,8 @@ def named_as_recorded(saved: list[InputRecord], sources: list[Source]) -> list[S
     two --input values share since a file was added under one (``x.jsonl`` became ``0/x.jsonl``), or a job
     an earlier batchjob named by the files' places in the list (``2/x.jsonl``), which a file added before
     them moves. A record's local file is the source its inode says, among those that can have its name (the
-    name after the value's place, after the file's place in the list, or the plain name); else, in that
+    name after the value's place, after the file's place in the list, or the plain name; by inode, after any
+    place, so --input values given in another order find their records); else, in that
     order, the one source that can have it. Two that can (remote files, or a file replaced since) are
     refused, naming both; a source no record names keeps a name no record has (``check_distinct``)."""
     recorded = {r.name: r for r in saved}
@@ -319,7 +320,8 @@ def named_as_recorded(saved: list[InputRecord], sources: list[Source]) -> list[S
     names: dict[int, str] = {}  # source index -> the recorded name it takes
     for i, source in enumerate(sources):
         ino = None if source.remote else _inode(source.path)
-        for name in options[i]:
+        placed = [n for n in recorded if _place_and_name(n) == source.plain]
+        for name in (*options[i], *placed):  # (any value's place: --input values given in another order)
             rec = recorded.get(name)
             if ino is not None and rec is not None and rec.ino == ino and name not in names.values():
                 names[i] = name
@@ -346,6 +348,12 @@ def named_as_recorded(saved: list[InputRecord], sources: list[Source]) -> list[S
         out.append(replace(s, name=name))
     check_distinct(out, [s.name for s in out])
     return out
+
+
+def _place_and_name(name: str) -> str | None:
+    """The plain name of a name given after a place (``1/x.jsonl``: ``x.jsonl``), or None."""
+    place, _, plain = name.partition("/")
+    return plain if place.isdigit() and plain else None
 
 
 def _inode(path: str) -> int | None:

@@ -115,6 +115,13 @@ def test_names_as_the_records_have_them_or_a_refusal_naming_both_files(tmp_path)
     legacy = [f"{i}/{s.plain}" for i, s in enumerate(found)]  # an earlier batchjob's names on a clash
     records = [replace(record_for(s, i), name=n) for i, (s, n) in enumerate(zip(found, legacy, strict=True))]
     assert [s.name for s in named_as_recorded(records, found)] == legacy
+    # the --input values given in the other order: each file finds its record by inode (they were given
+    # each other's, and the resume was refused as both "changed")
+    records = [record_for(s, i) for i, s in enumerate(found)]
+    swapped = discover([str(tmp_path / "b"), str(tmp_path / "a")])
+    assert [s.name for s in swapped] == ["0/x.jsonl", "w.jsonl", "1/x.jsonl"]
+    named = {s.path: s.name for s in named_as_recorded(records, swapped)}
+    assert named == {s.path: s.name for s in found}
     # the record of b/x named x.jsonl (before a/x was added): without its inode, a/x could be it too
     records = [replace(record_for(found[2], 0), name="x.jsonl", ino=None)]
     with pytest.raises(InputError, match=r"'x.jsonl' can be any of .*a/x.jsonl, .*b/x.jsonl"):
