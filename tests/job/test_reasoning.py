@@ -278,6 +278,10 @@ def test_a_close_tag_the_model_wrote_inside_other_tokens_is_not_added_again():
     row._answer(thought([7, 40, 42], "stop", True))  # a label can't hold it: the row is an error naming it
     reasoning, text, _, error = written(row, [8], "yes")
     assert text is None and "'otra' ended inside a token" in error and "'l'" in error
+    # a decoding that no longer holds the tag (it never should): the answer's start is unknown, an error
+    free._answer(thought([7, 40, 42], "stop", True))
+    free.decode = lambda ids: "".join(pieces[t] for t in ids if t != 41 and t != 42)
+    assert "'otra' is not in its tokens' decoded text" in written(free, [8], " yes")[3]
 
 
 def test_text_after_a_close_tag_that_ends_inside_a_token_begins_the_answer(data, tiny_model_dir, tmp_path):

@@ -130,7 +130,9 @@ class Reasoning(Samples):
         thinking, close = list(thought.token_ids), self.tags.close
         thought_text = self.decode(thinking)
         end = thought_text.find(close)
-        assert end >= 0, "the stop string that ended the thinking is in the decoding of its tokens"
+        if end < 0:  # (the stop string was found in the text these tokens decode to: never, unless decoding
+            # changed; the answer's start is then unknown)
+            return text, f"the thinking's close tag {close!r} is not in its tokens' decoded text"
         end += len(close)
         tail = thought_text[end:]
         if not tail.strip():  # whitespace (a tag's newline): the split leaves it out of the answer too
