@@ -186,8 +186,9 @@ class ChoiceConstraint:
 class GrammarConstraint:
     """A request's llguidance matcher; ``done`` once the grammar has taken a stop token or can take nothing.
 
-    JSON answers must also close within ``max_new_tokens``: a model (a small one above all) can wander in a
-    string or a number for ever. So once the tokens left are no more than ``reserve`` (what closing the
+    JSON answers must also close within their ``budget``: ``max_new_tokens``, or the tokens the prompt leaves
+    before the context ends where fewer, since a model (a small one above all) can wander in a string or a
+    number for ever. So once the tokens left are no more than ``reserve`` (what closing the
     schema's shortest answer takes, and half again, plus a margin), the row is ``finishing``: among the
     tokens the grammar allows, it prefers a stop token, then closing brackets, then a closing quote inside a
     string (or separators outside one), and only then the longest allowed tokens (a forced key). Whether the answer is inside a string is
@@ -320,7 +321,10 @@ class GrammarCompiler:
             self._templates[(kind, text)] = template
         return template
 
-    def new(self, params: SamplingParams) -> GrammarConstraint:
+    def new(self, params: SamplingParams, room: int) -> GrammarConstraint:
+        """A request's constraint; ``room``: the output tokens its prompt leaves before the context ends. A
+        JSON answer is steered to close before whichever comes first, that or ``max_new_tokens`` (steering
+        by ``max_new_tokens`` alone would never start where the context ends first, and leave a cut answer)."""
         matcher = self._template(params).deep_copy()
         if params.json_schema is None:
             return GrammarConstraint(matcher)
@@ -328,7 +332,7 @@ class GrammarCompiler:
         if reserve is None:
             shortest = self._shortest(params)
             reserve = self._reserve[params.json_schema] = shortest + shortest // 2 + 8
-        return GrammarConstraint(matcher, self.tables, params.max_new_tokens, reserve)
+        return GrammarConstraint(matcher, self.tables, min(params.max_new_tokens, room), reserve)
 
     def _shortest(self, params: SamplingParams, limit: int = 1000) -> int:
         """Tokens a finishing answer takes from the start (the longest token of the best tier each step)."""

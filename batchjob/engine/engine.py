@@ -74,8 +74,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
         # The request features beside the core, in the order their hooks run (features/).
+        penalty = model_penalty(model, config.task)
         self.features: list[RequestFeature] = step_features(
-            tokenizer, self.vocab_size, self.eos_token_ids, model_penalty(model, config.task)
+            tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, penalty
         )
         self.output = OutputProcessor(tokenizer)
         self.stop_rules = stop_rules(self)  # features/: they read its EOS ids, context and text

@@ -26,9 +26,10 @@ from batchjob.sampling import SamplingParams
 
 
 class Constraints(RequestFeature):
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len  # the context: a grammar's answer must close before it too
         self.stop_ids = sorted(eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # built on the first json_schema or regex
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
@@ -37,8 +38,8 @@ class Constraints(RequestFeature):
         self._rows: list[Request] = []
 
     def admit(self, req: Request) -> None:
-        if req.params.constrained:
-            req.constraint = self._new(req.params)
+        if req.params.constrained:  # its room: the context left after the prompt (a resumed output not in it)
+            req.constraint = self._new(req.params, self.max_model_len - req.num_prompt_tokens)
 
     def replay(self, req: Request) -> str | None:
         c = req.constraint
@@ -52,7 +53,7 @@ class Constraints(RequestFeature):
                 return f"resumed output token {tok} at position {i} breaks the request's constraint"
         return None
 
-    def _new(self, params: SamplingParams) -> Constraint:
+    def _new(self, params: SamplingParams, room: int) -> Constraint:
         if params.choices is not None:
             trie = self._tries.get(tuple(params.choices))
             if trie is None:
@@ -60,7 +61,7 @@ class Constraints(RequestFeature):
             return ChoiceConstraint(trie, self.stop_ids)
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_ids)
-        return self._grammars.new(params)
+        return self._grammars.new(params, room)
 
     def before_forward(self, rows: list[Request]) -> None:
         """Compute the bitmask of the constrained rows about to sample, on a thread beside the forward."""

@@ -172,6 +172,41 @@ def test_json_answers_close_within_the_token_budget(engine32, max_new_tokens):
         assert sum(len(n) for n in names) > 10 * len(prompts)
 
 
+def test_json_answers_close_before_the_context_ends(tiny_model_dir):
+    """Where the context ends before max_new_tokens, a JSON answer is steered to close before the context's
+    end: each row (sampled n times too, and resumed) is the answer it gets with max_new_tokens set to the
+    room its prompt leaves, valid. (Steered by max_new_tokens alone, every row here was an error, cut by the
+    context at 149 to 157 tokens.)"""
+    engine = _engine(tiny_model_dir, "float32", max_model_len=160)
+    prompts = _prompts(6, engine.vocab_size, seed=11)
+
+    def params(max_new_tokens: list[int]) -> list[SamplingParams]:
+        return [
+            SamplingParams(json_schema=UNBOUNDED, max_new_tokens=m, temperature=t, seed=3, n=1 + (t > 0))
+            for m, t in zip(max_new_tokens, [0.0, 1.0] * 3, strict=True)
+        ]
+
+    long = params([1000] * len(prompts))
+    got = _run(engine, prompts, long)
+    want = _run(engine, prompts, params([160 - len(p) for p in prompts]))
+    assert sorted(got) == sorted(want) and len(got) == 9
+    for k, o in got.items():
+        _same(o, want[k])
+        assert o.finish_reason in ("stop", "length") and o.error is None, o.text
+        jsonschema.validate(json.loads(o.text), UNBOUNDED)
+    _run(engine, prompts, long, stop_after=90)  # resumed while steered: its room is the prompt's alone
+    states = engine.snapshot()
+    assert states and all(st.output_ids for st in states)
+    for i in range(len(prompts)):
+        engine.abort(f"row-{i}")
+    for st in states:
+        engine.add_request(
+            st.request_id, st.prompt_ids, st.params, st.output_ids, sample_index=st.sample_index
+        )
+    for k, o in _run(engine, [], []).items():
+        _same(o, got[k])
+
+
 def test_regex_answers_match(engine32):
     engine = engine32
     prompts = _prompts(8, engine.vocab_size, seed=5)

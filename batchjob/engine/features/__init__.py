@@ -22,17 +22,18 @@ __all__ = ["Limits", "StopRule", "output_to_resume", "step_features", "stop_rule
 
 
 def step_features(
-    tokenizer, vocab_size: int, eos_token_ids: set[int], penalty: float = 1.0
+    tokenizer, vocab_size: int, eos_token_ids: set[int], max_model_len: int, penalty: float = 1.0
 ) -> list[RequestFeature]:
     """The per-step features in the order their hooks run: log-probabilities first (of the model's own
     distribution; a resumed request's replayed tokens replace the draw before a constraint takes them), the
     check that the drawn token's logit is finite, the repetition penalty (``penalty``: the model's),
-    constraints, choice scores."""
+    constraints (``max_model_len``: the context, which a JSON answer is steered to close before), choice
+    scores."""
     return [
         logprobs.Logprobs(),
         FiniteLogits(),
         RepetitionPenalty(penalty),
-        Constraints(tokenizer, vocab_size, eos_token_ids),
+        Constraints(tokenizer, vocab_size, eos_token_ids, max_model_len),
         ChoiceScores(),
     ]
 
