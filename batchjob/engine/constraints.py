@@ -197,11 +197,19 @@ class GrammarConstraint:
 
     output_limit: int | None = None  # no bound of its own on the answer's length: max_new_tokens is it
 
-    def __init__(self, matcher, tables: _Tables | None = None, budget: int = 0, reserve: int = 0) -> None:
+    def __init__(
+        self,
+        matcher,
+        tables: _Tables | None = None,
+        budget: int = 0,
+        reserve: int = 0,
+        room: int | None = None,
+    ) -> None:
         self.matcher = matcher
         self.tables = tables  # JSON only
         self.budget = budget
         self.reserve = reserve
+        self.room = room  # output tokens before the context ends (None: not known): says which limit cut it
         self.num_tokens = 0
         self.in_string = False
         self.escaped = False
@@ -327,12 +335,12 @@ class GrammarCompiler:
         by ``max_new_tokens`` alone would never start where the context ends first, and leave a cut answer)."""
         matcher = self._template(params).deep_copy()
         if params.json_schema is None:
-            return GrammarConstraint(matcher)
+            return GrammarConstraint(matcher, room=room)
         reserve = self._reserve.get(params.json_schema)
         if reserve is None:
             shortest = self._shortest(params)
             reserve = self._reserve[params.json_schema] = shortest + shortest // 2 + 8
-        return GrammarConstraint(matcher, self.tables, min(params.max_new_tokens, room), reserve)
+        return GrammarConstraint(matcher, self.tables, min(params.max_new_tokens, room), reserve, room)
 
     def _shortest(self, params: SamplingParams, limit: int = 1000) -> int:
         """Tokens a finishing answer takes from the start (the longest token of the best tier each step)."""

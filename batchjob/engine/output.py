@@ -40,10 +40,19 @@ def cut_short(req: Request) -> str | None:
     if not isinstance(c, GrammarConstraint) or c.matcher.is_accepting():
         return None
     what = "JSON schema" if req.params.json_schema is not None else "regex"
-    return (
-        f"the answer reached its token limit ({req.num_output_tokens} tokens, max_new_tokens "
-        f"{req.params.max_new_tokens}) before its {what} was complete: raise max_new_tokens"
+    n, limit = req.num_output_tokens, req.params.max_new_tokens
+    ended = (
+        f"the context ended ({req.num_tokens} tokens: {req.num_prompt_tokens} before the answer, {n} of it)"
     )
+    if n < limit:  # the context cut it first: raising max_new_tokens would change nothing
+        return f"{ended} before its {what} was complete: shorten the prompt or raise --max-model-len"
+    reached = f"the answer reached its token limit ({n} tokens, max_new_tokens {limit})"
+    if c.room is not None and n >= c.room:  # both at once: either alone would still cut it
+        return (
+            f"{reached} as {ended} before its {what} was complete: raise max_new_tokens, and shorten the "
+            "prompt or raise --max-model-len"
+        )
+    return f"{reached} before its {what} was complete: raise max_new_tokens"
 
 
 @dataclass

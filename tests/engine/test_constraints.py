@@ -245,6 +245,29 @@ def test_a_choice_the_context_ends_inside_is_an_error(tiny_model_dir):
         )
 
 
+def test_an_answer_the_context_cuts_is_an_error_naming_the_context(tiny_model_dir):
+    """Where the context, not max_new_tokens, cut the answer, the error says so and how to go on (it said
+    'raise max_new_tokens', which would change nothing); where both ended at once, it names both."""
+    engine = _engine(tiny_model_dir, "float32", max_model_len=24)
+    for params, room, what in (
+        (SamplingParams(json_schema=SMALL_SCHEMA, max_new_tokens=40, temperature=0), 2, "JSON schema"),
+        (SamplingParams(regex=REGEX, max_new_tokens=40, seed=4), 1, "regex"),
+    ):
+        prompt = [5 + i % 50 for i in range(24 - room)]
+        [o] = engine.generate([prompt], params)
+        assert o.finish_reason == "error" and len(o.token_ids) == room, o.text
+        assert o.error == (
+            f"the context ended (24 tokens: {24 - room} before the answer, {room} of it) before its {what} was "
+            "complete: shorten the prompt or raise --max-model-len"
+        )
+        params.max_new_tokens = room  # both limits at once: raising either alone would not do
+        [o] = engine.generate([prompt], params)
+        assert o.finish_reason == "error" and o.error.startswith(
+            f"the answer reached its token limit ({room} tokens, max_new_tokens {room}) as the context ended"
+        )
+        assert o.error.endswith("raise max_new_tokens, and shorten the prompt or raise --max-model-len")
+
+
 def test_bad_schema_or_regex_is_a_config_error(engine):
     with pytest.raises(ConfigError, match="json_schema"):
         engine.add_request("bad-schema", [5, 6, 7], SamplingParams(json_schema={"type": "no-such-type"}))
