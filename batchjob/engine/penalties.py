@@ -32,6 +32,7 @@ _NOT_BUILT = {
     "sequence_bias": None,
     "min_new_tokens": 0,
     "forced_eos_token_id": None,
+    "forced_bos_token_id": None,  # a decoder's too: generate forces it first after a one-token prompt
     "suppress_tokens": None,
     "begin_suppress_tokens": None,
     "exponential_decay_length_penalty": None,

@@ -114,3 +114,25 @@ def test_validate_refuses_the_generation_config_the_load_refuses(tiny_model_dir,
         assert result.exit_code == 2 and str(loaded.value) in " ".join(result.output.split()), result.output
         embed = CliRunner().invoke(main, [*args, "--task", "embed"])  # a task draws nothing: no refusal
         assert "generation_config" not in embed.output, embed.output
+
+
+def test_a_forced_bos_token_id_is_refused_at_load_and_by_validate(tiny_model_dir, tmp_path):
+    """A generation_config.json setting forced_bos_token_id was run without a word: transformers' generate
+    forces that token as the first answer token of a one-token prompt (a decoder-only model's too), and
+    batchjob answered every such prompt otherwise."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    folder = _with(tiny_model_dir, tmp_path / "m", "generation_config.json", "forced_bos_token_id", 5)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    assert hf_greedy(hf, [7], 3)[0] == 5 and hf_greedy(plain, [7], 3)[0] != 5  # generate forces it
+    assert hf_greedy(hf, [7, 8], 3) == hf_greedy(plain, [7, 8], 3)  # a longer prompt: not forced
+    with pytest.raises(ConfigError, match="generation_config.json sets forced_bos_token_id = 5"):
+        Engine.from_pretrained(str(folder), dtype="float64")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["validate", "--input", str(data), "--output", str(tmp_path / "o"), "--model", str(folder)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "sets forced_bos_token_id = 5" in result.output, result.output
