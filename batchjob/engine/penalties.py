@@ -9,8 +9,9 @@ draws too, not the log-probabilities reported (the model's own, as ``logprobs.py
 one of ``choices`` is not penalised: its answer is the choice the model's own distribution ranks first.
 
 The sampling settings of a generation config (``do_sample``, ``temperature``, ``top_p``, ``top_k``) are not
-taken: a job's are its own (greedy unless asked). The processors below are not built here; a model whose
-config sets one is refused, naming it, rather than answering otherwise than ``generate`` would.
+taken: a job's are its own (greedy unless asked). The processors below, and generate's stop strings and token
+healing, are not built here; a model whose config sets one is refused, naming it, rather than answering
+otherwise than ``generate`` would.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ _NOT_BUILT = {
     "num_beams": 1,  # beam search, not a processor: another decoding altogether
     "penalty_alpha": None,  # contrastive search
     "dola_layers": None,
+    "stop_strings": None,  # a stopping criterion, not a processor: generate (given the tokenizer) stops there
+    "token_healing": False,  # generate re-tokenizes the prompt's tail before answering
+}
+# how to go on without a refused setting, where there is more to say than to remove it
+_INSTEAD = {
+    "stop_strings": "; to stop at those strings, give each as --stop (it cuts the text before the string, "
+    "where generate keeps it in the answer)",
 }
 
 
@@ -59,7 +67,7 @@ def config_penalty(generation_config: Any, task: str) -> float:
     for name, neutral in _NOT_BUILT.items():
         value = getattr(generation_config, name, None)
         if value not in (None, neutral, [], {}):
-            raise _refusal(f"{name} = {value!r}")
+            raise _refusal(f"{name} = {value!r}", _INSTEAD.get(name, ""))
     min_length = getattr(generation_config, "min_length", None) or 0
     if min_length > 1:  # generate holds EOS back until prompt + output reach it
         raise _refusal(f"min_length = {min_length!r}")
@@ -67,11 +75,11 @@ def config_penalty(generation_config: Any, task: str) -> float:
     return 1.0 if penalty is None else float(penalty)
 
 
-def _refusal(setting: str) -> ConfigError:
+def _refusal(setting: str, instead: str = "") -> ConfigError:
     return ConfigError(
         f"the model's generation_config.json sets {setting}, which transformers' generate applies to every "
         "answer and batchjob does not build: its answers would differ without a word. To run without it, "
-        "copy the model folder and remove the setting from its generation_config.json"
+        f"copy the model folder and remove the setting from its generation_config.json{instead}"
     )
 
 

@@ -4,6 +4,7 @@ processors batchjob does not build refused by name."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -136,3 +137,26 @@ def test_a_forced_bos_token_id_is_refused_at_load_and_by_validate(tiny_model_dir
     args = ["validate", "--input", str(data), "--output", str(tmp_path / "o"), "--model", str(folder)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "sets forced_bos_token_id = 5" in result.output, result.output
+
+
+def test_stop_strings_and_token_healing_are_refused_by_name(tiny_model_dir, tmp_path):
+    """A generation_config.json's stop_strings were run without a word: generate, given the tokenizer (as a
+    pipeline gives it), stops at the string, and batchjob wrote on past it. The refusal says how to go on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    prompt = random_prompts([9], plain.config.vocab_size, seed=5)[0]
+    text = tokenizer.decode(hf_greedy(plain, prompt, NEW))
+    stop = text.strip()[len(text.strip()) // 2]  # a character halfway through the answer
+    folder = _with(tiny_model_dir, tmp_path / "s", "generation_config.json", "stop_strings", [stop])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, tokenizer=tokenizer)
+    assert len(out[0]) - len(prompt) < NEW  # generate stops at the string
+    with pytest.raises(ConfigError, match=re.escape(f"sets stop_strings = {[stop]!r}")) as refused:
+        Engine.from_pretrained(str(folder), dtype="float64")
+    assert "give each as --stop" in str(refused.value)
+    healing = _with(tiny_model_dir, tmp_path / "h", "generation_config.json", "token_healing", True)
+    with pytest.raises(ConfigError, match="generation_config.json sets token_healing = True"):
+        Engine.from_pretrained(str(healing), dtype="float64")
