@@ -187,6 +187,23 @@ def load_generation_config(resolved: str) -> Any:
         )
 
 
+def generation_config_file(resolved: str) -> str | None:
+    """The file of the model at ``resolved`` (a folder or a hub id) its generation config is read from, by
+    ``load_generation_config`` and by transformers' ``from_pretrained``: generation_config.json where it has
+    one, else config.json. None where that can't be told: no model named, a hub model not in the cache."""
+    if not resolved:
+        return None
+    folder = Path(resolved)
+    if folder.is_dir():
+        return "generation_config.json" if (folder / "generation_config.json").is_file() else "config.json"
+    from huggingface_hub import try_to_load_from_cache  # (a hub model's files: only one names it)
+
+    found = try_to_load_from_cache(resolved, "generation_config.json")
+    if found is None:
+        return None  # the cache does not know
+    return "generation_config.json" if isinstance(found, str) else "config.json"  # (else: known absent)
+
+
 def _config(name: str | None, resolved: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 

@@ -74,7 +74,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
         # The request features beside the core, in the order their hooks run (features/).
-        penalty = model_penalty(model, config.task)
+        penalty = model_penalty(model, config.task, model_id)
         self.features: list[RequestFeature] = step_features(
             tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, penalty
         )

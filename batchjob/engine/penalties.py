@@ -25,6 +25,7 @@ import torch
 from batchjob.engine.feature import RequestFeature
 from batchjob.engine.request import Request
 from batchjob.errors import ConfigError
+from batchjob.models import generation_config_file
 
 # generation config field -> its value when it does nothing (None: unset)
 _NOT_BUILT = {
@@ -53,33 +54,40 @@ _INSTEAD = {
 }
 
 
-def model_penalty(model: Any, task: str) -> float:
+def model_penalty(model: Any, task: str, folder: str = "") -> float:
     """A generating model's repetition penalty (1: none; a prefill-only task draws nothing); refuses a
-    generation config asking for a processor not built here."""
-    return config_penalty(getattr(model, "generation_config", None), task)
+    generation config asking for a processor not built here. ``folder``: where the model was loaded from
+    (a hub id too; "" when not known), for the refusal to name the file the setting is in."""
+    return config_penalty(getattr(model, "generation_config", None), task, generation_config_file(folder))
 
 
-def config_penalty(generation_config: Any, task: str) -> float:
+def config_penalty(generation_config: Any, task: str, file: str | None = None) -> float:
     """``model_penalty`` of a model whose generation config is ``generation_config`` (a ``GenerationConfig``,
-    or None): the same rule for the loaded model and for ``validate``, which reads the config alone."""
+    or None), read from the model's ``file`` (generation_config.json, or config.json where the model has no
+    generation_config.json; None: not known): the same rule for the loaded model and for ``validate``, which
+    reads the config alone."""
     if generation_config is None or task != "generate":
         return 1.0
     for name, neutral in _NOT_BUILT.items():
         value = getattr(generation_config, name, None)
         if value not in (None, neutral, [], {}):
-            raise _refusal(f"{name} = {value!r}", _INSTEAD.get(name, ""))
+            raise _refusal(f"{name} = {value!r}", file, _INSTEAD.get(name, ""))
     min_length = getattr(generation_config, "min_length", None) or 0
     if min_length > 1:  # generate holds EOS back until prompt + output reach it
-        raise _refusal(f"min_length = {min_length!r}")
+        raise _refusal(f"min_length = {min_length!r}", file)
     penalty = getattr(generation_config, "repetition_penalty", None)
     return 1.0 if penalty is None else float(penalty)
 
 
-def _refusal(setting: str, instead: str = "") -> ConfigError:
+def _refusal(setting: str, file: str | None, instead: str = "") -> ConfigError:
+    where = f"the model's {file}" if file else "the model's generation config"
+    if file == "config.json":  # transformers makes the generation config of it
+        where += " (it has no generation_config.json: generate reads its settings from config.json)"
+    remove = f"from its {file}" if file else "from its generation_config.json (or config.json if it has none)"
     return ConfigError(
-        f"the model's generation_config.json sets {setting}, which transformers' generate applies to every "
-        "answer and batchjob does not build: its answers would differ without a word. To run without it, "
-        f"copy the model folder and remove the setting from its generation_config.json{instead}"
+        f"{where} sets {setting}, which transformers' generate applies to every answer and batchjob does not "
+        "build: its answers would differ without a word. To run without it, copy the model folder and remove "
+        f"the setting {remove}{instead}"
     )
 
 

@@ -49,7 +49,7 @@ def check_engine(spec: JobSpec) -> str:
     from batchjob.engine.config import EngineConfig
     from batchjob.engine.penalties import config_penalty
     from batchjob.engine.plan import plan_kv, plan_model
-    from batchjob.models import load_config, load_generation_config
+    from batchjob.models import generation_config_file, load_config, load_generation_config
 
     model_config, resolved = load_config(spec.model, spec.trust_remote_code)
     check_image_model(spec, model_config)
@@ -57,7 +57,7 @@ def check_engine(spec: JobSpec) -> str:
     max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
     check_adapters(spec.lora_paths, config, resolved)  # and the adapters' (engine/lora/)
     if config.task == "generate":  # the processors its generation_config.json asks for, as the load refuses
-        config_penalty(load_generation_config(resolved), config.task)
+        config_penalty(load_generation_config(resolved), config.task, generation_config_file(resolved))
     if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses
         from batchjob.engine.tasks.st_folder import resolve_pooling  # (light: reads JSON files)
 

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from batchjob.engine import Engine
+from batchjob.engine.penalties import config_penalty
 from batchjob.errors import ConfigError
 from batchjob.sampling import SamplingParams
 from tests.tiny_models import hf_greedy, random_prompts
@@ -88,7 +89,8 @@ def _with(tiny_model_dir, folder, file, setting, value):
 
 def test_validate_refuses_the_generation_config_the_load_refuses(tiny_model_dir, tmp_path):
     """validate said ok for a model whose generation_config.json sets no_repeat_ngram_size, and run refused
-    it: both read the config by one rule, validate without the weights."""
+    it: both read the config by one rule, validate without the weights. Each names the file the setting is
+    in: a folder without generation_config.json was told to edit that file, its setting in config.json."""
     from click.testing import CliRunner
 
     from batchjob.cli import main
@@ -97,19 +99,23 @@ def test_validate_refuses_the_generation_config_the_load_refuses(tiny_model_dir,
     data.write_text('{"text": "hello"}\n')
     no_file = _with(tiny_model_dir, tmp_path / "no_file", "config.json", "no_repeat_ngram_size", 2)
     (no_file / "generation_config.json").unlink(missing_ok=True)  # transformers makes one of config.json
+    own = "generation_config.json"
     cases = [
-        (
-            "no_repeat_ngram_size",
-            3,
-            _with(tiny_model_dir, tmp_path / "a", "generation_config.json", "no_repeat_ngram_size", 3),
-        ),
-        ("min_length", 9, _with(tiny_model_dir, tmp_path / "b", "generation_config.json", "min_length", 9)),
+        ("no_repeat_ngram_size", 3, _with(tiny_model_dir, tmp_path / "a", own, "no_repeat_ngram_size", 3)),
+        ("min_length", 9, _with(tiny_model_dir, tmp_path / "b", own, "min_length", 9)),
         ("no_repeat_ngram_size", 2, no_file),
     ]
     for setting, value, folder in cases:
         with pytest.raises(ConfigError) as loaded:
             Engine.from_pretrained(str(folder), dtype="float64")
-        assert f"generation_config.json sets {setting} = {value}" in str(loaded.value)
+        said = str(loaded.value)
+        if folder == no_file:
+            assert said.startswith("the model's config.json (it has no generation_config.json") and (
+                f"sets {setting} = {value}" in said
+                and said.endswith("remove the setting from its config.json")
+            ), said
+        else:
+            assert said.startswith(f"the model's generation_config.json sets {setting} = {value}"), said
         args = ["validate", "--input", str(data), "--output", str(tmp_path / "o"), "--model", str(folder)]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and str(loaded.value) in " ".join(result.output.split()), result.output
@@ -160,3 +166,21 @@ def test_stop_strings_and_token_healing_are_refused_by_name(tiny_model_dir, tmp_
     healing = _with(tiny_model_dir, tmp_path / "h", "generation_config.json", "token_healing", True)
     with pytest.raises(ConfigError, match="generation_config.json sets token_healing = True"):
         Engine.from_pretrained(str(healing), dtype="float64")
+
+
+def test_the_file_a_generation_config_is_read_from(tmp_path):
+    """generation_config.json where the folder has one, else config.json (transformers makes it of that);
+    not known for no model or a hub model not in the cache: the refusal then names neither alone."""
+    from batchjob.models import generation_config_file
+
+    (tmp_path / "config.json").write_text("{}")
+    assert generation_config_file(str(tmp_path)) == "config.json"
+    (tmp_path / "generation_config.json").write_text("{}")
+    assert generation_config_file(str(tmp_path)) == "generation_config.json"
+    assert generation_config_file("") is None
+    assert generation_config_file("nobody-here/no-such-model-in-the-cache") is None
+    with pytest.raises(ConfigError) as refused:
+        config_penalty(GenerationConfig(no_repeat_ngram_size=2), "generate", None)
+    said = str(refused.value)
+    assert said.startswith("the model's generation config sets no_repeat_ngram_size = 2"), said
+    assert said.endswith("from its generation_config.json (or config.json if it has none)"), said
