@@ -387,6 +387,41 @@ def test_the_run_says_what_it_takes_of_the_models_generation_config(tiny_model_d
     assert "generation_config.json" not in capsys.readouterr().err  # the job's own settings: nothing to say
 
 
+def test_a_sampling_job_says_which_of_the_models_sampling_settings_it_does_not_take(
+    tiny_model_dir, tmp_path, capsys
+):
+    """The line on the model's sampling settings was said only to a greedy job: one sampling at
+    --temperature 0.7, or with a params column, dropped the model's top_p and top_k without a word."""
+    from transformers import GenerationConfig
+
+    from batchjob.job import make_spec, run_job
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20).save_pretrained(model)
+    data = _rows(tmp_path / "in.jsonl")
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "a"), model=str(model), max_new_tokens=2)
+    spec.temperature = 0.7
+    assert run_job(spec).status == "complete"
+    assert (
+        "batchjob: the model's generation_config.json sets top_p 0.8, top_k 20, which this job does not "
+        "take: this job samples at top_p 1, top_k 0 (off); give --top-p/--top-k to use them\n"
+    ) in capsys.readouterr().err
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"prompt": "a", "params": {"temperature": 0.5}}) + "\n")
+    spec = make_spec(input=[str(rows)], output=str(tmp_path / "b"), model=str(model), max_new_tokens=2)
+    spec.params_column, spec.top_p = "params", 0.8
+    assert run_job(spec).status == "complete"
+    assert (
+        "sets temperature 0.7, top_k 20, which this job does not take: this job's rows take temperature 0, "
+        "top_k 0 (off) where a row's parameters leave them out; give --temperature/--top-k to use them"
+    ) in capsys.readouterr().err
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "c"), model=str(model), max_new_tokens=2)
+    spec.temperature, spec.top_p, spec.top_k = 0.7, 0.8, 20
+    assert run_job(spec).status == "complete"
+    assert "generation_config.json" not in capsys.readouterr().err  # the model's own settings: nothing to say
+
+
 def test_a_job_left_to_the_default_dtype_resumes_only_where_it_resolves_the_same(
     tiny_model_dir, tmp_path, monkeypatch
 ):

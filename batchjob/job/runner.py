@@ -31,6 +31,7 @@ from batchjob.job.spec import JobSpec
 from batchjob.job.state import JobMismatchError
 from batchjob.job.tasks import embed_input
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
+from batchjob.models import generation_config_file
 
 
 def load_engine(spec: JobSpec) -> JobEngine:
@@ -247,23 +248,52 @@ def _say_dtype_hint(prep: Prepared) -> None:
 
 
 def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
-    """A new generation job's lines on what the model's generation_config.json asks of decoding: its
-    repetition penalty applies, as generate applies it; its sampling settings do not (a job's are its own)."""
+    """A new generation job's lines on what the model's generation config asks of decoding: its repetition
+    penalty applies, as generate applies it; its sampling settings do not (a job's are its own), said where
+    the folder sets one the job does not take, with what the job takes instead."""
     spec, config = prep.spec, getattr(engine.model, "generation_config", None)
     if prep.resumed or spec.engine.task != "generate" or config is None:
         return
+    where = f"the model's {generation_config_file(engine.model_id) or 'generation config'}"
     penalty = getattr(config, "repetition_penalty", None)
     if spec.repetition_penalty is None and penalty not in (None, 1.0):
-        say = f"the model's generation_config.json sets repetition_penalty {penalty}: it applies to every row"
+        say = f"{where} sets repetition_penalty {penalty}: it applies to every row"
         print(
             f"batchjob: {say}, as transformers' generate applies it (--repetition-penalty 1: none)",
             file=sys.stderr,
         )
-    if getattr(config, "do_sample", False) and spec.temperature is None and spec.format == "rows":
-        set_ = [(k, getattr(config, k, None)) for k in ("temperature", "top_p", "top_k")]
-        named = ", ".join(f"{k} {v}" for k, v in set_ if v is not None)
-        say = f"the model's generation_config.json samples ({named}); this job decodes greedily, the default "
-        print(f"batchjob: {say}for labels (a --temperature above 0 samples)", file=sys.stderr)
+    line = _sampling_not_taken(spec, config)
+    if line is not None:
+        print(f"batchjob: {where} {line}", file=sys.stderr)
+
+
+def _sampling_not_taken(spec: JobSpec, config: Any) -> str | None:
+    """What a job says of the sampling settings the model's generation config sets and the job does not take
+    (None: nothing to say). A greedy job takes none; a sampling one (or one whose rows may sample) its own."""
+    keys = ("temperature", "top_p", "top_k", "min_p")
+    folder = {k: getattr(config, k, None) for k in keys}
+    if spec.effective_temperature == 0 and not spec.per_row_params:  # greedy: only a sampling config differs
+        if not getattr(config, "do_sample", False) or spec.temperature is not None:
+            return None  # generate decodes greedily too, or the job asked for greedy itself
+        named = ", ".join(f"{k} {_num(v)}" for k, v in folder.items() if v is not None)
+        greedy = "this job decodes greedily, the default for labels (a --temperature above 0 samples)"
+        return f"samples ({named}); {greedy}"
+    job = dict(zip(keys, (spec.effective_temperature, spec.top_p, spec.top_k, spec.min_p), strict=True))
+    differ = [k for k in keys if folder[k] is not None and folder[k] != job[k]]
+    if not differ:
+        return None
+    off = {"top_k": 0, "min_p": 0}  # the job's values that keep every token
+    taken = ", ".join(f"{k} {_num(job[k])}" + (" (off)" if off.get(k) == job[k] else "") for k in differ)
+    verb = "this job samples at" if spec.effective_temperature > 0 else "this job's rows take"
+    rows = " where a row's parameters leave them out" if spec.per_row_params else ""
+    flags = "/".join(f"--{k.replace('_', '-')}" for k in differ)
+    named = ", ".join(f"{k} {_num(folder[k])}" for k in differ)
+    return f"sets {named}, which this job does not take: {verb} {taken}{rows}; give {flags} to use them"
+
+
+def _num(value: Any) -> str:
+    """A setting's value as a line shows it: 1 and 0.9 for floats (not 1.0), others as they are."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def prompt_builder(spec: JobSpec, plan: Any, engine: JobEngine) -> PromptBuilder:
