@@ -422,6 +422,36 @@ def test_a_sampling_job_says_which_of_the_models_sampling_settings_it_does_not_t
     assert "generation_config.json" not in capsys.readouterr().err  # the model's own settings: nothing to say
 
 
+def test_a_job_says_it_does_not_take_the_models_max_new_tokens(tiny_model_dir, tmp_path, capsys):
+    """A generation_config.json's max_new_tokens 6 was dropped without a word: the job wrote 128 tokens a
+    row (--max-new-tokens's default), where generate writes 6. max_length, where it is the bound, too."""
+    from transformers import GenerationConfig
+
+    from batchjob.job import make_spec, run_job
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    GenerationConfig(max_new_tokens=6).save_pretrained(model)
+    data = _rows(tmp_path / "in.jsonl", n=1)
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "a"), model=str(model))
+    assert run_job(spec).status == "complete"
+    assert (
+        "batchjob: the model's generation_config.json sets max_new_tokens 6, which this job does not take: "
+        "it generates at most 128 tokens a row (--max-new-tokens, its default); "
+        "give --max-new-tokens 6 to use it\n"
+    ) in capsys.readouterr().err
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "b"), model=str(model), max_new_tokens=6)
+    assert run_job(spec).status == "complete"
+    assert "max_new_tokens" not in capsys.readouterr().err  # the job takes the model's: nothing to say
+    GenerationConfig(max_length=40).save_pretrained(model)
+    spec = make_spec(input=[str(data)], output=str(tmp_path / "c"), model=str(model), max_new_tokens=3)
+    assert run_job(spec).status == "complete"
+    assert (
+        "sets max_length 40 (prompt and answer), which this job does not take: it generates at most 3 tokens "
+        "a row (--max-new-tokens); give --max-new-tokens to change it"
+    ) in capsys.readouterr().err
+
+
 def test_a_job_left_to_the_default_dtype_resumes_only_where_it_resolves_the_same(
     tiny_model_dir, tmp_path, monkeypatch
 ):

@@ -33,6 +33,8 @@ from batchjob.job.tasks import embed_input
 from batchjob.job.verify import check_schema, needs_repair, repair_outputs, restamp
 from batchjob.models import generation_config_file
 
+_DEFAULT_MAX_NEW_TOKENS = JobSpec.__dataclass_fields__["max_new_tokens"].default  # 128, said as the default
+
 
 def load_engine(spec: JobSpec) -> JobEngine:
     from batchjob.engine import Engine
@@ -249,8 +251,8 @@ def _say_dtype_hint(prep: Prepared) -> None:
 
 def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
     """A new generation job's lines on what the model's generation config asks of decoding: its repetition
-    penalty applies, as generate applies it; its sampling settings do not (a job's are its own), said where
-    the folder sets one the job does not take, with what the job takes instead."""
+    penalty applies, as generate applies it; its sampling settings and length do not (a job's are its own),
+    each said where the folder sets one the job does not take, with what the job takes instead."""
     spec, config = prep.spec, getattr(engine.model, "generation_config", None)
     if prep.resumed or spec.engine.task != "generate" or config is None:
         return
@@ -262,9 +264,9 @@ def _say_generation_config(prep: Prepared, engine: JobEngine) -> None:
             f"batchjob: {say}, as transformers' generate applies it (--repetition-penalty 1: none)",
             file=sys.stderr,
         )
-    line = _sampling_not_taken(spec, config)
-    if line is not None:
-        print(f"batchjob: {where} {line}", file=sys.stderr)
+    for line in (_sampling_not_taken(spec, config), _length_not_taken(spec, config)):
+        if line is not None:
+            print(f"batchjob: {where} {line}", file=sys.stderr)
 
 
 def _sampling_not_taken(spec: JobSpec, config: Any) -> str | None:
@@ -289,6 +291,26 @@ def _sampling_not_taken(spec: JobSpec, config: Any) -> str | None:
     flags = "/".join(f"--{k.replace('_', '-')}" for k in differ)
     named = ", ".join(f"{k} {_num(folder[k])}" for k in differ)
     return f"sets {named}, which this job does not take: {verb} {taken}{rows}; give {flags} to use them"
+
+
+def _length_not_taken(spec: JobSpec, config: Any) -> str | None:
+    """What a job says of the model's max_new_tokens (else max_length: prompt and answer), which it does not
+    take: its own --max-new-tokens bounds every row (None: nothing to say)."""
+    wanted, length = getattr(config, "max_new_tokens", None), getattr(config, "max_length", None)
+    if wanted is not None:
+        if wanted == spec.max_new_tokens:
+            return None
+        named, give = f"max_new_tokens {wanted}", f"give --max-new-tokens {wanted} to use it"
+    elif length is not None:
+        named, give = f"max_length {length} (prompt and answer)", "give --max-new-tokens to change it"
+    else:
+        return None
+    default = ", its default" if spec.max_new_tokens == _DEFAULT_MAX_NEW_TOKENS else ""
+    rows = " where a row's parameters leave it out" if spec.per_row_params else ""
+    return (
+        f"sets {named}, which this job does not take: it generates at most {spec.max_new_tokens} tokens "
+        f"a row (--max-new-tokens{default}){rows}; {give}"
+    )
 
 
 def _num(value: Any) -> str:
