@@ -54,7 +54,11 @@ class EngineStats:
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
-    """The ids HF ``generate`` stops on: the generation config's, else the model config's or tokenizer's."""
+    """The ids generation stops on: the generation config's ``eos_token_id`` (its generation_config.json's, or
+    config.json's where the folder has no generation_config.json: transformers makes the config of it); where
+    that names none, config.json's; where that names none too, the tokenizer's. transformers' ``generate``
+    stops on the generation config's alone, and where it names none runs every answer to its length; these
+    fallbacks stop such a model at the EOS its config or tokenizer names instead (a row ends 'stop' there)."""
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if eos is not None:

@@ -120,6 +120,39 @@ def test_greedy_stops_at_eos_like_hf(tiny_model_dir):
     assert reasons == {"stop", "length"}
 
 
+def test_the_eos_ids_fall_back_past_a_generation_config_that_names_none(tiny_model_dir, tmp_path):
+    """The EOS ids are the generation config's; where it names none, config.json's, else the tokenizer's.
+    transformers' generate stops on the generation config's alone (none: it never stops); batchjob falls back,
+    as its docstring and docs/jobs.md now say (they said it was what generate stops on)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    tokenizer_eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
+    cases = [  # (generation_config.json's eos, or "no file"; config.json's) -> the ids the engine stops on
+        ((None, 7), {7}),
+        ((None, None), {tokenizer_eos}),
+        (([5, 6], 7), {5, 6}),
+        (("no file", 7), {7}),
+    ]
+    for i, ((own, config), want) in enumerate(cases):
+        folder = tmp_path / str(i)
+        shutil.copytree(tiny_model_dir, folder)
+        for name, eos in (("generation_config.json", own), ("config.json", config)):
+            path = folder / name
+            if eos == "no file":
+                path.unlink()
+                continue
+            values = json.loads(path.read_text()) if path.exists() else {}
+            values.pop("eos_token_id", None)
+            path.write_text(json.dumps(values | ({} if eos is None else {"eos_token_id": eos})))
+        engine = Engine.from_pretrained(str(folder), dtype="float64", device="cpu")
+        assert engine.eos_token_ids == want, (own, config)
+        generate_stops_on = _hf(folder).generation_config.eos_token_id
+        assert (generate_stops_on is None) == (own is None), (own, config)  # generate: its config's alone
+
+
 def test_preemption_keeps_outputs_exact(tiny_model_dir):
     """A KV pool far too small forces preemptions; outputs stay equal to HF generate."""
     engine = Engine.from_pretrained(
