@@ -178,3 +178,20 @@ def test_validate_sizes_each_ranks_kv_pool_for_its_share_of_the_heads(dirs):
     one, two = line(1), line(2)
     blocks = [int(text.split("KV pool ")[1].split(" blocks")[0]) for text in (one, two)]
     assert blocks[1] == 2 * blocks[0] and "on each of 2 ranks" in two and "ranks" not in one, (one, two)
+
+
+def test_a_shard_takes_the_generation_config_of_config_json_as_a_full_load_does(dirs, tmp_path):
+    """A folder without generation_config.json: from_pretrained makes the generation config of config.json
+    (its repetition_penalty 1.3 applies, its no_repeat_ngram_size is refused); a tensor-parallel shard kept
+    the blank one its class builds, so its ranks ran without the penalty, and without the refusal."""
+    import json
+
+    folder = tmp_path / "m"
+    shutil.copytree(dirs["llama"], folder)
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"repetition_penalty": 1.3}))
+    shard, _, _ = load_model(str(folder), CONFIG, False, _group(0))
+    full, _, _ = load_model_and_tokenizer(str(folder), torch.float64, "cpu")
+    assert full.generation_config.repetition_penalty == 1.3
+    assert shard.generation_config.to_dict() == full.generation_config.to_dict()

@@ -25,11 +25,11 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
-    GenerationConfig,
     PreTrainedModel,
 )
 
 from batchjob.engine.parallel.shard import _matches, bounds, linear_rule, plan_of, shard_model
+from batchjob.models import load_generation_config
 
 SPLIT_KINDS = ("colwise", "rowwise")
 
@@ -197,7 +197,8 @@ def _put(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _generation_config(model: torch.nn.Module, folder: Path) -> None:
-    """The folder's generation_config.json, as from_pretrained reads it (its eos ids are where generate stops)."""
-    if getattr(model, "generation_config", None) is None or not (folder / "generation_config.json").is_file():
+    """The folder's generation config, as from_pretrained reads it: its generation_config.json, else one made
+    of its config.json (its eos ids, its repetition penalty and the settings the engine refuses)."""
+    if getattr(model, "generation_config", None) is None:
         return
-    model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    model.generation_config = load_generation_config(str(folder))
