@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import glob
 import gzip
 import json
@@ -405,3 +406,32 @@ def test_a_time_with_nanoseconds_is_an_error_row_not_written_back_as_microsecond
     assert rows[0].values is None and "column 't' holds a time of 1 ns after midnight" in rows[0].error
     assert rows[1].error is None and rows[1].values["text"] == "b"
     assert rows[2].error is None and rows[2].values["t"] is None
+
+
+def test_a_nested_time_with_nanoseconds_is_an_error_row_not_written_back_as_microseconds(tmp_path):
+    """A time64[ns] value in a struct, list or map was written back cut to microseconds without a word (only
+    a column of its own was checked): 00:00:01.000000001 came back 00:00:01."""
+    ns = pa.time64("ns")
+    backed = pa.ListArray.from_arrays(pa.array([0, 1, 2, 3, 4]), pa.array([5000, 1, 7, 2000], ns))
+    backed = pa.ListArray.from_arrays(
+        backed.offsets, backed.values, mask=pa.array([False, False, True, False])
+    )
+    table = pa.table(
+        {
+            "id": ["s", "l", "m", "ok"],
+            "st": pa.array([{"t": 1_000_000_001}, None, {"t": None}, {"t": 5000}], pa.struct([("t", ns)])),
+            "lt": backed,  # row 2's list is null over a value with nanoseconds: nothing of it is written
+            "mt": pa.array([[], [], [("k", 3)], [("k", 4000)]], pa.map_(pa.string(), ns)),
+            "fl": pa.array([[0, 0], [1000, 2000], [3000, 4000], [5000, 6000]], pa.list_(ns, 2)),
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    rows = list(iter_rows(discover([str(tmp_path / "a.parquet")]), id_column="id"))
+    assert "column 'st' holds a time of 1000000001 ns after midnight in a nested value" in rows[0].error
+    assert "column 'lt' holds a time of 1 ns" in rows[1].error and rows[1].values == {"id": "l"}
+    assert "column 'mt' holds a time of 3 ns" in rows[2].error
+    assert rows[3].error is None and rows[3].values["fl"] == [
+        datetime.time(0, 0, 0, 5),
+        datetime.time(0, 0, 0, 6),
+    ]
+    assert rows[2].values == {"id": "m"}  # the error row says whose it is; no value of it is written
