@@ -106,6 +106,7 @@ EXTRA_FIELDS = {  # result columns a job adds when it uses the feature
 }
 
 
+PANDAS_KEY = b"pandas"  # schema metadata pandas writes: the frame's index and column types
 RENAMED_KEY = b"batchjob.renamed"  # part schema metadata: JSON {output name: input name} of renamed inputs
 
 
@@ -144,7 +145,9 @@ def output_schema(
     result = RESULT_FIELDS if result is None else result
     names = output_names(input_schema.names, extra, result)
     fields = [pa.field(names[f.name], f.type) for f in input_schema]
-    metadata = input_schema.metadata
+    # pandas' record of the input frame's index (a RangeIndex is only this record) would label the output's
+    # rows, which come in another order, with other rows' labels: the parts leave it out
+    metadata = {k: v for k, v in (input_schema.metadata or {}).items() if k != PANDAS_KEY} or None
     renamed = {out: column for column, out in names.items() if out != column}
     # recorded too where an input column has a name another task reserves, so ``input_column`` never
     # takes such a part for one written before the record (``label`` kept beside an input ``input_label``)

@@ -435,3 +435,21 @@ def test_a_nested_time_with_nanoseconds_is_an_error_row_not_written_back_as_micr
         datetime.time(0, 0, 0, 6),
     ]
     assert rows[2].values == {"id": "m"}  # the error row says whose it is; no value of it is written
+
+
+def test_parts_leave_out_the_input_frames_pandas_index(tmp_path):
+    """A frame written with a RangeIndex from 1000 (a chunk of a bigger one) stores the index only as its
+    'pandas' metadata; the parts copied it, so pandas labelled the output's rows, in output order, 1000...:
+    each row with the label of the row at its place in the input (111 of 300 rows in the prober's run)."""
+    import pandas as pd  # only this test reads the output as pandas does
+
+    frame = pd.DataFrame({"prompt": ["a", "b", "c"], "rowno": [0, 1, 2]}, index=pd.RangeIndex(1000, 1003))
+    frame.to_parquet(tmp_path / "a.parquet")
+    schema = input_schema(discover([str(tmp_path / "a.parquet")]))
+    rows = [{"values": {"prompt": p, "rowno": n}, "generated_text": "x"} for p, n in [("c", 2), ("a", 0)]]
+    out = tmp_path / "out"
+    out.mkdir()
+    PartWriter(out, schema).write(0, rows)
+    assert b"pandas" not in (pq.read_schema(out / "part-000000.parquet").metadata or {})
+    read = pd.read_parquet(out / "part-000000.parquet")
+    assert read.index.tolist() == [0, 1] and read["rowno"].tolist() == [2, 0]  # no input label on another row
