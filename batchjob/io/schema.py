@@ -64,24 +64,40 @@ class RepeatedColumnError(InputError):
 
 
 def table_schema(source: Source) -> pa.Schema:
-    if source.kind == "parquet":
-        schema = parquet_file(source).schema_arrow
-    else:
-        splits = [(split, ds.features.arrow_schema) for split, ds in load_hf(source)]
-        schema = splits[0][1]
-        other = next(((split, s) for split, s in splits[1:] if not s.equals(schema)), None)
-        if other is not None:  # the rows of one would be read into the other's columns
-            raise InputError(
-                f"input {source.path}: its splits {splits[0][0]!r} and {other[0]!r} have different columns "
-                f"or types ({_columns(schema)}; {_columns(other[1])}); give one split's folder as the input, "
-                f"e.g. {source.path}/{other[0]}"
-            )
+    schema = parquet_file(source).schema_arrow if source.kind == "parquet" else _splits_schema(source)
     repeated = sorted({n for n in schema.names if schema.names.count(n) > 1})
     if repeated:
         raise RepeatedColumnError(
             f"input {source.path} has more than one column named {', '.join(map(repr, repeated))}: a row "
             "can't hold two values under one name. Rename them in the file, or leave the file out"
         )
+    return schema
+
+
+def _splits_schema(source: Source) -> pa.Schema:
+    """The columns of a saved dataset's splits, which must agree on their columns and types, and on their
+    features: the parts carry one ``huggingface`` record of them, which ``datasets`` decodes every row by (a
+    ClassLabel's names: 1 is 'pos' in one split, 'neg' in another)."""
+    splits = load_hf(source)
+    first, schema = splits[0][0], splits[0][1].features.arrow_schema
+    for split, ds in splits[1:]:
+        other = ds.features.arrow_schema
+        if not other.equals(schema):  # the rows of one would be read into the other's columns
+            raise InputError(
+                f"input {source.path}: its splits {first!r} and {split!r} have different columns "
+                f"or types ({_columns(schema)}; {_columns(other)}); give one split's folder as the input, "
+                f"e.g. {source.path}/{split}"
+            )
+        if not other.equals(schema, check_metadata=True):
+            named, own = splits[0][1].features, ds.features
+            column = next((c for c in own if own[c] != named.get(c)), None)
+            which = f" for column {column!r} ({named[column]}; {own[column]})" if column is not None else ""
+            raise InputError(
+                f"input {source.path}: its splits {first!r} and {split!r} have different features{which}, and "
+                "the output can describe its rows by one split's only (a ClassLabel's names would decode the "
+                f"other's labels wrong); give one split's folder as the input: {source.path}/{first} or "
+                f"{source.path}/{split}"
+            )
     return schema
 
 
@@ -189,10 +205,21 @@ def input_schema(sources: list[Source]) -> pa.Schema:
             else f.remove_metadata()
             for f in schema
         ],
-        metadata=schema.metadata,
+        metadata=_shared_metadata(named),
     )
 
 
+def _shared_metadata(named: list[tuple[str, pa.Schema]]) -> dict[bytes, bytes] | None:
+    """The schema metadata every input has alike. A key one input lacks or gives otherwise describes only
+    some of the rows: a saved dataset's ``huggingface`` features, which ``datasets`` decodes the output's
+    rows by (a ClassLabel's names), would decode the other files' labels with names they never had."""
+    first = named[0][1].metadata or {}
+    return {
+        k: v for k, v in first.items() if all((s.metadata or {}).get(k) == v for _, s in named[1:])
+    } or None
+
+
+HF_KEY = b"huggingface"  # schema metadata of datasets: the features (ClassLabel names, ...) rows decode by
 TEXT_ONLY = {b"batchjob": b"text"}  # field metadata: the column holds text (not JSON text of nested values)
 
 
@@ -216,6 +243,13 @@ def is_text_only(f: pa.Field) -> bool:
 def compatible(saved: pa.Schema, source: Source) -> str | None:
     """Why a file added to a job (``--append``) does not fit the job's columns, or None when it does."""
     schema = source_schema(source)
+    features = (saved.metadata or {}).get(HF_KEY)
+    if features is not None and (schema.metadata or {}).get(HF_KEY) != features:
+        return (
+            "its datasets features (the 'huggingface' schema metadata, such as a ClassLabel's names) are not "
+            "the job's, which its parts carry and decode every row by; give the file the job's features, or "
+            "send it to a new --output"
+        )
     names = set(saved.names)
     for f in schema:
         if f.name not in names:
