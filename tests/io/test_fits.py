@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.io.fits import Fit, fits, id_text
+from batchjob.io.jsontext import Overflow, loads_text
 from batchjob.io.readers import iter_rows
 from batchjob.io.schema import input_schema
 from batchjob.io.sources import discover
@@ -167,3 +168,24 @@ def test_a_job_over_merged_id_columns_finds_ids_equal_as_written(tmp_path, tiny_
     by_q = {r["q"]: r for r in ds.dataset(out, format="parquet").to_table().to_pylist()}
     assert by_q["c"]["error"] == "duplicate id '1.0': first used by row a.parquet:0; ids must be unique"
     assert [by_q[q]["error"] for q in "abd"] == [None, None, None]
+
+
+def test_a_json_number_past_float64s_range_is_an_error_row_naming_column_and_number(tmp_path):
+    """json.loads makes 1e400 inf without a word, and the row was written with score inf (-2.5e308: -inf)."""
+    lines = [
+        '{"id": 1, "prompt": "a", "score": 1e400}',
+        '{"id": 2, "prompt": "b", "score": 0.5, "deep": [{"x": -2.5e308}]}',
+        '{"id": 3, "prompt": "c", "score": 1.5e308, "deep": []}',
+    ]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    sources = discover([str(tmp_path / "a.jsonl")])
+    rows = list(iter_rows(sources, id_column="id", schema=input_schema(sources)))
+    assert rows[0].error == (
+        "a.jsonl line 1: column 'score': the number 1e400 is past float64's range (it would be stored as inf); "
+        "write it as text (a JSON string) if it is meant"
+    )
+    assert "column 'deep': the number -2.5e308 is past" in rows[1].error
+    assert [r.values for r in rows[:2]] == [{"id": 1}, {"id": 2}]  # the error rows say whose they are
+    assert rows[2].error is None and rows[2].values["score"] == 1.5e308
+    with pytest.raises(Overflow, match="the number 1e400 is past float64's range"):  # a column's JSON text too
+        loads_text('{"temperature": 1e400}')
