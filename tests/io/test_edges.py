@@ -219,6 +219,25 @@ def test_an_input_changed_after_it_was_read_stops_the_job_before_complete(
     assert code == 2 and "changed since it started" in output, output
 
 
+def test_a_file_added_to_an_input_folder_while_the_job_ran_stops_it_before_complete(tiny_model_dir, tmp_path):
+    """The check before "complete" looked again only at the files found at the start: a file added to the
+    --input folder meanwhile went unread, and the run said "complete: 20 of 20" (a rerun refused it as new)."""
+    from tests.jobproc import at_step, run_here
+
+    (tmp_path / "in").mkdir()
+    _lines(tmp_path / "in" / "a.jsonl", 20)
+    out = tmp_path / "out"
+    added = tmp_path / "in" / "b.jsonl"
+    with at_step(2, lambda: _lines(added, 3)):
+        code, output = run_here(_run_args(tmp_path / "in", out, tiny_model_dir))
+    assert code == 2, output
+    assert "the job stopped before saying complete" in output
+    assert f"{added}: new file (run with --append to process it)" in output
+    assert "complete:" not in output and "Traceback" not in output
+    code, output = run_here([*_run_args(tmp_path / "in", out, tiny_model_dir), "--append"])
+    assert code == 0 and "complete: 23 of 23" in output, output
+
+
 # --- export ------------------------------------------------------------------------------------------------
 
 
