@@ -135,6 +135,35 @@ def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
     raise InputError(f"the inputs' schemas cannot be combined: {', '.join(n for n, _ in schemas)}")
 
 
+def _text_as_string(named: list[tuple[str, pa.Schema]]) -> list[tuple[str, pa.Schema]]:
+    """``named`` with a column that is text in every file but of types Arrow does not merge (a pandas
+    categorical's dictionary beside plain strings, a string_view) made plain text, as ``--append`` takes such
+    a file into a job of text (``compatible``); text of other types stays as ``_unify`` merges it."""
+    types: dict[str, set[pa.DataType]] = {}
+    for _, schema in named:
+        for f in schema:
+            types.setdefault(f.name, set()).add(f.type)
+    mixed = set()
+    for name, found in types.items():
+        if len(found) > 1 and all(_is_text(t) or pa.types.is_null(t) for t in found):  # null: no values
+            try:
+                pa.unify_schemas([pa.schema([(name, t)]) for t in found], promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                mixed.add(name)
+    if not mixed:
+        return named
+    return [
+        (
+            name,
+            pa.schema(
+                [_mark_text(pa.field(f.name, pa.string())) if f.name in mixed else f for f in schema],
+                metadata=schema.metadata,
+            ),
+        )
+        for name, schema in named
+    ]
+
+
 def source_schema(source: Source) -> pa.Schema:
     """The columns of one source (JSONL: inferred from its first 1,000 rows, see ``input_schema``)."""
     return input_schema([source])
@@ -192,7 +221,7 @@ def input_schema(sources: list[Source]) -> pa.Schema:
         named.insert(jsonl_at or 0, _jsonl_schema(sources, kinds))
     if not named:
         return pa.schema([])
-    schema = _unify(named) if len(named) > 1 else named[0][1]
+    schema = _unify(_text_as_string(named)) if len(named) > 1 else named[0][1]
     # text only where every input that has the column says so
     text = {f.name for f in schema} - {f.name for _, s in named for f in s if not is_text_only(f)}
     # a column that is null everywhere we looked is kept as text (of unknown content)

@@ -189,3 +189,19 @@ def test_a_json_number_past_float64s_range_is_an_error_row_naming_column_and_num
     assert rows[2].error is None and rows[2].values["score"] == 1.5e308
     with pytest.raises(Overflow, match="the number 1e400 is past float64's range"):  # a column's JSON text too
         loads_text('{"temperature": 1e400}')
+
+
+def test_a_categorical_text_column_beside_a_plain_one_starts_as_append_takes_it(tmp_path):
+    """A dictionary<string> column (a pandas categorical) in one file and a string column in another were
+    refused at the start ('the inputs of one job must agree'), while --append took the same file in."""
+    labels = pa.array(["x", "y"]).dictionary_encode()
+    pq.write_table(pa.table({"prompt": ["a0", "a1"], "lab": labels}), tmp_path / "1.parquet")
+    pq.write_table(pa.table({"prompt": ["b0"], "lab": ["z"]}), tmp_path / "2.parquet")
+    pq.write_table(pa.table({"prompt": ["c0"], "lab": pa.array([None], pa.null())}), tmp_path / "3.parquet")
+    sources = discover([str(tmp_path)])
+    schema = input_schema(sources)
+    assert schema.field("lab").type == pa.string()
+    rows = list(iter_rows(sources, schema=schema))
+    assert [(r.values["lab"], r.error) for r in rows] == [("x", None), ("y", None), ("z", None), (None, None)]
+    table = build_table([{"values": r.values} for r in rows], schema)
+    assert table.column("lab").to_pylist() == ["x", "y", "z", None]
