@@ -19,7 +19,7 @@ from batchjob.engine.options import EngineOptions, declared
 from batchjob.errors import ConfigError
 from batchjob.job import model_identity
 from batchjob.job.defaults import resolved_defaults
-from batchjob.job.lora import lora_identity
+from batchjob.job.lora import adapter_changes, held_identity
 from batchjob.job.prepare import Prepared, task_entry
 from batchjob.job.seam import JobEngine
 from batchjob.job.spec import JobSpec
@@ -112,16 +112,17 @@ def _check_dtype(prep: Prepared, engine: JobEngine) -> None:
 
 def _check_adapters(prep: Prepared, engine: JobEngine) -> None:
     """The engine holds the spec's LoRA adapters, each by name and content, and no others (with --format
-    openai a request may name any adapter the engine holds)."""
+    openai a request may name any adapter the engine holds). The engine's by the files it read when it loaded
+    them: a folder rewritten since (a training run's next checkpoint) holds another adapter than it computes."""
     want: dict[str, Any] = prep.fingerprint.get("lora") or {}
-    held = engine.lora.adapters if engine.lora is not None else []
-    have = lora_identity({a.name: str(a.path) for a in held})
+    have = held_identity(engine)
     if want == have:
         return
-    lines = [f"{n!r} only in the spec" for n in want if n not in have]
-    lines += [f"{n!r} only in the engine" for n in have if n not in want]
-    lines += [f"{n!r} is another adapter (other files)" for n in want if n in have and want[n] != have[n]]
-    raise ConfigError(f"run_job: the engine's LoRA adapters are not the spec's: {', '.join(lines)}; {_BUILD}")
+    lines = adapter_changes(want, have, ("the spec", "the engine"))
+    raise ConfigError(
+        f"run_job: the engine's LoRA adapters are not the spec's: {', '.join(lines)} (the engine's as it "
+        f"loaded them); {_BUILD}"
+    )
 
 
 def _check_options(prep: Prepared, engine: JobEngine) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from batchjob.errors import ConfigError
 from batchjob.io.identity import combine, folder_digest
 from batchjob.job.model_identity import local_folder, model_names
+from batchjob.job.seam import JobEngine
 
 
 def lora_paths(entries: list[str], column: str | None, fmt: str, model: str | None) -> dict[str, str]:
@@ -43,12 +44,29 @@ def lora_paths(entries: list[str], column: str | None, fmt: str, model: str | No
 
 
 def lora_identity(paths: dict[str, str]) -> dict[str, Any]:
-    """Each adapter's files by content (a hub id not on this machine: by its id), by name."""
+    """Each adapter's files by content (a hub id not on this machine: by its id), by name, as they are now; an
+    engine's adapters are known by the files it read (``held_identity``), the same digest over the same files."""
     out: dict[str, Any] = {}
     for name, path in paths.items():
         folder = local_folder(os.path.expanduser(path))  # as the engine loads it: '~/ad' is a folder
         out[name] = f"hub:{path}" if folder is None else combine(folder_digest(folder))
     return out
+
+
+def held_identity(engine: JobEngine) -> dict[str, str]:
+    """The engine's adapters by content as it loaded them (``Adapter.identity``: the bytes it computes with,
+    whatever their folders hold now), by name."""
+    held = engine.lora.adapters if engine.lora is not None else []
+    return {a.name: a.identity for a in held}
+
+
+def adapter_changes(want: dict[str, Any], have: dict[str, str], whose: tuple[str, str]) -> list[str]:
+    """What differs between two ``{name: identity}`` (``whose``: how to call each side), in words."""
+    lines = [f"{n!r} only in {whose[0]}" for n in want if n not in have]
+    lines += [f"{n!r} only in {whose[1]}" for n in have if n not in want]
+    return lines + [
+        f"{n!r} is another adapter (other files)" for n in want if n in have and want[n] != have[n]
+    ]
 
 
 def check_adapters(paths: dict[str, str], config: Any, model_id: str) -> None:

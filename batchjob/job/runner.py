@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from batchjob import faults, signals
-from batchjob.errors import BatchjobError, StateError
+from batchjob.errors import BatchjobError, ConfigError, StateError
 from batchjob.io.atomic import write_json
 from batchjob.io.writers import EXTRA_FIELDS, PartWriter, output_names
 from batchjob.job import model_identity
@@ -20,7 +20,7 @@ from batchjob.job.chat_kwargs import check_job_kwargs
 from batchjob.job.checks import check_tokenizer_texts
 from batchjob.job.given_engine import check_given_engine, take_model
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
-from batchjob.job.lora import check_adapters
+from batchjob.job.lora import check_adapters, held_identity
 from batchjob.job.manifest import Manifest
 from batchjob.job.prepare import Prepared, prepare, reload
 from batchjob.job.prompts import PromptBuilder
@@ -131,12 +131,12 @@ def run_job(spec: JobSpec, engine: JobEngine | None = None, shard: Shard | None 
                 engine = load_engine(spec)
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
         _check_tokenizer(prep, engine, has_template)  # before work, as validate
-        _settle_model(prep, engine)
+        _settle(prep, engine)
         _say_generation_config(prep, engine)
         if not prep.resumed and not state.create_job(prep.info):
             # another worker of the job created it first: take its seed and chunk size, if it is the same job
             prep = reload(prep)
-            _settle_model(prep, engine)
+            _settle(prep, engine)
         manifest = Manifest(prep.state.manifest_file)
         tags = think_tags(spec, engine.tokenizer)  # the model's thinking: a reasoning column, two-phase rows
         writer = part_writer(prep, engine, tags)  # the run's one writer: repairs here, then the loop's parts
@@ -343,6 +343,12 @@ def _restamp(prep: Prepared) -> None:
         prep.state.unlock()
 
 
+def _settle(prep: Prepared, engine: JobEngine) -> None:
+    """The model and the adapters the job records, as the engine loaded them."""
+    _settle_model(prep, engine)
+    _settle_adapters(prep, engine)
+
+
 def _settle_model(prep: Prepared, engine: JobEngine) -> None:
     """A model named by a hub id that was not on this machine before loading: identify it now, by content."""
     model = prep.info.fingerprint["model"]
@@ -359,6 +365,30 @@ def _settle_model(prep: Prepared, engine: JobEngine) -> None:
             )
     else:
         model["identity"] = now
+
+
+def _settle_adapters(prep: Prepared, engine: JobEngine) -> None:
+    """The job records its adapters as the engine read them (``held_identity``). ``prepare`` identified each
+    folder before the load: one rewritten between (a training run saving its next checkpoint) would have the
+    job record files it did not compute with, and is refused. A hub id not on this machine then is recorded
+    by the files the engine fetched and read (a resumed job keeps the id it recorded)."""
+    recorded = prep.info.fingerprint.get("lora")
+    if not recorded:
+        return
+    have = held_identity(engine)
+    folders = {a.name: a.path for a in engine.lora.adapters} if engine.lora is not None else {}
+    for name, saved in recorded.items():
+        if str(saved).startswith("hub:"):
+            if not prep.resumed and name in have:
+                recorded[name] = have[name]
+            continue
+        if have.get(name) != saved:
+            raise ConfigError(
+                f"LoRA adapter {name!r}: its folder {folders.get(name)} changed while the job started (the "
+                "files the engine read are not those the job checked moments before, as when a training run "
+                "saves into it); run again once nothing writes to it, or give a copy of the checkpoint in a "
+                "folder of its own"
+            )
 
 
 def _take_in(prep: Prepared) -> Prepared:

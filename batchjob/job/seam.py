@@ -4,7 +4,7 @@ loop, the runner and the result columns know an engine only through these method
 The engine's and transformers' types are imported for type checkers only: this module, like the command line,
 imports no torch. Of a prefill-only engine's task runner the job reads one thing, an embedding's width
 (``TaskRunner.pooling.dimensions``): ``JobTasks`` and ``JobPooling`` name exactly that. Of its LoRA adapters,
-each one's name and folder (``JobAdapters``): an engine given to ``run_job`` must hold the spec's.
+each one's name, folder and files by content as loaded (``JobAdapters``): a job's engine must hold the spec's.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class JobAdapter(Protocol):
 
     @property
     def path(self) -> Path: ...  # the PEFT folder it was loaded from
+
+    @property
+    def identity(self) -> str: ...  # its files by content as they were read at load (the job records this)
 
 
 class JobAdapters(Protocol):

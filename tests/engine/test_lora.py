@@ -256,6 +256,26 @@ def test_refused_by_name(adapter_sets, tmp_path, changes, message):
         Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"bad": str(bad)})
 
 
+def test_an_adapter_s_identity_at_load_is_the_job_s_digest_of_its_folder(tmp_path):
+    """The engine digests the adapter files it reads as it reads them (``read_folder``); a job records and
+    compares that, so it is the job layer's digest of the same files, a weights file past 16 MiB sampled as
+    there (a job made before keeps its identity), and the other files of the folder count too."""
+    import os
+
+    from batchjob.engine.lora.peft_folder import read_folder
+    from batchjob.job.lora import lora_identity
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 4}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(os.urandom(17 << 20))
+    (tmp_path / "README.md").write_text("card")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "training_args.bin").write_bytes(b"x" * 100)
+    (tmp_path / ".hidden").write_text("not the adapter's")
+    config, weights, identity = read_folder("a", tmp_path)
+    assert config == b'{"r": 4}' and len(weights) == 17 << 20
+    assert identity == lora_identity({"a": str(tmp_path)})["a"]
+
+
 def test_the_base_model_is_known_by_its_hub_name_in_the_cache_and_through_a_link(tmp_path):
     from batchjob.engine.lora.peft_folder import check_base
 

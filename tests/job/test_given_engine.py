@@ -141,3 +141,36 @@ def test_a_busy_engine_is_refused_and_its_requests_kept(rows, tiny_model_dir, ll
     while llama.has_unfinished():
         outs += llama.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("mine", "length")]  # the caller's, unharmed
+
+
+def test_an_adapter_folder_rewritten_after_the_engine_loaded_it_is_refused(rows, tiny_model_dir, tmp_path):
+    """A training run saves its next checkpoint into the folder the engine loaded adapter 'a' from: the job was
+    accepted and wrote rows computed with the old weights under the identity of the new files, and a
+    `batchjob run --append` (a fresh engine: the new weights) was accepted too, one prompt with two answers
+    under 'a'. The engine's adapter is known by the bytes it read: refused, naming it."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from batchjob.job.lora import lora_identity
+
+    for seed, name in ((1, "one"), (2, "two")):
+        torch.manual_seed(seed)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        config = peft.LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj", "v_proj"])
+        peft.get_peft_model(base, config).save_pretrained(str(tmp_path / name))
+    folder = shutil.copytree(tmp_path / "one", tmp_path / "a")
+    held = Engine.from_pretrained(str(tiny_model_dir), device="cpu", lora={"a": str(folder)})
+    assert held.lora is not None and held.lora.adapters[0].identity == lora_identity({"a": str(folder)})["a"]
+    for file in ("adapter_config.json", "adapter_model.safetensors"):  # checkpoint 2, into the same folder
+        shutil.copy(tmp_path / "two" / file, folder / file)
+    spec = _spec(rows, tmp_path / "o", model=str(tiny_model_dir), lora=[f"a={folder}"])
+    with pytest.raises(
+        ConfigError, match="'a' is another adapter \\(other files\\) \\(the engine's as it loaded"
+    ):
+        run_job(spec, engine=held)
+    assert not (tmp_path / "o" / "_batchjob" / "job.json").exists()
+    # The folder as the engine read it is the spec's adapter again: the job runs.
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(tmp_path / "one" / file, folder / file)
+    assert run_job(spec, engine=held).status == "complete"

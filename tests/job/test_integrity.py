@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from batchjob import digest
 from batchjob.cli import main
 from batchjob.errors import InputError
 from batchjob.io import identity
@@ -224,6 +225,7 @@ def test_touched_but_equal_small_file_is_accepted(tmp_path, tiny_model_dir):
 
 
 def test_large_file_identity_by_samples_and_time_stamp(tmp_path, monkeypatch):
+    monkeypatch.setattr(digest, "FULL_BYTES", 4 << 20)  # the digest's bound, and the one inputs.py names
     monkeypatch.setattr(identity, "FULL_BYTES", 4 << 20)
     path = tmp_path / "big.jsonl"
     line = json.dumps({"text": "x" * 200}) + "\n"
@@ -241,9 +243,9 @@ def test_large_file_identity_by_samples_and_time_stamp(tmp_path, monkeypatch):
         reconcile(saved, sources, False, tmp_path)
     data[10] = ord("x")
     # a change between the samples: the time stamp gives it away, and the message says how to go on
-    span = len(data) - identity._EDGE - identity._BLOCK
-    between = identity._EDGE + span * 1 // (identity._BLOCKS + 1) + identity._BLOCK + 100  # after block 1
-    assert between + 100 < identity._EDGE + span * 2 // (identity._BLOCKS + 1)  # and before block 2
+    span = len(data) - digest._EDGE - digest._BLOCK
+    between = digest._EDGE + span * 1 // (digest._BLOCKS + 1) + digest._BLOCK + 100  # after block 1
+    assert between + 100 < digest._EDGE + span * 2 // (digest._BLOCKS + 1)  # and before block 2
     assert data[between] == ord("x")
     data[between] = ord("y")
     path.write_bytes(bytes(data))

@@ -155,6 +155,33 @@ def test_validate_refuses_what_the_engine_refuses_of_adapters(rows, tiny_model_d
         assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_an_adapter_folder_rewritten_while_the_job_starts_is_refused(
+    rows, tiny_model_dir, adapters, tmp_path, monkeypatch
+):
+    """The job identified the folder before the engine loaded it: a checkpoint saved into it between (as a
+    training run saves one) had the job record the old files while the engine computed with the new ones. The
+    job compares what the engine read with what it checked, and refuses the difference, naming the folder."""
+    from batchjob.job import runner
+
+    folder = shutil.copytree(adapters["qv"], tmp_path / "a")
+    load = runner.load_engine
+
+    def saved_while_loading(spec):  # the training run writes its next checkpoint as the engine starts
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(adapters["mlp"] / file, folder / file)
+        return load(spec)
+
+    monkeypatch.setattr(runner, "load_engine", saved_while_loading)
+    spec = make_spec(**_spec(rows, tmp_path / "o", tiny_model_dir, {"a": folder}))
+    with pytest.raises(
+        ConfigError, match=f"LoRA adapter 'a': its folder {folder} changed while the job started"
+    ):
+        run_job(spec)
+    assert not (tmp_path / "o" / "_batchjob" / "job.json").exists()
+    monkeypatch.setattr(runner, "load_engine", load)  # nothing writes to it now: the job runs
+    assert run_job(spec).status == "complete"
+
+
 def test_job_file_lora_table_and_openai_body_model(tiny_model_dir, adapters, tmp_path):
     lines = [
         {

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import SafetensorError
+from safetensors.torch import load
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from batchjob.digest import bytes_part, combine, digest_of, folder_files, local_reader
 from batchjob.errors import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
@@ -60,12 +62,15 @@ class LoraWeights:
 
 @dataclass
 class Adapter:
-    """One adapter, resident: its name, where it came from and each adapted module's weights."""
+    """One adapter, resident: its name, where it came from, the identity of the files it was read from and each
+    adapted module's weights."""
 
     name: str
     path: Path
     layers: dict[str, LoraWeights]  # module name in the model -> its update
     head: dict[str, torch.Tensor] = field(default_factory=dict)  # modules_to_save: "score.weight" -> tensor
+    # The folder by content as loaded (``read_folder``): a job records this, not the folder as it is later.
+    identity: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -96,15 +101,56 @@ def resolve_folder(name: str, path: str | Path) -> Path:
 def read_config(name: str, folder: Path, heads: tuple[str, ...] = ()) -> dict[str, Any]:
     """The adapter's config, refused when it is not a LoRA this engine computes (``modules_to_save``
     only where the engine has a task head, ``heads``)."""
+    _check_files(name, folder)
     file = folder / CONFIG_FILE
-    if not file.is_file() or not (folder / WEIGHTS_FILE).is_file():
+    try:
+        return parse_config(name, file, file.read_bytes(), heads)
+    except OSError as e:
+        raise ConfigError(f"LoRA adapter {name!r}: cannot read {file}: {e}") from e
+
+
+def _check_files(name: str, folder: Path) -> None:
+    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise ConfigError(
             f"LoRA adapter {name!r}: {folder} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)"
         )
+
+
+def read_folder(name: str, folder: Path) -> tuple[bytes, bytes, str]:
+    """The bytes of the adapter's config and weights, each file read once, and the folder's identity by
+    content: those two files digested from the bytes read here, which are the ones the engine computes with
+    (a training run that saves its next checkpoint into the folder later changes nothing loaded), the other
+    files as they are now. The same digest, over the same files, as the job layer's ``folder_digest``."""
+    _check_files(name, folder)
+    read: dict[str, bytes] = {}
+    parts: dict[str, str] = {}
     try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
+        for rel, path in folder_files(folder):
+            if rel in (CONFIG_FILE, WEIGHTS_FILE):
+                read[rel] = path.read_bytes()
+                parts[rel] = bytes_part(read[rel])
+                continue
+            read_at, close = local_reader(path)
+            try:
+                size = path.stat().st_size
+                parts[rel] = f"{size}:{digest_of(read_at, size)}"
+            finally:
+                close()
+    except OSError as e:
+        raise ConfigError(f"LoRA adapter {name!r}: cannot read {folder}: {e}") from e
+    if set(read) != {CONFIG_FILE, WEIGHTS_FILE}:  # one went between the check and the read
+        raise ConfigError(f"LoRA adapter {name!r}: {folder} changed while it was read; load it again")
+    return read[CONFIG_FILE], read[WEIGHTS_FILE], combine(parts)
+
+
+def parse_config(name: str, file: Path, data: bytes, heads: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The config read from ``file`` (its bytes, ``data``), refused as ``read_config`` says."""
+    try:
+        config = json.loads(data)
+    except ValueError as e:
         raise ConfigError(f"LoRA adapter {name!r}: cannot read {file}: {e}") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"LoRA adapter {name!r}: {file} holds no JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"LoRA adapter {name!r}: {file} is a {config.get('peft_type')} adapter, not LoRA")
     for key, what in _NOT_BUILT:
@@ -169,13 +215,18 @@ def _names(model_id: str) -> set[str]:
 
 
 def read_tensors(
-    name: str, folder: Path, heads: tuple[str, ...] = ()
+    name: str, folder: Path, data: bytes, heads: tuple[str, ...] = ()
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """module name -> {"A": tensor, "B": tensor}, and the full tensors of the modules ``heads`` names
-    (``modules_to_save``: "score.weight" -> tensor); any other tensor is refused by name."""
+    """module name -> {"A": tensor, "B": tensor} of the weights file's bytes ``data``, and the full tensors of
+    the modules ``heads`` names (``modules_to_save``: "score.weight" -> tensor); any other tensor is refused
+    by name."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     head: dict[str, torch.Tensor] = {}
-    for key, tensor in load_file(str(folder / WEIGHTS_FILE)).items():
+    try:
+        tensors = load(data)
+    except SafetensorError as e:
+        raise ConfigError(f"LoRA adapter {name!r}: cannot read {folder / WEIGHTS_FILE}: {e}") from e
+    for key, tensor in tensors.items():
         m = _TENSOR.match(key)
         if m is not None:
             modules.setdefault(m["module"], {})[m["ab"]] = tensor
@@ -273,13 +324,14 @@ def load_adapter(
     ``device`` in ``dtype``; ``heads``: the engine's task head modules, which its ``modules_to_save`` may
     replace."""
     folder = resolve_folder(name, path)
-    config = read_config(name, folder, heads)
+    config_bytes, weights_bytes, identity = read_folder(name, folder)  # each file read once: what runs
+    config = parse_config(name, folder / CONFIG_FILE, config_bytes, heads)
     check_base(name, config, model_id)
     check_targets(name, config, model)
     r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     layers: dict[str, LoraWeights] = {}
-    modules, head = read_tensors(name, folder, heads)
+    modules, head = read_tensors(name, folder, weights_bytes, heads)
     for module_name, pair in modules.items():
         if set(pair) != {"A", "B"}:
             raise ConfigError(
@@ -302,4 +354,4 @@ def load_adapter(
         a_pat = float(pattern_value(alphas, module_name, alpha))
         scale = a_pat / math.sqrt(rank) if config.get("use_rslora") else a_pat / rank
         layers[module_name] = LoraWeights(a.to(device, dtype), b.to(device, dtype), scale)
-    return Adapter(name, folder, layers, {k: t.to(device, dtype) for k, t in head.items()})
+    return Adapter(name, folder, layers, {k: t.to(device, dtype) for k, t in head.items()}, identity)
