@@ -247,6 +247,11 @@ def _edited(folder: Path, tmp_path: Path, name: str, **changes) -> Path:
             "init_lora_weights='pissa' adapters change the base model's weights",
         ),
         ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+        # PEFT 0.22's Astra and LoRA-GA rewrite the base weights too; they loaded and ran on the plain base
+        ({"init_lora_weights": "astra"}, "init_lora_weights='astra' adapters change the base model's"),
+        ({"init_lora_weights": "lora_ga"}, "init_lora_weights='lora_ga' adapters change the base model's"),
+        ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),
+        ({"kasa_config": {"beta": 0.0001, "gamma": 0.001}}, "KaSA \\(kasa_config"),  # was refused by a tensor
     ],
 )
 def test_refused_by_name(adapter_sets, tmp_path, changes, message):

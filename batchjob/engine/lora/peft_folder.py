@@ -45,7 +45,12 @@ _NOT_BUILT = (
     ("use_qalora", "QA-LoRA (use_qalora)"),
     ("use_bdlora", "use_bdlora"),
     ("arrow_config", "Arrow routing (arrow_config)"),
+    ("kasa_config", "KaSA (kasa_config: it truncates the base weights when loaded)"),
 )
+# init_lora_weights values with which PEFT rewrites the base weights when it makes the adapter, so that its
+# weights are trained against that residual (PEFT 0.22's LoraLayer.update_layer: pissa*, corda, astra, olora,
+# loftq, lora_ga; save_pretrained's path_initial_model_for_weight_conversion makes all but loftq plain LoRA).
+_REWRITES_BASE = ("pissa", "olora", "corda", "astra", "loftq", "lora_ga")
 # A saved tensor's name: PEFT's prefix, the module's name in the model, lora_A or lora_B (an adapter name
 # between them in some older files).
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
@@ -162,11 +167,11 @@ def parse_config(name: str, file: Path, data: bytes, heads: tuple[str, ...] = ()
             "the adapter's own classification head)"
         )
     init = str(config.get("init_lora_weights", True))
-    if init.startswith(("pissa", "olora", "corda")) or init == "loftq":
-        raise ConfigError(  # PEFT rewrites the base weights to the residual they were trained against
-            f"LoRA adapter {name!r}: init_lora_weights={init!r} adapters change the base model's weights when "
-            "loaded, which batchjob does not; save the adapter converted to plain LoRA (PEFT's "
-            "path_initial_model_for_weight_conversion) and use that"
+    if init.lower().startswith(_REWRITES_BASE):
+        raise ConfigError(
+            f"LoRA adapter {name!r}: init_lora_weights={init!r} adapters change the base model's weights (PEFT "
+            "trains them against the base minus their initial update), which batchjob does not; save the "
+            "adapter converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion) and use that"
         )
     if config.get("bias", "none") != "none":
         raise ConfigError(
