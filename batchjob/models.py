@@ -264,19 +264,9 @@ def load_model_and_tokenizer(
     ``task``: generate and score load the causal LM (a vision-language model: its image-text-to-text
     class), embed the model's body (``AutoModel``), classify its sequence-classification head.
     ``trust_remote_code``: allow the Python code a model folder ships (``auto_map``) to run."""
-    from transformers import (
-        AutoModel,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from transformers import AutoTokenizer
 
     from batchjob.engine.vision.family import check_family, is_vlm  # (its package imports torch)
-
-    auto = {"embed": AutoModel, "classify": AutoModelForSequenceClassification}.get(
-        task, AutoModelForCausalLM
-    )
 
     resolved = resolve_model(name)
     # The config first: a model that needs its own code is refused before anything else is read, and a
@@ -284,7 +274,7 @@ def load_model_and_tokenizer(
     config = _config(name, resolved, trust_remote_code)
     if is_vlm(config):
         check_family(config)
-        auto = AutoModelForImageTextToText
+    auto = _auto_class(config, task)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
         if not trust_remote_code:  # a hub model's tokenizer_config.json, read only now
@@ -295,6 +285,33 @@ def load_model_and_tokenizer(
     model.to(device)
     model.eval()
     return model, tokenizer, resolved
+
+
+def _auto_class(config: Any, task: str) -> Any:
+    """The transformers class a task loads (a vision-language model: its image-text-to-text class)."""
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
+
+    from batchjob.engine.vision.family import is_vlm  # (its package imports torch)
+
+    if is_vlm(config):
+        return AutoModelForImageTextToText
+    return {"embed": AutoModel, "classify": AutoModelForSequenceClassification}.get(
+        task, AutoModelForCausalLM
+    )
+
+
+def model_skeleton(config: Any, task: str, trust_remote_code: bool = False) -> Any:
+    """The model a task loads, built from its config on the meta device: its modules, without any weight (for
+    checks of what a load would refuse, such as an adapter's targets, before the load)."""
+    import torch  # (only for its meta device)
+
+    with torch.device("meta"):
+        return _auto_class(config, task).from_config(config, trust_remote_code=trust_remote_code)
 
 
 class _HeldReport(logging.Filter):

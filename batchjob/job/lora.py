@@ -69,16 +69,27 @@ def adapter_changes(want: dict[str, Any], have: dict[str, str], whose: tuple[str
     ]
 
 
-def check_adapters(paths: dict[str, str], config: Any, model_id: str) -> None:
-    """What the engine refuses of the adapters at load, checked before it (``validate``): adapters with
-    tensor parallelism or compile, a folder that is not PEFT's LoRA or holds what is not built (DoRA, trained
-    biases, ...), an adapter made for another base model. ``config``: the ``EngineConfig``."""
+def check_adapters(
+    paths: dict[str, str], config: Any, model_id: str, model_config: Any, encoder: bool, trust: bool = False
+) -> None:
+    """What the engine refuses of the adapters at load, checked before it (``validate``), by the engine's own
+    checks: adapters with tensor parallelism or compile, a folder that is not PEFT's LoRA or holds what is not
+    built (DoRA, trained biases, ...), ``modules_to_save`` but a classifier's head, the input embedding or
+    the output head as a target (against the model built without weights), an adapter made for another base
+    model. ``config``: the ``EngineConfig``; ``model_config``: the model's; ``encoder``: the model attends
+    both ways (``plan.ModelPlan.encoder``); ``trust``: the job's ``trust_remote_code``."""
     from batchjob.engine import lora  # (the engine's package imports torch)
-    from batchjob.engine.lora.peft_folder import check_base, read_config, resolve_folder
+    from batchjob.engine.lora.peft_folder import check_base, check_targets, read_config, resolve_folder
+    from batchjob.engine.tasks.adapters import task_heads
+    from batchjob.models import model_skeleton
 
     if not paths:
         return
     lora.refuse(config, config.tensor_parallel_size > 1)
-    heads = () if config.task == "generate" else ("head",)  # a task engine's head: checked at load
+    heads = task_heads(config.task, encoder, getattr(model_config, "model_type", ""))
+    skeleton = None
     for name, path in paths.items():
-        check_base(name, read_config(name, resolve_folder(name, os.path.expanduser(path)), heads), model_id)
+        adapter_config = read_config(name, resolve_folder(name, os.path.expanduser(path)), heads)
+        check_base(name, adapter_config, model_id)
+        skeleton = skeleton or model_skeleton(model_config, config.task, trust)  # once, for the first
+        check_targets(name, adapter_config, skeleton)

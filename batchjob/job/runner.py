@@ -57,8 +57,9 @@ def check_engine(spec: JobSpec) -> str:
     model_config, resolved = load_config(spec.model, spec.trust_remote_code)
     check_image_model(spec, model_config)
     config = EngineConfig(**spec.engine.as_keywords())
-    max_len = plan_model(model_config, config).max_model_len  # the engine's refusals, from plan.py
-    check_adapters(spec.lora_paths, config, resolved)  # and the adapters' (engine/lora/)
+    plan = plan_model(model_config, config)  # the engine's refusals, from plan.py
+    max_len = plan.max_model_len
+    check_adapters(spec.lora_paths, config, resolved, model_config, plan.encoder, spec.trust_remote_code)
     if config.task == "generate":  # the processors its generation_config.json asks for, as the load refuses
         config_penalty(load_generation_config(resolved), config.task, generation_config_file(resolved))
     if config.task == "embed":  # what the folder's sentence-transformers files ask that batchjob refuses

@@ -136,23 +136,40 @@ def test_refused_before_any_work(rows, tiny_model_dir, adapters, tmp_path):
 
 def test_validate_refuses_what_the_engine_refuses_of_adapters(rows, tiny_model_dir, adapters, tmp_path):
     """validate said ok where run refused at load: an adapter that is no folder, a DoRA one, adapters under
-    --compile (each before any weight is read now)."""
+    --compile, the input embedding or the output head as a target, modules_to_save but with --task classify
+    (each before any weight is read now: the targets against the model built on the meta device)."""
     from click.testing import CliRunner
 
     from batchjob.cli import main
 
-    dora = tmp_path / "dora"
-    shutil.copytree(adapters["rs"], dora)
-    cfg = json.loads((dora / "adapter_config.json").read_text())
-    (dora / "adapter_config.json").write_text(json.dumps(cfg | {"use_dora": True}))
+    def edited(name: str, **changes) -> object:
+        folder = shutil.copytree(adapters["rs"], tmp_path / name)
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps(cfg | changes))
+        return folder
+
+    dora = edited("dora", use_dora=True)
+    emb = edited("emb", target_modules=["embed_tokens", "o_proj"])
+    head = edited("head", target_modules=["lm_head"])
+    saved = edited("saved", modules_to_save=["score"])  # a classifier's head: only --task classify takes it
     for lora, extra, message in [
         (tmp_path / "missing", [], "is not a folder"),
         (dora, [], "DoRA (use_dora) is not supported"),
         (adapters["rs"], ["--compile"], "LoRA adapters with compile are not supported"),
+        (emb, [], "the input embedding (model.embed_tokens) as a target is not supported"),
+        (head, [], "the output head (lm_head) as a target is not supported"),
+        (saved, ["--task", "score"], "modules_to_save is not supported here"),
+        (saved, ["--task", "embed"], "modules_to_save is not supported here"),
     ]:
         spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"a": lora})
+        if "--task" in extra:
+            del spec["max_new_tokens"]  # (generation's, refused with the other tasks)
         result = CliRunner().invoke(main, ["validate", *_args(spec), *extra])
         assert result.exit_code == 2 and message in result.output, result.output
+    spec = _spec(rows, tmp_path / "o", tiny_model_dir, {"a": saved})
+    del spec["max_new_tokens"]
+    result = CliRunner().invoke(main, ["validate", *_args(spec), "--task", "classify"])  # its own head: taken
+    assert result.exit_code == 0, result.output
 
 
 def test_an_adapter_folder_rewritten_while_the_job_starts_is_refused(

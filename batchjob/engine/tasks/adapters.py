@@ -35,11 +35,17 @@ from batchjob.errors import ConfigError
 def head_modules(model: Any, tasks: TaskRunner) -> tuple[str, ...]:
     """The modules of ``model`` a classify adapter's ``modules_to_save`` may replace (what
     ``runner.classifier`` applies after the body); none for embed and score."""
-    if tasks.task != "classify":
+    return task_heads(tasks.task, tasks.encoder, model.config.model_type)
+
+
+def task_heads(task: str, encoder: bool, model_type: str) -> tuple[str, ...]:
+    """``head_modules`` of a task's model from what its config says (``validate`` checks adapters with it):
+    an encoder (``plan.ModelPlan.encoder``) classifies with ``classifier``, a causal model with ``score``."""
+    if task != "classify":
         return ()
-    if not tasks.encoder:
+    if not encoder:
         return ("score",)
-    return ("classifier", "head") if model.config.model_type == "modernbert" else ("classifier",)
+    return ("classifier", "head") if model_type == "modernbert" else ("classifier",)
 
 
 def attach_to(engine: Any, paths: lora.Paths, sharded: bool) -> lora.Adapters:
