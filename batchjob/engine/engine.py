@@ -483,14 +483,17 @@ class Engine:
         self,
         conversations: Sequence[str] | Sequence[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: Sequence[str | None] | None = None,
         *,
         system: str | None = None,
     ) -> list[RequestOutput]:
-        """:meth:`generate` over each conversation (a user message, or a list of ``{role, content}``
-        messages) rendered through the tokenizer's chat template, as ``batchjob run`` renders prompts."""
+        """:meth:`generate` (``adapters`` too) over each conversation (a user message, or a list of
+        ``{role, content}`` messages) put through the tokenizer's chat template, as ``batchjob run`` does."""
         conversations = offline.prompt_list(conversations, "chat")
         params = offline.params_for(conversations, sampling_params)
-        return offline.generate(self, offline.chat_prompts(self.tokenizer, conversations, system), params)
+        names = lora_adapters.per_prompt(self.lora, adapters, len(conversations))
+        prompts = offline.chat_prompts(self.tokenizer, conversations, system)
+        return offline.generate(self, prompts, params, names)
 
     def tokenize(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """A text's token ids, with the tokenizer's special tokens (a prefill-only engine cuts them)."""

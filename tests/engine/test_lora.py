@@ -125,6 +125,24 @@ def test_mixed_batch_equals_peft_generate(adapter_sets, family, gathered, monkey
         assert alone.token_ids == outs[i].token_ids
 
 
+def test_chat_takes_adapters_as_generate_does(adapter_sets):
+    """chat() took no adapters= (generate() did): each conversation now runs under its adapter, as generate
+    runs its rendered prompt under it."""
+    base, folders = adapter_sets["llama"]
+    engine = Engine.from_pretrained(str(base), dtype="float64", device="cpu", lora={"qv": str(folders["qv"])})
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    got = engine.chat(["Hello there", "Hello there"], params, adapters=["qv", None])
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=False
+    )
+    want = engine.generate([prompt, prompt], params, adapters=["qv", None])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[0].token_ids != got[1].token_ids
+    with pytest.raises(ConfigError, match="unknown LoRA adapter 'nope'"):
+        engine.chat(["Hello there"], params, adapters=["nope"])
+    assert not engine.has_unfinished()
+
+
 def test_decode_buffers_and_resume_keep_the_adapter(adapter_sets):
     """The padded decode buffers (cuda_graphs on a CPU engine) and a resumed request (its snapshot names the
     adapter) give PEFT's tokens."""
