@@ -73,9 +73,8 @@ class Engine:
         self._build(plan, tensor_parallel)
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # rejected at admission; reported by the next step()
-        # The request features beside the core, in the order their hooks run (features/).
         penalty = model_penalty(model, config.task, model_id)
-        self.features: list[RequestFeature] = step_features(
+        self.features: list[RequestFeature] = step_features(  # beside the core, in hook order (features/)
             tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, penalty
         )
         self.output = OutputProcessor(tokenizer)
