@@ -32,7 +32,7 @@ from batchjob.job import admission, model_identity
 from batchjob.job.ahead import Ahead, Taken, read_rows
 from batchjob.job.checkpoint import InFlight, Parts
 from batchjob.job.ids import IdIndex
-from batchjob.job.inputs import split_ordinal
+from batchjob.job.inputs import InputChangedError, only_growth, split_ordinal
 from batchjob.job.manifest import ErrorCounts, Manifest
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import Progress
@@ -425,7 +425,12 @@ class JobLoop:
 
     def _complete(self) -> None:
         """Every row is done: commit the last part, mark the job complete, drop the in-flight checkpoint."""
-        check_inputs_unchanged(self.prep)  # a job is complete only for the inputs it recorded
+        try:
+            check_inputs_unchanged(self.prep)  # a job is complete only for the inputs it recorded
+        except InputChangedError as e:
+            if only_growth(e.problems):  # files added or grown: the rows done are of the files as recorded,
+                self.checkpoint()  # so they are kept for the --append run (a changed file's rows are not)
+            raise
         self.commit()
         if self.ids is not None:
             self.ids.commit()

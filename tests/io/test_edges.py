@@ -228,14 +228,18 @@ def test_a_file_added_to_an_input_folder_while_the_job_ran_stops_it_before_compl
     _lines(tmp_path / "in" / "a.jsonl", 20)
     out = tmp_path / "out"
     added = tmp_path / "in" / "b.jsonl"
+    args = _run_args(tmp_path / "in", out, tiny_model_dir)[:-2]  # no checkpoint before the end
     with at_step(2, lambda: _lines(added, 3)):
-        code, output = run_here(_run_args(tmp_path / "in", out, tiny_model_dir))
+        code, output = run_here(args)
     assert code == 2, output
     assert "the job stopped before saying complete" in output
     assert f"{added}: new file (run with --append to process it)" in output
     assert "complete:" not in output and "Traceback" not in output
-    code, output = run_here([*_run_args(tmp_path / "in", out, tiny_model_dir), "--append"])
+    # the 20 rows of the file it recorded were done and are kept (they were dropped: the last part was
+    # committed after the check, so the --append run did them again)
+    code, output = run_here([*args, "--append"])
     assert code == 0 and "complete: 23 of 23" in output, output
+    assert "this run: 3 rows" in output, output
 
 
 # --- export ------------------------------------------------------------------------------------------------
