@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from batchjob import faults
 from batchjob.io.atomic import replace_file, writing
 from batchjob.io.fits import as_text, fits
+from batchjob.io.schema import HF_KEY
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -149,11 +150,25 @@ def output_schema(
     # rows, which come in another order, with other rows' labels: the parts leave it out
     metadata = {k: v for k, v in (input_schema.metadata or {}).items() if k != PANDAS_KEY} or None
     renamed = {out: column for column, out in names.items() if out != column}
+    if renamed and metadata and HF_KEY in metadata:
+        metadata[HF_KEY] = _features_renamed(metadata[HF_KEY], names)
     # recorded too where an input column has a name another task reserves, so ``input_column`` never
     # takes such a part for one written before the record (``label`` kept beside an input ``input_label``)
     if renamed or not _ALL_RESULT_NAMES.isdisjoint(names):
         metadata = {**(metadata or {}), RENAMED_KEY: json.dumps(renamed, ensure_ascii=False).encode()}
     return pa.schema(fields + result + list(extra), metadata=metadata)
+
+
+def _features_renamed(record: bytes, names: dict[str, str]) -> bytes:
+    """``datasets``' record of the input's features with each feature under the name its column is written
+    as: ``datasets`` decodes a column by the feature of its name, so a renamed input column's (an input
+    ``num_prompt_tokens`` ClassLabel, written as ``input_num_prompt_tokens``) would decode the result's."""
+    value = json.loads(record)
+    features = (value.get("info") or {}).get("features")
+    if not isinstance(features, dict):
+        return record
+    value["info"]["features"] = {names.get(k, k): v for k, v in features.items()}
+    return json.dumps(value, ensure_ascii=False).encode()
 
 
 # Every result or feature column name any task writes. A part written before the renaming was recorded

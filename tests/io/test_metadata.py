@@ -59,3 +59,23 @@ def test_files_whose_features_differ_give_parts_without_them(tmp_path):
         why = compatible(alike, discover([str(tmp_path / other)])[0])
         assert why is not None and "'huggingface' schema metadata" in why
     assert compatible(alike, discover([str(tmp_path / "a" / "2.parquet")])[0]) is None
+
+
+def test_a_renamed_input_columns_feature_goes_with_it(tmp_path):
+    """An input column named as a result column is written as ``input_<name>``; its feature stayed under the
+    old name, so ``datasets`` decoded the result column by it (an input ``num_prompt_tokens`` ClassLabel made
+    every row's token count a label name)."""
+    import datasets  # heavy: only the tests that save a dataset load it
+
+    from batchjob.io.writers import output_schema
+
+    features = datasets.Features(
+        {"prompt": datasets.Value("string"), "num_prompt_tokens": datasets.ClassLabel(names=["a", "b"])}
+    )
+    table = datasets.Dataset.from_dict({"prompt": ["x"], "num_prompt_tokens": [1]}, features=features)
+    table.to_parquet(tmp_path / "in.parquet")
+    schema = output_schema(input_schema(discover([str(tmp_path / "in.parquet")])))
+    assert "input_num_prompt_tokens" in schema.names and "num_prompt_tokens" in schema.names
+    read = datasets.Features.from_arrow_schema(schema)
+    assert read["input_num_prompt_tokens"] == datasets.ClassLabel(names=["a", "b"])
+    assert read["num_prompt_tokens"] == datasets.Value(str(schema.field("num_prompt_tokens").type))
