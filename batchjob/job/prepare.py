@@ -31,6 +31,7 @@ from batchjob.job.lora import lora_identity
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
 from batchjob.job.rows.images import check_plan
+from batchjob.job.templates import reads_narrow_float
 
 if TYPE_CHECKING:
     from batchjob.job.images import CellRefs
@@ -137,12 +138,38 @@ def _score_entry(spec: JobSpec, model: dict[str, Any]) -> dict[str, Any]:
     return {"logsoftmax": "float32"} if halved else {}
 
 
-def _render_entry(plan: PromptPlan) -> dict[str, Any]:
+def _render_entry(spec: JobSpec, plan: PromptPlan) -> dict[str, Any]:
     """A conversation rendered without the generation prompt (a task that reads it as it is) says so in the
     job's identity: such a job started when every render ended with one is refused on resume, by name,
-    rather than written half one way and half the other (a job that renders no conversation is unchanged)."""
+    rather than written half one way and half the other (a job that renders no conversation is unchanged).
+    So do the ways of rendering (``RENDERING``) that this batchjob's prompts take where an earlier one's
+    took another, as the tags under ``rendering`` (present only where there are some)."""
     reads_as_is = plan.kind != "openai" and plan.chat and not plan.generation_prompt
-    return {"generation_prompt": False} if reads_as_is else {}
+    entry: dict[str, Any] = {"generation_prompt": False} if reads_as_is else {}
+    tags = set()
+    if plan.kind == "template" and plan.template and reads_narrow_float(plan.template, plan.types):
+        tags.add("float32-fields")
+    return entry | ({"rendering": sorted(tags)} if tags else {})
+
+
+# The ways this batchjob renders some prompts where an earlier batchjob rendered them otherwise, by the tag a
+# job's identity lists under prompt.rendering: a job started before a tag was is refused on resume, saying why
+RENDERING = {
+    "float32-fields": "a --template field of a float32 or float16 column is written at its own precision, 0.1 "
+    "where an earlier batchjob wrote its float64 widening 0.10000000149011612",
+}
+
+
+def _explained(line: str, saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """A ``prompt.rendering`` change with what each tag that differs means, and how to go on."""
+    if not line.startswith("prompt.rendering:"):
+        return line
+    saved_tags, now_tags = (set(fp.get("prompt", {}).get("rendering") or ()) for fp in (saved, now))
+    why = "; ".join(RENDERING.get(t, t) for t in sorted(saved_tags ^ now_tags))
+    return (
+        f"{line} ({why}): the job's rows were made one way and would go on the other; finish it with the "
+        "batchjob that started it, or start it anew in another --output"
+    )
 
 
 def input_paths(spec: JobSpec) -> list[str]:
@@ -168,7 +195,7 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: st
     out = [model] if model else []
     if None not in runs and runs[0] != runs[1]:
         out.append(f"model.dtype: 'auto' ran in {runs[0]}, is {runs[1]} here")
-    return out + fingerprint_changes(a, b, defaults)
+    return out + [_explained(line, saved, now) for line in fingerprint_changes(a, b, defaults)]
 
 
 def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: str) -> tuple[dict, dict]:
@@ -223,9 +250,10 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
         plan = plan_prompts(spec, schema.names, has_chat_template, schema)
         check_column_types(spec, plan, schema)
         check_unused(spec.values(), PILLOW_MAX_PIXELS, plan.kind)  # the input's columns chose the prompts
+        rendered = {"resolved_column": plan.column} | _render_entry(spec, plan)
         fingerprint = {
             "model": _model_entry(spec),
-            "prompt": spec.prompt_fingerprint() | {"resolved_column": plan.column} | _render_entry(plan),
+            "prompt": spec.prompt_fingerprint() | rendered,
             "sampling": spec.sampling_fingerprint(),
             "sharding": {"num_shards": shard.count},
         }

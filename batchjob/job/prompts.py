@@ -27,9 +27,9 @@ from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
     TEMPLATE_RULES,
     TemplateField,
-    has_map,
     parse_template,
     render_template,
+    renders_by_type,
     template_fields,
 )
 from batchjob.sampling import greedy_samples
@@ -46,7 +46,8 @@ class PromptPlan:
     system: str | None
     chat: bool
     # a template's columns and their pyarrow types, where the input's schema is known: Arrow gives a map's
-    # value as a list of (key, value) pairs, and only the type tells it from a list of pairs
+    # value as a list of (key, value) pairs, and only the type tells it from a list of pairs (and a float32's
+    # widened float64 from its own value)
     types: tuple[tuple[str, Any], ...] = ()
     # whether a chat render ends with the template's generation prompt (the assistant's header): only where a
     # continuation follows it (generate, score with --score-column); a classifier, an embedding or a whole
@@ -356,7 +357,7 @@ class PromptBuilder:
             template_kwargs or {}
         )  # --chat-template-kwargs, e.g. {"enable_thinking": false}
         self._template = parse_template(plan.template) if plan.template is not None else ()
-        self._types = {c: t for c, t in plan.types if has_map(t)}  # only a map needs its type to render
+        self._types = {c: t for c, t in plan.types if renders_by_type(t)}  # a map, a float32: by their type
 
     def text(self, values: dict[str, Any]) -> tuple[str | None, str | None]:
         """(prompt text, None) or (None, why this row has no usable prompt)."""

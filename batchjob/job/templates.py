@@ -88,28 +88,100 @@ class MapValue:
     pairs: tuple[tuple[Any, Any], ...]
 
 
+def _has(t: Any, kind: Any) -> bool:
+    """Whether the pyarrow type ``t`` is, or holds anywhere in it, a type that ``kind`` (a check) is true of."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if kind(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_has(t.field(i).type, kind) for i in range(t.num_fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _has(t.value_type, kind)
+    if pa.types.is_map(t):
+        return _has(t.key_type, kind) or _has(t.item_type, kind)
+    return False
+
+
 def has_map(t: Any) -> bool:
     """Whether the pyarrow type ``t`` has a map anywhere in it."""
     import pyarrow as pa
 
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    if pa.types.is_struct(t):
-        return any(has_map(t.field(i).type) for i in range(t.num_fields))
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return has_map(t.value_type)
-    return bool(pa.types.is_map(t))
+    return _has(t, pa.types.is_map)
+
+
+def _is_narrow_float(t: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_float32(t) or pa.types.is_float16(t))
+
+
+def has_narrow_float(t: Any) -> bool:
+    """Whether the pyarrow type ``t`` has a float32 or float16 anywhere in it: ``to_pylist`` widens such a
+    value to a float64, whose text is not the column's (0.1 as 0.10000000149011612)."""
+    return _has(t, _is_narrow_float)
+
+
+def renders_by_type(t: Any) -> bool:
+    """Whether a value of the pyarrow type ``t`` needs its type to render (``render_template``'s ``types``):
+    a map (else a list of pairs) or a float32 or float16 (else its float64 widening)."""
+    return has_map(t) or has_narrow_float(t)
+
+
+def reads_narrow_float(template: str, types: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether ``template`` writes a float32 or float16 value into some prompt, as its columns' pyarrow
+    ``types`` (``PromptPlan.types``) say, following each field's index path (a struct's other fields are not
+    written); a map's or a list's items share one type, whatever the key or index."""
+    import pyarrow as pa
+
+    kinds = dict(types)
+    for part in parse_template(template):
+        if not isinstance(part, TemplateField) or part.column not in kinds:
+            continue
+        t = kinds[part.column]
+        for key in part.path:
+            if pa.types.is_dictionary(t):
+                t = t.value_type
+            if pa.types.is_struct(t):
+                if t.get_field_index(key) < 0:
+                    break  # no row has it: refused before work, or each row's error
+                t = t.field(key).type
+            elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+                t = t.value_type
+            elif pa.types.is_map(t):
+                t = t.item_type
+            else:
+                break
+        if has_narrow_float(t):
+            return True
+    return False
+
+
+def _narrow(value: float, t: Any) -> float:
+    """A float32 or float16 value (type ``t``) that ``to_pylist`` widened to a float64, as the float64 of its
+    shortest text at its own precision, so that str() and JSON write 0.1 as Arrow and pandas show it (not
+    0.10000000149011612): numpy's text of a float32 or float16 is the shortest that reads back as it."""
+    import numpy as np  # (numpy's shortest round-trip text of a float32 or float16; loaded with pyarrow)
+    import pyarrow as pa
+
+    kind = np.float16 if pa.types.is_float16(t) else np.float32
+    return float(str(kind(value)))
 
 
 def _with_maps(value: Any, t: Any) -> Any:
-    """A row's ``value`` (from ``to_pylist``) with each map in it, as its type ``t`` says, a ``MapValue``; a
-    value of another shape than ``t`` (a text column of mixed JSONL values) is left as it is."""
+    """A row's ``value`` (from ``to_pylist``) with each map in it, as its type ``t`` says, a ``MapValue``, and
+    each float32 or float16 in it at its own precision (``_narrow``); a value of another shape than ``t`` (a
+    text column of mixed JSONL values) is left as it is."""
     import pyarrow as pa
 
     if pa.types.is_dictionary(t):
         t = t.value_type
+    if _is_narrow_float(t) and isinstance(value, float):
+        return _narrow(value, t)
     if pa.types.is_map(t) and isinstance(value, list):
-        return MapValue(tuple((k, _with_maps(v, t.item_type)) for k, v in value))
+        return MapValue(tuple((_with_maps(k, t.key_type), _with_maps(v, t.item_type)) for k, v in value))
     if pa.types.is_struct(t) and isinstance(value, dict):
         kinds = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
         return {k: _with_maps(v, kinds[k]) if k in kinds else v for k, v in value.items()}
@@ -211,7 +283,8 @@ def render_template(
     parts: tuple[str | TemplateField, ...], values: dict[str, Any], types: dict[str, Any] | None = None
 ) -> tuple[str | None, str | None]:
     """(text, None) or (None, why this row does not fill the template). ``types``: the pyarrow types of the
-    columns that hold maps (``PromptPlan.types``), to tell a map from a list of pairs."""
+    columns that need them (``renders_by_type``; ``PromptPlan.types``), to tell a map from a list of pairs
+    and write a float32 or float16 at its own precision."""
     out, empty = [], []
     for part in parts:
         if isinstance(part, str):

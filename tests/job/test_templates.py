@@ -155,6 +155,36 @@ def test_a_map_is_looked_up_by_key_and_rendered_as_an_object():
     assert _typed_text("{pairs[0][1]} {pairs}", MAPS)[0] == ('v [["k", "v"]]', None)
 
 
+FLOATS = pa.table(
+    {
+        "f": pa.array([0.1, 1e20], pa.float32()),
+        "h": pa.array([0.1, 65504.0], pa.float16()),
+        "d": pa.array([0.1, 0.1 + 0.2], pa.float64()),
+        "l": pa.array([[0.1, 2.5], []], pa.list_(pa.float32())),
+        "s": pa.array(
+            [{"x": 0.1, "t": "a"}, {"x": 0.3, "t": "b"}], pa.struct([("x", pa.float32()), ("t", pa.string())])
+        ),
+        "m": pa.array([[(0.1, 0.2)], []], pa.map_(pa.float32(), pa.float32())),
+    }
+)
+
+
+def test_a_float32_or_float16_field_is_written_at_its_own_precision():
+    """A float32 column's 0.1 was written as its float64 widening, 0.10000000149011612 (to_pylist widens it);
+    Arrow's text and pandas show 0.1: the shortest text that reads back as the same float32 (float16)."""
+    got = _typed_text("{f} {h} {d} | {l} {l[0]} | {s} {s[x]} | {m} {m[0.1]}", FLOATS)
+    assert got[0] == ('0.1 0.1 0.1 | [0.1, 2.5] 0.1 | {"x": 0.1, "t": "a"} 0.1 | {"0.1": 0.2} 0.2', None)
+    assert _typed_text("{f} {h} {d} {l} {m}", FLOATS)[1] == ("1e+20 65500.0 0.30000000000000004 [] {}", None)
+
+
+def test_a_template_that_writes_a_float32_says_so_in_the_jobs_identity():
+    from batchjob.job.templates import reads_narrow_float
+
+    types = tuple((c, FLOATS.schema.field(c).type) for c in FLOATS.schema.names)
+    assert all(reads_narrow_float(t, types) for t in ("{f}", "{h}", "{l[0]}", "{s}", "{s[x]}", "{m}"))
+    assert not any(reads_narrow_float(t, types) for t in ("{d}", "{s[t]}", "no field"))
+
+
 @pytest.mark.parametrize(
     ("template", "row", "error"),
     [
@@ -308,6 +338,35 @@ def test_map_fields_in_a_job(tmp_path, tiny_model_dir):
     assert rows[0]["error"] is None
     assert rows[0]["num_prompt_tokens"] == len(tok('Dune / zero / {"title": "Dune"}')["input_ids"])
     assert "{m[0]}: 'm' has no [0] in this row" in rows[1]["error"]
+
+
+def test_float32_fields_in_a_job_and_an_earlier_batchjobs_job_is_refused(tmp_path, tiny_model_dir):
+    """A job writes a float32 column's 0.1 as 0.1 (its prompt was 'F: 0.10000000149011612'); its identity
+    says so, and a job an earlier batchjob started (no such tag) is refused on resume, saying why."""
+    from transformers import AutoTokenizer
+
+    from batchjob.io.atomic import read_json, write_json
+
+    data = tmp_path / "floats.parquet"
+    pq.write_table(FLOATS, data)
+    out = tmp_path / "out"
+    args = ["--input", data, "--output", out, "--model", tiny_model_dir, "--template", "F: {f}"]
+    code, text = invoke("run", *args, "--no-chat", "--max-new-tokens", "2")
+    assert code == 0, text
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    want = [len(tok(t)["input_ids"]) for t in ("F: 0.1", "F: 1e+20")]
+    assert [r["num_prompt_tokens"] for r in rows] == want
+    saved = read_json(out / "_batchjob" / "job.json")
+    assert saved["fingerprint"]["prompt"]["rendering"] == ["float32-fields"]
+    del saved["fingerprint"]["prompt"]["rendering"]
+    write_json(out / "_batchjob" / "job.json", saved)
+    code, text = invoke("run", *args, "--no-chat", "--max-new-tokens", "2")
+    assert code == 2 and "prompt.rendering: was None, now ['float32-fields']" in text, text
+    assert "0.10000000149011612" in text and "another --output" in text
+    code, text = invoke("run", *args[:3], tmp_path / "o2", *args[4:-1], "F: {d}", "--no-chat")  # float64
+    assert code == 0, text
+    assert "rendering" not in read_json(tmp_path / "o2" / "_batchjob" / "job.json")["fingerprint"]["prompt"]
 
 
 # -- what the column types already say every row would fail: a setup error (issue 22) --------------------------
