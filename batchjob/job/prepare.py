@@ -149,6 +149,8 @@ def _render_entry(spec: JobSpec, plan: PromptPlan) -> dict[str, Any]:
     tags = set()
     if plan.kind == "template" and plan.template and reads_narrow_float(plan.template, plan.types):
         tags.add("float32-fields")
+    if plan.kind == "openai" and spec.engine.task != "embed":  # (which requests have text parts: not known)
+        tags.add("openai-text-parts")
     return entry | ({"rendering": sorted(tags)} if tags else {})
 
 
@@ -157,6 +159,9 @@ def _render_entry(spec: JobSpec, plan: PromptPlan) -> dict[str, Any]:
 RENDERING = {
     "float32-fields": "a --template field of a float32 or float16 column is written at its own precision, 0.1 "
     "where an earlier batchjob wrote its float64 widening 0.10000000149011612",
+    "openai-text-parts": "a --format openai message's text parts are joined with a newline, as vLLM joins "
+    "them, where an earlier batchjob joined them with nothing ('Paris is' and 'the capital' as 'Paris "
+    "isthe capital')",
 }
 
 

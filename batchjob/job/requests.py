@@ -255,6 +255,8 @@ def _response_format(fmt: Any) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
+    """A message's content as one text: a list of text parts joined with a newline, as vLLM joins them (with
+    nothing, 'Paris is' and 'the capital' read 'Paris isthe capital')."""
     if isinstance(content, str):
         return content, None
     if isinstance(content, list):
@@ -268,7 +270,7 @@ def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 return None, f"body.messages[{i}].content[{j}]: only text parts are supported (got {kind!r})"
             parts.append(part["text"])
-        return "".join(parts), None
+        return "\n".join(parts), None
     return None, f"body.messages[{i}].content must be text"
 
 

@@ -95,7 +95,7 @@ def test_openai_request_lines():
     assert json.loads(p.json_schema) == {"type": "object"}
     parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     req, _, err = parse_request(chat(parts), BASE, None)
-    assert req == {"messages": [{"role": "system", "content": "ab"}]}
+    assert req == {"messages": [{"role": "system", "content": "a\nb"}]}  # as vLLM joins text parts
     completion = {
         "custom_id": "y",
         "method": "POST",
@@ -589,6 +589,36 @@ def test_check_model_name(requests_file, tiny_model_dir, tmp_path):
         "run", "--input", requests_file, "--output", out, "--model", tiny_model_dir, "--format", "openai"
     )
     assert code != 0 and "prompt.check_model_name" in text, text
+
+
+def test_openai_text_parts_are_joined_with_a_newline_and_the_job_says_so(tiny_model_dir, tmp_path):
+    """['Paris is', 'the capital'] was 'Paris isthe capital' (joined with nothing); vLLM joins text parts
+    with a newline. An OpenAI job's identity lists openai-text-parts under prompt.rendering: one an earlier
+    batchjob started is refused on resume, saying why."""
+    from transformers import AutoTokenizer
+
+    from batchjob.io.atomic import read_json, write_json
+
+    parts = [{"type": "text", "text": "Paris is"}, {"type": "text", "text": "the capital"}]
+    line = chat([{"role": "user", "content": parts}], max_tokens=2, temperature=0)
+    data = tmp_path / "requests.jsonl"
+    data.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "out"
+    args = ["run", "--input", data, "--output", out, "--model", tiny_model_dir, "--format", "openai"]
+    code, text = invoke(*args)
+    assert code == 0, text
+    (row,) = ds.dataset(out, format="parquet").to_table().to_pylist()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    conv = [{"role": "user", "content": "Paris is\nthe capital"}]
+    want = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert row["error"] is None and row["num_prompt_tokens"] == len(want["input_ids"])
+    saved = read_json(out / "_batchjob" / "job.json")
+    assert saved["fingerprint"]["prompt"]["rendering"] == ["openai-text-parts"]
+    del saved["fingerprint"]["prompt"]["rendering"]
+    write_json(out / "_batchjob" / "job.json", saved)
+    code, text = invoke(*args)
+    assert code == 2 and "prompt.rendering: was None, now ['openai-text-parts']" in text, text
+    assert "joined with a newline" in text and "another --output" in text
 
 
 @pytest.mark.parametrize(
