@@ -22,7 +22,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
-from batchjob.job.requests import ONLY_ROLE_AND_CONTENT, extra_key
+from batchjob.job.requests import COMPLETIONS_NO_KWARGS, ONLY_ROLE_AND_CONTENT, extra_key
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
     TEMPLATE_RULES,
@@ -66,6 +66,11 @@ class PromptPlan:
         follows = spec.engine.task == "generate" or spec.score_column is not None  # a continuation
         plan = replace(self, generation_prompt=follows)
         if plan.kind == "openai":  # each request's messages go through the template when there is one
+            if spec.template_kwargs and not has_chat_template:  # they were taken without a word
+                raise ConfigError(
+                    "--chat-template-kwargs go to the chat template, and this model's tokenizer has none, so "
+                    "no request goes through one (a chat request is its row's error): leave them out"
+                )
             return replace(plan, chat=has_chat_template)
         if plan.kind == "messages":
             if spec.chat is False:  # it was let go on a text model, and made every row an error on a VLM's
@@ -449,6 +454,8 @@ class PromptBuilder:
                     "--system is a system message, which a completions request (a 'prompt') has no place for: "
                     "send it as a chat request (messages), or leave out --system"
                 )
+            if self.template_kwargs:  # they were dropped from such a request without a word
+                return None, COMPLETIONS_NO_KWARGS
             return self._tokens(request["prompt"], chat=False)
         if not self.plan.chat:
             return None, "a chat request needs a model whose tokenizer has a chat template; this one has none"

@@ -342,6 +342,12 @@ def _request_body(
 
 
 ONLY_ROLE_AND_CONTENT = "a message has only role and content here: the prompt would be built without it"
+# A completions request in a job with --chat-template-kwargs: its prompt does not go through the template
+COMPLETIONS_NO_KWARGS = (
+    "--chat-template-kwargs go to the chat template, which a completions request (a 'prompt') does not go "
+    "through, so they would change nothing here: send it as a chat request (messages), or run the "
+    "completions requests as a job without --chat-template-kwargs"
+)
 
 
 def extra_key(message: dict[str, Any]) -> str | None:

@@ -129,3 +129,50 @@ def test_image_rows_are_checked_against_the_processors_template(tmp_path):
     images = make_spec(model=str(folder), image_column="image", chat_template_kwargs=kwargs)
     with pytest.raises(ConfigError, match="the processor's chat template never reads 'enable_thinking'"):
         check_job_kwargs(images, plan_prompts(images, ["text", "image"], True), tokenizer, config, False)
+
+
+def _requests(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    lines = [
+        {"custom_id": "chat", "url": "/v1/chat/completions", "method": "POST"}
+        | {"body": {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 2}},
+        {"custom_id": "completion", "url": "/v1/completions", "method": "POST"}
+        | {"body": {"prompt": "Paris is", "max_tokens": 2}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_kwargs_with_openai_requests_on_a_tokenizer_without_a_template_are_refused(tiny_model_dir, tmp_path):
+    """--format openai on a tokenizer without a chat template took the kwargs and ran (exit 0): no request
+    goes through a template there, as --no-chat's prompts do not, which is refused."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = None
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    args = ["--input", _requests(tmp_path), "--output", tmp_path / "o", "--model", folder]
+    args += ["--format", "openai"]
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    for command in ("validate", "run"):
+        result = CliRunner().invoke(main, [command, *map(str, args), *kwargs])
+        assert result.exit_code == 2, result.output
+        assert "this model's tokenizer has none, so no request goes through one" in result.output
+    assert not list((tmp_path / "o").glob("*.parquet"))
+
+
+def test_a_completions_request_in_a_job_with_kwargs_is_its_rows_error(thinker, tmp_path):
+    """A completions request's prompt does not go through the chat template: the kwargs were dropped from it
+    without a word (as --system on such a request is its row's error)."""
+    out = tmp_path / "o"
+    args = ["run", "--input", _requests(tmp_path), "--output", out, "--model", thinker, "--format", "openai"]
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    result = CliRunner().invoke(main, [*map(str, args), *kwargs])
+    assert result.exit_code == 0, result.output
+    rows = {r["custom_id"]: r for r in ds.dataset(out, format="parquet").to_table().to_pylist()}
+    assert rows["chat"]["error"] is None
+    assert "a completions request (a 'prompt') does not go through" in rows["completion"]["error"]

@@ -634,3 +634,36 @@ def test_two_workers_share_the_image_records(llava, tmp_path):
         assert code == 0, output
     assert read_results(tmp_path / "two") == read_results(tmp_path / "one")
     assert (tmp_path / "two" / "_batchjob" / "images.json").exists()
+
+
+def test_a_completions_request_on_a_vlm_in_a_job_with_kwargs_is_its_rows_error(llava, tmp_path):
+    """As on a text model: a completions request's prompt does not go through the chat template, so the
+    --chat-template-kwargs were dropped from it without a word."""
+    import shutil
+
+    import pyarrow.dataset as ds
+
+    folder = tmp_path / "llava"
+    shutil.copytree(llava[0], folder)
+    for name in ("chat_template.jinja", "chat_template.json"):  # the processor's template reads the kwarg
+        path = folder / name
+        if path.exists() and name.endswith(".jinja"):
+            path.write_text("{% if enable_thinking is defined %}{% endif %}" + path.read_text())
+        elif path.exists():
+            saved = json.loads(path.read_text())
+            saved["chat_template"] = "{% if enable_thinking is defined %}{% endif %}" + saved["chat_template"]
+            path.write_text(json.dumps(saved))
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions"}
+        | {"body": {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 2}},
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions"}
+        | {"body": {"prompt": "Paris is", "max_tokens": 2}},
+    ]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--model", folder]
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    code, output = run_here([*args, "--format", "openai", *kwargs])
+    assert code == 0, output
+    got = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
+    assert got["chat"]["error"] is None, got["chat"]["error"]
+    assert "a completions request (a 'prompt') does not go through" in got["completion"]["error"]

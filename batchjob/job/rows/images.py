@@ -113,7 +113,7 @@ class ImagePrompts:
     ) -> tuple[SamplingParams | None, ImagePrompt | None, str | None]:
         """An OpenAI Batch request line whose messages may hold image parts: its parameters and prompt, or
         its error."""
-        from batchjob.job.requests import CHAT_URL, parse_request
+        from batchjob.job.requests import CHAT_URL, COMPLETIONS_NO_KWARGS, parse_request
 
         assert row.values is not None
         values, where = row.values, f"{row.place}: "
@@ -132,6 +132,8 @@ class ImagePrompts:
         if request is None or params is None:
             return None, None, where + str(error)
         if "prompt" in request:  # /v1/completions: the text as it is (no --system, as for a text model)
+            if self.kwargs:  # as for a text model: they would change nothing
+                return None, None, where + COMPLETIONS_NO_KWARGS
             prompt, error = self._guarded(row, [], request["prompt"], system=False)
             return params, prompt, error
         if not self.chat:
