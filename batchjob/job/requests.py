@@ -215,7 +215,10 @@ def _max_tokens(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None
             f"body.max_tokens ({old!r}) and body.max_completion_tokens ({new!r}) differ: give one "
             "(max_tokens is the older name of max_completion_tokens)"
         )
-    value = new if new is not None else old
+    value, name = (new, "max_completion_tokens") if new is not None else (old, "max_tokens")
+    problem = None if value is None else check_number("max_new_tokens", value)
+    if problem:  # named as the body gives it (it was named max_new_tokens, which no body has)
+        return None, f"body.{name}{problem.removeprefix('max_new_tokens')}"
     return ({} if value is None else {"max_new_tokens": value}), None
 
 
@@ -275,11 +278,16 @@ def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
 
 
 def parse_request(
-    values: dict[str, Any], base: SamplingParams, model_names: set[str] | None
+    values: dict[str, Any],
+    base: SamplingParams,
+    model_names: set[str] | None,
+    pictured: frozenset[int] = frozenset(),
 ) -> tuple[dict[str, Any] | None, SamplingParams | None, str | None]:
     """An OpenAI Batch request line: ``({"messages": [...]} or {"prompt": str}, params, None)`` or the error.
 
     ``model_names``: when given, a body whose ``model`` is none of them is an error (``--check-model-name``).
+    ``pictured``: the messages that hold an image (the image path gives them with their image parts taken
+    out): their text may be empty.
     """
     body, error = _request_body(values, model_names)
     if body is None:
@@ -292,13 +300,15 @@ def parse_request(
     if params is None:
         return None, None, error
     if chat:
-        messages, error = _chat_messages(body.get("messages"))
+        messages, error = _chat_messages(body.get("messages"), pictured)
         if messages is None:
             return None, None, error
         return {"messages": messages}, params, None
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         return None, None, "body.prompt must be a non-empty string (lists of prompts are not supported)"
+    if not prompt.strip():  # as an empty prompt column is
+        return None, None, "body.prompt is empty (only whitespace)"
     return {"prompt": prompt}, params, None
 
 
@@ -356,8 +366,11 @@ def extra_key(message: dict[str, Any]) -> str | None:
     return next((k for k, v in message.items() if k not in ("role", "content") and v is not None), None)
 
 
-def _chat_messages(messages: Any) -> tuple[list[dict[str, str]] | None, str | None]:
-    """A chat body's ``messages`` as role and text (``developer`` is ``system``), or the error."""
+def _chat_messages(
+    messages: Any, pictured: frozenset[int] = frozenset()
+) -> tuple[list[dict[str, str]] | None, str | None]:
+    """A chat body's ``messages`` as role and text (``developer`` is ``system``), or the error; a message
+    with no text (and no image: ``pictured``) is one, as an empty prompt column is (it was answered)."""
     if not isinstance(messages, list) or not messages:
         return None, "body.messages must be a non-empty list"
     out = []
@@ -369,6 +382,8 @@ def _chat_messages(messages: Any) -> tuple[list[dict[str, str]] | None, str | No
         text, error = _message_text(m.get("content"), i)
         if text is None:
             return None, error
+        if not text.strip() and i not in pictured:
+            return None, f"body.messages[{i}].content is empty"
         other = extra_key(m)
         if other is not None:
             return None, f"body.messages[{i}].{other} is not supported by batchjob ({ONLY_ROLE_AND_CONTENT})"

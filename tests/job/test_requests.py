@@ -888,7 +888,9 @@ def test_one_numeric_check_for_every_source(name, value, tmp_path):
         req, p, err = parse_request(
             chat([{"role": "user", "content": "hi"}], **{OPENAI_NAMES[name]: value}), BASE, None
         )
-        assert req is None and err.startswith(f"body: {rule}"), err
+        field = OPENAI_NAMES[name]  # a name no body has was given (body: max_new_tokens must be ...)
+        want = f"body.{field} must be " if field != name else f"body: {rule}"
+        assert req is None and err.startswith(want), err
     # the library
     with pytest.raises(ConfigError, match=rule):
         SamplingParams(**{name: value})
@@ -1207,6 +1209,27 @@ def test_openai_chat_logprobs_is_true_false_or_null():
     for flag, logprobs in [(False, None), (None, None), (True, 0)]:
         _, p, err = parse_request(chat(user, logprobs=flag), BASE, None)
         assert err is None and p.logprobs == logprobs, (flag, err)
+
+
+def test_an_openai_bodys_token_limit_is_named_as_the_body_gives_it():
+    """body.max_tokens 0 was reported as 'max_new_tokens must be ...', a name no body has."""
+    user = [{"role": "user", "content": "hi"}]
+    for name, value in (("max_tokens", 0), ("max_completion_tokens", 1.5)):
+        _, _, err = parse_request(chat(user, **{name: value}), BASE, None)
+        assert err is not None and err.startswith(f"body.{name} must be an integer >= 1, got"), err
+
+
+@pytest.mark.parametrize("content", ["", " \n", [], [{"type": "text", "text": ""}]])
+def test_an_openai_message_with_no_text_is_the_rows_error(content):
+    """An empty message was answered, where an empty prompt column is an error row naming it."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    req, _, err = parse_request(chat(messages), BASE, None)
+    assert req is None and err == "body.messages[1].content is empty", err
+    req, _, err = parse_request(chat(messages), BASE, None, pictured=frozenset({1}))  # its images remain
+    assert err is None and req is not None
+    line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": " \n"}}
+    req, _, err = parse_request(line, BASE, None)
+    assert req is None and err == "body.prompt is empty (only whitespace)", err
 
 
 def test_an_openai_message_key_other_than_role_and_content_is_the_rows_error():

@@ -128,7 +128,9 @@ class ImagePrompts:
             if contents is None:
                 return None, None, where + str(error)
             values = {**values, "body": {**body, "messages": text_only(body.get("messages"))}}
-        request, params, error = parse_request(values, base, model_names)
+        images_in = enumerate(contents or ())  # a message of images alone has no text, and is no empty one
+        pictured = frozenset(i for i, c in images_in if isinstance(c, list) and {"type": "image"} in c)
+        request, params, error = parse_request(values, base, model_names, pictured)
         if request is None or params is None:
             return None, None, where + str(error)
         if "prompt" in request:  # /v1/completions: the text as it is (no --system, as for a text model)
