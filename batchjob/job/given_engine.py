@@ -19,6 +19,7 @@ from batchjob.engine.options import EngineOptions, declared
 from batchjob.errors import ConfigError
 from batchjob.job import model_identity
 from batchjob.job.defaults import resolved_defaults
+from batchjob.job.kernels import kernels_entry
 from batchjob.job.lora import adapter_changes, held_identity
 from batchjob.job.prepare import Prepared, task_entry
 from batchjob.job.seam import JobEngine
@@ -136,6 +137,8 @@ def _check_options(prep: Prepared, engine: JobEngine) -> None:
     now: dict[str, Any] = {"sampling": built.sampling_fingerprint()}
     if "task" in prep.fingerprint:
         now["task"] = task_entry(built, {"dtype": have})
+    else:  # a generation job's kernels (kernels.py): an engine on another backend rounds otherwise
+        now["kernels"] = kernels_entry(built.engine)
     saved = {k: prep.fingerprint.get(k, {}) for k in now}
     if not differing(saved, now):
         return

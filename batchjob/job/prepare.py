@@ -27,6 +27,8 @@ from batchjob.job.checks import check_unused, greedy_only, unused_options
 from batchjob.job.defaults import resolved_defaults, same_dtype
 from batchjob.job.ids import check_unique
 from batchjob.job.inputs import InputChangedError, named_as_recorded, new_records, ordered_sources, reconcile
+from batchjob.job.kernels import generation_kernels, kernel_changes
+from batchjob.job.kernels import without as without_kernels
 from batchjob.job.lora import lora_identity
 from batchjob.job.owned import check_output
 from batchjob.job.prompts import PromptPlan, check_column_types, plan_prompts
@@ -191,13 +193,15 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: st
     def without_identity(fp: dict[str, Any]) -> dict[str, Any]:
         return fp | {"model": {"dtype": fp.get("model", {}).get("dtype")}}
 
+    out = kernel_changes(saved, now)
+    saved, now = without_kernels(saved), without_kernels(now)  # (compared apart: what to set back)
     a, b = _unrecorded(spec, without_identity(saved), without_identity(now), kind)
     if same_dtype(saved.get("model", {}), now["model"]):  # --dtype float32 where auto ran in it: one job
         b["model"]["dtype"] = a["model"]["dtype"]
     column = now.get("prompt", {}).get("resolved_column")
     defaults = resolved_defaults(spec, column) if differing(a, b) and not model else {}  # only a refusal pays
     runs = [fp.get("model", {}).get("runs_in") for fp in (saved, now)]
-    out = [model] if model else []
+    out = ([model] if model else []) + out
     if None not in runs and runs[0] != runs[1]:
         out.append(f"model.dtype: 'auto' ran in {runs[0]}, is {runs[1]} here")
     return out + [_explained(line, saved, now) for line in fingerprint_changes(a, b, defaults)]
@@ -205,13 +209,10 @@ def _changes(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: st
 
 def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind: str) -> tuple[dict, dict]:
     """The two fingerprints without what a job recorded before batchjob checked it, or for options it now
-    refuses as unused (an older job resumes; neither is asked for again): a task job's kernels, and
-    --check-model-name over rows, --max-image-pixels without images (image parts on a text model's
-    requests or messages included), --chat with --format openai or a messages column, --top-p, --top-k,
-    --min-p and --seed where every row is greedy."""
-    task = dict(now.get("task", {}))
-    if "task" in saved and "kernels" not in saved["task"]:
-        task.pop("kernels", None)
+    refuses as unused (an older job resumes; neither is asked for again): --check-model-name over rows,
+    --max-image-pixels without images (image parts on a text model's requests or messages included), --chat
+    with --format openai or a messages column, --top-p, --top-k, --min-p and --seed where every row is
+    greedy. (A task job's kernels recorded before it had them: ``kernels.recorded``.)"""
     unused = unused_options(spec.format, spec.image_column, kind, greedy_only(spec.values()))
     if kind == "messages":  # always rendered by the chat template: --no-chat is refused, once it was recorded
         unused.add("chat")
@@ -223,7 +224,7 @@ def _unrecorded(spec: JobSpec, saved: dict[str, Any], now: dict[str, Any], kind:
         return {k: v for k, v in fp.get(entry, {}).items() if k not in unused}
 
     a, b = ({e: used(fp, e) for e in ("prompt", "sampling")} for fp in (saved, now))
-    return saved | a, now | b | {"task": task}
+    return saved | a, now | b
 
 
 def _takes_no_images(spec: JobSpec) -> bool:
@@ -266,7 +267,7 @@ def prepare(spec: JobSpec, has_chat_template: bool = True, shard: Shard | None =
             fingerprint["lora"] = lora_identity(spec.lora_paths)
         if spec.engine.task != "generate":  # a generation job keeps the identity it had before tasks
             fingerprint["task"] = task_entry(spec, fingerprint["model"])
-        return plan, fingerprint
+        return plan, fingerprint | generation_kernels(spec.engine)
 
     if spec.format == "openai":
         check_unique(found, "custom_id", "custom_id")  # OpenAI rejects such a file: so do we, before work

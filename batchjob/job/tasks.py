@@ -15,6 +15,7 @@ from typing import Any
 from batchjob.engine.tasks.state import HEADS, TASK_CHUNK, head_kind
 from batchjob.errors import ConfigError
 from batchjob.io.writers import EXTRA_FIELDS
+from batchjob.job.kernels import kernels_entry
 from batchjob.job.seam import JobEngine
 from batchjob.job.spec import JobSpec
 
@@ -77,11 +78,9 @@ def task_fingerprint(spec: JobSpec) -> dict[str, Any]:
     chunk = min(TASK_CHUNK, spec.engine.max_num_batched_tokens or TASK_CHUNK)
     if chunk != TASK_CHUNK or spec.engine.block_size is not None:
         out["chunks"] = {"tokens": chunk, "block_size": spec.engine.block_size}
-    # So could another attention backend, compiled kernels or a split across ranks (each named when
-    # given; the entry is there, if empty, so that a job recorded before it is told apart: _changes)
-    kernels = {"attention_backend": spec.engine.attention_backend, "compile": spec.engine.compile}
-    kernels["tensor_parallel_size"] = spec.engine.tensor_parallel_size
-    out["kernels"] = {k: v for k, v in kernels.items() if v not in ("auto", False, 1)}
+    # So could other kernels (kernels.py; the entry is there, if empty, so that a job recorded before it is
+    # told apart)
+    out["kernels"] = kernels_entry(spec.engine)
     return out
 
 

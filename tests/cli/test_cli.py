@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
+from batchjob.job.kernels import ROUNDING_FLAGS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,6 +61,46 @@ def test_run_status_validate_and_job_file(data, tiny_model_dir, tmp_path):
     assert code == 0 and "already complete" in text
     code, text = invoke("run", job)  # max_new_tokens 3 now: a different job
     assert code == 2 and "max_new_tokens: was 5, now 3" in text
+
+
+def test_a_resume_under_other_kernels_is_refused_naming_it(data, tiny_model_dir, tmp_path, monkeypatch):
+    """Other kernels round a job's floats otherwise: a generation job with --logprobs resumed with
+    BATCHJOB_CPU_KERNEL=0 wrote 59 of 60 rows' log-probabilities otherwise, without a word; and a task job's
+    --compile was never recorded (True == 1 fell among the defaults)."""
+    out = tmp_path / "out"
+    base = ["run", "--input", data, "--output", out, "--model", tiny_model_dir, "--template", "{review}"]
+    base += ["--id-column", "id", "--max-new-tokens", "2", "--logprobs", "1"]
+    code, text = invoke(*base)
+    assert code == 0, text
+    saved = json.loads((out / "_batchjob" / "job.json").read_text())["body"]["fingerprint"]
+    assert "kernels" not in saved  # a job on the defaults keeps the identity it had
+    for name in ROUNDING_FLAGS:
+        monkeypatch.setenv(name, "off")
+        code, text = invoke(*base)
+        assert code == 2 and f"kernels.{name}: was on, now off" in text, text
+        assert f"unset {name} in the environment" in text, text
+        monkeypatch.delenv(name)
+    for name in ("BATCHJOB_CPU_JOINT", "BATCHJOB_CPU_ROWS", "BATCHJOB_CPU_HEAP"):  # the same floats
+        monkeypatch.setenv(name, "0")
+        code, text = invoke(*base)
+        assert code == 0 and "already complete" in text, text
+        monkeypatch.delenv(name)
+    code, text = invoke(*base, "--attention-backend", "torch")
+    assert code == 2 and "kernels.attention_backend: was None, now 'torch'" in text, text
+    monkeypatch.setenv("BATCHJOB_CPU_KERNEL", "0")
+    other = [*base[:4], tmp_path / "out2", *base[5:]]
+    code, text = invoke(*other)
+    assert code == 0, text
+    monkeypatch.delenv("BATCHJOB_CPU_KERNEL")
+    code, text = invoke(*other)
+    assert code == 2 and "kernels.BATCHJOB_CPU_KERNEL: was off, now on" in text, text
+    assert "set BATCHJOB_CPU_KERNEL=0 in the environment to resume" in text, text
+    task = ["run", "--input", data, "--output", tmp_path / "t", "--model", tiny_model_dir, "--task", "embed"]
+    task += ["--prompt-column", "review", "--id-column", "id"]
+    code, text = invoke(*task, "--compile")
+    assert code == 0, text
+    code, text = invoke(*task)
+    assert code == 2 and "task.kernels.compile: was True, now None" in text, text
 
 
 def test_a_folder_s_files_of_another_format_are_named_when_the_job_starts(data, tiny_model_dir, tmp_path):
