@@ -34,6 +34,7 @@ from batchjob.job.checkpoint import InFlight, Parts
 from batchjob.job.ids import IdIndex
 from batchjob.job.inputs import InputChangedError, only_growth, split_ordinal
 from batchjob.job.manifest import ErrorCounts, Manifest
+from batchjob.job.owned import check_foreign
 from batchjob.job.prepare import Prepared
 from batchjob.job.progress import Progress
 from batchjob.job.prompts import PromptBuilder
@@ -434,6 +435,7 @@ class JobLoop:
         self.commit()
         if self.ids is not None:
             self.ids.commit()
+        check_foreign(self.prep.out_dir)  # put there while it ran: the rows are kept, "complete" is not said
         self.prep.info.mark_complete()
         self.state.save_job(self.prep.info)
         self.state.clear_inflight()

@@ -6,10 +6,15 @@ would write over a job's result part or its manifest (after which the job can't 
 output folder (where ``pyarrow.dataset`` would read the file as a result), or over an input of the job, or
 into its input folder (where the next ``--append`` would take it in as rows). ``check_target`` refuses all of
 these by name, after resolving symbolic links, and is what every such writer calls first.
+
+The other way round, a file the job did not write in its output folder (``foreign_entries``): ``run`` refuses
+to start or to say complete over it, and ``status`` names it, as readers of the folder would read it too.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from batchjob.errors import ConfigError, InputError, StateError
@@ -82,3 +87,46 @@ def check_target(target: Path, option: str, jobs: list[Path] = (), allowed: Path
         why = _input_of(real, out_dir.resolve())
         if why is not None:
             raise ConfigError(f"{option} {target} is {why}; give a path outside the job's inputs")
+
+
+_PART = re.compile(r"part-(\d{5}-of-\d{5}-)?\d{6,}\.parquet")  # a worker's part (rows/columns.py part_prefix)
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """The files and folders in a job's output folder that a reader of the folder would read as results and
+    that are not the job's: a Parquet file (by name or by its first bytes) not named as a part, or a folder,
+    whose name does not start with ``_`` or ``.`` (``pyarrow.dataset`` skips those). A copy of a part saved
+    as ``out/stray.parquet`` made the folder read 80 rows for a job of 60 while the job said complete. A part
+    name the manifest does not list is the run's to remove (``PartWriter.remove_orphans``), not listed here."""
+    found = []
+    try:
+        entries = sorted(os.scandir(out_dir), key=lambda e: e.name)
+    except OSError:
+        return []  # no folder (yet): nothing in it
+    for entry in entries:
+        if entry.name.startswith(("_", ".")) or _PART.fullmatch(entry.name):
+            continue
+        if entry.is_dir() or entry.name.lower().endswith(".parquet") or _parquet_bytes(entry.path):
+            found.append(entry.name)
+    return found
+
+
+def _parquet_bytes(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PAR1"
+    except OSError:
+        return False  # unreadable: no reader reads it either
+
+
+def check_foreign(out_dir: Path) -> None:
+    """Refuse (exit 2) an output folder holding what ``foreign_entries`` finds, naming it: its results would
+    be read with it."""
+    found = foreign_entries(out_dir)
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise InputError(
+            f"--output {out_dir} holds {out_dir / found[0]}{more}, which is not the job's: a reader of the folder "
+            "(pyarrow.dataset, pandas, Spark) would read it as results too; move it out of the output folder "
+            "and run again"
+        )

@@ -22,6 +22,7 @@ from batchjob.job.given_engine import check_given_engine, take_model
 from batchjob.job.loop import JobLoop, JobResult, part_writer, think_tags
 from batchjob.job.lora import check_adapters, held_identity
 from batchjob.job.manifest import Manifest
+from batchjob.job.owned import check_foreign
 from batchjob.job.prepare import Prepared, prepare, reload
 from batchjob.job.prompts import PromptBuilder
 from batchjob.job.rows.images import ImagePrompts, check_image_model, image_prompts
@@ -172,6 +173,7 @@ def _prepare(spec: JobSpec, engine: JobEngine | None, shard: Shard | None) -> Pr
     the spec's identity, whatever the engine computes."""
     prep = prepare(take_model(spec, engine), shard=shard)
     check_given_engine(prep, engine)
+    check_foreign(prep.out_dir)  # before work, and before saying "already complete"
     return prep
 
 

@@ -22,6 +22,7 @@ from batchjob.io.atomic import CorruptStateError, read_json
 from batchjob.job.adapter_counts import AdapterCounts, adapter_counts, adapter_label
 from batchjob.job.inputs import changes_now, only_growth
 from batchjob.job.manifest import Manifest
+from batchjob.job.owned import foreign_entries
 from batchjob.job.shard import Shard
 from batchjob.job.state import StateDir
 from batchjob.job.verify import PartProblem, check_parts
@@ -84,6 +85,7 @@ class JobStatus:
     task: str = "generate"  # the job's --task (a prefill-only task reads tokens, generates none)
     # a LoRA job's committed rows by adapter (adapter_counts.BASE: the base model), in the job's order
     adapters: dict[str, AdapterCounts] = field(default_factory=dict)
+    foreign: list[str] = field(default_factory=list)  # what readers of the folder read beside the job's parts
 
     @property
     def complete(self) -> bool:
@@ -147,6 +149,12 @@ class JobStatus:
                 if w.holder.get("pid")
             ]
             state += f", running now ({', '.join(who) or f'{len(running)} workers'})"
+        if self.foreign:  # the job's own rows may be all there, but the folder reads as more
+            names = ", ".join(str(Path(shown_as) / name) for name in self.foreign)
+            state += (
+                f", but {names} {'is' if len(self.foreign) == 1 else 'are'} not the job's: readers of the folder "
+                "will read it too (move it out of the output folder)"
+            )
         return f"{shown_as}: {state}{workers}"
 
     def _trouble_lines(self) -> list[str]:
@@ -367,4 +375,4 @@ def job_status(out_dir: Path) -> JobStatus:
     changes = changes_now(info.inputs, info.input_paths, out_dir)
     lora = info.fingerprint.get("lora") or {}  # the job's adapters by name (none: not a LoRA job)
     adapters = adapter_counts(out_dir, parts, lora) if lora else {}
-    return JobStatus(out_dir, workers, info.total_rows, changes, task, adapters)
+    return JobStatus(out_dir, workers, info.total_rows, changes, task, adapters, foreign_entries(out_dir))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 from pathlib import Path
 
+import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
@@ -72,3 +74,38 @@ def status(out) -> str:
     result = CliRunner().invoke(main, ["status", str(out)])
     assert result.exit_code == 0, result.output
     return result.output
+
+
+def test_a_file_the_job_did_not_write_is_named_and_run_refuses_it(tiny_model_dir, tmp_path):
+    """A copy of a part as out/stray.parquet (or a folder of Parquet files) made pyarrow.dataset read 80 rows
+    for a job of 60 while run and status said complete: status names it, run refuses it (exit 2)."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": f"x{i}", "review": f"good {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    args = ["run", "--input", str(data), "--output", str(out), "--model", str(tiny_model_dir)]
+    args += ["--template", "{review}", "--id-column", "id", "--max-new-tokens", "2"]
+    runner = CliRunner()
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    part = next(out.glob("part-*.parquet"))
+    shutil.copy(part, out / "stray.parquet")
+    (out / "sub").mkdir()
+    shutil.copy(part, out / "sub" / "more.bin")
+    assert ds.dataset(out, format="parquet").count_rows() == 18  # what a reader of the folder would get
+    result = runner.invoke(main, ["status", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"{out}: complete, but {out / 'stray.parquet'}, {out / 'sub'} are not the job's: readers of" in (
+        result.output
+    )
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2 and f"holds {out / 'stray.parquet'} and 1 more, which is not the job's" in (
+        result.output
+    ), result.output
+    (out / "stray.parquet").rename(tmp_path / "stray.parquet")
+    shutil.rmtree(out / "sub")
+    (out / "_mine").mkdir()  # names a dataset reader skips are the user's to keep there
+    (out / "notes.txt").write_text("not Parquet: a reader fails on it, loudly")
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0 and "already complete" in result.output, result.output
+    result = runner.invoke(main, ["status", str(out)])
+    assert f"{out}: complete\n" in result.output, result.output
