@@ -2,8 +2,8 @@
 compiled kernels, a split across ranks, and the CPU fast paths' switches that round otherwise.
 
 A job records them (its ``kernels`` entry: a task job's in its ``task`` entry, where it was first kept; a
-generation job's at the top, only where not empty, so a job keeps its identity) and a resume under others is
-refused by name: its rows would be written rounded two ways, beside each other, without a word (an embed job
+generation job's at the top; a job recorded before its kind had the entry is not asked for it) and a resume
+under others is refused by name: its rows would be written rounded two ways, beside each other, without a word (an embed job
 resumed with ``BATCHJOB_CPU_PREFILL=0``: 292 of 400 embeddings differed from an uninterrupted run's).
 
 Not recorded: the CPU's own instructions (a bf16 job resumed on a CPU without AVX512-BF16 takes other
@@ -42,17 +42,18 @@ def kernels_entry(options: EngineOptions) -> dict[str, Any]:
 
 
 def generation_kernels(options: EngineOptions) -> dict[str, Any]:
-    """A generation job's ``kernels`` entry, where not empty (a task job's is in its task entry)."""
-    entry = kernels_entry(options) if options.task == "generate" else {}
-    return {"kernels": entry} if entry else {}
+    """A generation job's ``kernels`` entry, empty where all are the defaults (a task job's is in its task
+    entry). It is there, if empty, so that a job recorded before it is told apart (``recorded``)."""
+    return {"kernels": kernels_entry(options)} if options.task == "generate" else {}
 
 
 def recorded(fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    """A fingerprint's kernels entry (empty where a generation job has none); None where a task job was
-    recorded before task jobs had one: such a job is not told apart by them (nor asked for them again)."""
+    """A fingerprint's kernels entry; None where the job was recorded before its kind had one: such a job is
+    not told apart by them, nor asked for them again (a generation job started with --tensor-parallel-size 2
+    by an earlier batchjob resumes with it, as before, where refusing would leave it no way to go on)."""
     if "task" in fingerprint:
         return fingerprint["task"].get("kernels")
-    return fingerprint.get("kernels", {})
+    return fingerprint.get("kernels")
 
 
 def without(fingerprint: dict[str, Any]) -> dict[str, Any]:
