@@ -22,7 +22,8 @@ from typing import Any
 
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
-from batchjob.job.requests import COMPLETIONS_NO_KWARGS, ONLY_ROLE_AND_CONTENT, extra_key
+from batchjob.job.chat_messages import chat_messages
+from batchjob.job.requests import COMPLETIONS_NO_KWARGS
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
     TEMPLATE_RULES,
@@ -405,24 +406,12 @@ class PromptBuilder:
                     None,
                     f"column {col!r} is not a list of messages (text that is not JSON, or nested too deeply)",
                 )
-        ok = (
-            isinstance(value, list)
-            and value
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value
-            )
-        )
-        if not ok:
+        if not isinstance(value, list) or not value:
             return None, f"column {col!r} is not a non-empty list of {{role, content}} messages"
-        for i, m in enumerate(value):  # as an OpenAI request's messages
-            other = extra_key(m)
-            if other is not None:
-                return (
-                    None,
-                    f"column {col!r}: message {i}'s {other!r} is not supported ({ONLY_ROLE_AND_CONTENT})",
-                )
-        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+        # as an OpenAI request's messages: developer is system, an unknown role or another key is refused
+        messages, error = chat_messages(value, f"column {col!r}: messages")
+        if messages is None:
+            return None, error
         if self.plan.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.plan.system})
         try:

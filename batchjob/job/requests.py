@@ -20,6 +20,8 @@ from typing import Any
 
 from batchjob.errors import ConfigError
 from batchjob.io.jsontext import RefusedText, loads_text
+from batchjob.job.chat_messages import ROLES as ROLES  # (named here too: the request format's roles)
+from batchjob.job.chat_messages import chat_messages
 from batchjob.sampling import (
     DRAW_ONLY,
     NUMBERS,
@@ -149,7 +151,6 @@ def params_from_column(
 # -- OpenAI Batch API requests ----------------------------------------------------------------------------
 
 REQUEST_FIELDS = ("custom_id", "method", "url", "body")  # what an OpenAI Batch request line has
-ROLES = ("system", "developer", "user", "assistant", "tool")  # the Chat Completions API's message roles
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"  # --task embed
@@ -257,26 +258,6 @@ def _response_format(fmt: Any) -> tuple[dict[str, Any] | None, str | None]:
     return {"choices": OFF, "json_schema": OFF, "regex": OFF}, None  # text: no constraint, the job's neither
 
 
-def _message_text(content: Any, i: int) -> tuple[str | None, str | None]:
-    """A message's content as one text: a list of text parts joined with a newline, as vLLM joins them (with
-    nothing, 'Paris is' and 'the capital' read 'Paris isthe capital')."""
-    if isinstance(content, str):
-        return content, None
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                return None, f"body.messages[{i}].content[{j}]: only text parts are supported (got {kind!r})"
-            parts.append(part["text"])
-        return "\n".join(parts), None
-    return None, f"body.messages[{i}].content must be text"
-
-
 def parse_request(
     values: dict[str, Any],
     base: SamplingParams,
@@ -300,7 +281,7 @@ def parse_request(
     if params is None:
         return None, None, error
     if chat:
-        messages, error = _chat_messages(body.get("messages"), pictured)
+        messages, error = chat_messages(body.get("messages"), "body.messages", pictured)
         if messages is None:
             return None, None, error
         return {"messages": messages}, params, None
@@ -351,45 +332,12 @@ def _request_body(
     return body, None
 
 
-ONLY_ROLE_AND_CONTENT = "a message has only role and content here: the prompt would be built without it"
 # A completions request in a job with --chat-template-kwargs: its prompt does not go through the template
 COMPLETIONS_NO_KWARGS = (
     "--chat-template-kwargs go to the chat template, which a completions request (a 'prompt') does not go "
     "through, so they would change nothing here: send it as a chat request (messages), or run the "
     "completions requests as a job without --chat-template-kwargs"
 )
-
-
-def extra_key(message: dict[str, Any]) -> str | None:
-    """A message's key besides role and content (name, tool_calls, ...), refused rather than dropped; a null
-    one is absent (a Parquet struct gives every message every key)."""
-    return next((k for k, v in message.items() if k not in ("role", "content") and v is not None), None)
-
-
-def _chat_messages(
-    messages: Any, pictured: frozenset[int] = frozenset()
-) -> tuple[list[dict[str, str]] | None, str | None]:
-    """A chat body's ``messages`` as role and text (``developer`` is ``system``), or the error; a message
-    with no text (and no image: ``pictured``) is one, as an empty prompt column is (it was answered)."""
-    if not isinstance(messages, list) or not messages:
-        return None, "body.messages must be a non-empty list"
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return None, f"body.messages[{i}] must be an object with a role"
-        if m["role"] not in ROLES:
-            return None, f"body.messages[{i}].role {m['role']!r} is not a role ({', '.join(ROLES)})"
-        text, error = _message_text(m.get("content"), i)
-        if text is None:
-            return None, error
-        if not text.strip() and i not in pictured:
-            return None, f"body.messages[{i}].content is empty"
-        other = extra_key(m)
-        if other is not None:
-            return None, f"body.messages[{i}].{other} is not supported by batchjob ({ONLY_ROLE_AND_CONTENT})"
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": text})
-    return out, None
 
 
 def parse_embeddings_request(

@@ -173,11 +173,11 @@ def test_prompts(tiny_model_dir):
     text, err = b.text({"m": [{"role": "user", "content": "hi"}]})
     assert err is None and text.startswith("<|im_start|>system\nBe brief.") and text.endswith("assistant\n")
     assert b.text({"m": '[{"role": "user", "content": "hi"}]'})[0] == text  # JSON text works too
-    assert "not a non-empty list" in b.build({"m": [{"role": "user"}]})[1]
+    assert "messages[0].content must be text" in b.build({"m": [{"role": "user"}]})[1]
     # a key the prompt would be built without is the row's error, as in an OpenAI request; null is absent
     tool = {"role": "tool", "content": "4", "tool_call_id": "c1"}
     assert (
-        "message 1's 'tool_call_id' is not supported"
+        "messages[1].tool_call_id is not supported"
         in b.build({"m": [{"role": "user", "content": "hi"}, tool]})[1]
     )
     assert b.text({"m": [{"role": "user", "content": "hi", "name": None}]}) == (text, None)
