@@ -2,8 +2,9 @@
 column's, so that a conversation means the same whichever way it comes in.
 
 A message is a role of the Chat Completions API (``developer`` is ``system``, as OpenAI reads it) and text
-content (a string, or a list of text parts joined); anything else, an empty text, or a key besides role and
-content is the row's error naming the message, never dropped or passed on for the template to guess at.
+content (a string, or a list of text parts joined); anything else, an empty or blank text, or a key besides
+role and content is the row's error naming the message, never dropped or passed on for the template to guess
+at.
 This module knows nothing of tokenizers or files.
 """
 
@@ -58,8 +59,8 @@ def chat_messages(
         text, error = _message_text(m.get("content"), f"{where}[{i}]")
         if text is None:
             return None, error
-        if not text.strip() and i not in pictured:
-            return None, f"{where}[{i}].content is empty"
+        if not text.strip() and i not in pictured:  # as an empty prompt column: it would answer nothing said
+            return None, f"{where}[{i}].content is empty (a {m['role']} message with no text)"
         other = extra_key(m)
         if other is not None:
             return None, f"{where}[{i}].{other} is not supported by batchjob ({ONLY_ROLE_AND_CONTENT})"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from batchjob.job.prompts import PromptBuilder, plan_prompts
+from batchjob.job.requests import parse_request
 from batchjob.job.spec import JobSpec
+from batchjob.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,3 +40,17 @@ def test_a_developer_message_is_a_system_message_and_an_unknown_role_is_the_rows
     assert builder(tokenizer, system="Be long.").text(dev)[0] == b.text(dev)[0]
     parts = [{"type": "text", "text": "Paris is"}, {"type": "text", "text": " the capital"}]
     assert b.text({"m": [{"role": "user", "content": parts}]})[0] == b.text({"m": [USER]})[0]
+
+
+def test_a_message_with_empty_content_is_the_rows_error(tokenizer):
+    """A message with content "" (or only whitespace) was generated over, while an empty prompt column is
+    refused; an OpenAI request's message goes through the same rule."""
+    for content in ("", "  \n"):
+        error = builder(tokenizer).build(
+            {"m": [{"role": "system", "content": "Be terse."}, USER | {"content": content}]}
+        )[1]
+        assert error is not None and "messages[1].content is empty (a user message" in error, error
+        body = {"messages": [USER, {"role": "assistant", "content": content}, USER]}
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        error = parse_request(line, SamplingParams(), None)[2]
+        assert error is not None and "body.messages[1].content is empty" in error, error
