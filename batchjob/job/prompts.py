@@ -412,6 +412,11 @@ class PromptBuilder:
         messages, error = chat_messages(value, f"column {col!r}: messages")
         if messages is None:
             return None, error
+        if self.plan.generation_prompt and messages[-1]["role"] == "assistant":  # (an SFT set's reference)
+            return None, (
+                f"column {col!r}: the conversation ends with an assistant message (messages[{len(messages) - 1}]): "
+                "batchjob would answer after it; drop the final message (e.g. messages[:-1]) to regenerate it"
+            )
         if self.plan.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.plan.system})
         try:

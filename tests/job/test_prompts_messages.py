@@ -7,7 +7,7 @@ import pytest
 
 from batchjob.job.prompts import PromptBuilder, plan_prompts
 from batchjob.job.requests import parse_request
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import JobSpec, make_spec
 from batchjob.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,3 +54,17 @@ def test_a_message_with_empty_content_is_the_rows_error(tokenizer):
         line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
         error = parse_request(line, SamplingParams(), None)[2]
         assert error is not None and "body.messages[1].content is empty" in error, error
+
+
+def test_a_conversation_that_ends_with_an_assistant_message_is_the_rows_error(tokenizer):
+    """An SFT set's messages end with the reference answer: the template opened a new assistant turn after
+    it, and every row generated a follow-up to its own answer without a word. A task that reads the
+    conversation as it is (a reward model's score) still takes it."""
+    answered = {"m": [USER, {"role": "assistant", "content": "of France."}]}
+    error = builder(tokenizer).build(answered)[1]
+    assert error is not None and "ends with an assistant message (messages[1])" in error, error
+    assert "drop the final message (e.g. messages[:-1])" in error
+    read = PromptBuilder(
+        plan_prompts(make_spec(task="score", messages_column="m"), ["m"], True), tokenizer, None
+    )
+    assert read.build(answered)[1] is None
