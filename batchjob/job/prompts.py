@@ -23,6 +23,7 @@ from typing import Any
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
 from batchjob.job.chat_messages import chat_messages
+from batchjob.job.rendered import check_chat_render, left_out, render
 from batchjob.job.requests import COMPLETIONS_NO_KWARGS
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
@@ -92,6 +93,15 @@ class PromptPlan:
                 "(--no-chat, a task's plain text, or a tokenizer without one): leave them out, or give --chat"
             )
         return replace(plan, chat=chat)
+
+
+def check_render(spec: JobSpec, plan: PromptPlan, tokenizer: Any) -> None:
+    """Before any work, render one probe conversation (``rendered.check_chat_render``): a template that
+    rejects or drops the --system message, or a plain prompt's user message, would do so for every row. An
+    image job's prompts are its processor's render, not checked here. ``plan``: for the tokenizer."""
+    if plan.chat and spec.image_column is None:
+        wraps = plan.kind in ("column", "template")
+        check_chat_render(tokenizer, plan.system, wraps, plan.generation_prompt, spec.template_kwargs)
 
 
 def resolve_chat(spec: JobSpec, has_chat_template: bool) -> bool:
@@ -370,7 +380,7 @@ class PromptBuilder:
         plan = self.plan
         if plan.kind == "template":
             text, error = render_template(self._template, values, self._types)
-            return (None, error) if text is None else (self._wrap(text), None)
+            return (None, error) if text is None else self._wrap(text)
         col = plan.column
         assert col is not None
         if col not in values:
@@ -384,15 +394,12 @@ class PromptBuilder:
             return None, f"column {col!r} is not text (got {type(value).__name__})"
         if not value.strip():
             return None, f"column {col!r} is empty"
-        return self._wrap(value), None
+        return self._wrap(value)
 
-    def _wrap(self, text: str) -> str:
+    def _wrap(self, text: str) -> tuple[str | None, str | None]:
         if not self.plan.chat:
-            return text if self.plan.system is None else f"{self.plan.system}\n\n{text}"
-        messages = [{"role": "user", "content": text}]
-        if self.plan.system is not None:
-            messages.insert(0, {"role": "system", "content": self.plan.system})
-        return self._render(messages)
+            return text if self.plan.system is None else f"{self.plan.system}\n\n{text}", None
+        return self._chat([{"role": "user", "content": text}], None)
 
     def _messages(self, value: Any) -> tuple[str | None, str | None]:
         col = self.plan.column
@@ -412,24 +419,36 @@ class PromptBuilder:
         messages, error = chat_messages(value, f"column {col!r}: messages")
         if messages is None:
             return None, error
-        if self.plan.generation_prompt and messages[-1]["role"] == "assistant":  # (an SFT set's reference)
+        last = len(messages) - 1
+        if self.plan.generation_prompt and messages[last]["role"] == "assistant":  # (an SFT set's reference)
             return None, (
-                f"column {col!r}: the conversation ends with an assistant message (messages[{len(messages) - 1}]): "
+                f"column {col!r}: the conversation ends with an assistant message (messages[{last}]): "
                 "batchjob would answer after it; drop the final message (e.g. messages[:-1]) to regenerate it"
             )
-        if self.plan.system is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.plan.system})
-        try:
-            return self._render(messages), None
-        except Exception as e:  # the template itself may reject the conversation (e.g. role order)
-            return None, f"chat template rejects these messages: {e}"
+        text, error = self._chat(messages, "messages")
+        return text, None if error is None else f"column {col!r}: {error}"
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=self.plan.generation_prompt,
-            tokenize=False,
-            **self.template_kwargs,
+    def _chat(self, messages: list[dict[str, str]], where: str | None) -> tuple[str | None, str | None]:
+        """The conversation rendered, with --system first unless it starts with its own system message, or
+        the error: the template rejects it, or leaves a message out (``where``: how the error names one)."""
+        given = self.plan.system is not None and messages[0]["role"] != "system"
+        if given:
+            messages = [{"role": "system", "content": self.plan.system or ""}, *messages]
+        try:
+            text = render(self.tokenizer, messages, self.plan.generation_prompt, self.template_kwargs)
+        except Exception as e:  # the template itself may reject the conversation (e.g. role order)
+            if where is None:  # a plain prompt's: the row's request names the exception (rows/prompt.py)
+                raise
+            return None, f"chat template rejects these messages: {e}"
+        missing = left_out(messages, text)
+        if missing is None:
+            return text, None
+        role = messages[missing]["role"]
+        name = f"{where}[{missing - given}] (a {role} message)" if where else "the prompt"
+        name = "the --system message" if given and missing == 0 else name
+        return None, (
+            f"the chat template leaves {name} out of the prompt it renders, so the model would never see it: "
+            f"give the conversation without it, or a model whose template writes {role} messages"
         )
 
     def build(self, values: dict[str, Any]) -> tuple[list[int] | None, str | None]:
@@ -453,14 +472,8 @@ class PromptBuilder:
             return self._tokens(request["prompt"], chat=False)
         if not self.plan.chat:
             return None, "a chat request needs a model whose tokenizer has a chat template; this one has none"
-        messages = request["messages"]
-        if self.plan.system is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.plan.system}, *messages]
-        try:
-            text = self._render(messages)
-        except Exception as e:  # the template itself may reject the conversation (e.g. role order)
-            return None, f"chat template rejects these messages: {e}"
-        return self._tokens(text, chat=True)
+        text, error = self._chat(request["messages"], "body.messages")
+        return (None, error) if text is None else self._tokens(text, chat=True)
 
     def _tokens(self, text: str, chat: bool) -> tuple[list[int] | None, str | None]:
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).

@@ -24,7 +24,7 @@ from batchjob.job.lora import check_adapters, held_identity
 from batchjob.job.manifest import Manifest
 from batchjob.job.owned import check_foreign
 from batchjob.job.prepare import Prepared, prepare, reload
-from batchjob.job.prompts import PromptBuilder
+from batchjob.job.prompts import PromptBuilder, check_render
 from batchjob.job.rows.images import ImagePrompts, check_image_model, image_prompts
 from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
@@ -179,11 +179,13 @@ def _prepare(spec: JobSpec, engine: JobEngine | None, shard: Shard | None) -> Pr
 
 def _check_tokenizer(prep: Prepared, engine: JobEngine, has_template: bool) -> None:
     """What the model's tokenizer refuses of the job, as ``validate`` checks it: stop strings and choices
-    it can't tell, chat-template kwargs with no chat render or that its template never reads."""
+    it can't tell, chat-template kwargs with no chat render or that its template never reads, a template that
+    rejects or drops --system or a plain prompt."""
     spec = prep.spec
     check_tokenizer_texts(spec.stop, spec.choices, engine.tokenizer)
-    prep.plan.for_tokenizer(spec, has_template)  # (kwargs without a chat render: said first)
+    plan = prep.plan.for_tokenizer(spec, has_template)  # (kwargs without a chat render: said first)
     check_job_kwargs(spec, prep.plan, engine.tokenizer, engine.model.config, prep.resumed)
+    check_render(spec, plan, engine.tokenizer)  # a template that rejects or drops what every row gives it
 
 
 def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts | None:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from batchjob.job.prompts import PromptBuilder, plan_prompts
+from batchjob.errors import ConfigError
+from batchjob.job.prompts import PromptBuilder, check_render, plan_prompts
 from batchjob.job.requests import parse_request
 from batchjob.job.spec import JobSpec, make_spec
 from batchjob.sampling import SamplingParams
@@ -68,3 +71,103 @@ def test_a_conversation_that_ends_with_an_assistant_message_is_the_rows_error(to
         plan_prompts(make_spec(task="score", messages_column="m"), ["m"], True), tokenizer, None
     )
     assert read.build(answered)[1] is None
+
+
+PHI3_FIRST = (  # Phi-3's first template: no system turn at all
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}"
+    "{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}"
+    "{% elif (message['role'] == 'assistant') %}{{message['content'] + '<|end|>' + '\\n'}}{% endif %}"
+    "{% endfor %}"
+)
+PHI3_LATER = (  # a later Phi-3 template: system, user and assistant turns; a tool message is skipped
+    "{% for message in messages %}{% if message['role'] in ['system', 'user', 'assistant'] %}"
+    "{{'<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+GEMMA = (  # Gemma's: a system message is refused
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}{% for message in messages %}"
+    "{{ '<start_of_turn>' + message['role'] + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+TOOL_AS_JSON = (  # Llama 3.1's way with a tool's result: a string is iterable, so it is written as JSON text
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\\n{% if message['role'] == 'tool' %}"
+    "{{ message['content'] | tojson }}{% else %}{{ message['content'] | trim }}{% endif %}<|im_end|>\\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
+)
+
+
+def with_template(tiny_model_dir, template):
+    from transformers import AutoTokenizer  # (a fresh tokenizer for each template)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_message_the_chat_template_leaves_out_is_the_rows_error(tiny_model_dir):
+    """A template drops what it does not know without a word: the later Phi-3 template skipped a tool
+    message, and the row was answered as if it had none. A template that writes a tool's result as JSON
+    text, and one that trims a message, still take the row."""
+    tool = {"role": "tool", "content": '{"temp": 3}'}
+    b = builder(with_template(tiny_model_dir, PHI3_LATER))
+    error = b.build({"m": [USER, tool, {"role": "user", "content": "And now?"}]})[1]
+    said = "column 'm': the chat template leaves messages[1] (a tool message) out"
+    assert error is not None and said in error, error
+    assert (
+        builder(with_template(tiny_model_dir, PHI3_LATER), system="Be terse.").build({"m": [USER]})[1] is None
+    )
+    for template in (TOOL_AS_JSON, GEMMA):
+        messages = [USER | {"content": "  Paris is the capital\n"}, tool, {"role": "user", "content": "And?"}]
+        assert builder(with_template(tiny_model_dir, template)).build({"m": messages})[1] is None
+
+
+@pytest.mark.parametrize(
+    ("template", "said"),
+    [(PHI3_FIRST, "leaves the --system message out"), (GEMMA, "(TemplateError: System role not supported)")],
+)
+def test_system_a_template_drops_or_rejects_is_refused_before_work(tiny_model_dir, template, said):
+    """--system "Answer only in French." with Phi-3's first template changed nothing (no system turn), and
+    with Gemma's every row was an error while the job said complete: one probe render at setup refuses."""
+    tokenizer = with_template(tiny_model_dir, template)
+    for kind, columns in (
+        (JobSpec(system="Answer only in French."), ["prompt"]),
+        (JobSpec(messages_column="m", system="x y"), ["m"]),
+    ):
+        plan = plan_prompts(kind, columns, True)
+        with pytest.raises(ConfigError, match="leave out --system, or put its text into the prompt") as e:
+            check_render(kind, plan, tokenizer)
+        assert said in str(e.value) and tiny_model_dir.name in str(e.value), str(e.value)
+    check_render(JobSpec(), plan_prompts(JobSpec(), ["prompt"], True), tokenizer)  # no --system: fine
+
+
+def test_run_and_validate_refuse_a_system_message_the_template_rejects(tiny_model_dir, tmp_path):
+    """Gemma's template with --system: validate said ok, and run took every row to the same error and said
+    complete. Both now stop before work (exit 2) with the template's own message."""
+    import shutil  # (only this test copies a model folder)
+
+    from click.testing import CliRunner  # (only this test runs the command line)
+
+    from batchjob.cli import main
+
+    folder = tmp_path / "gemma"
+    shutil.copytree(tiny_model_dir, folder)
+    with_template(tiny_model_dir, GEMMA).save_pretrained(folder)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"review {i}"}) + "\n" for i in range(3)))
+    args = [
+        "--input",
+        str(data),
+        "--output",
+        str(tmp_path / "out"),
+        "--model",
+        str(folder),
+        "--system",
+        "Be terse.",
+    ]
+    for command in ("validate", "run"):
+        result = CliRunner().invoke(main, [command, *args, "--max-new-tokens", "2"])
+        assert result.exit_code == 2, result.output
+        assert "rejects a conversation of --system and a user message" in result.output
+        assert "System role not supported" in result.output
+    assert not list((tmp_path / "out").glob("*.parquet"))
