@@ -334,6 +334,8 @@ _RENDER_ARGUMENTS = {
     "truncation",
     "max_length",
 }
+# the names the template and transformers' renderer get the conversation under: given, every row was a TypeError
+_CONVERSATION_NAMES = {"messages", "conversations"}
 
 
 def template_kwargs(value: Any) -> dict[str, Any]:
@@ -351,6 +353,12 @@ def template_kwargs(value: Any) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"chat_template_kwargs must be a JSON object, got {value!r}")
+    conversation = sorted(set(value) & _CONVERSATION_NAMES)
+    if conversation:
+        raise ConfigError(
+            f"chat_template_kwargs: {conversation[0]!r} is the name the chat template reads each row's conversation "
+            "under, which batchjob gives it (every row failed with a TypeError); keep only the template's own keys"
+        )
     own = sorted(set(value) & _RENDER_ARGUMENTS)
     if own:
         raise ConfigError(

@@ -171,3 +171,11 @@ def test_run_and_validate_refuse_a_system_message_the_template_rejects(tiny_mode
         assert "rejects a conversation of --system and a user message" in result.output
         assert "System role not supported" in result.output
     assert not list((tmp_path / "out").glob("*.parquet"))
+
+
+def test_chat_template_kwargs_naming_the_conversation_are_refused_before_work():
+    """'{"messages": []}' passed validate, then every row was an error naming a TypeError (the template and
+    transformers' renderer get the conversation under 'messages' and 'conversations')."""
+    for key in ("messages", "conversations"):
+        with pytest.raises(ConfigError, match=f"chat_template_kwargs: '{key}' is the name the chat template"):
+            make_spec(input=["x.jsonl"], output="o", chat_template_kwargs=json.dumps({key: []}))
