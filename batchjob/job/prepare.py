@@ -153,6 +153,8 @@ def _render_entry(spec: JobSpec, plan: PromptPlan) -> dict[str, Any]:
         tags.add("float32-fields")
     if plan.kind == "openai" and spec.engine.task != "embed":  # (which requests have text parts: not known)
         tags.add("openai-text-parts")
+    if plan.kind == "messages" or (plan.kind == "openai" and plan.generation_prompt):
+        tags.add("messages-v2")
     return entry | ({"rendering": sorted(tags)} if tags else {})
 
 
@@ -164,6 +166,9 @@ RENDERING = {
     "openai-text-parts": "a --format openai message's text parts are joined with a newline, as vLLM joins "
     "them, where an earlier batchjob joined them with nothing ('Paris is' and 'the capital' as 'Paris "
     "isthe capital')",
+    "messages-v2": "chat messages (a messages column, or --format openai generating): a developer role is "
+    "system, and an unknown role, empty content, a final assistant message (a messages column's) and a message "
+    "the template drops are row errors, where an earlier batchjob rendered or answered them as given",
 }
 
 

@@ -179,3 +179,31 @@ def test_chat_template_kwargs_naming_the_conversation_are_refused_before_work():
     for key in ("messages", "conversations"):
         with pytest.raises(ConfigError, match=f"chat_template_kwargs: '{key}' is the name the chat template"):
             make_spec(input=["x.jsonl"], output="o", chat_template_kwargs=json.dumps({key: []}))
+
+
+def test_a_messages_job_an_earlier_batchjob_started_is_not_resumed(tiny_model_dir, tmp_path):
+    """Roles, empty content, a final assistant message and dropped messages changed what a messages-column
+    job writes for some rows: one an earlier batchjob started would be finished half one way and half the
+    other. Its identity says so (a list of rendering tags); a job of plain prompts keeps its identity."""
+    from click.testing import CliRunner  # (only these tests run the command line)
+
+    from batchjob.cli import main
+    from batchjob.io.atomic import read_json, write_json
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [USER], "prompt": f"p {i}"}) + "\n" for i in range(2)))
+
+    def run(name, *given):
+        args = ["run", "--input", str(data), "--output", str(tmp_path / name), "--model", str(tiny_model_dir)]
+        return CliRunner().invoke(main, [*args, *given, "--max-new-tokens", "2"])
+
+    assert run("p", "--prompt-column", "prompt").exit_code == 0
+    assert "rendering" not in read_json(tmp_path / "p" / "_batchjob" / "job.json")["fingerprint"]["prompt"]
+    assert run("m", "--messages-column", "messages").exit_code == 0
+    saved = read_json(tmp_path / "m" / "_batchjob" / "job.json")
+    assert saved["fingerprint"]["prompt"].pop("rendering") == ["messages-v2"]  # as an earlier batchjob's
+    write_json(tmp_path / "m" / "_batchjob" / "job.json", saved)
+    result = run("m", "--messages-column", "messages")
+    assert result.exit_code == 2, result.output
+    said = "prompt.rendering: was None, now ['messages-v2'] (chat messages (a messages column"
+    assert said in result.output and "finish it with the batchjob that started it" in result.output
