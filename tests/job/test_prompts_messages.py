@@ -41,8 +41,9 @@ def test_a_developer_message_is_a_system_message_and_an_unknown_role_is_the_rows
     # --system goes first unless the conversation starts with its own, a developer message included
     dev = {"m": [{"role": "developer", "content": "Be terse."}, USER]}
     assert builder(tokenizer, system="Be long.").text(dev)[0] == b.text(dev)[0]
-    parts = [{"type": "text", "text": "Paris is"}, {"type": "text", "text": " the capital"}]
-    assert b.text({"m": [{"role": "user", "content": parts}]})[0] == b.text({"m": [USER]})[0]
+    parts = [{"type": "text", "text": "Paris is"}, {"type": "text", "text": "the capital"}]  # joined as vLLM
+    joined = {"m": [USER | {"content": "Paris is\nthe capital"}]}
+    assert b.text({"m": [{"role": "user", "content": parts}]})[0] == b.text(joined)[0]
 
 
 def test_a_message_with_empty_content_is_the_rows_error(tokenizer):

@@ -613,11 +613,11 @@ def test_openai_text_parts_are_joined_with_a_newline_and_the_job_says_so(tiny_mo
     want = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert row["error"] is None and row["num_prompt_tokens"] == len(want["input_ids"])
     saved = read_json(out / "_batchjob" / "job.json")
-    assert saved["fingerprint"]["prompt"]["rendering"] == ["openai-text-parts"]
+    assert saved["fingerprint"]["prompt"]["rendering"] == ["messages-v2", "openai-text-parts"]
     del saved["fingerprint"]["prompt"]["rendering"]
     write_json(out / "_batchjob" / "job.json", saved)
     code, text = invoke(*args)
-    assert code == 2 and "prompt.rendering: was None, now ['openai-text-parts']" in text, text
+    assert code == 2 and "prompt.rendering: was None, now ['messages-v2', 'openai-text-parts']" in text, text
     assert "joined with a newline" in text and "another --output" in text
 
 
@@ -1224,7 +1224,7 @@ def test_an_openai_message_with_no_text_is_the_rows_error(content):
     """An empty message was answered, where an empty prompt column is an error row naming it."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
     req, _, err = parse_request(chat(messages), BASE, None)
-    assert req is None and err == "body.messages[1].content is empty", err
+    assert req is None and err == "body.messages[1].content is empty (a user message with no text)", err
     req, _, err = parse_request(chat(messages), BASE, None, pictured=frozenset({1}))  # its images remain
     assert err is None and req is not None
     line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": " \n"}}
