@@ -24,7 +24,7 @@ from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
 from batchjob.job.chat_messages import chat_messages
 from batchjob.job.rendered import check_chat_render, left_out, render
-from batchjob.job.requests import COMPLETIONS_NO_KWARGS
+from batchjob.job.requests import COMPLETIONS_NO_KWARGS, COMPLETIONS_NO_SYSTEM
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
     TEMPLATE_RULES,
@@ -463,10 +463,7 @@ class PromptBuilder:
         a completions prompt as it is."""
         if "prompt" in request:
             if self.plan.system is not None:  # it was dropped from such a request without a word
-                return None, (
-                    "--system is a system message, which a completions request (a 'prompt') has no place for: "
-                    "send it as a chat request (messages), or leave out --system"
-                )
+                return None, COMPLETIONS_NO_SYSTEM
             if self.template_kwargs:  # they were dropped from such a request without a word
                 return None, COMPLETIONS_NO_KWARGS
             return self._tokens(request["prompt"], chat=False)

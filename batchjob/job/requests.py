@@ -332,6 +332,11 @@ def _request_body(
     return body, None
 
 
+# A completions request in a job with --system: it was dropped from the request's prompt without a word
+COMPLETIONS_NO_SYSTEM = (
+    "--system is a system message, which a completions request (a 'prompt') has no place for: send it as a "
+    "chat request (messages), or leave out --system"
+)
 # A completions request in a job with --chat-template-kwargs: its prompt does not go through the template
 COMPLETIONS_NO_KWARGS = (
     "--chat-template-kwargs go to the chat template, which a completions request (a 'prompt') does not go "

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from batchjob.job.requests import COMPLETIONS_NO_SYSTEM
 from tests.faultproc import wait_for_points
 from tests.jobproc import read_results, run_here
 from tests.tiers import engine_fixture
@@ -667,3 +668,23 @@ def test_a_completions_request_on_a_vlm_in_a_job_with_kwargs_is_its_rows_error(l
     got = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
     assert got["chat"]["error"] is None, got["chat"]["error"]
     assert "a completions request (a 'prompt') does not go through" in got["completion"]["error"]
+
+
+def test_a_completions_request_on_a_vlm_with_system_is_its_rows_error(llava, tmp_path):
+    """As on a text model: a completions request has no place for --system, which was dropped from its prompt
+    without a word (the chat request beside it takes it)."""
+    import pyarrow.dataset as ds
+
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions"}
+        | {"body": {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 2}},
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions"}
+        | {"body": {"prompt": "Paris is", "max_tokens": 2}},
+    ]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--model", llava[0]]
+    code, output = run_here([*args, "--format", "openai", "--system", "Be terse."])
+    assert code == 0, output
+    got = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()}
+    assert got["chat"]["error"] is None, got["chat"]["error"]
+    assert got["completion"]["error"].endswith(COMPLETIONS_NO_SYSTEM), got["completion"]["error"]

@@ -113,7 +113,12 @@ class ImagePrompts:
     ) -> tuple[SamplingParams | None, ImagePrompt | None, str | None]:
         """An OpenAI Batch request line whose messages may hold image parts: its parameters and prompt, or
         its error."""
-        from batchjob.job.requests import CHAT_URL, COMPLETIONS_NO_KWARGS, parse_request
+        from batchjob.job.requests import (
+            CHAT_URL,
+            COMPLETIONS_NO_KWARGS,
+            COMPLETIONS_NO_SYSTEM,
+            parse_request,
+        )
 
         assert row.values is not None
         values, where = row.values, f"{row.place}: "
@@ -133,7 +138,9 @@ class ImagePrompts:
         request, params, error = parse_request(values, base, model_names, pictured)
         if request is None or params is None:
             return None, None, where + str(error)
-        if "prompt" in request:  # /v1/completions: the text as it is (no --system, as for a text model)
+        if "prompt" in request:  # /v1/completions: the text as it is
+            if self.system is not None:  # as for a text model: it has no place in the request's prompt
+                return None, None, where + COMPLETIONS_NO_SYSTEM
             if self.kwargs:  # as for a text model: they would change nothing
                 return None, None, where + COMPLETIONS_NO_KWARGS
             prompt, error = self._guarded(row, [], request["prompt"], system=False)
