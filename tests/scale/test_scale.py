@@ -100,7 +100,8 @@ def test_three_workers_by_flags_equal_one_worker(launch, reviews, tiny_model_dir
     assert {p.split("-of-")[0] for p in parts} == {"part-00000", "part-00001", "part-00002"}
     body = json.loads((out / "_batchjob" / "job.json").read_text())["body"]
     assert (
-        set(body["fingerprint"]) == {"model", "prompt", "sampling", "sharding"} and len(body["inputs"]) == 1
+        set(body["fingerprint"]) == {"model", "prompt", "sampling", "sharding", "kernels"}
+        and len(body["inputs"]) == 1
     )
 
     code, text = invoke("status", out)
