@@ -67,3 +67,15 @@ def chat_messages(
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": text})
     return out, None
+
+
+def ends_answered(messages: list[dict[str, Any]], column: str) -> str | None:
+    """The error of a messages column's conversation that ends with an assistant message, where a generation
+    follows it (an SFT set's reference answer: the row would get a follow-up to it); None otherwise."""
+    last = len(messages) - 1
+    if messages[last]["role"] != "assistant":
+        return None
+    return (
+        f"column {column!r}: the conversation ends with an assistant message (messages[{last}]): "
+        "batchjob would answer after it; drop the final message (e.g. messages[:-1]) to regenerate it"
+    )

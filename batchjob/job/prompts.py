@@ -22,7 +22,7 @@ from typing import Any
 
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
-from batchjob.job.chat_messages import chat_messages
+from batchjob.job.chat_messages import chat_messages, ends_answered
 from batchjob.job.rendered import check_chat_render, left_out, render
 from batchjob.job.requests import COMPLETIONS_NO_KWARGS, COMPLETIONS_NO_SYSTEM
 from batchjob.job.spec import JobSpec
@@ -419,12 +419,9 @@ class PromptBuilder:
         messages, error = chat_messages(value, f"column {col!r}: messages")
         if messages is None:
             return None, error
-        last = len(messages) - 1
-        if self.plan.generation_prompt and messages[last]["role"] == "assistant":  # (an SFT set's reference)
-            return None, (
-                f"column {col!r}: the conversation ends with an assistant message (messages[{last}]): "
-                "batchjob would answer after it; drop the final message (e.g. messages[:-1]) to regenerate it"
-            )
+        answered = ends_answered(messages, str(col)) if self.plan.generation_prompt else None
+        if answered is not None:  # (an SFT set's reference answer)
+            return None, answered
         text, error = self._chat(messages, "messages")
         return text, None if error is None else f"column {col!r}: {error}"
 

@@ -574,7 +574,7 @@ def test_messages_column_with_image_parts(llava, tmp_path):
         ]
         assert got[rid]["error"] is None, got[rid]["error"]
         assert _tokens(got[rid]) == _hf_parts(processor, hf, messages), rid
-    assert "chats.jsonl line 4: column 'messages': message 0 needs a role and a content" in got["m3"]["error"]
+    assert "chats.jsonl line 4: column 'messages': messages[0].content must be text" in got["m3"]["error"]
 
 
 def test_messages_column_takes_the_image_options(llava, tmp_path):

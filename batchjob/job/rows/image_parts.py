@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from batchjob.io.jsontext import RefusedText, loads_text
+from batchjob.job.chat_messages import chat_messages
 from batchjob.job.images import ImageRef, data_url
 
 
@@ -88,12 +90,21 @@ def request_refs(values: dict[str, Any]) -> list[ImageRef]:
     return found
 
 
+def pictured(contents: list[Any] | None) -> frozenset[int]:
+    """The indexes of the messages that hold an image (``image_parts``' contents): a message of images alone
+    has no text, and is no empty one."""
+    return frozenset(i for i, c in enumerate(contents or ()) if isinstance(c, list) and {"type": "image"} in c)
+
+
 def parse_messages(value: Any, column: str) -> tuple[list[dict[str, Any]] | None, list[ImageRef], str | None]:
     """A messages column's cell (a list, or its JSON text) whose contents are text or lists of OpenAI parts
-    (text and image_url): the processor's messages (images in place) and the images, or the error."""
+    (text and image_url): the processor's messages (images in place) and the images, or the error. The
+    messages follow a text model's rule (``chat_messages``: roles, developer as system, no empty message)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_text(value)
+        except RefusedText as e:  # a key given twice, half a UTF-16 pair: named, as on a text model
+            return None, [], f"column {column!r}: {e}"
         except (ValueError, RecursionError):
             return None, [], f"column {column!r} is not a list of messages (text that is not JSON)"
     if not isinstance(value, list) or not value:
@@ -101,31 +112,10 @@ def parse_messages(value: Any, column: str) -> tuple[list[dict[str, Any]] | None
     contents, found, error = image_parts(value, f"column {column!r}: ")
     if contents is None:
         return None, [], error
-    parsed = []
-    for i, m in enumerate(text_only(value)):
-        role = m.get("role") if isinstance(m, dict) else None
-        text = _joined(m.get("content") if isinstance(m, dict) else None)
-        if not isinstance(role, str) or text is None:
-            return (
-                None,
-                [],
-                (
-                    f"column {column!r}: message {i} needs a role and a content that is text or a list of text "
-                    "and image_url parts"
-                ),
-            )
-        parsed.append({"role": role, "content": text})
+    parsed, error = chat_messages(text_only(value), f"column {column!r}: messages", pictured(contents))
+    if parsed is None:
+        return None, [], error
     return with_images(parsed, contents), found, None
-
-
-def _joined(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    return None
 
 
 def messages_refs(column: str) -> Any:

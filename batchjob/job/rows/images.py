@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from batchjob.errors import ConfigError
 from batchjob.job import images as img
+from batchjob.job.chat_messages import ends_answered
 from batchjob.job.checks import flags
 from batchjob.job.prompts import PromptBuilder
 from batchjob.job.requests import params_from_column
-from batchjob.job.rows.image_parts import image_parts, parse_messages, text_only, with_images
+from batchjob.job.rows.image_parts import image_parts, parse_messages, pictured, text_only, with_images
 
 if TYPE_CHECKING:
     from batchjob.io.readers import Row
@@ -133,9 +134,7 @@ class ImagePrompts:
             if contents is None:
                 return None, None, where + str(error)
             values = {**values, "body": {**body, "messages": text_only(body.get("messages"))}}
-        images_in = enumerate(contents or ())  # a message of images alone has no text, and is no empty one
-        pictured = frozenset(i for i, c in images_in if isinstance(c, list) and {"type": "image"} in c)
-        request, params, error = parse_request(values, base, model_names, pictured)
+        request, params, error = parse_request(values, base, model_names, pictured(contents))
         if request is None or params is None:
             return None, None, where + str(error)
         if "prompt" in request:  # /v1/completions: the text as it is
@@ -167,6 +166,9 @@ class ImagePrompts:
                 f"{row.place}: a messages column needs a processor with a chat template; this one has none",
             )
         messages, found, error = parse_messages(row.values.get(self.messages_column), self.messages_column)
+        if messages is not None and self.text.plan.generation_prompt:  # as on a text model
+            error = ends_answered(messages, self.messages_column)
+            messages = None if error is not None else messages
         pictures = None
         if messages is not None:
             pictures, error = self._load(found, row)

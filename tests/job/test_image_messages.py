@@ -1,0 +1,59 @@
+"""Chat messages on a vision-language model (a messages column, --format openai, --image-column's user message)
+follow a text model's rules (``chat_messages.py``, ``rendered.py``), over the tiny LLaVA: developer is system,
+an unknown role, an empty message and a final assistant message are row errors, a message the processor's chat
+template leaves out is said, and a template that drops --system is refused before work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.jobproc import read_results, run_here
+from tests.tiers import engine_fixture
+from tests.vision_models import make_image, make_llava
+
+pytestmark = pytest.mark.timeout(600)
+
+IMAGE = {"type": "image_url", "image_url": {"url": "three.png"}}
+
+
+@engine_fixture(scope="module")
+def llava(tmp_path_factory):
+    return make_llava(tmp_path_factory.mktemp("llava") / "llava")
+
+
+def _run(tmp_path, folder, rows, *extra, out="out"):
+    """A messages-column job of ``rows`` (rid: messages): its exit code, output and rows by rid."""
+    make_image(3).save(tmp_path / "three.png")
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for rid, messages in rows.items():
+            f.write(json.dumps({"rid": rid, "messages": messages}) + "\n")
+    args = ["--input", tmp_path / "chats.jsonl", "--output", tmp_path / out, "--model", folder]
+    args += ["--id-column", "rid", "--max-new-tokens", 4, "--dtype", "float64", "--logprobs", "0", *extra]
+    code, output = run_here(args)
+    got = {r["rid"]: r for r in read_results(tmp_path / out)} if code == 0 else {}
+    return code, output, got
+
+
+def test_a_messages_column_on_a_vlm_follows_the_text_models_rules(llava, tmp_path):
+    """A developer message is a system message (it was written as a 'developer' turn); 'narrator', an empty
+    message and a final assistant message are row errors naming the message (they were taken); a message of
+    an image alone is no empty one."""
+    user = {"role": "user", "content": [IMAGE, {"type": "text", "text": "What is it?"}]}
+    rows = {
+        "developer": [{"role": "developer", "content": "Be brief."}, user],
+        "system": [{"role": "system", "content": "Be brief."}, user],
+        "narrator": [{"role": "narrator", "content": "Once upon a time."}, user],
+        "empty": [{"role": "user", "content": "  "}],
+        "image_only": [{"role": "user", "content": [IMAGE]}],
+        "answered": [user, {"role": "assistant", "content": "A picture."}],
+    }
+    code, output, got = _run(tmp_path, llava, rows)
+    assert code == 0, output
+    assert got["system"]["error"] is None and got["image_only"]["error"] is None
+    assert got["developer"]["logprobs"] == got["system"]["logprobs"]
+    assert "column 'messages': messages[0].role 'narrator' is not a role" in got["narrator"]["error"]
+    assert "column 'messages': messages[0].content is empty (a user message" in got["empty"]["error"]
+    ends = "column 'messages': the conversation ends with an assistant message (messages[1])"
+    assert ends in got["answered"]["error"]
