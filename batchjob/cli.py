@@ -365,19 +365,19 @@ def _check_images(prep: Any) -> None:
 
 def _check_tokenizer(prep: Any) -> None:
     from batchjob.job.checks import check_tokenizer_texts  # (a command's modules load when it runs)
-    from batchjob.job.prompts import check_render
+    from batchjob.job.rows.images import check_job_render  # (loads the processor only for image rows)
     from batchjob.job.rows.reasoning import think_tags
-    from batchjob.models import load_tokenizer
+    from batchjob.models import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(prep.spec.model, prep.spec.trust_remote_code)
     plan = prep.plan.for_tokenizer(prep.spec, bool(getattr(tokenizer, "chat_template", None)))
+    config = load_config(prep.spec.model, prep.spec.trust_remote_code)[0]  # a VLM's job: its processor renders
     if prep.spec.template_kwargs:  # the keys its chat template never reads, as a run refuses them
         from batchjob.job.chat_kwargs import check_job_kwargs
-        from batchjob.models import load_config
 
-        config = load_config(prep.spec.model, prep.spec.trust_remote_code)[0]
         check_job_kwargs(prep.spec, prep.plan, tokenizer, config, prep.resumed)
-    check_render(prep.spec, plan, tokenizer)  # a template that rejects or drops --system, as a run refuses it
+    # a template that rejects or drops --system, as a run refuses it (a VLM's job: its processor's template)
+    check_job_render(prep.spec, plan, tokenizer, config)
     check_tokenizer_texts(prep.spec.stop, prep.spec.choices, tokenizer)
     think_tags(prep.spec, tokenizer)  # --reasoning-tags the tokenizer refuses, --max-reasoning-tokens without
 

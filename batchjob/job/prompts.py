@@ -23,7 +23,7 @@ from typing import Any
 from batchjob.errors import ConfigError, InputError
 from batchjob.io.jsontext import RefusedText, loads_text
 from batchjob.job.chat_messages import chat_messages, ends_answered
-from batchjob.job.rendered import check_chat_render, left_out, render
+from batchjob.job.rendered import check_chat_render, dropped, left_out, render
 from batchjob.job.requests import COMPLETIONS_NO_KWARGS, COMPLETIONS_NO_SYSTEM
 from batchjob.job.spec import JobSpec
 from batchjob.job.templates import (
@@ -98,7 +98,8 @@ class PromptPlan:
 def check_render(spec: JobSpec, plan: PromptPlan, tokenizer: Any) -> None:
     """Before any work, render one probe conversation (``rendered.check_chat_render``): a template that
     rejects or drops the --system message, or a plain prompt's user message, would do so for every row. An
-    image job's prompts are its processor's render, not checked here. ``plan``: for the tokenizer."""
+    image job's prompts are its processor's render, probed through it (``rows/images.check_job_render``,
+    which calls this for the other jobs). ``plan``: for the tokenizer."""
     if plan.chat and spec.image_column is None:
         wraps = plan.kind in ("column", "template")
         check_chat_render(tokenizer, plan.system, wraps, plan.generation_prompt, spec.template_kwargs)
@@ -438,15 +439,7 @@ class PromptBuilder:
                 raise
             return None, f"chat template rejects these messages: {e}"
         missing = left_out(messages, text)
-        if missing is None:
-            return text, None
-        role = messages[missing]["role"]
-        name = f"{where}[{missing - given}] (a {role} message)" if where else "the prompt"
-        name = "the --system message" if given and missing == 0 else name
-        return None, (
-            f"the chat template leaves {name} out of the prompt it renders, so the model would never see it: "
-            f"give the conversation without it, or a model whose template writes {role} messages"
-        )
+        return (text, None) if missing is None else (None, dropped(messages, missing, given, where))
 
     def build(self, values: dict[str, Any]) -> tuple[list[int] | None, str | None]:
         """(prompt token ids, None) or (None, error)."""

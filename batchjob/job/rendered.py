@@ -21,7 +21,7 @@ PROBE = "Paris is the capital of France."  # the probe conversation's user messa
 
 
 def render(
-    tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool, kwargs: dict[str, Any]
+    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any]
 ) -> str:
     """``messages`` as the chat template renders them (text; ``generation_prompt``: the assistant's header
     after them); raises what the template raises."""
@@ -35,11 +35,36 @@ def _shown(content: str, text: str) -> bool:
     return stripped in text or json.dumps(stripped, ensure_ascii=False)[1:-1] in text
 
 
-def left_out(messages: list[dict[str, str]], text: str) -> int | None:
-    """The index of the first message, an assistant's aside, whose text the rendered ``text`` lacks."""
+def _texts(content: Any) -> list[str]:
+    """A message's texts: its content, or its text parts (a vision-language model's content parts, each
+    rendered where it stands among the images)."""
+    if isinstance(content, str):
+        return [content]
+    return [p["text"] for p in content if p.get("type") == "text"]
+
+
+def left_out(messages: list[dict[str, Any]], text: str) -> int | None:
+    """The index of the first message, an assistant's aside, whose text (each text part's) the rendered
+    ``text`` lacks."""
     return next(
-        (i for i, m in enumerate(messages) if m["role"] != "assistant" and not _shown(m["content"], text)),
+        (
+            i
+            for i, m in enumerate(messages)
+            if m["role"] != "assistant" and not all(_shown(t, text) for t in _texts(m["content"]))
+        ),
         None,
+    )
+
+
+def dropped(messages: list[dict[str, Any]], missing: int, given: bool, where: str | None) -> str:
+    """The row's error for ``messages[missing]``, left out of its render (``given``: the first message is
+    --system, added to the row's own; ``where``: how the row's messages are named, None for a plain prompt)."""
+    role = messages[missing]["role"]
+    name = f"{where}[{missing - given}] (a {role} message)" if where else "the prompt"
+    name = "the --system message" if given and missing == 0 else name
+    return (
+        f"the chat template leaves {name} out of the prompt it renders, so the model would never see it: "
+        f"give the conversation without it, or a model whose template writes {role} messages"
     )
 
 
@@ -49,16 +74,24 @@ def _template_name(tokenizer: Any) -> str:
 
 
 def check_chat_render(
-    tokenizer: Any, system: str | None, wraps: bool, generation_prompt: bool, kwargs: dict[str, Any]
+    tokenizer: Any,
+    system: str | None,
+    wraps: bool,
+    generation_prompt: bool,
+    kwargs: dict[str, Any],
+    parts: bool = False,
 ) -> None:
     """Refuse, before any work, a chat template that rejects or drops what every row would give it: the
     ``--system`` message, and (``wraps``: plain prompts wrapped as a user message) one user message after it.
+    ``tokenizer``: or a vision-language model's processor, whose messages hold content parts (``parts``).
     Raises ``ConfigError`` with the template's own message."""
     if system is None and not wraps:
         return
-    messages = [{"role": "user", "content": PROBE}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": PROBE}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
+    if parts:  # as a processor's template reads every message (images.py: ImagePrompts._render)
+        messages = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
     template = _template_name(tokenizer)
     given = "--system and a user message" if system is not None else "a user message (each row's prompt)"
     way_out = (

@@ -24,8 +24,8 @@ from batchjob.job.lora import check_adapters, held_identity
 from batchjob.job.manifest import Manifest
 from batchjob.job.owned import check_foreign
 from batchjob.job.prepare import Prepared, prepare, reload
-from batchjob.job.prompts import PromptBuilder, check_render
-from batchjob.job.rows.images import ImagePrompts, check_image_model, image_prompts
+from batchjob.job.prompts import PromptBuilder
+from batchjob.job.rows.images import ImagePrompts, check_image_model, check_job_render, image_prompts
 from batchjob.job.seam import JobEngine
 from batchjob.job.shard import Shard
 from batchjob.job.spec import JobSpec
@@ -185,7 +185,8 @@ def _check_tokenizer(prep: Prepared, engine: JobEngine, has_template: bool) -> N
     check_tokenizer_texts(spec.stop, spec.choices, engine.tokenizer)
     plan = prep.plan.for_tokenizer(spec, has_template)  # (kwargs without a chat render: said first)
     check_job_kwargs(spec, prep.plan, engine.tokenizer, engine.model.config, prep.resumed)
-    check_render(spec, plan, engine.tokenizer)  # a template that rejects or drops what every row gives it
+    # a template that rejects or drops what every row gives it (a VLM's job: its processor's)
+    check_job_render(spec, plan, engine.tokenizer, engine.model.config)
 
 
 def _image_prompts(prep: Prepared, plan: Any, engine: JobEngine) -> ImagePrompts | None:

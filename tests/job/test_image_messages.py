@@ -57,3 +57,62 @@ def test_a_messages_column_on_a_vlm_follows_the_text_models_rules(llava, tmp_pat
     assert "column 'messages': messages[0].content is empty (a user message" in got["empty"]["error"]
     ends = "column 'messages': the conversation ends with an assistant message (messages[1])"
     assert ends in got["answered"]["error"]
+
+
+def _dropping_system(llava, folder):
+    """A copy of the tiny LLaVA whose processor's chat template leaves system messages out (as Phi-3's first
+    template wrote no system turn)."""
+    import shutil
+
+    shutil.copytree(llava, folder)
+    loop, kept = "{% for message in messages %}", "{% for message in messages if message['role'] != 'system' %}"
+    for name in ("chat_template.jinja", "chat_template.json"):
+        path = folder / name
+        if path.exists():
+            text = path.read_text()
+            assert loop in text, name
+            path.write_text(text.replace(loop, kept))
+    return folder
+
+
+def test_a_processor_template_that_drops_a_message_is_said(llava, tmp_path):
+    """A system message the processor's template leaves out is the row's error naming it (a messages column's,
+    an OpenAI request's), and --system is refused before any work by run and validate, --image-column's jobs
+    included (the probe was skipped: --system changed nothing); the row without one is fine."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    folder = _dropping_system(llava, tmp_path / "llava")
+    user = {"role": "user", "content": [IMAGE, {"type": "text", "text": "What is it?"}]}
+    rows = {"system": [{"role": "system", "content": "Answer in French."}, user], "plain": [user]}
+    code, output, got = _run(tmp_path, folder, rows)
+    assert code == 0, output
+    assert got["plain"]["error"] is None, got["plain"]["error"]
+    said = "column 'messages': the chat template leaves messages[0] (a system message) out of the prompt"
+    assert said in got["system"]["error"], got["system"]["error"]
+    lines = [
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"messages": messages}}
+        for cid, messages in rows.items()
+    ]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "openai", "--model", folder]
+    code, output = run_here([*args, "--format", "openai", "--dtype", "float64", "--max-new-tokens", 2])
+    assert code == 0, output
+    got = {r["custom_id"]: r for r in read_results_by(tmp_path / "openai")}
+    assert got["plain"]["error"] is None, got["plain"]["error"]
+    assert "the chat template leaves body.messages[0] (a system message) out" in got["system"]["error"]
+    (tmp_path / "images.jsonl").write_text(json.dumps({"rid": "a", "prompt": "What?", "image": "three.png"}))
+    for command, out in (("run", "image_run"), ("validate", "image_validate")):
+        args = [command, "--input", tmp_path / "images.jsonl", "--output", tmp_path / out, "--model", folder]
+        args += ["--image-column", "image", "--system", "Answer in French.", "--max-new-tokens", 2]
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2, result.output
+        assert "leaves the --system message out of the prompt it renders" in result.output, result.output
+        assert not list(tmp_path.glob(f"{out}/**/*.parquet"))  # before any work
+
+
+def read_results_by(out) -> list[dict]:
+    import pyarrow.dataset as ds
+
+    return ds.dataset(out, format="parquet").to_table().to_pylist()

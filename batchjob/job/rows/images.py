@@ -25,7 +25,8 @@ from batchjob.errors import ConfigError
 from batchjob.job import images as img
 from batchjob.job.chat_messages import ends_answered
 from batchjob.job.checks import flags
-from batchjob.job.prompts import PromptBuilder
+from batchjob.job.prompts import PromptBuilder, check_render
+from batchjob.job.rendered import check_chat_render, dropped, left_out
 from batchjob.job.requests import params_from_column
 from batchjob.job.rows.image_parts import image_parts, parse_messages, pictured, text_only, with_images
 
@@ -71,6 +72,8 @@ class ImagePrompts:
     ) -> None:
         self.column = spec.image_column  # None: image parts in --format openai lines or a messages column
         self.messages_column = plan.column if plan.kind == "messages" else None
+        # how a row's error names its messages, as a text model's does (None: --image-column's one user message)
+        self.where = None if self.column is not None else "messages" if self.messages_column else "body.messages"
         self.max_pixels = int(spec.max_image_pixels)
         self.processor = processor
         self.text = PromptBuilder(replace(plan, chat=False, system=None), processor.tokenizer, None)
@@ -219,7 +222,10 @@ class ImagePrompts:
         self, prompt: Any, pictures: list[Any], row: Row, system: bool
     ) -> tuple[ImagePrompt | None, str | None]:
         """``prompt``: the messages (content parts, images in place) or, without a chat template, the text."""
-        rendered = self._render(prompt, self.system if system else None)
+        rendered, error = self._render(prompt, self.system if system else None)
+        if rendered is None:  # a message the template leaves out, named as a text model's row names it
+            named = f"column {self.messages_column!r}: " if self.messages_column else ""
+            return None, f"{row.place}: {named}{error}"
         chat = not isinstance(prompt, str)
         bos = getattr(self.processor.tokenizer, "bos_token", None)
         special = not (chat and bos is not None and rendered.startswith(bos))  # the processor's rule
@@ -235,17 +241,21 @@ class ImagePrompts:
         images = {k: v for k, v in inputs.items() if k not in NOT_IMAGE_INPUTS} if pictures else None
         return ImagePrompt(ids, images or None, len(pictures)), None
 
-    def _render(self, prompt: Any, system: str | None) -> str:
+    def _render(self, prompt: Any, system: str | None) -> tuple[str | None, str | None]:
+        """The prompt's text, or the error naming a message the chat template leaves out of it
+        (``rendered.py``: every message's text but an assistant's must be in the render)."""
         if isinstance(prompt, str):
-            return prompt if system is None else f"{system}\n\n{prompt}"
+            return (prompt if system is None else f"{system}\n\n{prompt}"), None
         messages: list[dict[str, Any]] = list(prompt)
-        if system is not None and messages[0]["role"] != "system":
+        given = system is not None and messages[0]["role"] != "system"
+        if given:
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
         rendered = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **self.kwargs
         )
         assert isinstance(rendered, str)
-        return rendered
+        missing = left_out(messages, rendered)
+        return (rendered, None) if missing is None else (None, dropped(messages, missing, given, self.where))
 
 
 def load_processor(model_folder: str | Path, trust_remote_code: bool) -> Any:
@@ -310,6 +320,29 @@ def takes_images(spec: JobSpec, plan: PromptPlan, model_config: Any) -> bool:
 
     parts = spec.format == "openai" or plan.kind == "messages"
     return spec.image_column is not None or (parts and is_vlm(model_config))
+
+
+def check_image_render(spec: JobSpec, plan: PromptPlan, model_config: Any) -> bool:
+    """Whether the job's rows are image rows (``takes_images``); if so, refuse before any work a processor's
+    chat template that rejects or drops what every row gives it (``rendered.check_chat_render``: the
+    --system message, and --image-column's user message), as a text model's tokenizer's is refused."""
+    from batchjob.models import resolve_model  # (a hub id's folder, as the run loads it)
+
+    if not takes_images(spec, plan, model_config):
+        return False
+    processor = load_processor(resolve_model(spec.model), spec.trust_remote_code)
+    has_template = bool(getattr(processor, "chat_template", None))
+    if has_template and spec.chat is not False:  # as image_prompts decides whether rows are rendered
+        wraps = spec.image_column is not None
+        check_chat_render(processor, plan.system, wraps, True, spec.template_kwargs, parts=True)
+    return True
+
+
+def check_job_render(spec: JobSpec, plan: PromptPlan, tokenizer: Any, model_config: Any) -> None:
+    """The setup probe of the chat template that renders the job's prompts: the processor's for image rows,
+    else the tokenizer's (``prompts.check_render``)."""
+    if not check_image_render(spec, plan, model_config):
+        check_render(spec, plan, tokenizer)
 
 
 def image_prompts(spec: JobSpec, plan: PromptPlan, engine: Any, prep: Any) -> ImagePrompts | None:
