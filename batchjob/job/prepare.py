@@ -155,7 +155,25 @@ def _render_entry(spec: JobSpec, plan: PromptPlan) -> dict[str, Any]:
         tags.add("openai-text-parts")
     if plan.kind == "messages" or (plan.kind == "openai" and plan.generation_prompt):
         tags.add("messages-v2")
+    if _renders_image_conversations(spec, plan):
+        tags.add("image-messages-v2")
     return entry | ({"rendering": sorted(tags)} if tags else {})
+
+
+def _renders_image_conversations(spec: JobSpec, plan: PromptPlan) -> bool:
+    """Whether the job's rows are conversations the processor's chat template renders: --image-column's
+    (unless --no-chat), or a messages column's or --format openai's on a vision-language model (by its config;
+    one that can't be read is no such model here: the run refuses it)."""
+    if spec.image_column is not None:
+        return spec.chat is not False
+    if plan.kind not in ("messages", "openai"):
+        return False
+    from batchjob.engine.vision.family import is_vlm  # (no torch)
+    from batchjob.models import load_config  # (transformers' config: only chat messages pay for it)
+
+    with contextlib.suppress(BatchjobError):
+        return bool(is_vlm(load_config(spec.model, spec.trust_remote_code)[0]))
+    return False
 
 
 # The ways this batchjob renders some prompts where an earlier batchjob rendered them otherwise, by the tag a
@@ -169,6 +187,10 @@ RENDERING = {
     "messages-v2": "chat messages (a messages column, or --format openai generating): a developer role is "
     "system, and an unknown role, empty content, a final assistant message (a messages column's) and a message "
     "the template drops are row errors, where an earlier batchjob rendered or answered them as given",
+    "image-messages-v2": "a vision-language model's conversations (--image-column, a messages column, --format "
+    "openai): a messages column's developer role is system, and its unknown roles, empty content and final "
+    "assistant message, and a message the processor's template drops, are row errors, where an earlier "
+    "batchjob rendered or answered them as given",
 }
 
 

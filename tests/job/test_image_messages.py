@@ -116,3 +116,30 @@ def read_results_by(out) -> list[dict]:
     import pyarrow.dataset as ds
 
     return ds.dataset(out, format="parquet").to_table().to_pylist()
+
+
+def test_an_image_conversation_job_an_earlier_batchjob_started_is_not_resumed(llava, tmp_path):
+    """The rules above changed what an image job writes for some rows: one an earlier batchjob started would
+    be finished half one way and half the other. Its identity says so (the rendering tag image-messages-v2),
+    for --image-column and for a messages column on a vision-language model."""
+    from batchjob.io.atomic import read_json, write_json
+
+    rows = {"a": [{"role": "user", "content": [IMAGE, {"type": "text", "text": "What is it?"}]}]}
+    code, output, _ = _run(tmp_path, llava, rows)
+    assert code == 0, output
+    job = tmp_path / "out" / "_batchjob" / "job.json"
+    saved = read_json(job)
+    assert saved["fingerprint"]["prompt"]["rendering"] == ["image-messages-v2", "messages-v2"]
+    saved["fingerprint"]["prompt"]["rendering"] = ["messages-v2"]  # as an earlier batchjob's
+    write_json(job, saved)
+    code, output, _ = _run(tmp_path, llava, rows)
+    assert code == 2, output
+    said = "prompt.rendering: was ['messages-v2'], now ['image-messages-v2', 'messages-v2'] (a vision-language"
+    assert said in output and "finish it with the batchjob that started it" in output, output
+    (tmp_path / "images.jsonl").write_text(json.dumps({"rid": "a", "prompt": "What?", "image": "three.png"}))
+    args = ["--input", tmp_path / "images.jsonl", "--output", tmp_path / "images", "--model", llava]
+    code, output = run_here([*args, "--image-column", "image", "--id-column", "rid", "--max-new-tokens", 2])
+    assert code == 0, output
+    assert read_json(tmp_path / "images" / "_batchjob" / "job.json")["fingerprint"]["prompt"]["rendering"] == [
+        "image-messages-v2"
+    ]
