@@ -371,7 +371,8 @@ def _check_tokenizer(prep: Any) -> None:
 
     tokenizer = load_tokenizer(prep.spec.model, prep.spec.trust_remote_code)
     plan = prep.plan.for_tokenizer(prep.spec, bool(getattr(tokenizer, "chat_template", None)))
-    config = load_config(prep.spec.model, prep.spec.trust_remote_code)[0]  # a VLM's job: its processor renders
+    # a VLM's job is rendered by its processor (check_job_render, check_job_kwargs)
+    config = load_config(prep.spec.model, prep.spec.trust_remote_code)[0]
     if prep.spec.template_kwargs:  # the keys its chat template never reads, as a run refuses them
         from batchjob.job.chat_kwargs import check_job_kwargs
 

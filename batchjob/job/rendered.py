@@ -91,7 +91,9 @@ def check_chat_render(
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     if parts:  # as a processor's template reads every message (images.py: ImagePrompts._render)
-        messages = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+        messages = [
+            {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages
+        ]
     template = _template_name(tokenizer)
     given = "--system and a user message" if system is not None else "a user message (each row's prompt)"
     way_out = (

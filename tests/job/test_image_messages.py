@@ -65,7 +65,10 @@ def _dropping_system(llava, folder):
     import shutil
 
     shutil.copytree(llava, folder)
-    loop, kept = "{% for message in messages %}", "{% for message in messages if message['role'] != 'system' %}"
+    loop, kept = (
+        "{% for message in messages %}",
+        "{% for message in messages if message['role'] != 'system' %}",
+    )
     for name in ("chat_template.jinja", "chat_template.json"):
         path = folder / name
         if path.exists():
@@ -134,12 +137,14 @@ def test_an_image_conversation_job_an_earlier_batchjob_started_is_not_resumed(ll
     write_json(job, saved)
     code, output, _ = _run(tmp_path, llava, rows)
     assert code == 2, output
-    said = "prompt.rendering: was ['messages-v2'], now ['image-messages-v2', 'messages-v2'] (a vision-language"
+    said = (
+        "prompt.rendering: was ['messages-v2'], now ['image-messages-v2', 'messages-v2'] (a vision-language"
+    )
     assert said in output and "finish it with the batchjob that started it" in output, output
     (tmp_path / "images.jsonl").write_text(json.dumps({"rid": "a", "prompt": "What?", "image": "three.png"}))
     args = ["--input", tmp_path / "images.jsonl", "--output", tmp_path / "images", "--model", llava]
     code, output = run_here([*args, "--image-column", "image", "--id-column", "rid", "--max-new-tokens", 2])
     assert code == 0, output
-    assert read_json(tmp_path / "images" / "_batchjob" / "job.json")["fingerprint"]["prompt"]["rendering"] == [
-        "image-messages-v2"
-    ]
+    assert read_json(tmp_path / "images" / "_batchjob" / "job.json")["fingerprint"]["prompt"][
+        "rendering"
+    ] == ["image-messages-v2"]

@@ -93,7 +93,9 @@ def request_refs(values: dict[str, Any]) -> list[ImageRef]:
 def pictured(contents: list[Any] | None) -> frozenset[int]:
     """The indexes of the messages that hold an image (``image_parts``' contents): a message of images alone
     has no text, and is no empty one."""
-    return frozenset(i for i, c in enumerate(contents or ()) if isinstance(c, list) and {"type": "image"} in c)
+    return frozenset(
+        i for i, c in enumerate(contents or ()) if isinstance(c, list) and {"type": "image"} in c
+    )
 
 
 def parse_messages(value: Any, column: str) -> tuple[list[dict[str, Any]] | None, list[ImageRef], str | None]:

@@ -73,7 +73,9 @@ class ImagePrompts:
         self.column = spec.image_column  # None: image parts in --format openai lines or a messages column
         self.messages_column = plan.column if plan.kind == "messages" else None
         # how a row's error names its messages, as a text model's does (None: --image-column's one user message)
-        self.where = None if self.column is not None else "messages" if self.messages_column else "body.messages"
+        self.where = (
+            None if self.column is not None else "messages" if self.messages_column else "body.messages"
+        )
         self.max_pixels = int(spec.max_image_pixels)
         self.processor = processor
         self.text = PromptBuilder(replace(plan, chat=False, system=None), processor.tokenizer, None)
