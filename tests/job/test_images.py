@@ -637,6 +637,17 @@ def test_two_workers_share_the_image_records(llava, tmp_path):
     assert (tmp_path / "two" / "_batchjob" / "images.json").exists()
 
 
+def _chat_and_completion(path) -> None:
+    """An OpenAI Batch file of one chat request and one completions request of one text."""
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions"}
+        | {"body": {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 2}},
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions"}
+        | {"body": {"prompt": "Paris is", "max_tokens": 2}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
 def test_a_completions_request_on_a_vlm_in_a_job_with_kwargs_is_its_rows_error(llava, tmp_path):
     """As on a text model: a completions request's prompt does not go through the chat template, so the
     --chat-template-kwargs were dropped from it without a word."""
@@ -654,13 +665,7 @@ def test_a_completions_request_on_a_vlm_in_a_job_with_kwargs_is_its_rows_error(l
             saved = json.loads(path.read_text())
             saved["chat_template"] = "{% if enable_thinking is defined %}{% endif %}" + saved["chat_template"]
             path.write_text(json.dumps(saved))
-    lines = [
-        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions"}
-        | {"body": {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 2}},
-        {"custom_id": "completion", "method": "POST", "url": "/v1/completions"}
-        | {"body": {"prompt": "Paris is", "max_tokens": 2}},
-    ]
-    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _chat_and_completion(tmp_path / "requests.jsonl")
     args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--model", folder]
     kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}']
     code, output = run_here([*args, "--format", "openai", *kwargs])
@@ -675,13 +680,7 @@ def test_a_completions_request_on_a_vlm_with_system_is_its_rows_error(llava, tmp
     without a word (the chat request beside it takes it)."""
     import pyarrow.dataset as ds
 
-    lines = [
-        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions"}
-        | {"body": {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 2}},
-        {"custom_id": "completion", "method": "POST", "url": "/v1/completions"}
-        | {"body": {"prompt": "Paris is", "max_tokens": 2}},
-    ]
-    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _chat_and_completion(tmp_path / "requests.jsonl")
     args = ["--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--model", llava[0]]
     code, output = run_here([*args, "--format", "openai", "--system", "Be terse."])
     assert code == 0, output
