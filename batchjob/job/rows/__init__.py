@@ -108,8 +108,12 @@ class RowMaker:
 
     def _generate_row(self, row: Row, row_id: str, ids: list[int], params: SamplingParams) -> Samples:
         """A generate row; in two requests a sample when the model thinks before a constrained or bounded
-        answer, unless the chat template turned its thinking off."""
+        answer, unless the chat template turned its thinking off (an OpenAI request's two within its
+        max_tokens)."""
         tags, inside, spec = self.tags, False, self.spec
+        # --format openai: the thinking and the answer share the body's max_tokens, as OpenAI counts reasoning
+        # tokens inside max_tokens/max_completion_tokens (a rows job's answer gets --max-new-tokens after it)
+        shared = spec.format == "openai"
         if tags is not None:
             opened = tags.opened(ids, self._decode)
             inside = opened is True
@@ -119,6 +123,8 @@ class RowMaker:
                 # or every long thought's answer would be refused as a prompt too long for the context
                 room = self.engine.max_model_len - len(prompt) - len(tags.close_ids) - params.max_new_tokens
                 thinking = min(spec.max_reasoning_tokens or params.max_new_tokens, max(room, 1))
+                if shared:  # the thinking's tokens count in the body's max_tokens: it can't run past them
+                    thinking = min(thinking, params.max_new_tokens)
                 return Reasoning(
                     row=row,
                     row_id=row_id,
@@ -131,6 +137,7 @@ class RowMaker:
                     spell=self.texts.spell,
                     decode=self.texts.decode,
                     every=spec.per_row_params,
+                    shared_budget=shared,
                 )
         return Samples(
             row=row,

@@ -80,17 +80,37 @@ class Reasoning(Samples):
     thoughts: dict[int, RequestOutput] = field(default_factory=dict)  # each sample's finished thinking
     restored_answering: list[int] = field(default_factory=list)  # the restored record's, until re-added
     decode: Callable[[list[int]], str] = decode_ids  # as the engine decodes outputs (``TokenTexts.decode``)
+    # --format openai: the answer gets what the thinking left of ``answer_params.max_new_tokens`` (the body's
+    # max_tokens, which counts reasoning tokens at OpenAI); else a whole max_new_tokens after it
+    shared_budget: bool = False
 
     def finished(self, out: RequestOutput, part: int | None) -> list[Ask]:
-        """A thinking that ran asks for its answer; an answer (or a failed thinking) is the sample's result."""
+        """A thinking that ran asks for its answer (or, having used a shared limit up, is the sample's result
+        with none); an answer (or a failed thinking) is the sample's result."""
         if part is None and out.finish_reason != "error":
-            return [self._answer(out)]
+            ask = self._answer(out)
+            if ask is not None:
+                return [ask]
+            return super().finished(self._no_answer(out), out.sample_index)
         return super().finished(out, part)
 
-    def _answer(self, thought: RequestOutput) -> Ask:
-        """Sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long)."""
+    def answer_room(self, thought: RequestOutput) -> int | None:
+        """With a shared limit, the answer's max_new_tokens: what the thinking's tokens left of the row's (0:
+        none left). None: the answer's own (a rows job's, or a label under --choices, which max_new_tokens
+        never bounds). A function of the thinking's tokens alone, which a checkpoint keeps, so a resumed
+        sample's answer gets what it got before."""
+        if not self.shared_budget or self.answer_params.choices is not None:
+            return None
+        return max(self.answer_params.max_new_tokens - len(thought.token_ids), 0)
+
+    def _answer(self, thought: RequestOutput) -> Ask | None:
+        """Sample ``k``'s answer: the prompt, its thinking and the close tag (added if it ran long); None when
+        the thinking used the row's shared limit up."""
         k = thought.sample_index
         self.thoughts[k] = thought
+        room = self.answer_room(thought)
+        if room == 0:
+            return None
         thinking, close = list(thought.token_ids), list(self.tags.close_ids)
         ended = thought.finish_reason == "stop" and not thought.stopped_at_string
         if ended and thinking[-len(close) :] != close:  # the model's EOS ended it still thinking: left out
@@ -100,13 +120,55 @@ class Reasoning(Samples):
         # string) inside others, which a second tag after them would repeat; else it ran long: close it
         if ids[-len(close) :] != close and not thought.stopped_at_string:
             ids += close
-        return Ask(answer_request_id(self.row_id, k), ids, self.answer_params.replace(n=1), part=k)
+        params = self.answer_params.replace(n=1)
+        params = params if room is None else params.replace(max_new_tokens=room)
+        return Ask(answer_request_id(self.row_id, k), ids, params, part=k)
+
+    def _no_answer(self, thought: RequestOutput) -> RequestOutput:
+        """The answer of a sample whose thinking used the shared limit up, as OpenAI writes it: empty, with
+        finish_reason 'length'; a JSON schema or regex, which an empty answer can't match, is an error saying
+        so (as the engine's ``cut_short`` says of an answer cut short by max_new_tokens)."""
+        from batchjob.engine.output import RequestOutput  # (the engine's type: the engine is loaded by now)
+
+        p, error = self.answer_params, None
+        if p.constrained:
+            what = "JSON schema" if p.json_schema is not None else "regex"
+            error = (
+                f"the answer reached its token limit (0 tokens: {self._share(thought)}) before its {what} "
+                "was begun: raise max_tokens, or bound the thinking with --max-reasoning-tokens"
+            )
+        logprobs: list[list[tuple[int, float]]] | None = (
+            [] if p.logprobs is not None and error is None else None
+        )
+        return RequestOutput(
+            answer_request_id(self.row_id, thought.sample_index),
+            list(thought.prompt_ids) + list(thought.token_ids),
+            [],
+            "",
+            "error" if error else "length",
+            error,
+            thought.finish_time,
+            None,
+            thought.finish_time,
+            logprobs=logprobs,
+        )
+
+    def _share(self, thought: RequestOutput) -> str:
+        """How the shared limit was spent, for an answer's error (--format openai)."""
+        return (
+            f"the request's max_tokens {self.answer_params.max_new_tokens} counts the thinking's tokens and "
+            f"the answer's together, and the thinking used {len(thought.token_ids)}"
+        )
 
     def result(self, k: int, out: RequestOutput) -> dict[str, Any]:
         """The answer's text, the thinking's as ``reasoning``, and both requests' tokens."""
         error = request_error(out)
         text, reasoning, n_gen = None if error else out.text, None, len(out.token_ids)
         thought = self.thoughts.get(k)
+        room = self.answer_room(thought) if error is not None and thought is not None else None
+        if room and thought is not None and len(out.token_ids) >= room:  # cut short by what the thinking left
+            error = f"{error} ({self._share(thought)}, leaving the answer {room})"
+            out = replace(out, error=error)
         if text is not None:
             if thought is not None:
                 reasoning = self.tags.split(thought.text, inside=True)[0] or ""
