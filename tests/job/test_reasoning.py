@@ -52,25 +52,13 @@ def data(tmp_path_factory):
     return path
 
 
-def run(data, out, model, *extra, code=0):
-    args = [
-        "run",
-        "--input",
-        data,
-        "--output",
-        out,
-        "--model",
-        model,
-        "--template",
-        "{question}",
-        "--id-column",
-        "rid",
-        "--dtype",
-        "float64",
-        "--max-new-tokens",
-        "5",
-        *extra,
-    ]
+ROWS = ("--template", "{question}", "--id-column", "rid", "--max-new-tokens", "5")  # how run() reads the rows
+
+
+def run(data, out, model, *extra, code=0, prompts=ROWS):
+    """``batchjob run`` in float64 with ``prompts`` (the data's rows: ``ROWS``; an OpenAI Batch file's:
+    ``--format openai``) and ``extra``."""
+    args = ["run", "--input", data, "--output", out, "--model", model, "--dtype", "float64", *prompts, *extra]
     result = CliRunner().invoke(main, [str(a) for a in args])
     assert result.exit_code == code, result.output
     return result.output

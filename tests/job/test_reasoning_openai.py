@@ -30,26 +30,8 @@ def requests(path, **body):
 
 
 def openai_run(data, out, model, *extra, code=0):
-    """``run`` on a Batch file (its ``--template`` and ``--id-column`` are for plain rows: dropped here)."""
-    from click.testing import CliRunner
-
-    from batchjob.cli import main
-
-    args = [
-        "run",
-        "--input",
-        data,
-        "--output",
-        out,
-        "--model",
-        model,
-        "--format",
-        "openai",
-        "--dtype",
-        "float64",
-    ]
-    result = CliRunner().invoke(main, [str(a) for a in [*args, *extra]])
-    assert result.exit_code == code, result.output
+    """``run`` on a Batch file, its rows by request and sample."""
+    run(data, out, model, *extra, code=code, prompts=("--format", "openai"))
     return sorted(rows_of(out), key=lambda r: (r["custom_id"], r.get("sample_index") or 0))
 
 
