@@ -94,8 +94,9 @@ _PART = re.compile(r"part-(\d{5}-of-\d{5}-)?\d{6,}\.parquet")  # a worker's part
 
 def foreign_entries(out_dir: Path) -> list[str]:
     """The files and folders in a job's output folder that a reader of the folder would read as results and
-    that are not the job's: a Parquet file (by name or by its first bytes) not named as a part, or a folder,
-    whose name does not start with ``_`` or ``.`` (``pyarrow.dataset`` skips those). A copy of a part saved
+    that are not the job's: a Parquet file (by name or by its first bytes) not named as a part, or a folder
+    holding one, whose name does not start with ``_`` or ``.`` (``pyarrow.dataset`` skips those; a file that
+    is no Parquet, a Slurm log in ``logs/``, makes it fail loudly, so it is the user's to keep there). A copy of a part saved
     as ``out/stray.parquet`` made the folder read 80 rows for a job of 60 while the job said complete. A part
     name the manifest does not list is the run's to remove (``PartWriter.remove_orphans``), not listed here."""
     found = []
@@ -106,9 +107,20 @@ def foreign_entries(out_dir: Path) -> list[str]:
     for entry in entries:
         if entry.name.startswith(("_", ".")) or _PART.fullmatch(entry.name):
             continue
-        if entry.is_dir() or entry.name.lower().endswith(".parquet") or _parquet_bytes(entry.path):
+        if _holds_parquet(entry):
             found.append(entry.name)
     return found
+
+
+def _holds_parquet(entry: os.DirEntry) -> bool:
+    """A Parquet file, or a folder with one somewhere under names a dataset reader does not skip."""
+    if not entry.is_dir():
+        return entry.name.lower().endswith(".parquet") or _parquet_bytes(entry.path)
+    try:
+        inside = list(os.scandir(entry.path))
+    except OSError:
+        return False  # unreadable: no reader reads it either
+    return any(not e.name.startswith(("_", ".")) and _holds_parquet(e) for e in inside)
 
 
 def _parquet_bytes(path: str) -> bool:

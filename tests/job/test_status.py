@@ -105,6 +105,8 @@ def test_a_file_the_job_did_not_write_is_named_and_run_refuses_it(tiny_model_dir
     shutil.rmtree(out / "sub")
     (out / "_mine").mkdir()  # names a dataset reader skips are the user's to keep there
     (out / "notes.txt").write_text("not Parquet: a reader fails on it, loudly")
+    (out / "logs").mkdir()  # a folder of no Parquet file (a Slurm task's logs) as well
+    (out / "logs" / "task-0.out").write_text("batchjob: shard 0 of 1")
     result = runner.invoke(main, args)
     assert result.exit_code == 0 and "already complete" in result.output, result.output
     result = runner.invoke(main, ["status", str(out)])
